@@ -1,0 +1,99 @@
+"""The `elastic` command line. Imports stay lazy so `elastic --help` answers at once."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="elastic",
+        description="Train on cheap preemptible GPU VMs across clouds with elastic DiLoCo on Ray.")
+    p.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    def recipe_args(sp):
+        sp.add_argument("recipe", help="recipe YAML file")
+        sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD.PATH=VALUE",
+                        help="override a recipe field (repeatable), e.g. --set train.outer_steps=5")
+
+    sp = sub.add_parser("launch", help="run a recipe: rent nodes, train, checkpoint, report")
+    recipe_args(sp)
+    sp.add_argument("--run-dir", type=Path, help="where the run writes (default runs/<name>-<UTC time>/)")
+    sp.add_argument("--address", help="HOST:PORT of an existing Ray head (default: start a local cluster)")
+
+    sp = sub.add_parser("validate", help="check a recipe; print every problem, one line each")
+    recipe_args(sp)
+
+    sp = sub.add_parser("report", help="rebuild report.json of a run from its ledger and print it")
+    sp.add_argument("run_dir", type=Path)
+
+    sp = sub.add_parser("schema", help="print the recipe's JSON schema (for editors) or its reference")
+    sp.add_argument("--markdown", action="store_true", help="the recipe reference as Markdown")
+    return p
+
+
+def _err(console, line: str) -> None:
+    console.print(f"[red]error:[/red] {line}", highlight=False, soft_wrap=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.version:
+        from elastic import __version__
+        print(__version__)
+        return 0
+    if args.command is None:
+        _parser().print_help()
+        return 2
+
+    from rich.console import Console
+
+    from elastic.errors import UserError
+
+    err = Console(stderr=True)
+    try:
+        return _dispatch(args, err)
+    except UserError as exc:
+        for line in exc.lines:
+            _err(err, line)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # never a traceback at the user; ELASTIC_DEBUG=1 shows it
+        import os
+        if os.environ.get("ELASTIC_DEBUG"):
+            raise
+        _err(err, f"internal error: {type(exc).__name__}: {exc} (set ELASTIC_DEBUG=1 for the traceback)")
+        return 1
+
+
+def _dispatch(args, err) -> int:
+    from rich.console import Console
+
+    out = Console()
+    if args.command == "validate":
+        from elastic.recipe import load_recipe
+        recipe = load_recipe(args.recipe, args.overrides)
+        out.print(f"{args.recipe}: ok ({recipe.name}: {recipe.world.replicas} replica(s) × "
+                  f"{recipe.world.ranks_per_replica} rank(s), H={recipe.train.inner_steps})", highlight=False)
+        return 0
+    if args.command == "launch":
+        from elastic.launch import default_run_dir, launch
+        from elastic.recipe import load_recipe
+        recipe = load_recipe(args.recipe, args.overrides)
+        return launch(recipe, args.run_dir or default_run_dir(recipe), address=args.address, console=out)
+    if args.command == "report":
+        from elastic.errors import UserError
+        from elastic.report import summary_table, write_report
+        if not (args.run_dir / "events.jsonl").is_file():
+            raise UserError(f"{args.run_dir}: no events.jsonl (not a run directory)")
+        out.print(summary_table(write_report(args.run_dir)))
+        return 0
+    if args.command == "schema":
+        from elastic.schema import json_schema, markdown_reference
+        sys.stdout.write(markdown_reference() if args.markdown else json_schema())
+        return 0
+    raise AssertionError(args.command)

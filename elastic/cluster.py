@@ -1,0 +1,109 @@
+"""The Ray cluster a run drives: started here (a head on this machine) or joined (`--address`).
+
+Local "VMs" are extra raylets on this machine: each one is a real Ray node with its own
+resources and labels, and removing it kills its raylet and every actor on it, as a preemption
+would. Ray's own `ray.cluster_utils.Cluster` does the same for Ray's tests; we start nodes the
+same way so that an external head (`--address`) can be given nodes too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+log = logging.getLogger(__name__)
+
+# No phoning home, no dashboard, quiet workers: set before ray is imported anywhere.
+_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+            "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
+
+
+def quiet_ray_env() -> None:
+    for k, v in _RAY_ENV.items():
+        os.environ.setdefault(k, v)
+
+
+class LocalCluster:
+    """A Ray cluster on this machine that local nodes can be added to and removed from.
+
+    Args:
+        address: GCS address of an existing cluster to join; None starts a head here.
+        head_cpus: CPUs the head offers (0: the head runs only the driver).
+    """
+
+    def __init__(self, address: str | None = None, head_cpus: int = 0):
+        quiet_ray_env()
+        if address is None:
+            # Keep a local cluster on loopback: otherwise Ray rewrites 127.0.0.1 to the address
+            # this machine would use to reach the internet. Despite its name, this switch only
+            # changes how Ray picks the local IP (multi-node clusters on one machine still work);
+            # the constant is set too in case ray was imported before us.
+            os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        import ray
+        from ray._private import ray_constants
+        from ray.cluster_utils import Cluster
+
+        if address is None:
+            ray_constants.ENABLE_RAY_CLUSTER = False
+
+        self._ray = ray
+        self._cluster = None
+        self._nodes: dict[str, object] = {}
+        if address is None:
+            self._cluster = Cluster(initialize_head=True, shutdown_at_exit=True, head_node_args={
+                "num_cpus": head_cpus, "num_gpus": 0, "include_dashboard": False,
+                "node_ip_address": "127.0.0.1", "object_store_memory": 100 * 1024 * 1024})
+            self.address = self._cluster.address
+        else:
+            self.address = address
+        ray.init(address=self.address, logging_level=logging.ERROR, log_to_driver=False, _node_ip_address="127.0.0.1",
+                 configure_logging=True, include_dashboard=False if address is None else None)
+        if address is not None and ":" not in address and address != "auto":
+            raise ValueError(f"--address {address!r}: expected HOST:PORT of a Ray head")
+        self.gcs_address = ray.get_runtime_context().gcs_address
+
+    def add_node(self, cpus: int, gpus: int, labels: dict[str, str], resources: dict[str, float],
+                 object_store_bytes: int, timeout_s: float = 60.0) -> str:
+        """Start a raylet with these resources and labels; returns its Ray node id once alive."""
+        from ray._private.node import Node
+        from ray._private.parameter import RayParams
+
+        params = RayParams(num_cpus=cpus, num_gpus=gpus, resources=resources, labels=labels,
+                           object_store_memory=object_store_bytes, gcs_address=self.gcs_address,
+                           node_ip_address="127.0.0.1", include_log_monitor=False, node_manager_port=0,
+                           min_worker_port=0, max_worker_port=0)
+        params.dashboard_agent_listen_port = None
+        node = Node(params, head=False, shutdown_at_exit=True, spawn_reaper=True)
+        node_id = node.node_id
+        self._nodes[node_id] = node
+        deadline = time.monotonic() + timeout_s
+        while not self.is_alive(node_id):
+            if time.monotonic() > deadline:
+                self.remove_node(node_id)
+                raise TimeoutError(f"local node did not join the cluster within {timeout_s:.0f} s")
+            time.sleep(0.05)
+        return node_id
+
+    def is_alive(self, node_id: str) -> bool:
+        return any(n["NodeID"] == node_id and n["Alive"] for n in self._ray.nodes())
+
+    def remove_node(self, node_id: str, graceful: bool = True) -> None:
+        """Stop the node's raylet and every worker process on it (idempotent). `graceful=False`
+        kills them outright, as a hard preemption does."""
+        node = self._nodes.pop(node_id, None)
+        if node is None:
+            return
+        node.kill_all_processes(check_alive=False, allow_graceful=graceful, wait=True)
+
+    def node_ids(self) -> list[str]:
+        return list(self._nodes)
+
+    def shutdown(self) -> None:
+        """Remove every node this object started, disconnect, and stop the head if we started it."""
+        for node_id in list(self._nodes):
+            self.remove_node(node_id)
+        self._ray.shutdown()
+        if self._cluster is not None:
+            self._cluster.shutdown()
+            self._cluster = None

@@ -1,0 +1,102 @@
+"""DiLoCo outer state of one rank, and the reconfigurable outer process group.
+
+Each rank of a replica holds the outer (global) parameters θ for *its own shard* of the model,
+as one flat fp32 CPU tensor. After H inner steps the pseudo-gradient Δ = θ − θ_local is formed in
+a preallocated flat buffer, averaged over the replicas alive at this outer step (one all-reduce per
+rank, shard r of every replica talking to shard r of every other), and an outer Nesterov SGD step
+updates θ; θ is then copied back into the model's local shards.
+
+The outer group is a standalone gloo process group over a prefix of a store the driver owns, keyed
+by the membership epoch: when replicas come or go the driver bumps the epoch and every survivor
+builds a fresh group, without touching the replica's own (inner, FSDP) group. Same idea as
+torchft's reconfigurable ProcessGroupGloo; see docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+def local_shard(p: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank actually holds for parameter `p` (a DTensor's local shard, or `p`)."""
+    to_local = getattr(p, "to_local", None)
+    return (to_local() if to_local is not None else p).detach()
+
+
+class OuterState:
+    """θ_outer, Δ and the outer optimizer for one rank's shard of the model.
+
+    Args:
+        params: the model's parameters (DTensors under FSDP2, or plain tensors), in a fixed order.
+        lr: outer SGD learning rate.
+        momentum: outer SGD momentum.
+        nesterov: Nesterov momentum.
+        sync_dtype: dtype the pseudo-gradient travels in (float32 or bfloat16).
+    """
+
+    def __init__(self, params: list[nn.Parameter], lr: float, momentum: float, nesterov: bool,
+                 sync_dtype: torch.dtype = torch.float32):
+        self._locals = [local_shard(p) for p in params]
+        sizes = [t.numel() for t in self._locals]
+        self.numel = sum(sizes)
+        self.theta = nn.Parameter(torch.empty(self.numel, dtype=torch.float32), requires_grad=False)
+        self.delta = torch.zeros(self.numel, dtype=torch.float32)
+        self._theta_views = [v.view(t.shape) for v, t in zip(self.theta.data.split(sizes), self._locals)]
+        self._delta_views = [v.view(t.shape) for v, t in zip(self.delta.split(sizes), self._locals)]
+        self._wire = self.delta if sync_dtype == torch.float32 else torch.zeros(self.numel, dtype=sync_dtype)
+        self.theta.grad = self.delta
+        self.optimizer = torch.optim.SGD([self.theta], lr=lr, momentum=momentum, nesterov=nesterov)
+        torch._foreach_copy_(self._theta_views, self._locals)
+        self._pg: dist.ProcessGroup | None = None
+        self._epoch = -1
+        self.pending = False  # a pseudo-gradient is formed and not yet applied
+
+    @property
+    def bytes_per_sync(self) -> int:
+        return self._wire.numel() * self._wire.element_size()
+
+    def form_pseudo_gradient(self) -> None:
+        """Δ = θ_outer − θ_local, into the preallocated buffer (kept until an outer step applies it)."""
+        torch._foreach_copy_(self._delta_views, self._locals)
+        self.delta.sub_(self.theta.data).neg_()
+        self.pending = True
+
+    def join_group(self, store: dist.Store, epoch: int, index: int, size: int, timeout_s: float, shard: int) -> None:
+        """Build (once per epoch) the outer group of shard `shard`: this rank is `index` of `size`."""
+        if epoch == self._epoch and self._pg is not None:
+            return
+        prefix = dist.PrefixStore(f"outer/e{epoch}/s{shard}", store)
+        self._pg = dist.ProcessGroupGloo(prefix, index, size, datetime.timedelta(seconds=timeout_s))
+        self._epoch = epoch
+
+    def leave_group(self) -> None:
+        self._pg = None
+        self._epoch = -1
+
+    def sync_and_step(self, size: int) -> None:
+        """Average Δ over the outer group, take the outer step, write θ back into the model."""
+        if size > 1:
+            if self._wire is not self.delta:
+                self._wire.copy_(self.delta)
+            self._pg.allreduce([self._wire]).wait()
+            if self._wire is not self.delta:
+                self.delta.copy_(self._wire)
+            self.delta.div_(size)
+        self.optimizer.step()
+        torch._foreach_copy_(self._locals, self._theta_views)
+        self.pending = False
+
+    def momentum(self) -> torch.Tensor | None:
+        """The outer momentum buffer (flat, this rank's shard), or None before the first step."""
+        return self.optimizer.state.get(self.theta, {}).get("momentum_buffer")
+
+    def shard_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """`flat` (numel of this rank's shard) split into per-parameter views."""
+        return [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in self._locals]), self._locals)]

@@ -1,0 +1,242 @@
+"""`elastic launch`: rent nodes, build the world, train, checkpoint, release, report.
+
+Whatever happens (completion, a failure, Ctrl-C or SIGTERM), every node the run rented is released,
+the ledger records the end, and report.json is written. Exit codes: 0 completed, 1 failed,
+130 interrupted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+import traceback
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+
+from elastic.errors import UserError
+from elastic.ledger import Ledger
+from elastic.recipe import Recipe, dump_recipe
+
+log = logging.getLogger(__name__)
+
+EXIT = {"completed": 0, "failed": 1, "interrupted": 130}
+
+
+def default_run_dir(recipe: Recipe) -> Path:
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return Path("runs") / f"{recipe.name}-{stamp}"
+
+
+def prepare_run_dir(run_dir: Path) -> None:
+    """Refuse a directory that already holds a run: nothing already written gets overwritten."""
+    if (run_dir / "events.jsonl").exists():
+        raise UserError(f"{run_dir}: already holds a run (events.jsonl); choose another --run-dir")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"{run_dir}: exists and is not a directory")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"{run_dir}: cannot create run directory: {exc.strerror}") from None
+
+
+@contextmanager
+def _signals_raise_interrupt():
+    """SIGTERM behaves like Ctrl-C inside the block (KeyboardInterrupt in the main thread)."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+@contextmanager
+def _signals_ignored():
+    """Cleanup must finish: a second Ctrl-C must not leave nodes behind."""
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+class _View:
+    """Live terminal view while training: a rich table when attached to a terminal, else one
+    plain line per outer step."""
+
+    def __init__(self, console, recipe: Recipe, total_outer: int):
+        self._console = console
+        self._recipe = recipe
+        self._total = total_outer
+        self._live = None
+        self._rows: dict[str, str] = {"phase": "starting"}
+
+    def __enter__(self):
+        if self._console.is_terminal:
+            from rich.live import Live
+            self._live = Live(self._render(), console=self._console, refresh_per_second=4, transient=False)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._live is not None:
+            self._live.__exit__(*exc)
+
+    def _render(self):
+        from rich.table import Table
+        t = Table(title=f"elastic · {self._recipe.name}", show_header=False, title_justify="left")
+        t.add_column(style="bold")
+        t.add_column(justify="right")
+        for k, v in self._rows.items():
+            t.add_row(k, v)
+        return t
+
+    def phase(self, text: str) -> None:
+        self._rows["phase"] = text
+        if self._live is not None:
+            self._live.update(self._render())
+        else:
+            self._console.print(f"[dim]{text}[/dim]")
+
+    def step(self, res, world, tokens_per_s: float, usd: float) -> None:
+        h = self._recipe.train.inner_steps
+        loss = sum(res.losses) / len(res.losses)
+        self._rows = {
+            "phase": "training",
+            "outer step": f"{res.outer_step}/{self._total}",
+            "inner step": f"{world.inner_step} (H={h})",
+            "loss": f"{loss:.4f}",
+            "tokens/s": f"{tokens_per_s:,.0f}",
+            "tokens": f"{world.tokens:,}",
+            "world": f"{len(res.replicas)} replica(s) × {self._recipe.world.ranks_per_replica} rank(s)",
+            "$ so far": f"${usd:.4f}",
+        }
+        if self._live is not None:
+            self._live.update(self._render())
+        else:
+            self._console.print(
+                f"outer {res.outer_step}/{self._total}  inner {world.inner_step}  loss {loss:.4f}  "
+                f"tok/s {tokens_per_s:,.0f}  world {len(res.replicas)}×{self._recipe.world.ranks_per_replica}  "
+                f"${usd:.4f}", highlight=False)
+
+
+def launch(recipe: Recipe, run_dir: Path, address: str | None = None, console=None) -> int:
+    """Run a recipe end to end; returns the process exit code."""
+    from rich.console import Console
+
+    from elastic import checkpoint as ckpt
+    from elastic.report import cost_so_far, summary_table, write_report
+
+    console = console or Console()
+    prepare_run_dir(run_dir)
+    (run_dir / "recipe.yaml").write_text(dump_recipe(recipe), encoding="utf-8")
+    handler = logging.FileHandler(run_dir / "driver.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("elastic").addHandler(handler)
+    logging.getLogger("elastic").setLevel(logging.INFO)
+    logging.getLogger("providers").addHandler(handler)
+
+    run = run_dir.name
+    ledger = Ledger(run_dir / "events.jsonl")
+    ledger.append("run_started", run=run, recipe=recipe.name, recipe_digest=recipe.digest(), pid=os.getpid(),
+                  target_replicas=recipe.world.replicas, ranks_per_replica=recipe.world.ranks_per_replica)
+    status, message = "failed", None
+    cluster = provider = world = None
+    t_start = time.monotonic()
+    try:
+        with _signals_raise_interrupt():
+            console.print(f"[bold]elastic[/bold] run [cyan]{run}[/cyan] → {run_dir}", highlight=False)
+            from elastic.cluster import LocalCluster
+            from providers import provider_class
+            from elastic.world import World
+
+            with console.status("starting Ray cluster…"):
+                cluster = LocalCluster(address=address)
+            provider = provider_class("local")(recipe.local, cluster, recipe.world.ranks_per_replica)
+            offers = provider.offers(recipe.resources)
+            if not offers:
+                raise UserError("no offer matches resources (regions / max_usd_per_hour) in the local market")
+            world = World(recipe)
+            with _View(console, recipe, world.total_outer_steps) as view:
+                placements = []
+                for i in range(recipe.world.replicas):
+                    offer = offers[i % len(offers)] if recipe.resources.spot is False else offers[0]
+                    view.phase(f"renting node {i + 1}/{recipe.world.replicas} ({offer.instance_type} "
+                               f"@ ${offer.usd_per_hour:.3f}/h)")
+                    inst = provider.launch(offer, run, role="replica")
+                    ledger.append("node_launched", instance_id=inst.instance_id, ray_node_id=inst.ray_node_id,
+                                  role=inst.role, **{k: v for k, v in offer.to_dict().items() if k != "read_at"})
+                    placements.append((inst.instance_id, inst.ray_node_id))
+                view.phase(f"starting {len(placements)} replica(s) × {recipe.world.ranks_per_replica} rank(s)")
+                for rep in world.add_replicas(placements):
+                    ledger.append("replica_joined", replica=rep.replica_id, instance_id=rep.instance_id,
+                                  outer_step=rep.joined_step, epoch=world.epoch)
+                root = ckpt.checkpoint_dir(recipe.checkpoint.uri, run_dir)
+                every = recipe.checkpoint.every_outer_steps
+                train_s = 0.0
+                while not world.done():
+                    res = world.step()
+                    train_s += res.inner_s + res.sync_s
+                    ledger.append("outer_step", outer_step=res.outer_step, inner_step=world.inner_step,
+                                  epoch=world.epoch, replicas=res.replicas, losses=[round(x, 6) for x in res.losses],
+                                  tokens=res.tokens, tokens_total=world.tokens, inner_s=round(res.inner_s, 4),
+                                  sync_s=round(res.sync_s, 4), bytes_sent=res.bytes_sent, data_cursor=world.cursor)
+                    view.step(res, world, world.tokens / train_s if train_s else 0.0,
+                              cost_so_far(ledger.events, time.time()))
+                    if (every and world.outer_step % every == 0) or world.done():
+                        view.phase(f"checkpoint at outer step {world.outer_step}")
+                        info = ckpt.save(world, root, recipe.digest())
+                        ledger.append("checkpoint_saved", **info)
+                        for step in ckpt.prune(root, recipe.checkpoint.keep_last):
+                            ledger.append("checkpoint_deleted", step=step)
+            status = "completed"
+    except KeyboardInterrupt:
+        status, message = "interrupted", "interrupted by signal"
+    except UserError as exc:
+        status, message = "failed", "; ".join(exc.lines)
+    except Exception as exc:  # the run fails; the user gets one line, the log the traceback
+        status, message = "failed", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        log.error("run failed\n%s", traceback.format_exc())
+    finally:
+        with _signals_ignored():
+            if message:
+                ledger.append("error", message=message)
+            _release(provider, world, cluster, ledger, run)
+            ledger.append("run_ended", status=status, wall_s=round(time.monotonic() - t_start, 3))
+            ledger.close()
+            report = write_report(run_dir)
+            logging.getLogger("elastic").removeHandler(handler)
+            logging.getLogger("providers").removeHandler(handler)
+            handler.close()
+    console.print(summary_table(report))
+    if message:
+        console.print(f"[red]error:[/red] {message}" if status == "failed" else f"[yellow]{message}[/yellow]",
+                      highlight=False)
+    console.print(f"report: {run_dir / 'report.json'}", highlight=False)
+    return EXIT[status]
+
+
+def _release(provider, world, cluster, ledger: Ledger, run: str) -> None:
+    """Release every node the run holds and stop what it started; each step tolerates the others failing."""
+    if world is not None:
+        try:
+            world.shutdown()
+        except Exception:
+            log.exception("world shutdown")
+    if provider is not None:
+        for inst in provider.list_instances(run):
+            try:
+                provider.terminate(inst.instance_id)
+                ledger.append("node_released", instance_id=inst.instance_id)
+            except Exception as exc:
+                ledger.append("error", message=f"could not release {inst.instance_id}: {exc}")
+    if cluster is not None:
+        try:
+            cluster.shutdown()
+        except Exception:
+            log.exception("cluster shutdown")

@@ -1,0 +1,66 @@
+"""The run's ledger: every event, appended as one JSON line to `events.jsonl`.
+
+Status views, reports and the live terminal are views of these events; nothing keeps a second
+tally. Each line is written whole and flushed, so a crash leaves at most one torn last line, which
+`read_events` skips.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+
+class Ledger:
+    """Append-only JSONL event log.
+
+    Args:
+        path: the `events.jsonl` file (created, or appended to).
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._f = open(self.path, "a", encoding="utf-8")
+        self.events: list[dict] = read_events(self.path)
+
+    def append(self, type_: str, **fields) -> dict:
+        """Record event `type_` with `fields` (JSON-able) and the wall time `t` (unix seconds)."""
+        event = {"t": round(time.time(), 6), "type": type_, **fields}
+        line = json.dumps(event, separators=(",", ":"), default=str)
+        with self._lock:
+            self._f.write(line + "\n")
+            self._f.flush()
+            self.events.append(event)
+        return event
+
+    def sync(self) -> None:
+        """Force the ledger to disk (at run end and before reports)."""
+        with self._lock:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._f.closed:
+                self._f.flush()
+                os.fsync(self._f.fileno())
+                self._f.close()
+
+
+def read_events(path: str | Path) -> list[dict]:
+    """All whole events of a ledger file (a torn last line is skipped)."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    events = []
+    for line in p.read_text(encoding="utf-8").splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return events

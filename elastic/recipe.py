@@ -1,0 +1,388 @@
+"""The recipe: the single source of truth for a run.
+
+Every field carries its docstring; the recipe reference (docs/recipe.md) and the
+JSON schema for editors are generated from these models (`elastic schema`).
+Loading never raises a traceback at the user: `load_recipe` collects every
+problem as one line `FILE: field.path: what is wrong` and raises `RecipeError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from elastic.errors import RecipeError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=False)
+
+
+class ModelSection(_Section):
+    """The network to train: our GPT-style decoder, or a user's own `nn.Module`."""
+
+    layers: int = Field(4, ge=1, le=256)
+    """Number of transformer blocks."""
+    width: int = Field(256, ge=8, le=65536)
+    """Hidden size (embedding width) of the decoder."""
+    heads: int = Field(4, ge=1, le=512)
+    """Attention heads per block; must divide `width`."""
+    context: int = Field(256, ge=8, le=1_048_576)
+    """Longest sequence the model accepts, in tokens (learned positions)."""
+    vocab_size: int = Field(256, ge=2, le=1_048_576)
+    """Vocabulary size. 256 for the byte-level tokens `data` produces."""
+    mlp_ratio: int = Field(4, ge=1, le=16)
+    """MLP hidden size as a multiple of `width`."""
+    factory: str | None = None
+    """`package.module:function` returning a user's own `nn.Module` (called with this section as a
+    dict). The module's `forward(tokens)` must return logits of shape [batch, seq, vocab_size].
+    When set, `layers`/`width`/`heads` are passed through but not used by elastic."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelSection":
+        if self.factory is None and self.width % self.heads:
+            raise ValueError(f"heads ({self.heads}) must divide width ({self.width})")
+        return self
+
+
+class DataSection(_Section):
+    """Where tokens come from. Tokens are bytes (0..255)."""
+
+    path: str | None = None
+    """A UTF-8/ASCII text file, or a pre-tokenized `.bin` of little-endian uint16 tokens. Empty:
+    the default corpus built from this machine's Python standard library sources (no download)."""
+    corpus_bytes: int = Field(8_000_000, ge=10_000)
+    """Size cap of the default corpus, in bytes."""
+
+
+class TrainSection(_Section):
+    """DiLoCo: H inner AdamW steps per replica, then one outer Nesterov step on the averaged
+    pseudo-gradient."""
+
+    inner_steps: int = Field(50, ge=1)
+    """H: inner optimizer steps each replica takes between two outer syncs."""
+    outer_steps: int | None = Field(20, ge=1)
+    """Outer steps to run. Set this or `token_budget` (the budget wins when both are set)."""
+    token_budget: int | None = Field(None, ge=1)
+    """Stop after this many trained tokens, counted over all replicas."""
+    batch_size: int = Field(16, ge=1)
+    """Sequences per replica per inner step (split evenly over the replica's ranks)."""
+    seq_len: int = Field(128, ge=2)
+    """Tokens per training sequence; at most `model.context`."""
+    inner_lr: float = Field(1e-3, gt=0, le=10)
+    """Peak AdamW learning rate of the inner optimizer."""
+    inner_weight_decay: float = Field(0.1, ge=0, le=10)
+    """AdamW weight decay of the inner optimizer."""
+    inner_betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas of the inner optimizer."""
+    warmup_steps: int = Field(50, ge=0)
+    """Linear warmup of the inner learning rate, in inner steps; then cosine decay to 10%."""
+    grad_clip: float | None = Field(1.0, gt=0)
+    """Clip the inner gradient norm to this value; empty disables clipping."""
+    outer_lr: float = Field(0.7, gt=0, le=10)
+    """Outer SGD learning rate (DiLoCo paper: 0.7)."""
+    outer_momentum: float = Field(0.9, ge=0, lt=1)
+    """Outer SGD momentum (DiLoCo paper: 0.9)."""
+    outer_nesterov: bool = True
+    """Use Nesterov momentum for the outer step (DiLoCo paper: yes)."""
+    seed: int = Field(0, ge=0)
+    """Seed for initial weights and the data order."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainSection":
+        if self.outer_steps is None and self.token_budget is None:
+            raise ValueError("set train.outer_steps or train.token_budget")
+        if self.outer_nesterov and self.outer_momentum == 0:
+            # torch refuses Nesterov without momentum; plain SGD is what is meant.
+            self.outer_nesterov = False
+        return self
+
+
+class WorldSection(_Section):
+    """How many replicas train, and how many ranks (GPUs) each replica shards over."""
+
+    min_replicas: int = Field(1, ge=1)
+    """Fewest live replicas training continues with."""
+    replicas: int = Field(2, ge=1)
+    """Target number of replicas."""
+    max_replicas: int = Field(4, ge=1)
+    """Never run more replicas than this."""
+    ranks_per_replica: int = Field(1, ge=1, le=1024)
+    """Ranks (one per GPU, or one CPU process locally) in each replica; FSDP2 shards over them."""
+    sync_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the pseudo-gradient all-reduce across replicas (bfloat16 halves the bytes)."""
+    step_timeout_s: float = Field(600.0, gt=0)
+    """Longest an inner phase or outer sync may take before its replica counts as lost."""
+    cpu_threads_per_rank: int = Field(1, ge=1, le=256)
+    """torch intra-op threads per rank on CPU."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "WorldSection":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas ({self.min_replicas}) must be <= max_replicas ({self.max_replicas})")
+        if not self.min_replicas <= self.replicas <= self.max_replicas:
+            raise ValueError(
+                f"replicas ({self.replicas}) must lie between min_replicas ({self.min_replicas}) "
+                f"and max_replicas ({self.max_replicas})")
+        return self
+
+
+class ResourcesSection(_Section):
+    """What to rent."""
+
+    clouds: list[Literal["local", "aws", "gcp"]] = Field(default_factory=lambda: ["local"], min_length=1)
+    """Providers to rent from."""
+    regions: list[str] = Field(default_factory=list)
+    """Allowed regions (any provider's names); empty means all of them."""
+    accelerators: str | None = None
+    """GPU per VM as `MODEL:COUNT`, e.g. `A100:8`, `L4:1`. Empty for CPU-only (local) runs."""
+    spot: bool = True
+    """Rent spot/preemptible capacity (false: on-demand)."""
+    max_usd_per_hour: float | None = Field(None, gt=0)
+    """Never rent a VM whose price is above this, in USD per hour."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "ResourcesSection":
+        if self.accelerators is not None:
+            model, _, count = self.accelerators.partition(":")
+            if not model or (count and not (count.isdigit() and int(count) > 0)):
+                raise ValueError(f"accelerators must look like MODEL:COUNT (e.g. A100:8), got {self.accelerators!r}")
+        return self
+
+
+class BudgetSection(_Section):
+    """Hard limits on spend and duration."""
+
+    max_usd: float | None = Field(None, gt=0)
+    """Stop (final checkpoint, release everything) before spend would pass this, in USD."""
+    max_hours: float | None = Field(None, gt=0)
+    """Stop after this many wall-clock hours."""
+
+
+class CheckpointSection(_Section):
+    """Where and how often the training state is saved."""
+
+    uri: str | None = None
+    """Destination (`file:///abs/path` or a plain path). Empty: `<run dir>/checkpoints`."""
+    every_outer_steps: int = Field(10, ge=0)
+    """Save every N outer steps (0: only at the end)."""
+    keep_last: int = Field(3, ge=1)
+    """Keep the newest K checkpoints; older ones are deleted."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "CheckpointSection":
+        if self.uri is not None and "://" in self.uri and not self.uri.startswith("file://"):
+            scheme = self.uri.split("://", 1)[0]
+            raise ValueError(f"scheme {scheme}:// is not supported yet (use file:// or a path)")
+        return self
+
+
+class LocalInstanceType(_Section):
+    """One kind of local 'VM': a Ray node on this machine, priced by the simulated market."""
+
+    name: str = "local-cpu"
+    """Instance type name shown in reports."""
+    region: str = "local-1"
+    """Simulated region."""
+    zone: str = "local-1a"
+    """Simulated zone."""
+    cpus: int = Field(1, ge=1)
+    """Logical CPUs the node offers to Ray (one per rank)."""
+    spot_usd_per_hour: float = Field(0.5, ge=0)
+    """Simulated spot price, USD per hour."""
+    on_demand_usd_per_hour: float = Field(1.5, ge=0)
+    """Simulated on-demand price, USD per hour."""
+
+
+class LocalSection(_Section):
+    """The `local` provider: Ray nodes on this machine and a simulated spot market."""
+
+    instance_types: list[LocalInstanceType] = Field(default_factory=lambda: [LocalInstanceType()], min_length=1)
+    """Instance types on offer. A replica's node gets `world.ranks_per_replica` CPUs whatever `cpus` says
+    when that is smaller."""
+    object_store_bytes: int = Field(100 * 1024 * 1024, ge=78643200)
+    """Ray object store size per local node, in bytes."""
+
+
+class Recipe(_Section):
+    """A training run: model, data, schedule, world shape, what to rent and how much to spend."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+    """Run name: letters, digits, `_ . -`; used in run directories and cloud tags."""
+    model: ModelSection = Field(default_factory=ModelSection)
+    """The network."""
+    data: DataSection = Field(default_factory=DataSection)
+    """The token source."""
+    train: TrainSection = Field(default_factory=TrainSection)
+    """Optimizers and schedule."""
+    world: WorldSection = Field(default_factory=WorldSection)
+    """Replicas and ranks."""
+    resources: ResourcesSection = Field(default_factory=ResourcesSection)
+    """What to rent."""
+    budget: BudgetSection = Field(default_factory=BudgetSection)
+    """Spend and time limits."""
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    """Checkpoints."""
+    local: LocalSection = Field(default_factory=LocalSection)
+    """Settings of the `local` provider."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "Recipe":
+        problems = []
+        if self.train.seq_len > self.model.context:
+            problems.append(f"train.seq_len ({self.train.seq_len}) must be <= model.context ({self.model.context})")
+        if self.train.batch_size % self.world.ranks_per_replica:
+            problems.append(
+                f"train.batch_size ({self.train.batch_size}) must be a multiple of "
+                f"world.ranks_per_replica ({self.world.ranks_per_replica})")
+        if set(self.resources.clouds) - {"local"}:
+            other = ", ".join(sorted(set(self.resources.clouds) - {"local"}))
+            problems.append(f"resources.clouds: provider(s) {other} are not available in this version")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @property
+    def sequences_per_outer_step(self) -> int:
+        """Sequences one replica consumes in one inner phase."""
+        return self.train.inner_steps * self.train.batch_size
+
+    def digest(self) -> str:
+        """Stable hash of the resolved recipe (stored with checkpoints)."""
+        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+def _set_path(doc: dict, dotted: str, value: Any, origin: str) -> None:
+    keys = dotted.split(".")
+    if not all(keys):
+        raise RecipeError([f"{origin}: {dotted!r} is not a field path (like train.inner_steps)"])
+    node = doc
+    for key in keys[:-1]:
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        if not isinstance(child, dict):
+            raise RecipeError([f"{origin}: {dotted}: {key} is not a section"])
+        node = child
+    node[keys[-1]] = value
+
+
+def apply_overrides(doc: dict, overrides: list[str]) -> None:
+    """Apply `field.path=value` strings to a raw recipe dict (values parsed as YAML scalars)."""
+    for item in overrides:
+        origin = f"--set {item}"
+        path, eq, raw = item.partition("=")
+        if not eq:
+            raise RecipeError([f"{origin}: expected field.path=value"])
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            value = raw
+        _set_path(doc, path.strip(), value, origin)
+
+
+def _loc(loc: tuple) -> str:
+    parts = []
+    for p in loc:
+        if isinstance(p, int):
+            parts[-1:] = [f"{parts[-1]}[{p}]"] if parts else [f"[{p}]"]
+        elif p in ("function-after", "function-before") or str(p).startswith("function-"):
+            continue
+        else:
+            parts.append(str(p))
+    return ".".join(parts)
+
+
+def _format_errors(source: str, err: ValidationError) -> list[str]:
+    lines = []
+    for e in err.errors(include_url=False):
+        loc = _loc(e["loc"])
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        elif e["type"] == "missing":
+            msg = "required field is missing"
+        elif msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        if e["type"] not in ("extra_forbidden", "missing") and "input" in e and not isinstance(e["input"], (dict, list)):
+            msg = f"{msg} (got {e['input']!r})"
+        lines.append(f"{source}: {loc + ': ' if loc else ''}{msg}")
+    return lines
+
+
+def _check_files(recipe: Recipe, source: str) -> list[str]:
+    problems = []
+    if recipe.data.path is not None:
+        p = Path(recipe.data.path).expanduser()
+        if not p.is_file():
+            problems.append(f"{source}: data.path: no such file: {recipe.data.path}")
+        elif p.stat().st_size < 2 * (recipe.train.seq_len + 1) * (2 if p.suffix == ".bin" else 1):
+            problems.append(f"{source}: data.path: {recipe.data.path} is too small for train.seq_len")
+    if recipe.model.factory is not None:
+        mod, colon, fn = recipe.model.factory.partition(":")
+        if not colon or not mod or not fn:
+            problems.append(f"{source}: model.factory: expected package.module:function, got {recipe.model.factory!r}")
+        else:
+            try:
+                obj = getattr(importlib.import_module(mod), fn, None)
+            except Exception as exc:  # any import failure is the user's to see, in one line
+                problems.append(f"{source}: model.factory: cannot import {mod}: {type(exc).__name__}: {exc}")
+            else:
+                if not callable(obj):
+                    problems.append(f"{source}: model.factory: {mod} has no callable {fn}")
+    return problems
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Read, override and validate a recipe file. Raises RecipeError with one line per problem."""
+    source = str(path)
+    p = Path(path)
+    if not p.exists():
+        raise RecipeError([f"{source}: no such file"])
+    if not p.is_file():
+        raise RecipeError([f"{source}: not a file"])
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError([f"{source}: cannot read: {exc}"]) from None
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise RecipeError([f"{source}: invalid YAML: {where}{problem}"]) from None
+    if doc is None:
+        doc = {}
+    if not isinstance(doc, dict):
+        raise RecipeError([f"{source}: a recipe is a mapping of sections, got {type(doc).__name__}"])
+    apply_overrides(doc, overrides or [])
+    return validate_recipe(doc, source)
+
+
+def validate_recipe(doc: dict, source: str = "<recipe>") -> Recipe:
+    """Validate a raw recipe dict; RecipeError lists every problem."""
+    try:
+        recipe = Recipe.model_validate(doc)
+    except ValidationError as err:
+        raise RecipeError(_format_errors(source, err)) from None
+    problems = _check_files(recipe, source)
+    if problems:
+        raise RecipeError(problems)
+    return recipe
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    """The resolved recipe as YAML (every default spelled out)."""
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,102 @@
+"""The provider interface every cloud implements, and the values it speaks in."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class Offer:
+    """Something a provider would rent now.
+
+    Args:
+        cloud: provider name (`local`, `aws`, `gcp`).
+        region: region name.
+        zone: zone / availability zone.
+        instance_type: the provider's instance (machine) type.
+        gpu: accelerator model, or "" for CPU-only.
+        gpus: accelerators per VM.
+        cpus: vCPUs per VM.
+        spot: a spot / preemptible offer.
+        usd_per_hour: price of this offer now, USD per hour.
+        on_demand_usd_per_hour: on-demand price of the same VM, USD per hour.
+        read_at: unix time the price was read.
+    """
+
+    cloud: str
+    region: str
+    zone: str
+    instance_type: str
+    gpu: str
+    gpus: int
+    cpus: int
+    spot: bool
+    usd_per_hour: float
+    on_demand_usd_per_hour: float
+    read_at: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Instance:
+    """A VM a run holds.
+
+    Args:
+        instance_id: the provider's id.
+        offer: the offer it was rented from.
+        run: the run that owns it.
+        role: what it is for (`replica`, `controller`).
+        launched_at: unix time it was launched.
+        ray_node_id: the Ray node it runs, once joined.
+        labels: provider tags / labels.
+    """
+
+    instance_id: str
+    offer: Offer
+    run: str
+    role: str
+    launched_at: float
+    ray_node_id: str | None = None
+    labels: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A provider's warning that an instance will be reclaimed.
+
+    Args:
+        instance_id: the instance.
+        deadline_s: seconds from `at` until it goes.
+        at: unix time of the notice.
+        kind: `preemption` or `maintenance`.
+    """
+
+    instance_id: str
+    deadline_s: float
+    at: float
+    kind: str = "preemption"
+
+
+@runtime_checkable
+class Provider(Protocol):
+    """What elastic needs of a cloud. Implementations live in `providers/<cloud>.py`."""
+
+    name: str
+
+    def offers(self, resources) -> list[Offer]:
+        """Offers matching a recipe's `resources` section, cheapest first."""
+
+    def launch(self, offer: Offer, run: str, role: str) -> Instance:
+        """Rent one VM from `offer`; returns once it has joined the Ray cluster."""
+
+    def terminate(self, instance_id: str) -> None:
+        """Release one VM (idempotent)."""
+
+    def list_instances(self, run: str) -> list[Instance]:
+        """Every VM this provider holds for `run`."""
+
+    def notices(self) -> list[Notice]:
+        """Preemption notices that arrived since the last call."""
