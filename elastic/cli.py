@@ -36,7 +36,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _err(console, line: str) -> None:
-    console.print(f"[red]error:[/red] {line}", highlight=False, soft_wrap=True)
+    from rich.markup import escape
+
+    # The line holds user text (paths, values); escape it so "[/x]" is printed, not parsed as markup.
+    console.print(f"[red]error:[/red] {escape(line)}", highlight=False, soft_wrap=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,9 +78,11 @@ def _dispatch(args, err) -> int:
 
     out = Console()
     if args.command == "validate":
+        from rich.markup import escape
+
         from elastic.recipe import load_recipe
         recipe = load_recipe(args.recipe, args.overrides)
-        out.print(f"{args.recipe}: ok ({recipe.name}: {recipe.world.replicas} replica(s) × "
+        out.print(f"{escape(args.recipe)}: ok ({recipe.name}: {recipe.world.replicas} replica(s) × "
                   f"{recipe.world.ranks_per_replica} rank(s), H={recipe.train.inner_steps})", highlight=False)
         return 0
     if args.command == "launch":

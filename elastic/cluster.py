@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
+from contextlib import contextmanager
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +24,20 @@ _RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0", "RAY_ENABLE_U
 def quiet_ray_env() -> None:
     for k, v in _RAY_ENV.items():
         os.environ.setdefault(k, v)
+
+
+@contextmanager
+def _keep_signal_handlers():
+    """ray.init and every raylet Ray starts in this process install SIGTERM/SIGINT handlers (exit,
+    or drain-and-hang). The driver's own handlers decide what a signal does: release every node and
+    write the report. Restore them after Ray is done installing its own."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, h in saved.items():
+            if h is not None:
+                signal.signal(s, h)
 
 
 class LocalCluster:
@@ -50,6 +66,13 @@ class LocalCluster:
         self._ray = ray
         self._cluster = None
         self._nodes: dict[str, object] = {}
+        with _keep_signal_handlers():
+            self._start(address, head_cpus, Cluster)
+
+    def _start(self, address, head_cpus, Cluster) -> None:
+        ray = self._ray
+        if address is not None and ":" not in address and address != "auto":
+            raise ValueError(f"--address {address!r}: expected HOST:PORT of a Ray head")
         if address is None:
             self._cluster = Cluster(initialize_head=True, shutdown_at_exit=True, head_node_args={
                 "num_cpus": head_cpus, "num_gpus": 0, "include_dashboard": False,
@@ -57,10 +80,8 @@ class LocalCluster:
             self.address = self._cluster.address
         else:
             self.address = address
-        ray.init(address=self.address, logging_level=logging.ERROR, log_to_driver=False, _node_ip_address="127.0.0.1",
-                 configure_logging=True, include_dashboard=False if address is None else None)
-        if address is not None and ":" not in address and address != "auto":
-            raise ValueError(f"--address {address!r}: expected HOST:PORT of a Ray head")
+        ray.init(address=self.address, logging_level=logging.ERROR, log_to_driver=False,
+                 _node_ip_address="127.0.0.1" if address is None else None)
         self.gcs_address = ray.get_runtime_context().gcs_address
 
     def add_node(self, cpus: int, gpus: int, labels: dict[str, str], resources: dict[str, float],
@@ -74,7 +95,8 @@ class LocalCluster:
                            node_ip_address="127.0.0.1", include_log_monitor=False, node_manager_port=0,
                            min_worker_port=0, max_worker_port=0)
         params.dashboard_agent_listen_port = None
-        node = Node(params, head=False, shutdown_at_exit=True, spawn_reaper=True)
+        with _keep_signal_handlers():
+            node = Node(params, head=False, shutdown_at_exit=True, spawn_reaper=True)
         node_id = node.node_id
         self._nodes[node_id] = node
         deadline = time.monotonic() + timeout_s

@@ -42,12 +42,15 @@ def prepare_run_dir(run_dir: Path) -> None:
         raise UserError(f"{run_dir}: cannot create run directory: {exc.strerror}") from None
 
 
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 @contextmanager
 def _signals_raise_interrupt():
-    """SIGTERM behaves like Ctrl-C inside the block (KeyboardInterrupt in the main thread)."""
-    def handler(signum, frame):
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-    old = signal.signal(signal.SIGTERM, handler)
+    """SIGTERM behaves like Ctrl-C inside the block (KeyboardInterrupt in the main thread).
+    LocalCluster keeps Ray from replacing this handler (see elastic.cluster)."""
+    old = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         yield
     finally:
@@ -197,6 +200,7 @@ def launch(recipe: Recipe, run_dir: Path, address: str | None = None, console=No
             status = "completed"
     except KeyboardInterrupt:
         status, message = "interrupted", "interrupted by signal"
+
     except UserError as exc:
         status, message = "failed", "; ".join(exc.lines)
     except Exception as exc:  # the run fails; the user gets one line, the log the traceback

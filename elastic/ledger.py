@@ -27,6 +27,11 @@ class Ledger:
         self._lock = threading.Lock()
         self._f = open(self.path, "a", encoding="utf-8")
         self.events: list[dict] = read_events(self.path)
+        # A crash can leave a torn last line with no newline; end it, or the next event would be glued
+        # onto it and lost to read_events.
+        if self.path.stat().st_size and not self.path.read_bytes().endswith(b"\n"):
+            self._f.write("\n")
+            self._f.flush()
 
     def append(self, type_: str, **fields) -> dict:
         """Record event `type_` with `fields` (JSON-able) and the wall time `t` (unix seconds)."""

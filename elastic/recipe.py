@@ -246,7 +246,8 @@ class Recipe(_Section):
             other = ", ".join(sorted(set(self.resources.clouds) - {"local"}))
             problems.append(f"resources.clouds: provider(s) {other} are not available in this version")
         if problems:
-            raise ValueError("; ".join(problems))
+            # One line per problem: _format_errors splits the message on newlines.
+            raise ValueError("\n".join(problems))
         return self
 
     @property
@@ -317,7 +318,7 @@ def _format_errors(source: str, err: ValidationError) -> list[str]:
             msg = msg[len("Value error, "):]
         if e["type"] not in ("extra_forbidden", "missing") and "input" in e and not isinstance(e["input"], (dict, list)):
             msg = f"{msg} (got {e['input']!r})"
-        lines.append(f"{source}: {loc + ': ' if loc else ''}{msg}")
+        lines.extend(f"{source}: {loc + ': ' if loc else ''}{m}" for m in msg.splitlines())
     return lines
 
 
@@ -337,7 +338,8 @@ def _check_files(recipe: Recipe, source: str) -> list[str]:
             try:
                 obj = getattr(importlib.import_module(mod), fn, None)
             except Exception as exc:  # any import failure is the user's to see, in one line
-                problems.append(f"{source}: model.factory: cannot import {mod}: {type(exc).__name__}: {exc}")
+                first = str(exc).splitlines()[0] if str(exc) else ""
+                problems.append(f"{source}: model.factory: cannot import {mod}: {type(exc).__name__}: {first}")
             else:
                 if not callable(obj):
                     problems.append(f"{source}: model.factory: {mod} has no callable {fn}")

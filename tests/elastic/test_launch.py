@@ -1,0 +1,106 @@
+"""`elastic launch` as a user runs it: a subprocess that starts its own local Ray cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic.ledger import read_events
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+SMALL = ["--set", "model.layers=1", "--set", "model.width=64", "--set", "data.corpus_bytes=300000"]
+
+
+def raylet_pids() -> set[int]:
+    pids = set()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"raylet" in cmd.split(b"\0")[0] or b"gcs_server" in cmd.split(b"\0")[0]:
+                pids.add(int(d.name))
+    return pids
+
+
+def launch(run_dir: Path, *args: str, **kw) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "elastic", "launch", str(REPO / "recipes/local-tiny.yaml"),
+                             "--run-dir", str(run_dir), *args], cwd=kw.get("cwd", REPO), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def assert_every_node_released(events):
+    launched = {e["instance_id"] for e in events if e["type"] == "node_launched"}
+    released = {e["instance_id"] for e in events if e["type"] == "node_released"}
+    assert launched and launched == released
+
+
+def test_launch_trains_and_reports(tmp_path):
+    before = raylet_pids()
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, *SMALL, "--set", "train.outer_steps=8", "--set", "checkpoint.every_outer_steps=4")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["status"] == "completed"
+    assert report["outer_steps"] == 8
+    assert report["loss_last"] <= 0.8 * report["loss_first"]
+    assert len(report["instances"]) == 2 and all(i["cost_usd"] > 0 for i in report["instances"])
+    assert report["cost_usd"] == pytest.approx(sum(i["cost_usd"] for i in report["instances"]), abs=1e-6)
+    assert report["tokens"] == 8 * 2 * 20 * 8 * 128
+    events = read_events(run_dir / "events.jsonl")
+    assert_every_node_released(events)
+    assert [e["step"] for e in events if e["type"] == "checkpoint_saved"] == [4, 8]
+    manifest = json.loads((run_dir / "checkpoints/step-00000008/elastic.json").read_text())
+    assert manifest["step"] == 8 and manifest["data_cursor"] == 8 * 2 * 20 * 8
+    assert (run_dir / "recipe.yaml").read_text().startswith("name: local-tiny")
+    assert "completed" in out and "Traceback" not in out
+    # The run's own head and raylets are gone.
+    assert raylet_pids() <= before
+
+
+def test_launch_refuses_a_run_dir_that_holds_a_run(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "events.jsonl").write_text('{"t": 1, "type": "run_started", "run": "x"}\n')
+    proc = launch(run_dir)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert "already holds a run" in out and "Traceback" not in out
+    assert (run_dir / "events.jsonl").read_text() == '{"t": 1, "type": "run_started", "run": "x"}\n'
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_interrupt_releases_every_node_and_reports(tmp_path, sig):
+    before = raylet_pids()
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, *SMALL, "--set", "train.outer_steps=1000")
+    ledger = run_dir / "events.jsonl"
+    deadline = time.monotonic() + 180
+    # Wait until training is under way (the ledger shows an outer step), then interrupt.
+    while not any(e["type"] == "outer_step" for e in read_events(ledger)):
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "no outer step within 180 s"
+        time.sleep(0.2)
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["status"] == "interrupted"
+    assert report["outer_steps"] >= 1
+    events = read_events(ledger)
+    assert_every_node_released(events)
+    assert events[-1]["type"] == "run_ended"
+    assert "Traceback" not in out
+    assert raylet_pids() <= before
