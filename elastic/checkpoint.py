@@ -1,6 +1,6 @@
 """Checkpoints: torch.distributed.checkpoint shards of the lead replica, plus a manifest written last.
 
-Layout under the checkpoint directory: `step-000010/` holds the DCP files (model, inner AdamW,
+Layout under the checkpoint directory: `step-00000010/` holds the DCP files (model, inner AdamW,
 outer momentum — sharded per rank) and `elastic.json` (step, data cursor, recipe digest, world
 layout). A checkpoint counts only once `elastic.json` exists; it is written atomically after every
 shard, so an interrupted save is never taken for a whole one.

@@ -22,7 +22,7 @@ def _parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("launch", help="run a recipe: rent nodes, train, checkpoint, report")
     recipe_args(sp)
     sp.add_argument("--run-dir", type=Path, help="where the run writes (default runs/<name>-<UTC time>/)")
-    sp.add_argument("--address", help="HOST:PORT of an existing Ray head (default: start a local cluster)")
+    sp.add_argument("--address", help="HOST:PORT of a running Ray head on this machine to add the local nodes to (default: start a local cluster)")
 
     sp = sub.add_parser("validate", help="check a recipe; print every problem, one line each")
     recipe_args(sp)
@@ -33,6 +33,11 @@ def _parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("schema", help="print the recipe's JSON schema (for editors) or its reference")
     sp.add_argument("--markdown", action="store_true", help="the recipe reference as Markdown")
     return p
+
+
+def _is_host_port(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
 
 
 def _err(console, line: str) -> None:
@@ -52,10 +57,16 @@ def main(argv: list[str] | None = None) -> int:
         _parser().print_help()
         return 2
 
+    import os
+
     from rich.console import Console
 
     from elastic.errors import UserError
 
+    # A model.factory module next to the recipe resolves as with `python -m`; Ray workers get the
+    # driver's working directory on their path too.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     err = Console(stderr=True)
     try:
         return _dispatch(args, err)
@@ -86,8 +97,11 @@ def _dispatch(args, err) -> int:
                   f"{recipe.world.ranks_per_replica} rank(s), H={recipe.train.inner_steps})", highlight=False)
         return 0
     if args.command == "launch":
+        from elastic.errors import UserError
         from elastic.launch import default_run_dir, launch
         from elastic.recipe import load_recipe
+        if args.address is not None and not _is_host_port(args.address):
+            raise UserError(f"--address {args.address!r}: expected HOST:PORT of a running Ray head")
         recipe = load_recipe(args.recipe, args.overrides)
         return launch(recipe, args.run_dir or default_run_dir(recipe), address=args.address, console=out)
     if args.command == "report":

@@ -1,6 +1,7 @@
 """Byte-level token data and the sample index space replicas lease from.
 
-The corpus is cut into non-overlapping windows of `seq_len + 1` tokens. Each data epoch visits
+The corpus is cut into windows of `seq_len + 1` tokens starting every `seq_len` tokens (neighbours
+share one token: one window's last target is the next one's first input). Each data epoch visits
 every window once in a seeded random order. A *sample index* `g` names window
 `perm(epoch = g // n)[g % n]`, so the whole run reads one endless, seeded stream of samples.
 The driver hands each replica a disjoint range of sample indices per inner phase (a lease); the

@@ -2,7 +2,8 @@
 
 Whatever happens (completion, a failure, Ctrl-C or SIGTERM), every node the run rented is released,
 the ledger records the end, and report.json is written. Exit codes: 0 completed, 1 failed,
-130 interrupted.
+3 budget exhausted (stopped at `budget.max_usd` / `budget.max_hours` after a final checkpoint),
+130 interrupted. (2 is bad input, from the CLI.)
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from elastic.recipe import Recipe, dump_recipe
 
 log = logging.getLogger(__name__)
 
-EXIT = {"completed": 0, "failed": 1, "interrupted": 130}
+EXIT = {"completed": 0, "budget_exhausted": 3, "failed": 1, "interrupted": 130}
 
 
 def default_run_dir(recipe: Recipe) -> Path:
@@ -106,7 +107,7 @@ class _View:
         else:
             self._console.print(f"[dim]{text}[/dim]")
 
-    def step(self, res, world, tokens_per_s: float, usd: float) -> None:
+    def step(self, res, world, tokens_per_s: float, usd: float) -> None:  # noqa: D102
         h = self._recipe.train.inner_steps
         loss = sum(res.losses) / len(res.losses)
         self._rows = {
@@ -132,8 +133,9 @@ def launch(recipe: Recipe, run_dir: Path, address: str | None = None, console=No
     """Run a recipe end to end; returns the process exit code."""
     from rich.console import Console
 
-    from elastic import checkpoint as ckpt
-    from elastic.report import cost_so_far, summary_table, write_report
+    from rich.markup import escape
+
+    from elastic.report import summary_table, write_report
 
     console = console or Console()
     prepare_run_dir(run_dir)
@@ -149,58 +151,21 @@ def launch(recipe: Recipe, run_dir: Path, address: str | None = None, console=No
     ledger.append("run_started", run=run, recipe=recipe.name, recipe_digest=recipe.digest(), pid=os.getpid(),
                   target_replicas=recipe.world.replicas, ranks_per_replica=recipe.world.ranks_per_replica)
     status, message = "failed", None
-    cluster = provider = world = None
+    driver = None
     t_start = time.monotonic()
     try:
         with _signals_raise_interrupt():
-            console.print(f"[bold]elastic[/bold] run [cyan]{run}[/cyan] → {run_dir}", highlight=False)
-            from elastic.cluster import LocalCluster
-            from providers import provider_class
-            from elastic.world import World
+            console.print(f"[bold]elastic[/bold] run [cyan]{escape(run)}[/cyan] → {escape(str(run_dir))}",
+                          highlight=False)
+            from elastic.driver import Driver
 
+            driver = Driver(recipe, run_dir, ledger, console)
             with console.status("starting Ray cluster…"):
-                cluster = LocalCluster(address=address)
-            provider = provider_class("local")(recipe.local, cluster, recipe.world.ranks_per_replica)
-            offers = provider.offers(recipe.resources)
-            if not offers:
-                raise UserError("no offer matches resources (regions / max_usd_per_hour) in the local market")
-            world = World(recipe)
-            with _View(console, recipe, world.total_outer_steps) as view:
-                placements = []
-                for i in range(recipe.world.replicas):
-                    offer = offers[i % len(offers)] if recipe.resources.spot is False else offers[0]
-                    view.phase(f"renting node {i + 1}/{recipe.world.replicas} ({offer.instance_type} "
-                               f"@ ${offer.usd_per_hour:.3f}/h)")
-                    inst = provider.launch(offer, run, role="replica")
-                    ledger.append("node_launched", instance_id=inst.instance_id, ray_node_id=inst.ray_node_id,
-                                  role=inst.role, **{k: v for k, v in offer.to_dict().items() if k != "read_at"})
-                    placements.append((inst.instance_id, inst.ray_node_id))
-                view.phase(f"starting {len(placements)} replica(s) × {recipe.world.ranks_per_replica} rank(s)")
-                for rep in world.add_replicas(placements):
-                    ledger.append("replica_joined", replica=rep.replica_id, instance_id=rep.instance_id,
-                                  outer_step=rep.joined_step, epoch=world.epoch)
-                root = ckpt.checkpoint_dir(recipe.checkpoint.uri, run_dir)
-                every = recipe.checkpoint.every_outer_steps
-                train_s = 0.0
-                while not world.done():
-                    res = world.step()
-                    train_s += res.inner_s + res.sync_s
-                    ledger.append("outer_step", outer_step=res.outer_step, inner_step=world.inner_step,
-                                  epoch=world.epoch, replicas=res.replicas, losses=[round(x, 6) for x in res.losses],
-                                  tokens=res.tokens, tokens_total=world.tokens, inner_s=round(res.inner_s, 4),
-                                  sync_s=round(res.sync_s, 4), bytes_sent=res.bytes_sent, data_cursor=world.cursor)
-                    view.step(res, world, world.tokens / train_s if train_s else 0.0,
-                              cost_so_far(ledger.events, time.time()))
-                    if (every and world.outer_step % every == 0) or world.done():
-                        view.phase(f"checkpoint at outer step {world.outer_step}")
-                        info = ckpt.save(world, root, recipe.digest())
-                        ledger.append("checkpoint_saved", **info)
-                        for step in ckpt.prune(root, recipe.checkpoint.keep_last):
-                            ledger.append("checkpoint_deleted", step=step)
-            status = "completed"
+                driver.start_cluster(address)
+            with _View(console, recipe, driver.world.total_outer_steps) as view:
+                status = driver.run(view)
     except KeyboardInterrupt:
         status, message = "interrupted", "interrupted by signal"
-
     except UserError as exc:
         status, message = "failed", "; ".join(exc.lines)
     except Exception as exc:  # the run fails; the user gets one line, the log the traceback
@@ -210,7 +175,8 @@ def launch(recipe: Recipe, run_dir: Path, address: str | None = None, console=No
         with _signals_ignored():
             if message:
                 ledger.append("error", message=message)
-            _release(provider, world, cluster, ledger, run)
+            if driver is not None:
+                driver.release_all()
             ledger.append("run_ended", status=status, wall_s=round(time.monotonic() - t_start, 3))
             ledger.close()
             report = write_report(run_dir)
@@ -219,28 +185,7 @@ def launch(recipe: Recipe, run_dir: Path, address: str | None = None, console=No
             handler.close()
     console.print(summary_table(report))
     if message:
-        console.print(f"[red]error:[/red] {message}" if status == "failed" else f"[yellow]{message}[/yellow]",
-                      highlight=False)
+        console.print(f"[red]error:[/red] {escape(message)}" if status == "failed"
+                      else f"[yellow]{escape(message)}[/yellow]", highlight=False)
     console.print(f"report: {run_dir / 'report.json'}", highlight=False)
     return EXIT[status]
-
-
-def _release(provider, world, cluster, ledger: Ledger, run: str) -> None:
-    """Release every node the run holds and stop what it started; each step tolerates the others failing."""
-    if world is not None:
-        try:
-            world.shutdown()
-        except Exception:
-            log.exception("world shutdown")
-    if provider is not None:
-        for inst in provider.list_instances(run):
-            try:
-                provider.terminate(inst.instance_id)
-                ledger.append("node_released", instance_id=inst.instance_id)
-            except Exception as exc:
-                ledger.append("error", message=f"could not release {inst.instance_id}: {exc}")
-    if cluster is not None:
-        try:
-            cluster.shutdown()
-        except Exception:
-            log.exception("cluster shutdown")

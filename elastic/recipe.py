@@ -39,6 +39,8 @@ class ModelSection(_Section):
     """Vocabulary size. 256 for the byte-level tokens `data` produces."""
     mlp_ratio: int = Field(4, ge=1, le=16)
     """MLP hidden size as a multiple of `width`."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Free-form settings passed to `factory` (inside the section dict it receives)."""
     factory: str | None = None
     """`package.module:function` returning a user's own `nn.Module` (called with this section as a
     dict). The module's `forward(tokens)` must return logits of shape [batch, seq, vocab_size].
@@ -52,11 +54,12 @@ class ModelSection(_Section):
 
 
 class DataSection(_Section):
-    """Where tokens come from. Tokens are bytes (0..255)."""
+    """Where tokens come from: bytes of text (ids 0..255), or a pre-tokenized `.bin`."""
 
     path: str | None = None
-    """A UTF-8/ASCII text file, or a pre-tokenized `.bin` of little-endian uint16 tokens. Empty:
-    the default corpus built from this machine's Python standard library sources (no download)."""
+    """A text file (its bytes are the tokens), or a pre-tokenized `.bin` of little-endian uint16 token
+    ids below `model.vocab_size`. Relative paths are resolved against the directory `elastic` runs
+    in. Empty: the default corpus built from this machine's Python standard library sources."""
     corpus_bytes: int = Field(8_000_000, ge=10_000)
     """Size cap of the default corpus, in bytes."""
 
@@ -108,17 +111,19 @@ class WorldSection(_Section):
     """How many replicas train, and how many ranks (GPUs) each replica shards over."""
 
     min_replicas: int = Field(1, ge=1)
-    """Fewest live replicas training continues with."""
+    """Fewest live replicas training continues with (below it, training waits for capacity).
+    Acted on once the world resizes on preemption; this version keeps `replicas` fixed."""
     replicas: int = Field(2, ge=1)
-    """Target number of replicas."""
+    """Target number of replicas: rented at start."""
     max_replicas: int = Field(4, ge=1)
-    """Never run more replicas than this."""
+    """Never run more replicas than this (upper bound for growing back)."""
     ranks_per_replica: int = Field(1, ge=1, le=1024)
     """Ranks (one per GPU, or one CPU process locally) in each replica; FSDP2 shards over them."""
     sync_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the pseudo-gradient all-reduce across replicas (bfloat16 halves the bytes)."""
     step_timeout_s: float = Field(600.0, gt=0)
-    """Longest an inner phase or outer sync may take before its replica counts as lost."""
+    """Longest an inner phase, outer sync or replica start may take, in seconds; past it the run fails
+    with a clear error instead of hanging."""
     cpu_threads_per_rank: int = Field(1, ge=1, le=256)
     """torch intra-op threads per rank on CPU."""
 
@@ -142,7 +147,8 @@ class ResourcesSection(_Section):
     regions: list[str] = Field(default_factory=list)
     """Allowed regions (any provider's names); empty means all of them."""
     accelerators: str | None = None
-    """GPU per VM as `MODEL:COUNT`, e.g. `A100:8`, `L4:1`. Empty for CPU-only (local) runs."""
+    """GPU per VM as `MODEL:COUNT`, e.g. `A100:8`, `L4:1`, for the cloud providers. Empty for
+    CPU-only runs; the local provider offers no GPUs and ignores it."""
     spot: bool = True
     """Rent spot/preemptible capacity (false: on-demand)."""
     max_usd_per_hour: float | None = Field(None, gt=0)
@@ -161,9 +167,11 @@ class BudgetSection(_Section):
     """Hard limits on spend and duration."""
 
     max_usd: float | None = Field(None, gt=0)
-    """Stop (final checkpoint, release everything) before spend would pass this, in USD."""
+    """Hard spend limit in USD: before each outer step the driver projects the spend at its end;
+    when that would pass this, it takes a final checkpoint, releases everything and ends with status
+    `budget_exhausted` (exit 3)."""
     max_hours: float | None = Field(None, gt=0)
-    """Stop after this many wall-clock hours."""
+    """Hard wall-clock limit in hours, enforced the same way."""
 
 
 class CheckpointSection(_Section):
@@ -325,11 +333,20 @@ def _format_errors(source: str, err: ValidationError) -> list[str]:
 def _check_files(recipe: Recipe, source: str) -> list[str]:
     problems = []
     if recipe.data.path is not None:
-        p = Path(recipe.data.path).expanduser()
+        p = Path(recipe.data.path)
         if not p.is_file():
             problems.append(f"{source}: data.path: no such file: {recipe.data.path}")
         elif p.stat().st_size < 2 * (recipe.train.seq_len + 1) * (2 if p.suffix == ".bin" else 1):
             problems.append(f"{source}: data.path: {recipe.data.path} is too small for train.seq_len")
+        elif p.suffix == ".bin":
+            import numpy as np
+            if p.stat().st_size % 2:
+                problems.append(f"{source}: data.path: {recipe.data.path} is not uint16 tokens (odd size)")
+            else:
+                top = int(np.memmap(p, dtype="<u2", mode="r").max())
+                if top >= recipe.model.vocab_size:
+                    problems.append(f"{source}: data.path: token id {top} in {recipe.data.path} is not below "
+                                    f"model.vocab_size ({recipe.model.vocab_size})")
     if recipe.model.factory is not None:
         mod, colon, fn = recipe.model.factory.partition(":")
         if not colon or not mod or not fn:
@@ -370,6 +387,10 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     if not isinstance(doc, dict):
         raise RecipeError([f"{source}: a recipe is a mapping of sections, got {type(doc).__name__}"])
     apply_overrides(doc, overrides or [])
+    data = doc.get("data")
+    if isinstance(data, dict) and isinstance(data.get("path"), str):
+        # Every rank opens this file; make it absolute now (relative to where elastic runs).
+        data["path"] = str(Path(data["path"]).expanduser().absolute())
     return validate_recipe(doc, source)
 
 

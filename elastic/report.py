@@ -52,6 +52,7 @@ def build_report(events: list[dict], now: float | None = None) -> dict:
     cost = sum(i["cost_usd"] for i in instances)
     tokens = steps[-1]["tokens_total"] if steps else 0
     errors = [e["message"] for e in events if e["type"] == "error"]
+    train_s = sum(e["inner_s"] + e["sync_s"] for e in steps)
     report = {
         "run": start["run"] if start else None,
         "status": end["status"] if end else "running",
@@ -60,20 +61,23 @@ def build_report(events: list[dict], now: float | None = None) -> dict:
         "outer_steps": steps[-1]["outer_step"] if steps else 0,
         "inner_steps": steps[-1]["inner_step"] if steps else 0,
         # First inner step's loss of the run; mean loss over the last inner phase.
-        "loss_first": steps[0]["losses"][0] if steps else None,
-        "loss_last": (sum(steps[-1]["losses"]) / len(steps[-1]["losses"])) if steps else None,
+        "loss_first": steps[0]["losses"][0] if steps and steps[0]["losses"] else None,
+        "loss_last": (sum(steps[-1]["losses"]) / len(steps[-1]["losses"])) if steps and steps[-1]["losses"] else None,
         "wall_s": round(now - start["t"], 3) if start else 0.0,
-        "train_s": round(sum(e["inner_s"] + e["sync_s"] for e in steps), 3),
+        "train_s": round(train_s, 3),
         "first_step_s": round(steps[0]["t"] - steps[0]["inner_s"] - steps[0]["sync_s"] - start["t"], 3)
         if steps and start else None,
-        "tokens_per_s": round(tokens / sum(e["inner_s"] + e["sync_s"] for e in steps), 1) if steps else 0.0,
+        "tokens_per_s": round(tokens / train_s, 1) if train_s > 0 else 0.0,
         "cost_usd": round(cost, 6),
         "usd_per_mtok": round(cost / tokens * 1e6, 6) if tokens else None,
         "instances": instances,
         "preemptions": sum(1 for e in events if e["type"] == "node_preempted"),
         "joins": sum(1 for e in events if e["type"] == "replica_joined" and e.get("outer_step", 0) > 0),
         "max_replicas_seen": max((len(e["replicas"]) for e in steps), default=0),
-        "checkpoints": [e["path"] for e in events if e["type"] == "checkpoint_saved"],
+        # Checkpoints still kept (retention deletes the older ones).
+        "checkpoints": [e["path"] for e in events if e["type"] == "checkpoint_saved"
+                        and e["step"] not in {d["step"] for d in events if d["type"] == "checkpoint_deleted"}],
+        "budget_exhausted": next((e["reason"] for e in events if e["type"] == "budget_exhausted"), None),
         "errors": errors,
     }
     return report

@@ -104,3 +104,24 @@ def test_interrupt_releases_every_node_and_reports(tmp_path, sig):
     assert events[-1]["type"] == "run_ended"
     assert "Traceback" not in out
     assert raylet_pids() <= before
+
+
+def test_budget_stops_the_run_with_a_final_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    max_usd = 0.0025   # two nodes at $0.40/h: about 11 s of renting
+    proc = launch(run_dir, *SMALL, "--set", "train.outer_steps=1000", "--set", f"budget.max_usd={max_usd}",
+                  "--set", "checkpoint.every_outer_steps=0")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 3, out
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["status"] == "budget_exhausted"
+    assert "budget.max_usd" in report["budget_exhausted"]
+    assert 0 < report["outer_steps"] < 1000
+    # Spend stops at the cap, give or take the seconds it takes to release two nodes.
+    release_margin_usd = 2 * 0.40 * 5 / 3600
+    assert report["cost_usd"] <= max_usd + release_margin_usd
+    events = read_events(run_dir / "events.jsonl")
+    assert_every_node_released(events)
+    saved = [e["step"] for e in events if e["type"] == "checkpoint_saved"]
+    assert saved == [report["outer_steps"]]   # the final checkpoint holds the last step
+    assert (run_dir / "metrics.jsonl").read_text().count("\n") == report["inner_steps"]

@@ -1,0 +1,131 @@
+"""Overhead of the elastic trainer against a plain PyTorch loop, and launch-to-first-step time.
+
+    python bench/overhead.py [--outer-steps 6] [--inner-steps 25]
+
+1. tokens/s of one replica × one rank (a Ray actor under FSDP2, DiLoCo outer step every H inner
+   steps) against a plain PyTorch loop in this process: same model, data, AdamW, threads (1).
+   Both are timed over their training steps only, in the same run, alternating, best of 3.
+2. seconds from starting `elastic launch recipes/local-tiny.yaml` to its first training step
+   (read from the ledger: the first outer step's start), and the process's total wall time.
+Prints figures; passes or fails nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def recipe(outer_steps: int, inner_steps: int):
+    from elastic.recipe import load_recipe
+    return load_recipe(REPO / "recipes/local-tiny.yaml", [
+        "world.replicas=1", "world.min_replicas=1", f"train.outer_steps={outer_steps}",
+        f"train.inner_steps={inner_steps}"])
+
+
+def plain_loop(r) -> float:
+    """tokens/s of a plain single-process PyTorch loop over the same work."""
+    from elastic.data import SampleStream, load_tokens
+    from elastic.models import build_model
+    from elastic.replica import lr_at
+
+    torch.set_num_threads(r.world.cpu_threads_per_rank)
+    t = r.train
+    torch.manual_seed(t.seed)
+    model = build_model(r.model)
+    ps = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in ps if p.dim() >= 2], "weight_decay": t.inner_weight_decay},
+                             {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=t.inner_lr, betas=t.inner_betas, foreach=True)
+    data = SampleStream(load_tokens(r.data.path, r.data.corpus_bytes), t.seq_len, t.seed)
+    batch = torch.empty(t.batch_size, t.seq_len + 1, dtype=torch.int64)
+    losses = torch.zeros(t.inner_steps)
+    total = t.outer_steps * t.inner_steps
+    t0 = time.perf_counter()
+    for step in range(total):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, t.inner_lr, t.warmup_steps, total)
+        data.batch(step * t.batch_size, t.batch_size, out=batch)
+        loss = F.cross_entropy(model(batch[:, :-1]).reshape(-1, r.model.vocab_size), batch[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ps, t.grad_clip, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses[step % t.inner_steps] = loss.detach()
+    seconds = time.perf_counter() - t0
+    return total * t.batch_size * t.seq_len / seconds
+
+
+def elastic_world(r, cluster) -> float:
+    """tokens/s of the elastic world (1 replica × 1 rank), timed over its outer steps."""
+    from elastic.world import World
+
+    node = cluster.add_node(cpus=1, gpus=0, labels={}, resources={}, object_store_bytes=80 * 1024 * 1024)
+    world = World(r)
+    try:
+        world.add_replicas([("bench", node)])
+        t0 = time.perf_counter()
+        while not world.done():
+            world.step()
+        seconds = time.perf_counter() - t0
+        return world.tokens / seconds
+    finally:
+        world.shutdown()
+        cluster.remove_node(node)
+
+
+def launch_to_first_step() -> tuple[float, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp) / "run"
+        t0 = time.time()
+        subprocess.run([sys.executable, "-m", "elastic", "launch", str(REPO / "recipes/local-tiny.yaml"),
+                        "--run-dir", str(run_dir), "--set", "train.outer_steps=2"], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+        wall = time.time() - t0
+        events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+        first = next(e for e in events if e["type"] == "outer_step")
+        return first["t"] - first["inner_s"] - first["sync_s"] - t0, wall
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--outer-steps", type=int, default=6)
+    ap.add_argument("--inner-steps", type=int, default=25)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    from elastic.cluster import LocalCluster
+
+    r = recipe(args.outer_steps, args.inner_steps)
+    plain_loop(r)  # warm up: corpus cache, allocator
+    cluster = LocalCluster()
+    try:
+        plain, ours = [], []
+        for _ in range(args.repeats):
+            plain.append(plain_loop(r))
+            ours.append(elastic_world(r, cluster))
+    finally:
+        cluster.shutdown()
+    first_step_s, wall_s = launch_to_first_step()
+    print(f"model: {r.model.layers} layers × {r.model.width} wide, batch {r.train.batch_size} × {r.train.seq_len}, "
+          f"H={r.train.inner_steps}, {r.train.outer_steps} outer steps, torch threads {r.world.cpu_threads_per_rank}")
+    print(f"plain PyTorch loop    tokens/s  best {max(plain):>9,.0f}   all {[round(x) for x in plain]}")
+    print(f"elastic 1×1 replica   tokens/s  best {max(ours):>9,.0f}   all {[round(x) for x in ours]}")
+    print(f"ratio elastic/plain (best/best): {max(ours) / max(plain):.3f}   (goal ≥ 0.95)")
+    print(f"elastic launch → first training step: {first_step_s:.1f} s   (whole 2-step run: {wall_s:.1f} s)")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
