@@ -8,9 +8,11 @@ same way so that an external head (`--address`) can be given nodes too.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
+import threading
 import time
 from contextlib import contextmanager
 
@@ -31,6 +33,9 @@ def _keep_signal_handlers():
     """ray.init and every raylet Ray starts in this process install SIGTERM/SIGINT handlers (exit,
     or drain-and-hang). The driver's own handlers decide what a signal does: release every node and
     write the report. Restore them after Ray is done installing its own."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
@@ -38,6 +43,54 @@ def _keep_signal_handlers():
         for s, h in saved.items():
             if h is not None:
                 signal.signal(s, h)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc; the local provider runs where Ray's raylets run)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        parents.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _kill_children(node) -> None:
+    """SIGKILL every process the node's raylet started (its worker processes)."""
+    from ray._private import ray_constants
+
+    for info in node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, []):
+        for child in _descendants(info.process.pid):
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _route_ray_messages() -> None:
+    """Ray's driver prints cluster messages (a node marked dead, a raylet's last log lines) straight
+    to stdout. For elastic a dead node is the normal path, and the terminal shows our own view: send
+    them to the log (the run's driver.log) instead."""
+    import ray._private.worker as ray_worker
+
+    ray_log = logging.getLogger("elastic.ray")
+
+    def to_log(data, ignore_prefix=False):
+        for line in data.get("lines", []):
+            ray_log.info("%s: %s", data.get("pid", "ray"), str(line).strip())
+
+    ray_worker.print_to_stdstream = to_log
 
 
 class LocalCluster:
@@ -66,17 +119,23 @@ class LocalCluster:
         self._ray = ray
         self._cluster = None
         self._nodes: dict[str, object] = {}
+        self._lock = threading.Lock()
+        self._start_lock = threading.Lock()
         with _keep_signal_handlers():
             self._start(address, head_cpus, Cluster)
+        atexit.register(self._kill_nodes)
 
     def _start(self, address, head_cpus, Cluster) -> None:
         ray = self._ray
+        _route_ray_messages()
         if address is not None and ":" not in address and address != "auto":
             raise ValueError(f"--address {address!r}: expected HOST:PORT of a Ray head")
         if address is None:
             self._cluster = Cluster(initialize_head=True, shutdown_at_exit=True, head_node_args={
                 "num_cpus": head_cpus, "num_gpus": 0, "include_dashboard": False,
-                "node_ip_address": "127.0.0.1", "object_store_memory": 100 * 1024 * 1024})
+                "node_ip_address": "127.0.0.1", "object_store_memory": 100 * 1024 * 1024,
+                # Notice a node that died without a word within ~1.5 s, not Ray's default ~15 s.
+                "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3}})
             self.address = self._cluster.address
         else:
             self.address = address
@@ -95,10 +154,14 @@ class LocalCluster:
                            node_ip_address="127.0.0.1", include_log_monitor=False, node_manager_port=0,
                            min_worker_port=0, max_worker_port=0)
         params.dashboard_agent_listen_port = None
-        with _keep_signal_handlers():
-            node = Node(params, head=False, shutdown_at_exit=True, spawn_reaper=True)
+        # shutdown_at_exit=False: Ray would install a SIGTERM handler (main thread only, and it
+        # exits without our cleanup); this object stops its nodes itself (shutdown, atexit).
+        # One raylet starts at a time: Ray's node startup is not thread-safe within a process.
+        with self._start_lock, _keep_signal_handlers():
+            node = Node(params, head=False, shutdown_at_exit=False, spawn_reaper=True)
         node_id = node.node_id
-        self._nodes[node_id] = node
+        with self._lock:
+            self._nodes[node_id] = node
         deadline = time.monotonic() + timeout_s
         while not self.is_alive(node_id):
             if time.monotonic() > deadline:
@@ -113,13 +176,22 @@ class LocalCluster:
     def remove_node(self, node_id: str, graceful: bool = True) -> None:
         """Stop the node's raylet and every worker process on it (idempotent). `graceful=False`
         kills them outright, as a hard preemption does."""
-        node = self._nodes.pop(node_id, None)
+        with self._lock:
+            node = self._nodes.pop(node_id, None)
         if node is None:
             return
+        # Everything the raylet started goes first: a reclaimed VM's workers (actors) die with it
+        # rather than answering on, and the node's agents cannot report the raylet's end as a
+        # crash into the driver's terminal. Actors on a node being released were killed already.
+        _kill_children(node)
         node.kill_all_processes(check_alive=False, allow_graceful=graceful, wait=True)
 
     def node_ids(self) -> list[str]:
         return list(self._nodes)
+
+    def _kill_nodes(self) -> None:
+        for node_id in list(self._nodes):
+            self.remove_node(node_id, graceful=False)
 
     def shutdown(self) -> None:
         """Remove every node this object started, disconnect, and stop the head if we started it."""

@@ -50,13 +50,17 @@ class OuterState:
         self.delta = torch.zeros(self.numel, dtype=torch.float32)
         self._theta_views = [v.view(t.shape) for v, t in zip(self.theta.data.split(sizes), self._locals)]
         self._delta_views = [v.view(t.shape) for v, t in zip(self.delta.split(sizes), self._locals)]
-        self._wire = self.delta if sync_dtype == torch.float32 else torch.zeros(self.numel, dtype=sync_dtype)
+        # The all-reduce runs on its own buffer, never on Δ: an all-reduce that a member dies in
+        # leaves Δ intact for the retry over the survivors.
+        self._sync_dtype = sync_dtype
+        self._wire = torch.zeros(self.numel, dtype=sync_dtype)
         self.theta.grad = self.delta
         self.optimizer = torch.optim.SGD([self.theta], lr=lr, momentum=momentum, nesterov=nesterov)
         torch._foreach_copy_(self._theta_views, self._locals)
         self._pg: dist.ProcessGroup | None = None
         self._epoch = -1
-        self.pending = False  # a pseudo-gradient is formed and not yet applied
+        self.pending = False   # Δ is formed and not yet applied
+        self.reduced = False   # the wire holds the average of this epoch's Δs, ready to apply
 
     @property
     def bytes_per_sync(self) -> int:
@@ -67,31 +71,46 @@ class OuterState:
         torch._foreach_copy_(self._delta_views, self._locals)
         self.delta.sub_(self.theta.data).neg_()
         self.pending = True
+        self.reduced = False
 
     def join_group(self, store: dist.Store, epoch: int, index: int, size: int, timeout_s: float, shard: int) -> None:
         """Build (once per epoch) the outer group of shard `shard`: this rank is `index` of `size`."""
         if epoch == self._epoch and self._pg is not None:
             return
+        self._pg = None
         prefix = dist.PrefixStore(f"outer/e{epoch}/s{shard}", store)
         self._pg = dist.ProcessGroupGloo(prefix, index, size, datetime.timedelta(seconds=timeout_s))
         self._epoch = epoch
 
-    def leave_group(self) -> None:
-        self._pg = None
-        self._epoch = -1
-
-    def sync_and_step(self, size: int) -> None:
-        """Average Δ over the outer group, take the outer step, write θ back into the model."""
+    def all_reduce(self, size: int) -> None:
+        """Average Δ over the outer group into the wire buffer (phase 1: nothing is applied yet).
+        Raises if a member fails; the held Δ is untouched and the wire is replaced."""
+        self._wire.copy_(self.delta)
         if size > 1:
-            if self._wire is not self.delta:
-                self._wire.copy_(self.delta)
-            self._pg.allreduce([self._wire]).wait()
-            if self._wire is not self.delta:
-                self.delta.copy_(self._wire)
-            self.delta.div_(size)
+            try:
+                self._pg.allreduce([self._wire]).wait()
+            except Exception:
+                # The failed collective may still write into its buffer from gloo's threads.
+                self._wire = torch.zeros(self.numel, dtype=self._sync_dtype)
+                self._pg, self._epoch = None, -1
+                self.reduced = False
+                raise
+            self._wire.div_(size)
+        self.reduced = True
+
+    def apply(self) -> None:
+        """Phase 2, once every member reduced: the outer step with the averaged Δ, θ back into the model."""
+        if not self.reduced:
+            raise RuntimeError("outer apply without a completed all-reduce")
+        self.delta.copy_(self._wire)
         self.optimizer.step()
         torch._foreach_copy_(self._locals, self._theta_views)
-        self.pending = False
+        self.pending = self.reduced = False
+
+    def sync_and_step(self, size: int) -> None:
+        """All-reduce and apply in one go (no failure handling: tests and single-replica use)."""
+        self.all_reduce(size)
+        self.apply()
 
     def momentum(self) -> torch.Tensor | None:
         """The outer momentum buffer (flat, this rank's shard), or None before the first step."""
@@ -100,3 +119,16 @@ class OuterState:
     def shard_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """`flat` (numel of this rank's shard) split into per-parameter views."""
         return [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in self._locals]), self._locals)]
+
+    def export(self) -> dict:
+        """θ_outer and the outer momentum of this shard (for a joining replica's same rank)."""
+        m = self.momentum()
+        return {"theta": self.theta.data.clone(), "momentum": None if m is None else m.clone()}
+
+    def load(self, state: dict) -> None:
+        """Take θ_outer and the outer momentum from a peer (or a checkpoint); θ goes into the model."""
+        self.theta.data.copy_(state["theta"])
+        if state.get("momentum") is not None:
+            self.optimizer.state[self.theta]["momentum_buffer"] = state["momentum"].clone()
+        torch._foreach_copy_(self._locals, self._theta_views)
+        self.pending = self.reduced = False

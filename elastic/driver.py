@@ -1,5 +1,12 @@
-"""The driver: rents nodes from a provider, runs the world's outer loop, checkpoints, keeps the
-budget, and records everything in the ledger. `elastic.launch` wraps it with signals and the report.
+"""The driver: keeps the world at its target size on whatever capacity the provider gives, runs the
+outer loop, checkpoints, keeps the budget, and records everything in the ledger.
+
+Preemption is the normal path. Each tick (between outer steps, and every 0.1 s while replicas
+train) the driver reads the provider's events: a notice asks the replica to cut its inner phase
+short in time to contribute, then it leaves cleanly; a preemption drops the replica and the world
+re-forms over the survivors. Replacement nodes are rented in the background and their replicas
+join at the next outer-step boundary with state copied from a live peer. `elastic.launch` wraps
+the driver with signals and the report.
 """
 
 from __future__ import annotations
@@ -7,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from elastic import checkpoint as ckpt
@@ -16,6 +24,8 @@ from elastic.recipe import Recipe
 from elastic.report import cost_so_far
 
 log = logging.getLogger(__name__)
+
+OFFER_COOLDOWN_S = 5.0   # real seconds an offer rests after a capacity error
 
 
 class Driver:
@@ -38,65 +48,240 @@ class Driver:
         self._metrics = None
         self._t0 = time.time()
         self._ckpt_root = ckpt.checkpoint_dir(recipe.checkpoint.uri, run_dir)
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="launch")
+        self._launching: dict[Future, object] = {}
+        self._cooldown: dict[tuple, float] = {}          # (zone, instance type) -> until (monotonic)
+        self._draining: dict[int, float] = {}            # replica id -> notice deadline (unix)
+        self._members: list[int] = []
+        self._view = None
 
     # -- setup -----------------------------------------------------------------------------------
 
     def start_cluster(self, address: str | None) -> None:
-        """Start (or join) the Ray cluster, the provider and the world."""
+        """Start (or join) the Ray cluster, then attach to it."""
         from elastic.cluster import LocalCluster
+
+        self.attach(LocalCluster(address=address))
+        self._owns_cluster = True
+
+    def attach(self, cluster) -> None:
+        """Use a running local cluster: build the provider and the world on it."""
         from elastic.world import World
         from providers import provider_class
 
-        self.cluster = LocalCluster(address=address)
+        self.cluster = cluster
         self.provider = provider_class("local")(self.recipe.local, self.cluster, self.recipe.world.ranks_per_replica)
-        self.world = World(self.recipe)
+        self.world = World(self.recipe, on_loss=self._record_loss, on_tick=self.tick)
 
-    def rent(self, count: int, view) -> list[tuple[str, str]]:
-        """Rent `count` nodes at the cheapest matching offer; returns (instance_id, ray node id)."""
-        offers = self.provider.offers(self.recipe.resources)
-        if not offers:
-            raise UserError("resources: no offer in the local market matches resources.regions / "
-                            "resources.max_usd_per_hour")
-        placements = []
-        for i in range(count):
+    _owns_cluster = False
+
+    # -- capacity --------------------------------------------------------------------------------
+
+    def _wanted(self) -> int:
+        """Nodes to rent now: up to the target (never past max), counting what is on its way;
+        draining replicas are already being replaced."""
+        w = self.world
+        have = len(w.replicas) - len(self._draining) + len(w.joining) + len(self._launching)
+        return max(0, min(self.recipe.world.replicas, self.recipe.world.max_replicas) - have)
+
+    def top_up(self) -> None:
+        """Rent nodes in the background up to the target (cheapest offer not cooling down)."""
+        for _ in range(self._wanted()):
+            now = time.monotonic()
+            offers = [o for o in self.provider.offers(self.recipe.resources)
+                      if self._cooldown.get((o.zone, o.instance_type), 0) <= now]
+            if not offers:
+                if not self.provider.offers(self.recipe.resources):
+                    raise UserError("resources: no offer in the local market matches resources.regions / "
+                                    "resources.max_usd_per_hour")
+                return
             offer = offers[0]
-            view.phase(f"renting node {i + 1}/{count} ({offer.instance_type} in {offer.region} "
-                       f"@ ${offer.usd_per_hour:.3f}/h)")
-            inst = self.provider.launch(offer, self.run_name, role="replica")
+            self._launching[self._pool.submit(self.provider.launch, offer, self.run_name, "replica")] = offer
+
+    def _collect_launches(self) -> None:
+        from providers.base import CapacityError
+
+        for fut in [f for f in self._launching if f.done()]:
+            offer = self._launching.pop(fut)
+            try:
+                inst = fut.result()
+            except CapacityError as exc:
+                self._cooldown[(offer.zone, offer.instance_type)] = time.monotonic() + OFFER_COOLDOWN_S
+                self.ledger.append("capacity_error", zone=offer.zone, instance_type=offer.instance_type,
+                                   message=str(exc))
+                continue
             self.ledger.append("node_launched", instance_id=inst.instance_id, ray_node_id=inst.ray_node_id,
                                role=inst.role, **{k: v for k, v in offer.to_dict().items() if k != "read_at"})
-            placements.append((inst.instance_id, inst.ray_node_id))
-        return placements
+            rep = self.world.start_replica(inst.instance_id, inst.ray_node_id)
+            self.ledger.append("replica_starting", replica=rep.replica_id, instance_id=inst.instance_id)
+
+    # -- events ----------------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Read the provider's notices and preemptions; collect finished launches. Called between
+        outer steps and while replicas train."""
+        for ev in self.provider.events():
+            rep = self.world.replica_on(ev.instance_id)
+            if ev.kind == "notice":
+                self.ledger.append("node_notice", instance_id=ev.instance_id, deadline=ev.deadline,
+                                   notice_s=round(ev.deadline - ev.at, 3),
+                                   replica=rep.replica_id if rep else None)
+                if rep is None:
+                    continue
+                if rep.replica_id in self.world.joining:
+                    # Not training yet: nothing to save, leave now and stop paying.
+                    self.world.drop(rep.replica_id, "notice while joining", phase="setup")
+                    self._terminate(ev.instance_id)
+                    continue
+                # End the inner phase early enough to contribute before the node goes.
+                margin_s = max(0.5, 2 * self._last_sync_s)
+                self.world.request_stop(rep.replica_id, ev.deadline - margin_s)
+                self._draining[rep.replica_id] = ev.deadline
+            elif ev.kind == "preempted":
+                self.ledger.append("node_preempted", instance_id=ev.instance_id, with_notice=ev.with_notice,
+                                   replica=rep.replica_id if rep else None)
+                if rep is not None:
+                    phase = self.world_phase if rep.replica_id in self.world.replicas else "setup"
+                    lost = self.recipe.train.inner_steps if phase in ("inner", "sync") else 0
+                    self.world.drop(rep.replica_id, "preempted" + (" after notice" if ev.with_notice else ""),
+                                    phase=phase, lost_inner_steps=lost)
+                    self._draining.pop(rep.replica_id, None)
+        self._collect_launches()
+
+    world_phase = "idle"
+    _last_sync_s = 0.0
+
+    def _record_loss(self, loss) -> None:
+        self.ledger.append("replica_lost", replica=loss.replica_id, instance_id=loss.instance_id,
+                           reason=loss.reason, phase=loss.phase, lost_inner_steps=loss.lost_inner_steps,
+                           outer_step=self.world.outer_step)
+        self._draining.pop(loss.replica_id, None)
+        # A replica lost for any reason other than its node going: release the node too.
+        inst = next((i for i in self.provider.list_instances(self.run_name) if i.instance_id == loss.instance_id), None)
+        if inst is not None and not loss.reason.startswith("preempted"):
+            self._terminate(loss.instance_id)
+
+    def _terminate(self, instance_id: str) -> None:
+        if any(i.instance_id == instance_id for i in self.provider.list_instances(self.run_name)):
+            self.provider.terminate(instance_id)
+            self.ledger.append("node_released", instance_id=instance_id)
+
+    def admit_joiners(self) -> None:
+        """At an outer-step boundary: bring every set-up joiner into the world."""
+        for rep in self.world.ready_joiners():
+            source = None
+            if not self.world.replicas and self.world.outer_step == 0 and not self._restored_once():
+                self.world.admit_fresh(rep)
+                source = "initial state"
+            elif not self.world.replicas:
+                steps = ckpt.complete_steps(self._ckpt_root)
+                if steps:
+                    path = ckpt.step_dir(self._ckpt_root, steps[-1])
+                    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+                    self.world.restore(manifest)
+                    source = self.world.admit(rep, checkpoint_path=str(path))
+                    self.ledger.append("world_restored", from_step=manifest["step"], path=str(path))
+                else:
+                    self.world.restore({"step": 0, "inner_step": 0, "data_cursor": self.world.cursor,
+                                        "tokens": self.world.tokens})
+                    self.world.admit_fresh(rep)
+                    source = "initial state (no checkpoint yet)"
+                    self.ledger.append("world_restored", from_step=0, path=None)
+            else:
+                source = self.world.admit(rep)
+            if source != "lost":
+                self.ledger.append("replica_joined", replica=rep.replica_id, instance_id=rep.instance_id,
+                                   outer_step=self.world.outer_step, epoch=self.world.epoch, source=source,
+                                   setup_s=round(time.time() - rep.started_at, 3))
+
+    def _restored_once(self) -> bool:
+        return any(e["type"] == "world_restored" for e in self.ledger.events)
+
+    def wait_for_capacity(self, view) -> bool:
+        """Pause until at least `world.min_replicas` are alive (renting and admitting meanwhile);
+        False when `world.capacity_timeout_s` passes first."""
+        w = self.recipe.world
+        if len(self.world.replicas) >= w.min_replicas and not self.world.joining:
+            return True
+        start = time.monotonic()
+        waited = False
+        while True:
+            self.tick()
+            self.top_up()
+            self.admit_joiners()
+            alive = len(self.world.replicas)
+            # At start, wait for every replica already on its way, so all begin together.
+            if alive >= w.min_replicas and (self.world.outer_step > 0 or not (self.world.joining or self._launching)):
+                if waited:
+                    self.ledger.append("capacity_wait_ended", waited_s=round(time.monotonic() - start, 3),
+                                       replicas=alive)
+                return True
+            if not waited and self.world.outer_step > 0:
+                self.ledger.append("capacity_wait_started", replicas=alive, min_replicas=w.min_replicas)
+                waited = True
+            if time.monotonic() - start > w.capacity_timeout_s:
+                self.ledger.append("capacity_wait_ended", waited_s=round(time.monotonic() - start, 3),
+                                   replicas=alive, gave_up=True)
+                return False
+            view.phase(f"waiting for capacity: {alive}/{w.min_replicas} replica(s) alive, "
+                       f"{len(self.world.joining)} joining, {len(self._launching)} renting")
+            self._wait_a_little()
+
+    def _wait_a_little(self) -> None:
+        """Block briefly on whatever can change next: a joiner's setup or a launch."""
+        import ray
+        refs = [r for rep in self.world.joining.values() for r in rep.setup_refs]
+        if refs:
+            ray.wait(refs, num_returns=1, timeout=0.1)
+        else:
+            time.sleep(0.1)
 
     # -- the run ---------------------------------------------------------------------------------
 
     def run(self, view) -> str:
-        """Train until done or out of budget; returns the run status."""
+        """Train until done, out of budget or out of capacity; returns the run status."""
         recipe, world, ledger = self.recipe, self.world, self.ledger
-        placements = self.rent(recipe.world.replicas, view)
-        view.phase(f"starting {len(placements)} replica(s) × {recipe.world.ranks_per_replica} rank(s)")
-        for rep in world.add_replicas(placements):
-            ledger.append("replica_joined", replica=rep.replica_id, instance_id=rep.instance_id,
-                          outer_step=rep.joined_step, epoch=world.epoch)
+        self._view = view
         self._metrics = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
         every = recipe.checkpoint.every_outer_steps
         train_s, last_step_s = 0.0, 0.0
+        view.phase(f"renting {recipe.world.replicas} node(s), starting replicas")
         try:
             while not world.done():
+                self.tick()
+                self.top_up()
+                self.admit_joiners()
+                if not self.wait_for_capacity(view):
+                    if world.replicas and world.outer_step > 0:
+                        self.checkpoint(view)
+                    return "insufficient_capacity"
                 reason = self._over_budget(last_step_s)
                 if reason:
                     ledger.append("budget_exhausted", reason=reason, outer_step=world.outer_step)
                     if world.outer_step > 0:
                         self.checkpoint(view)
                     return "budget_exhausted"
+                members = sorted(world.replicas)
+                if members != self._members:
+                    ledger.append("world_formed", epoch=world.epoch, replicas=members, outer_step=world.outer_step)
+                    self._members = members
+                self.world_phase = "inner"
                 res = world.step()
+                self.world_phase = "idle"
+                if res is None:
+                    continue   # every replica was lost during the step; capacity wait next
+                self._last_sync_s = res.sync_s
+                if res.sync_attempts > 1:
+                    ledger.append("sync_retried", outer_step=res.outer_step, attempts=res.sync_attempts)
                 last_step_s = res.inner_s + res.sync_s
                 train_s += last_step_s
                 ledger.append("outer_step", outer_step=res.outer_step, inner_step=world.inner_step,
                               epoch=world.epoch, replicas=res.replicas, losses=[round(x, 6) for x in res.losses],
                               tokens=res.tokens, tokens_total=world.tokens, inner_s=round(res.inner_s, 4),
-                              sync_s=round(res.sync_s, 4), bytes_sent=res.bytes_sent, data_cursor=world.cursor)
+                              sync_s=round(res.sync_s, 4), bytes_sent=res.bytes_sent, data_cursor=world.cursor,
+                              steps_done=res.steps_done)
                 self._write_metrics(res)
+                self._release_drained(res)
                 view.step(res, world, world.tokens / train_s if train_s else 0.0,
                           cost_so_far(ledger.events, time.time()))
                 if (every and world.outer_step % every == 0) or world.done():
@@ -105,10 +290,20 @@ class Driver:
             self._metrics.close()
         return "completed"
 
+    def _release_drained(self, res) -> None:
+        """Replicas that contributed after a notice leave now, before their node is taken."""
+        for rid in list(self._draining):
+            if rid in res.replicas and rid in self.world.replicas:
+                rep = self.world.replicas[rid]
+                self.world.release(rid)
+                self._draining.pop(rid)
+                self.ledger.append("replica_drained", replica=rid, instance_id=rep.instance_id,
+                                   outer_step=res.outer_step, steps_done=res.steps_done.get(rid))
+                self._terminate(rep.instance_id)
+
     def _write_metrics(self, res) -> None:
         """Training curves: one line per inner step (mean loss over the world)."""
-        h = self.recipe.train.inner_steps
-        first = self.world.inner_step - h
+        first = self.world.inner_step - self.recipe.train.inner_steps
         for i, loss in enumerate(res.losses):
             self._metrics.write(json.dumps({"inner_step": first + i + 1, "outer_step": res.outer_step,
                                             "loss": round(loss, 6), "replicas": len(res.replicas)}) + "\n")
@@ -130,7 +325,11 @@ class Driver:
 
     def checkpoint(self, view) -> None:
         view.phase(f"checkpoint at outer step {self.world.outer_step}")
-        info = ckpt.save(self.world, self._ckpt_root, self.recipe.digest())
+        try:
+            info = ckpt.save(self.world, self._ckpt_root, self.recipe.digest())
+        except Exception as exc:  # the saving replica was lost mid-save: the partial one is ignored
+            self.ledger.append("checkpoint_failed", step=self.world.outer_step, message=str(exc)[:200])
+            return
         self.ledger.append("checkpoint_saved", **info)
         for step in ckpt.prune(self._ckpt_root, self.recipe.checkpoint.keep_last):
             self.ledger.append("checkpoint_deleted", step=step)
@@ -144,15 +343,30 @@ class Driver:
                 self.world.shutdown()
             except Exception:
                 log.exception("world shutdown")
+        self._pool.shutdown(wait=True, cancel_futures=True)
         if self.provider is not None:
+            if self.world is not None:
+                self._collect_launches_quietly()
             for inst in self.provider.list_instances(self.run_name):
                 try:
                     self.provider.terminate(inst.instance_id)
                     self.ledger.append("node_released", instance_id=inst.instance_id)
                 except Exception as exc:
                     self.ledger.append("error", message=f"could not release {inst.instance_id}: {exc}")
-        if self.cluster is not None:
+            close = getattr(self.provider, "close", None)
+            if close:
+                close()
+        if self.cluster is not None and self._owns_cluster:
             try:
                 self.cluster.shutdown()
             except Exception:
                 log.exception("cluster shutdown")
+
+    def _collect_launches_quietly(self) -> None:
+        """Launches that finished during shutdown: record them so their release is priced."""
+        for fut in list(self._launching):
+            offer = self._launching.pop(fut)
+            if fut.done() and fut.exception() is None:
+                inst = fut.result()
+                self.ledger.append("node_launched", instance_id=inst.instance_id, ray_node_id=inst.ray_node_id,
+                                   role=inst.role, **{k: v for k, v in offer.to_dict().items() if k != "read_at"})

@@ -3,6 +3,7 @@
 Whatever happens (completion, a failure, Ctrl-C or SIGTERM), every node the run rented is released,
 the ledger records the end, and report.json is written. Exit codes: 0 completed, 1 failed,
 3 budget exhausted (stopped at `budget.max_usd` / `budget.max_hours` after a final checkpoint),
+4 insufficient capacity (fewer than `world.min_replicas` for `world.capacity_timeout_s`),
 130 interrupted. (2 is bad input, from the CLI.)
 """
 
@@ -23,7 +24,7 @@ from elastic.recipe import Recipe, dump_recipe
 
 log = logging.getLogger(__name__)
 
-EXIT = {"completed": 0, "budget_exhausted": 3, "failed": 1, "interrupted": 130}
+EXIT = {"completed": 0, "failed": 1, "budget_exhausted": 3, "insufficient_capacity": 4, "interrupted": 130}
 
 
 def default_run_dir(recipe: Recipe) -> Path:

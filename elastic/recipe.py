@@ -124,6 +124,12 @@ class WorldSection(_Section):
     step_timeout_s: float = Field(600.0, gt=0)
     """Longest an inner phase, outer sync or replica start may take, in seconds; past it the run fails
     with a clear error instead of hanging."""
+    sync_timeout_s: float = Field(60.0, gt=0)
+    """Longest the outer all-reduce may wait on a silent member before it counts as lost, in
+    seconds. (A member whose process dies is noticed at once: its connections close.)"""
+    capacity_timeout_s: float = Field(600.0, gt=0)
+    """With fewer than `min_replicas` alive, training pauses and waits for capacity this long, in
+    seconds, then ends with status `insufficient_capacity`."""
     cpu_threads_per_rank: int = Field(1, ge=1, le=256)
     """torch intra-op threads per rank on CPU."""
 
@@ -209,6 +215,36 @@ class LocalInstanceType(_Section):
     """Simulated on-demand price, USD per hour."""
 
 
+class MarketSection(_Section):
+    """The local provider's simulated spot market: prices that move, capacity that runs out, and
+    preemptions with or without notice. Generated from a seed, or replayed from `trace`."""
+
+    seed: int = Field(0, ge=0)
+    """Seed of the price walk, stock-outs and preemptions."""
+    time_compression: float = Field(60.0, gt=0)
+    """Simulated seconds per real second (60: a simulated hour passes in a real minute). Rates,
+    notice lengths and price changes are in simulated time."""
+    preempt_per_hour: float = Field(0.0, ge=0)
+    """Preemptions per node-hour of simulated time (generated market; a trace gives its own)."""
+    notice_fraction: float = Field(0.5, ge=0, le=1)
+    """Share of preemptions that come with a notice ahead; the rest are hard kills."""
+    notice_s: float = Field(120.0, ge=0)
+    """Notice length in simulated seconds (AWS gives 120, GCP 30)."""
+    volatility: float = Field(0.0, ge=0, le=5)
+    """Spot price volatility per sqrt(simulated hour) of a mean-reverting walk around the base price."""
+    stockout_per_hour: float = Field(0.0, ge=0)
+    """Stock-outs (capacity drops to 0) per simulated hour, per instance type."""
+    stockout_s: float = Field(600.0, ge=0)
+    """Length of a stock-out, simulated seconds."""
+    first_preemption_after_s: float = Field(0.0, ge=0)
+    """No preemption in a node's first this-many simulated seconds (lets a node start and join)."""
+    trace: str | None = None
+    """CSV to replay instead of generating: columns timestamp_s,cloud,region,zone,instance_type,gpu,
+    gpus,spot_usd_per_hour,on_demand_usd_per_hour,preempt_per_hour,capacity (timestamp_s in
+    simulated seconds from the run's start; each row holds until the next row of the same zone and
+    instance type; capacity 0 = stock-out)."""
+
+
 class LocalSection(_Section):
     """The `local` provider: Ray nodes on this machine and a simulated spot market."""
 
@@ -217,6 +253,10 @@ class LocalSection(_Section):
     when that is smaller."""
     object_store_bytes: int = Field(100 * 1024 * 1024, ge=78643200)
     """Ray object store size per local node, in bytes."""
+    capacity: int | None = Field(None, ge=0)
+    """Most local nodes of one instance type that can be held at once (empty: no limit)."""
+    market: MarketSection = Field(default_factory=MarketSection)
+    """The simulated spot market."""
 
 
 class Recipe(_Section):
@@ -391,6 +431,9 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     if isinstance(data, dict) and isinstance(data.get("path"), str):
         # Every rank opens this file; make it absolute now (relative to where elastic runs).
         data["path"] = str(Path(data["path"]).expanduser().absolute())
+    market = (doc.get("local") or {}).get("market") if isinstance(doc.get("local"), dict) else None
+    if isinstance(market, dict) and isinstance(market.get("trace"), str):
+        market["trace"] = str((p.parent / Path(market["trace"]).expanduser()).absolute())
     return validate_recipe(doc, source)
 
 
@@ -401,6 +444,9 @@ def validate_recipe(doc: dict, source: str = "<recipe>") -> Recipe:
     except ValidationError as err:
         raise RecipeError(_format_errors(source, err)) from None
     problems = _check_files(recipe, source)
+    trace = recipe.local.market.trace
+    if trace is not None and not Path(trace).is_file():
+        problems.append(f"{source}: local.market.trace: no such file: {trace}")
     if problems:
         raise RecipeError(problems)
     return recipe

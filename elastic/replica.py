@@ -58,6 +58,9 @@ class RankWorker:
     def __init__(self, spec: RankSpec):
         self._spec = spec
         self._ready = False
+        # Set by request_stop (a second actor thread) while inner_phase runs: unix time by which
+        # the inner phase must end, because the node has a preemption notice.
+        self._stop_at = float("inf")
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -117,6 +120,7 @@ class RankWorker:
         self._per_rank = t.batch_size // spec.ranks
         self._batch = torch.empty(self._per_rank, t.seq_len + 1, dtype=torch.int64)
         self._losses = torch.zeros(t.inner_steps, dtype=torch.float32, device=self._device)
+        self._stop_flag = torch.zeros(1)
         self._inner_step = 0
         self._ready = True
         return {"replica": spec.replica_id, "rank": spec.rank, "pid": os.getpid(), "device": str(self._device),
@@ -138,7 +142,10 @@ class RankWorker:
         spec, t = self._spec, self._recipe.train
         model, opt, batch, losses = self._model, self._opt, self._batch, self._losses
         vocab = self._recipe.model.vocab_size
+        steps = 0
         for h in range(t.inner_steps):
+            if self._should_stop():
+                break
             lr = lr_at(inner_step + h, t.inner_lr, t.warmup_steps, spec.total_inner_steps)
             for group in opt.param_groups:
                 group["lr"] = lr
@@ -153,20 +160,76 @@ class RankWorker:
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses[h] = loss.detach()
+            steps += 1
         self._outer.form_pseudo_gradient()
-        self._inner_step = inner_step + t.inner_steps
-        return {"losses": losses.tolist(), "tokens": t.inner_steps * self._per_rank * t.seq_len,
-                "seconds": time.monotonic() - t0}
+        self._inner_step = inner_step + steps
+        return {"losses": losses[:steps].tolist(), "steps": steps,
+                "tokens": steps * self._per_rank * t.seq_len, "seconds": time.monotonic() - t0}
+
+    def _should_stop(self) -> bool:
+        """Whether the preemption deadline says: stop the inner phase now. The ranks of a replica
+        agree (one-element MAX all-reduce), since FSDP needs them in lockstep."""
+        import torch.distributed as dist
+
+        stop = time.time() >= self._stop_at
+        if self._spec.ranks == 1:
+            return stop
+        self._stop_flag.fill_(1.0 if stop else 0.0)
+        dist.all_reduce(self._stop_flag, op=dist.ReduceOp.MAX)
+        return bool(self._stop_flag.item())
+
+    def request_stop(self, stop_at: float) -> None:
+        """End the current (or next) inner phase by unix time `stop_at` (called concurrently)."""
+        self._stop_at = min(self._stop_at, stop_at)
 
     def outer_sync(self, epoch: int, index: int, size: int) -> dict:
-        """Average Δ over the `size` replicas of membership `epoch` (this replica is `index`) and
-        take the outer step."""
+        """Phase 1 of the outer step: average Δ over the `size` replicas of membership `epoch` (this
+        replica is `index`). Failure is a value: {"ok": False} when a member died mid-way; Δ is kept
+        for a retry over the survivors."""
         t0 = time.monotonic()
-        if size > 1:
-            self._outer.join_group(self._store, epoch, index, size, self._recipe.world.step_timeout_s,
-                                   shard=self._spec.rank)
-        self._outer.sync_and_step(size)
-        return {"seconds": time.monotonic() - t0, "bytes": self._outer.bytes_per_sync if size > 1 else 0}
+        try:
+            if size > 1:
+                self._outer.join_group(self._store, epoch, index, size, self._recipe.world.sync_timeout_s,
+                                       shard=self._spec.rank)
+            self._outer.all_reduce(size)
+        except Exception as exc:  # a peer died or timed out: the driver re-forms the group
+            return {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:200]}",
+                    "seconds": time.monotonic() - t0, "bytes": 0}
+        return {"ok": True, "seconds": time.monotonic() - t0, "bytes": self._outer.bytes_per_sync if size > 1 else 0}
+
+    def outer_apply(self) -> None:
+        """Phase 2: every member reduced, so take the outer step."""
+        self._outer.apply()
+
+    # -- joining: state from a live peer, or from a checkpoint ----------------------------------
+
+    def export_state(self) -> dict:
+        """This rank's θ_outer, outer momentum and inner AdamW state (local shards), for the same
+        rank of a joining replica. Call at an outer-step boundary (θ_local = θ_outer)."""
+        inner = []
+        for p in self._params:
+            st = self._opt.state.get(p, {})
+            inner.append({k: (v.to_local() if hasattr(v, "to_local") else v).detach().cpu().clone()
+                          for k, v in st.items()})
+        return {"outer": self._outer.export(), "inner": inner, "inner_step": self._inner_step}
+
+    def import_state(self, state: dict) -> None:
+        """Take a peer's state (see export_state): the replica continues exactly where the peer is."""
+        from torch.distributed.tensor import DTensor
+
+        self._outer.load(state["outer"])
+        for p, st in zip(self._params, state["inner"]):
+            if not st:
+                continue
+            own = {}
+            for k, v in st.items():
+                if isinstance(p, DTensor) and v.dim() > 0:
+                    v = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape,
+                                           stride=p.stride(), run_check=False)
+                own[k] = v.to(p.device) if not isinstance(v, DTensor) and v.dim() > 0 else v
+            self._opt.state[p] = own
+        self._inner_step = state["inner_step"]
+        self._stop_at = float("inf")
 
     # -- inspection and state -------------------------------------------------------------------
 
@@ -195,8 +258,10 @@ class RankWorker:
         t0 = time.monotonic()
         model_sd, optim_sd = get_state_dict(self._model, self._opt)
         momentum = self._outer.momentum()
+        if momentum is None:  # no momentum (outer_momentum 0, or before the first step): save zeros
+            momentum = torch.zeros(self._outer.numel)
         outer = {}
-        if momentum is not None:
+        if True:
             for (name, p), view in zip(self._model.named_parameters(), self._outer.shard_views(momentum)):
                 if isinstance(p, DTensor):
                     outer[name] = DTensor.from_local(view.to(p.device), p.device_mesh, p.placements,
@@ -206,6 +271,33 @@ class RankWorker:
         state = {"model": model_sd, "optim": optim_sd, "outer_momentum": outer,
                  "inner_step": torch.tensor(self._inner_step)}
         dcp.save(state, checkpoint_id=path)
+        return {"seconds": time.monotonic() - t0}
+
+    def load_checkpoint(self, path: str) -> dict:
+        """Load model, inner AdamW and outer momentum from a DCP checkpoint written by any world
+        shape (DCP reshards to this replica's ranks). A collective over the replica's ranks."""
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.tensor import DTensor
+
+        t0 = time.monotonic()
+        model_sd, optim_sd = get_state_dict(self._model, self._opt)
+        outer = {}
+        for name, p in self._model.named_parameters():
+            outer[name] = (DTensor.from_local(torch.zeros_like(p.to_local()), p.device_mesh, p.placements,
+                                              shape=p.shape, stride=p.stride(), run_check=False)
+                           if isinstance(p, DTensor) else torch.zeros_like(p))
+        state = {"model": model_sd, "optim": optim_sd, "outer_momentum": outer,
+                 "inner_step": torch.tensor(0)}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(self._model, self._opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        theta = torch.cat([(p.to_local() if hasattr(p, "to_local") else p).detach().reshape(-1).cpu()
+                           for p in self._params])
+        momentum = torch.cat([(v.to_local() if hasattr(v, "to_local") else v).reshape(-1).cpu()
+                              for v in outer.values()])
+        self._outer.load({"theta": theta, "momentum": momentum})
+        self._inner_step = int(state["inner_step"])
         return {"seconds": time.monotonic() - t0}
 
     def ping(self) -> bool:

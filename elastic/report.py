@@ -36,6 +36,29 @@ def _instances(events: list[dict], now: float) -> list[dict]:
     return out
 
 
+def _recovery_s(events: list[dict], steps: list[dict]) -> list[float]:
+    """For each replica lost while training: seconds from the loss to the next outer step the
+    re-formed world completed."""
+    out = []
+    for e in events:
+        if e["type"] != "replica_lost" or e.get("phase") == "setup":
+            continue
+        nxt = next((s for s in steps if s["t"] > e["t"]), None)
+        if nxt is not None:
+            out.append(round(nxt["t"] - e["t"], 3))
+    return out
+
+
+def _effective(steps: list[dict], instances: list[dict]) -> float | None:
+    """Fraction of rented node-seconds that produced kept training progress: each completed outer
+    step credits its duration to every replica whose pseudo-gradient it applied."""
+    rented = sum(i["seconds"] for i in instances)
+    if rented <= 0:
+        return None
+    useful = sum((s["inner_s"] + s["sync_s"]) * len(s["replicas"]) for s in steps)
+    return round(min(1.0, useful / rented), 4)
+
+
 def cost_so_far(events: list[dict], now: float) -> float:
     """USD accrued by every VM the run has held, up to `now`."""
     return sum(i["cost_usd"] for i in _instances(events, now))
@@ -71,8 +94,22 @@ def build_report(events: list[dict], now: float | None = None) -> dict:
         "cost_usd": round(cost, 6),
         "usd_per_mtok": round(cost / tokens * 1e6, 6) if tokens else None,
         "instances": instances,
-        "preemptions": sum(1 for e in events if e["type"] == "node_preempted"),
+        # A VM the cloud reclaims counts once, whether it was killed outright or after a notice
+        # (and whether or not the run released it before the deadline).
+        "preemptions": len({e["instance_id"] for e in events if e["type"] in ("node_preempted", "node_notice")}),
+        "preemptions_with_notice": len({e["instance_id"] for e in events if e["type"] == "node_notice"}),
+        "preemptions_without_notice": len({e["instance_id"] for e in events
+                                           if e["type"] == "node_preempted" and not e.get("with_notice")}),
+        "drained": sum(1 for e in events if e["type"] == "replica_drained"),
         "joins": sum(1 for e in events if e["type"] == "replica_joined" and e.get("outer_step", 0) > 0),
+        "replicas_lost": sum(1 for e in events if e["type"] == "replica_lost" and e.get("phase") != "setup"),
+        "recovery_s": _recovery_s(events, steps),
+        "lost_inner_steps": sum(e.get("lost_inner_steps", 0) for e in events if e["type"] == "replica_lost"),
+        "sync_retries": sum(e["attempts"] - 1 for e in events if e["type"] == "sync_retried"),
+        "effective_training_time": _effective(steps, instances),
+        "driver_restarts": max(0, sum(1 for e in events if e["type"] == "run_started") - 1),
+        "capacity_wait_s": round(sum(e.get("waited_s", 0) for e in events if e["type"] == "capacity_wait_ended"), 3),
+        "restored_from_checkpoint": sum(1 for e in events if e["type"] == "world_restored" and e.get("path")),
         "max_replicas_seen": max((len(e["replicas"]) for e in steps), default=0),
         # Checkpoints still kept (retention deletes the older ones).
         "checkpoints": [e["path"] for e in events if e["type"] == "checkpoint_saved"
@@ -81,6 +118,12 @@ def build_report(events: list[dict], now: float | None = None) -> dict:
         "errors": errors,
     }
     return report
+
+
+def _median(xs: list[float]) -> float:
+    ys = sorted(xs)
+    n = len(ys)
+    return (ys[n // 2] + ys[(n - 1) // 2]) / 2
 
 
 def write_report(run_dir: str | Path) -> dict:
@@ -115,6 +158,8 @@ def summary_table(report: dict):
         ("$ per 1M tokens", fmt(report["usd_per_mtok"], ".4f")),
         ("instances", str(len(report["instances"]))),
         ("preemptions / joins", f"{report['preemptions']} / {report['joins']}"),
+        ("recovery (median)", f"{_median(report['recovery_s']):.1f} s" if report["recovery_s"] else "-"),
+        ("effective training time", fmt(report["effective_training_time"], ".1%")),
     ]
     for k, v in rows:
         table.add_row(k, v)

@@ -2,9 +2,17 @@
 
 A replica is `ranks_per_replica` Ray actors pinned to one node. Per outer step the driver leases
 each replica a disjoint range of sample indices, runs the inner phase on every rank, then the
-outer sync over the replicas of the current membership epoch. The driver owns the TCPStore every
-process group rendezvouses through, so the outer group can be re-formed (new epoch) whenever the
-membership changes.
+outer sync over the replicas that finished it. Failure is the normal path:
+
+- a replica whose rank dies (its node was preempted) is dropped; the others go on, and the outer
+  all-reduce is formed over the survivors under a new membership epoch;
+- an all-reduce that a member dies in is retried over the survivors with the pseudo-gradients they
+  still hold (the sync is two-phase: all-reduce, then apply once every member reduced);
+- a replica started later joins at an outer-step boundary with θ_outer, the outer momentum and the
+  inner optimizer state copied from a live peer (or from a checkpoint when no peer is left).
+
+The driver owns the TCPStore every process group rendezvouses through, so a new epoch is just a
+new key prefix.
 """
 
 from __future__ import annotations
@@ -14,15 +22,18 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from elastic.recipe import Recipe
 
 log = logging.getLogger(__name__)
 
+MAX_SYNC_ATTEMPTS = 4
+
 
 @dataclass
 class Replica:
-    """A replica the world trains with.
+    """A replica of the world.
 
     Args:
         replica_id: unique id for the run (never reused).
@@ -30,6 +41,8 @@ class Replica:
         node_id: Ray node id of that VM.
         actors: one actor handle per rank, rank order.
         joined_step: the outer step it first contributes to.
+        setup_refs: pending `setup` calls (a replica starting up).
+        started_at: unix time its actors were created.
     """
 
     replica_id: int
@@ -37,6 +50,27 @@ class Replica:
     node_id: str
     actors: list = field(default_factory=list)
     joined_step: int = 0
+    setup_refs: list = field(default_factory=list)
+    started_at: float = 0.0
+
+
+@dataclass
+class Loss:
+    """A replica the world lost.
+
+    Args:
+        replica_id: the replica.
+        instance_id: its VM.
+        reason: what happened.
+        lost_inner_steps: inner steps of work it took with it.
+        phase: `inner`, `sync`, `idle` or `setup`.
+    """
+
+    replica_id: int
+    instance_id: str
+    reason: str
+    lost_inner_steps: int
+    phase: str
 
 
 @dataclass
@@ -45,12 +79,14 @@ class StepResult:
 
     Args:
         outer_step: the step just completed (1-based).
-        replicas: ids of the replicas that contributed.
-        losses: mean loss over the world for each inner step.
-        tokens: tokens trained in this step (all replicas).
+        replicas: ids of the replicas whose pseudo-gradients were applied.
+        losses: mean loss over those replicas for each inner step.
+        tokens: tokens trained in this step by those replicas.
         inner_s: slowest inner phase, seconds.
-        sync_s: outer sync, seconds.
+        sync_s: outer sync (all attempts), seconds.
         bytes_sent: pseudo-gradient bytes each rank all-reduced.
+        sync_attempts: all-reduce attempts (1 when nobody failed).
+        steps_done: inner steps each contributing replica took (fewer when cut short by a notice).
     """
 
     outer_step: int
@@ -60,6 +96,8 @@ class StepResult:
     inner_s: float
     sync_s: float
     bytes_sent: int
+    sync_attempts: int = 1
+    steps_done: dict = field(default_factory=dict)
 
 
 class World:
@@ -68,9 +106,12 @@ class World:
         store_host: address replicas reach the driver's store on.
         identical_data: feed every replica the same samples (tests DiLoCo against one replica);
             normal runs lease disjoint ranges.
+        on_loss: called with each `Loss` as it happens (the driver records it).
+        on_tick: called while waiting on replicas (the driver polls provider notices).
     """
 
-    def __init__(self, recipe: Recipe, store_host: str = "127.0.0.1", identical_data: bool = False):
+    def __init__(self, recipe: Recipe, store_host: str = "127.0.0.1", identical_data: bool = False,
+                 on_loss: Callable[[Loss], None] | None = None, on_tick: Callable[[], None] | None = None):
         import ray
         import torch.distributed as dist
 
@@ -80,13 +121,18 @@ class World:
         self._store = dist.TCPStore(store_host, 0, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=recipe.world.step_timeout_s))
         self._store_host = store_host
-        self.replicas: dict[int, Replica] = {}
+        self.replicas: dict[int, Replica] = {}    # live and training
+        self.joining: dict[int, Replica] = {}     # started, not yet admitted
         self._ids = itertools.count(0)
         self.epoch = 0
         self.outer_step = 0
         self.inner_step = 0
         self.cursor = 0  # next unleased sample index: the run's data position
         self.tokens = 0
+        self._on_loss = on_loss or (lambda loss: None)
+        self._on_tick = on_tick or (lambda: None)
+        # Observers of the outer loop: on_phase(phase, members) as each phase is under way.
+        self.on_phase: Callable[[str, list[int]], None] = lambda phase, members: None
         self._actor_cls = ray.remote(_rank_worker_cls())
         self.total_inner_steps = self._plan_inner_steps()
 
@@ -109,46 +155,183 @@ class World:
 
     # -- membership ------------------------------------------------------------------------------
 
-    def add_replicas(self, placements: list[tuple[str, str]]) -> list[Replica]:
-        """Start one replica per (instance_id, node_id) and wait until every rank is set up."""
+    def start_replica(self, instance_id: str, node_id: str) -> Replica:
+        """Create a replica's actors on a node and start their setup (does not wait)."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from elastic.replica import RankSpec
 
         ranks = self._recipe.world.ranks_per_replica
         spec = self._recipe.model_dump(mode="json")
-        new = []
-        for instance_id, node_id in placements:
-            rep = Replica(next(self._ids), instance_id, node_id, joined_step=self.outer_step)
-            strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
-            for rank in range(ranks):
-                rs = RankSpec(recipe=spec, replica_id=rep.replica_id, rank=rank, ranks=ranks,
-                              store_host=self._store_host, store_port=self._store.port,
-                              total_inner_steps=self.total_inner_steps)
-                rep.actors.append(self._actor_cls.options(num_cpus=1, scheduling_strategy=strategy).remote(rs))
-            new.append(rep)
-        self._ray.get([a.setup.remote() for rep in new for a in rep.actors],
-                      timeout=self._recipe.world.step_timeout_s)
+        rep = Replica(next(self._ids), instance_id, node_id, started_at=time.time())
+        strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
+        for rank in range(ranks):
+            rs = RankSpec(recipe=spec, replica_id=rep.replica_id, rank=rank, ranks=ranks,
+                          store_host=self._store_host, store_port=self._store.port,
+                          total_inner_steps=self.total_inner_steps)
+            # Two threads: request_stop must reach a rank while inner_phase runs.
+            rep.actors.append(self._actor_cls.options(num_cpus=1, scheduling_strategy=strategy,
+                                                      max_concurrency=2).remote(rs))
+        rep.setup_refs = [a.setup.remote() for a in rep.actors]
+        self.joining[rep.replica_id] = rep
+        return rep
+
+    def add_replicas(self, placements: list[tuple[str, str]]) -> list[Replica]:
+        """Start one replica per (instance_id, node_id), wait until all are set up, and admit them
+        as the initial world (all start from the same seeded θ)."""
+        new = [self.start_replica(i, n) for i, n in placements]
+        self._ray.get([r for rep in new for r in rep.setup_refs], timeout=self._recipe.world.step_timeout_s)
         for rep in new:
+            del self.joining[rep.replica_id]
+            rep.setup_refs = []
+            rep.joined_step = self.outer_step
             self.replicas[rep.replica_id] = rep
         self.epoch += 1
         return new
 
-    def remove_replica(self, replica_id: int) -> None:
-        rep = self.replicas.pop(replica_id, None)
-        if rep is None:
-            return
-        for a in rep.actors:
-            self._ray.kill(a, no_restart=True)
+    def ready_joiners(self) -> list[Replica]:
+        """Joining replicas whose setup has finished (failed ones are dropped as losses)."""
+        ready = []
+        for rep in list(self.joining.values()):
+            done, _ = self._ray.wait(rep.setup_refs, num_returns=len(rep.setup_refs), timeout=0)
+            if len(done) < len(rep.setup_refs):
+                continue
+            try:
+                self._ray.get(done)
+            except Exception as exc:
+                self._lose(rep, f"setup failed: {_short(exc)}", 0, "setup")
+                continue
+            ready.append(rep)
+        return ready
+
+    def admit(self, rep: Replica, checkpoint_path: str | None = None) -> str:
+        """Admit a set-up joiner at this outer-step boundary, with its state from a live peer (or,
+        when none is left, from `checkpoint_path`). Returns where the state came from."""
+        timeout = self._recipe.world.step_timeout_s
+        source = None
+        for peer in [self.replicas[r] for r in sorted(self.replicas)]:
+            try:
+                states = [peer.actors[r].export_state.remote() for r in range(len(rep.actors))]
+                self._ray.get([a.import_state.remote(s) for a, s in zip(rep.actors, states)], timeout=timeout)
+                source = f"replica {peer.replica_id}"
+                break
+            except Exception as exc:
+                if self._is_dead(rep):
+                    self._lose(rep, f"died while joining: {_short(exc)}", 0, "setup")
+                    return "lost"
+                self._lose(peer, f"lost while exporting state: {_short(exc)}", 0, "idle")
+        if source is None:
+            if checkpoint_path is None:
+                raise RuntimeError("no live peer and no checkpoint to join from")
+            self._ray.get([a.load_checkpoint.remote(checkpoint_path) for a in rep.actors], timeout=timeout)
+            source = f"checkpoint {checkpoint_path}"
+        del self.joining[rep.replica_id]
+        rep.setup_refs = []
+        rep.joined_step = self.outer_step
+        self.replicas[rep.replica_id] = rep
         self.epoch += 1
+        return source
+
+    def admit_fresh(self, rep: Replica) -> None:
+        """Admit a set-up joiner as it is: the seeded initial θ (only when no replica holds newer state)."""
+        del self.joining[rep.replica_id]
+        rep.setup_refs = []
+        rep.joined_step = self.outer_step
+        self.replicas[rep.replica_id] = rep
+        self.epoch += 1
+
+    def restore(self, manifest: dict) -> None:
+        """Set the driver-side counters from a checkpoint manifest (all replicas were lost)."""
+        self.outer_step = manifest["step"]
+        self.inner_step = manifest["inner_step"]
+        self.cursor = manifest["data_cursor"]
+        self.tokens = manifest["tokens"]
+
+    def replica_on(self, instance_id: str) -> Replica | None:
+        for rep in list(self.replicas.values()) + list(self.joining.values()):
+            if rep.instance_id == instance_id:
+                return rep
+        return None
+
+    def request_stop(self, replica_id: int, stop_at: float) -> None:
+        """A notice: the replica ends its inner phase by unix time `stop_at` and contributes."""
+        rep = self.replicas.get(replica_id) or self.joining.get(replica_id)
+        if rep is not None:
+            for a in rep.actors:
+                a.request_stop.remote(stop_at)
+
+    def drop(self, replica_id: int, reason: str, phase: str = "idle", lost_inner_steps: int = 0) -> None:
+        """Remove a replica (its node is gone or going): kill its actors, record the loss."""
+        rep = self.replicas.get(replica_id) or self.joining.get(replica_id)
+        if rep is not None:
+            self._lose(rep, reason, lost_inner_steps, phase)
+
+    def release(self, replica_id: int) -> None:
+        """Remove a replica that left cleanly (drained after a notice): no loss."""
+        rep = self.replicas.pop(replica_id, None)
+        if rep is not None:
+            self._kill(rep)
+            self.epoch += 1
+
+    def _lose(self, rep: Replica, reason: str, lost_inner_steps: int, phase: str) -> None:
+        was_member = self.replicas.pop(rep.replica_id, None) is not None
+        self.joining.pop(rep.replica_id, None)
+        self._kill(rep)
+        if was_member:
+            self.epoch += 1
+        self._on_loss(Loss(rep.replica_id, rep.instance_id, reason, lost_inner_steps, phase))
+
+    def _kill(self, rep: Replica) -> None:
+        # A rank lost inside a multi-rank replica drops the whole replica: its other ranks would
+        # wait in an FSDP collective for a peer that will never come.
+        for a in rep.actors:
+            try:
+                self._ray.kill(a, no_restart=True)
+            except Exception:  # already gone with its node
+                pass
+
+    def _is_dead(self, rep: Replica) -> bool:
+        try:
+            self._ray.get([a.ping.remote() for a in rep.actors], timeout=10)
+            return False
+        except Exception:
+            return True
 
     # -- training --------------------------------------------------------------------------------
 
-    def step(self) -> StepResult:
-        """One outer step: every replica's inner phase, then the outer sync."""
-        ray, t = self._ray, self._recipe.train
-        timeout = self._recipe.world.step_timeout_s
+    def _gather(self, calls: dict, phase: str, lost_steps: int) -> dict:
+        """Wait for {(replica_id, rank): ref}. A replica whose call fails, or whose node the
+        driver learns is gone (on_tick), is dropped. Returns {(replica_id, rank): result}."""
+        ray = self._ray
+        deadline = time.monotonic() + (self._recipe.world.step_timeout_s if phase == "inner"
+                                       else self._recipe.world.sync_timeout_s + 30)
+        owner = {ref: key for key, ref in calls.items()}
+        pending = list(owner)
+        results = {}
+        while pending:
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.1)
+            for ref in done:
+                rid, rank = owner[ref]
+                try:
+                    results[(rid, rank)] = ray.get(ref)
+                except Exception as exc:
+                    if rid in self.replicas:
+                        self._lose(self.replicas[rid], f"{phase}: {_short(exc)}", lost_steps, phase)
+            self._on_tick()   # may drop replicas whose nodes the provider saw go
+            pending = [r for r in pending if owner[r][0] in self.replicas]
+            if pending and time.monotonic() > deadline:
+                for rid in {owner[r][0] for r in pending}:
+                    if rid in self.replicas:
+                        self._lose(self.replicas[rid], f"{phase}: timed out", lost_steps, phase)
+                pending = []
+        return {k: v for k, v in results.items() if k[0] in self.replicas}
+
+    def step(self) -> StepResult | None:
+        """One outer step over the live replicas. None if every replica was lost during it."""
+        t = self._recipe.train
         members = sorted(self.replicas)
+        if not members:
+            return None
         per_replica = t.inner_steps * t.batch_size
         leases = {}
         for rid in members:
@@ -161,23 +344,50 @@ class World:
         t0 = time.monotonic()
         calls = {(rid, r): a.inner_phase.remote(leases[rid], self.inner_step)
                  for rid in members for r, a in enumerate(self.replicas[rid].actors)}
-        results = dict(zip(calls, ray.get(list(calls.values()), timeout=timeout)))
+        self.on_phase("inner", members)
+        results = self._gather(calls, "inner", t.inner_steps)
         inner_s = time.monotonic() - t0
 
         t1 = time.monotonic()
-        syncs = [a.outer_sync.remote(self.epoch, i, len(members))
-                 for i, rid in enumerate(members) for a in self.replicas[rid].actors]
-        sync_out = ray.get(syncs, timeout=timeout)
+        attempts, sync_out = 0, {}
+        while True:
+            members = sorted(rid for rid in self.replicas
+                             if all((rid, r) in results for r in range(len(self.replicas[rid].actors))))
+            if not members:
+                return None
+            attempts += 1
+            if attempts > 1:
+                self.epoch += 1   # a fresh group over the survivors
+            calls = {(rid, r): a.outer_sync.remote(self.epoch, i, len(members))
+                     for i, rid in enumerate(members) for r, a in enumerate(self.replicas[rid].actors)}
+            self.on_phase("sync", members)
+            sync_out = self._gather(calls, "sync", t.inner_steps)
+            ok = all(sync_out.get((rid, r), {}).get("ok") for rid in members
+                     for r in range(len(self.replicas[rid].actors))) and set(members) <= set(self.replicas)
+            if ok:
+                break
+            if attempts >= MAX_SYNC_ATTEMPTS:
+                errors = {v.get("error") for v in sync_out.values() if not v.get("ok")}
+                raise RuntimeError(f"outer all-reduce failed {attempts} times: {sorted(e for e in errors if e)[:2]}")
+        applied = self._gather({(rid, r): a.outer_apply.remote()
+                                for rid in members for r, a in enumerate(self.replicas[rid].actors)},
+                               "sync", t.inner_steps)
+        members = sorted({rid for rid, _ in applied})
         sync_s = time.monotonic() - t1
 
-        n = len(results)
-        losses = [sum(res["losses"][h] for res in results.values()) / n for h in range(t.inner_steps)]
-        tokens = sum(res["tokens"] for res in results.values())
+        contrib = [results[(rid, r)] for rid in members for r in range(len(self.replicas[rid].actors))]
+        longest = max(len(c["losses"]) for c in contrib)
+        losses = []
+        for h in range(longest):
+            xs = [c["losses"][h] for c in contrib if h < len(c["losses"])]
+            losses.append(sum(xs) / len(xs))
+        tokens = sum(c["tokens"] for c in contrib)
         self.outer_step += 1
         self.inner_step += t.inner_steps
         self.tokens += tokens
         return StepResult(self.outer_step, members, losses, tokens, inner_s, sync_s,
-                          max(s["bytes"] for s in sync_out))
+                          max((s["bytes"] for s in sync_out.values()), default=0), attempts,
+                          {rid: results[(rid, 0)]["steps"] for rid in members})
 
     def lead_replica(self) -> Replica:
         return self.replicas[min(self.replicas)]
@@ -188,13 +398,15 @@ class World:
                              timeout=self._recipe.world.step_timeout_s)
 
     def shutdown(self) -> None:
-        for rid in list(self.replicas):
-            rep = self.replicas.pop(rid)
-            for a in rep.actors:
-                try:
-                    self._ray.kill(a, no_restart=True)
-                except Exception:  # actor already gone with its node: nothing to release
-                    pass
+        for rep in list(self.replicas.values()) + list(self.joining.values()):
+            self._kill(rep)
+        self.replicas.clear()
+        self.joining.clear()
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
 
 
 def _rank_worker_cls():

@@ -64,20 +64,26 @@ class Instance:
 
 
 @dataclass(frozen=True)
-class Notice:
-    """A provider's warning that an instance will be reclaimed.
+class NodeEvent:
+    """Something the provider saw happen to a VM.
 
     Args:
         instance_id: the instance.
-        deadline_s: seconds from `at` until it goes.
-        at: unix time of the notice.
-        kind: `preemption` or `maintenance`.
+        kind: `notice` (it will be reclaimed at `deadline`) or `preempted` (it is gone).
+        at: unix time the provider saw it.
+        deadline: for a notice, unix time the VM goes.
+        with_notice: for a preemption, whether a notice came first.
     """
 
     instance_id: str
-    deadline_s: float
+    kind: str
     at: float
-    kind: str = "preemption"
+    deadline: float | None = None
+    with_notice: bool = False
+
+
+class CapacityError(Exception):
+    """The offer cannot be had now (stock-out, quota); the caller cools it down and tries later."""
 
 
 @runtime_checkable
@@ -98,5 +104,5 @@ class Provider(Protocol):
     def list_instances(self, run: str) -> list[Instance]:
         """Every VM this provider holds for `run`."""
 
-    def notices(self) -> list[Notice]:
-        """Preemption notices that arrived since the last call."""
+    def events(self) -> list[NodeEvent]:
+        """Preemption notices and preemptions seen since the last call."""

@@ -1,8 +1,9 @@
-"""The `local` provider: "VMs" are Ray nodes on this machine, priced by a simulated market.
+"""The `local` provider: "VMs" are Ray nodes on this machine, priced by a simulated spot market.
 
 Renting adds a raylet to the local cluster, labelled with cloud/region/zone/instance id;
-terminating removes it (its raylet and actors die for real). Prices are the recipe's
-`local.instance_types` figures.
+terminating removes it. A preemption (drawn by the market, or asked for with `preempt`) kills the
+raylet and every process on it at once, as a reclaimed VM would; with a notice, the kill comes
+`notice_s` (scaled by the market's time compression) after the notice.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ import logging
 import threading
 import time
 
-from providers.base import Instance, Notice, Offer
+from providers.base import CapacityError, Instance, NodeEvent, Offer
+from providers.simmarket import SimMarket
 
 log = logging.getLogger(__name__)
+
+TICK_S = 0.1
 
 
 class LocalProvider:
@@ -31,26 +35,42 @@ class LocalProvider:
         self._cluster = cluster
         self._ranks = ranks_per_replica
         self._instances: dict[str, Instance] = {}
+        self._kill_at: dict[str, float] = {}   # instance id -> unix time of a noticed kill
+        self._events: list[NodeEvent] = []
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self.market = SimMarket(section.market, section.instance_types, section.capacity)
+        self._stop = threading.Event()
+        self._ticker = threading.Thread(target=self._tick_loop, name="local-market", daemon=True)
+        self._ticker.start()
+
+    # -- the provider interface ------------------------------------------------------------------
 
     def offers(self, resources) -> list[Offer]:
         now = time.time()
         regions = set(resources.regions)
         out = []
-        for it in self._section.instance_types:
-            if regions and it.region not in regions:
-                continue
-            usd = it.spot_usd_per_hour if resources.spot else it.on_demand_usd_per_hour
-            if resources.max_usd_per_hour is not None and usd > resources.max_usd_per_hour:
-                continue
-            out.append(Offer(cloud="local", region=it.region, zone=it.zone, instance_type=it.name, gpu="", gpus=0,
-                             cpus=max(it.cpus, self._ranks), spot=resources.spot, usd_per_hour=usd,
-                             on_demand_usd_per_hour=it.on_demand_usd_per_hour, read_at=now))
+        with self._lock:
+            for it in self._section.instance_types:
+                if regions and it.region not in regions:
+                    continue
+                st = self.market.state(it.zone, it.name)
+                usd = st.spot_usd_per_hour if resources.spot else st.on_demand_usd_per_hour
+                if resources.max_usd_per_hour is not None and usd > resources.max_usd_per_hour:
+                    continue
+                out.append(Offer(cloud="local", region=it.region, zone=it.zone, instance_type=it.name, gpu="",
+                                 gpus=0, cpus=max(it.cpus, self._ranks), spot=resources.spot, usd_per_hour=usd,
+                                 on_demand_usd_per_hour=st.on_demand_usd_per_hour, read_at=now))
         return sorted(out, key=lambda o: o.usd_per_hour)
 
     def launch(self, offer: Offer, run: str, role: str) -> Instance:
         with self._lock:
+            cap = self.market.state(offer.zone, offer.instance_type).capacity if offer.spot else None
+            held = sum(1 for i in self._instances.values()
+                       if i.offer.zone == offer.zone and i.offer.instance_type == offer.instance_type)
+            if cap is not None and held >= cap:
+                raise CapacityError(f"{offer.instance_type} in {offer.zone}: no capacity "
+                                    f"({'stock-out' if cap == 0 else f'{held}/{cap} held'})")
             instance_id = f"local-{next(self._ids):04d}"
         labels = {"elastic.cloud": "local", "elastic.region": offer.region, "elastic.zone": offer.zone,
                   "elastic.instance_type": offer.instance_type, "elastic.instance_id": instance_id,
@@ -66,6 +86,7 @@ class LocalProvider:
     def terminate(self, instance_id: str) -> None:
         with self._lock:
             inst = self._instances.pop(instance_id, None)
+            self._kill_at.pop(instance_id, None)
         if inst is not None:
             self._cluster.remove_node(inst.ray_node_id)
 
@@ -73,5 +94,63 @@ class LocalProvider:
         with self._lock:
             return [i for i in self._instances.values() if i.run == run]
 
-    def notices(self) -> list[Notice]:
-        return []
+    def events(self) -> list[NodeEvent]:
+        with self._lock:
+            out, self._events = self._events, []
+        return out
+
+    def close(self) -> None:
+        """Stop the market ticker (nodes are released with terminate)."""
+        self._stop.set()
+        self._ticker.join(timeout=5)
+
+    # -- preemption ------------------------------------------------------------------------------
+
+    def preempt(self, instance_id: str, notice: bool) -> None:
+        """Reclaim a node as the cloud would: now (hard), or after the market's notice length."""
+        now = time.time()
+        with self._lock:
+            if instance_id not in self._instances or instance_id in self._kill_at:
+                return
+            if notice:
+                deadline = now + self.market.notice_real_s
+                self._kill_at[instance_id] = deadline
+                self._events.append(NodeEvent(instance_id, "notice", now, deadline=deadline))
+                return
+        self._kill(instance_id, with_notice=False)
+
+    def _kill(self, instance_id: str, with_notice: bool) -> None:
+        with self._lock:
+            inst = self._instances.pop(instance_id, None)
+            self._kill_at.pop(instance_id, None)
+        if inst is None:
+            return
+        self._cluster.remove_node(inst.ray_node_id, graceful=False)
+        with self._lock:
+            self._events.append(NodeEvent(instance_id, "preempted", time.time(), with_notice=with_notice))
+        log.info("preempted %s (%s notice)", instance_id, "with" if with_notice else "without")
+
+    def _tick_loop(self) -> None:
+        last = time.monotonic()
+        while not self._stop.wait(TICK_S):
+            now_m = time.monotonic()
+            dt, last = now_m - last, now_m
+            now = time.time()
+            with self._lock:
+                self.market.advance(dt)
+                due = [i for i, t in self._kill_at.items() if t <= now]
+                draws = []
+                for inst in self._instances.values():
+                    if inst.instance_id in self._kill_at:
+                        continue
+                    age_sim = (now - inst.launched_at) * self._section.market.time_compression
+                    kind = self.market.draw_preemption(inst.offer.zone, inst.offer.instance_type, dt, age_sim)
+                    if kind:
+                        draws.append((inst.instance_id, kind == "notice"))
+            for instance_id in due:
+                self._kill(instance_id, with_notice=True)
+            for instance_id, notice in draws:
+                try:
+                    self.preempt(instance_id, notice)
+                except Exception:  # a node that vanished on its own meanwhile
+                    log.exception("preempting %s", instance_id)

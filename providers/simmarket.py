@@ -1,0 +1,135 @@
+"""A simulated spot market for the local provider.
+
+Per (zone, instance type): a spot price over time, a capacity (how many VMs can be had; 0 is a
+stock-out) and a preemption hazard. Generated from a seed (mean-reverting log-price walk,
+Poisson stock-outs and preemptions) or replayed from a trace CSV. Time is simulated: `compression`
+simulated seconds pass per real second, so an hour of market fits in a minute of test.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+TRACE_COLUMNS = ["timestamp_s", "cloud", "region", "zone", "instance_type", "gpu", "gpus", "spot_usd_per_hour",
+                 "on_demand_usd_per_hour", "preempt_per_hour", "capacity"]
+
+
+@dataclass
+class MarketState:
+    """The market for one (zone, instance type) at one moment.
+
+    Args:
+        spot_usd_per_hour: spot price.
+        on_demand_usd_per_hour: on-demand price.
+        preempt_per_hour: preemption hazard per node-hour (simulated time).
+        capacity: VMs that can be held at once (None: no limit; 0: stock-out).
+    """
+
+    spot_usd_per_hour: float
+    on_demand_usd_per_hour: float
+    preempt_per_hour: float
+    capacity: int | None
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be replayed (one line: file, row, what is wrong)."""
+
+
+def read_trace(path: str | Path) -> dict[tuple[str, str], list[tuple[float, MarketState]]]:
+    """Rows per (zone, instance_type), sorted by time."""
+    out: dict[tuple[str, str], list[tuple[float, MarketState]]] = {}
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in TRACE_COLUMNS if c not in (reader.fieldnames or [])]
+        if missing:
+            raise TraceError(f"{path}: missing columns: {', '.join(missing)}")
+        for n, row in enumerate(reader, start=2):
+            try:
+                state = MarketState(float(row["spot_usd_per_hour"]), float(row["on_demand_usd_per_hour"]),
+                                    float(row["preempt_per_hour"]), int(row["capacity"]))
+                t = float(row["timestamp_s"])
+            except (TypeError, ValueError) as exc:
+                raise TraceError(f"{path}: row {n}: {exc}") from None
+            out.setdefault((row["zone"], row["instance_type"]), []).append((t, state))
+    for rows in out.values():
+        rows.sort(key=lambda r: r[0])
+    return out
+
+
+class SimMarket:
+    """Args:
+        section: the recipe's `local.market` section.
+        instance_types: the recipe's `local.instance_types` (base prices, zones).
+        capacity: default capacity per instance type (None: unlimited).
+    """
+
+    def __init__(self, section, instance_types, capacity: int | None = None):
+        self._s = section
+        self._types = {(it.zone, it.name): it for it in instance_types}
+        self._capacity = capacity
+        self._rng = random.Random(section.seed)
+        self._trace = read_trace(section.trace) if section.trace else None
+        self._log_dev = {k: 0.0 for k in self._types}          # log(price / base)
+        self._stockout_until = {k: -1.0 for k in self._types}  # simulated seconds
+        self._sim_t = 0.0
+
+    @property
+    def sim_time_s(self) -> float:
+        return self._sim_t
+
+    def real_s(self, sim_s: float) -> float:
+        """Real seconds for a span of simulated seconds."""
+        return sim_s / self._s.time_compression
+
+    def state(self, zone: str, instance_type: str) -> MarketState:
+        """The market for this zone and instance type now."""
+        key = (zone, instance_type)
+        it = self._types[key]
+        if self._trace is not None:
+            rows = self._trace.get(key)
+            if not rows:
+                return MarketState(it.spot_usd_per_hour, it.on_demand_usd_per_hour, 0.0, self._capacity)
+            current = rows[0][1]
+            for t, st in rows:
+                if t > self._sim_t:
+                    break
+                current = st
+            return current
+        cap = 0 if self._sim_t < self._stockout_until[key] else self._capacity
+        price = it.spot_usd_per_hour * math.exp(self._log_dev[key])
+        return MarketState(round(price, 6), it.on_demand_usd_per_hour, self._s.preempt_per_hour, cap)
+
+    def advance(self, real_dt_s: float) -> None:
+        """Move the market `real_dt_s` real seconds forward (prices walk, stock-outs start)."""
+        dt = real_dt_s * self._s.time_compression
+        self._sim_t += dt
+        if self._trace is not None:
+            return
+        hours = dt / 3600
+        for key in self._types:
+            if self._s.volatility:
+                # Ornstein-Uhlenbeck on log-price, reverting to the base over ~1 simulated hour.
+                d = self._log_dev[key]
+                self._log_dev[key] = d - d * min(1.0, hours) + self._s.volatility * math.sqrt(hours) * self._rng.gauss(0, 1)
+            if self._s.stockout_per_hour and self._rng.random() < 1 - math.exp(-self._s.stockout_per_hour * hours):
+                self._stockout_until[key] = self._sim_t + self._s.stockout_s
+
+    def draw_preemption(self, zone: str, instance_type: str, real_dt_s: float, age_sim_s: float) -> str | None:
+        """Whether a node of this kind is preempted in the last `real_dt_s`: None, "notice" or "hard"."""
+        if age_sim_s < self._s.first_preemption_after_s:
+            return None
+        rate = self.state(zone, instance_type).preempt_per_hour
+        if rate <= 0:
+            return None
+        p = 1 - math.exp(-rate * real_dt_s * self._s.time_compression / 3600)
+        if self._rng.random() >= p:
+            return None
+        return "notice" if self._rng.random() < self._s.notice_fraction else "hard"
+
+    @property
+    def notice_real_s(self) -> float:
+        return self.real_s(self._s.notice_s)
