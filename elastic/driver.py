@@ -148,6 +148,11 @@ class Driver:
                     self._draining.pop(rep.replica_id, None)
         self._collect_launches()
 
+    @property
+    def draining(self) -> set[int]:
+        """Replicas with a preemption notice, finishing their last phase."""
+        return set(self._draining)
+
     world_phase = "idle"
     _last_sync_s = 0.0
 
@@ -204,6 +209,7 @@ class Driver:
         if len(self.world.replicas) >= w.min_replicas and not self.world.joining:
             return True
         start = time.monotonic()
+        short_since = None   # when the capacity on its way last fell below min_replicas
         waited = False
         while True:
             self.tick()
@@ -219,12 +225,19 @@ class Driver:
             if not waited and self.world.outer_step > 0:
                 self.ledger.append("capacity_wait_started", replicas=alive, min_replicas=w.min_replicas)
                 waited = True
-            if time.monotonic() - start > w.capacity_timeout_s:
+            # The clock runs only while even the replicas on their way would not be enough.
+            on_way = alive + len(self.world.joining) + len(self._launching)
+            short_since = (short_since or time.monotonic()) if on_way < w.min_replicas else None
+            if short_since is not None and time.monotonic() - short_since > w.capacity_timeout_s:
                 self.ledger.append("capacity_wait_ended", waited_s=round(time.monotonic() - start, 3),
                                    replicas=alive, gave_up=True)
                 return False
-            view.phase(f"waiting for capacity: {alive}/{w.min_replicas} replica(s) alive, "
-                       f"{len(self.world.joining)} joining, {len(self._launching)} renting")
+            if self.world.outer_step == 0:
+                view.phase(f"starting: {alive} replica(s) ready, {len(self.world.joining)} starting, "
+                           f"{len(self._launching)} node(s) renting")
+            else:
+                view.phase(f"waiting for capacity: {alive} of at least {w.min_replicas} replica(s) alive, "
+                           f"{len(self.world.joining)} joining, {len(self._launching)} renting")
             self._wait_a_little()
 
     def _wait_a_little(self) -> None:

@@ -15,6 +15,8 @@ import signal
 import time
 import traceback
 from contextlib import contextmanager
+
+from rich.markup import escape
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -102,11 +104,13 @@ class _View:
         return t
 
     def phase(self, text: str) -> None:
+        if text == self._rows.get("phase"):
+            return   # plain output: each change once, not every tick
         self._rows["phase"] = text
         if self._live is not None:
             self._live.update(self._render())
         else:
-            self._console.print(f"[dim]{text}[/dim]")
+            self._console.print(f"[dim]{escape(text)}[/dim]", highlight=False)
 
     def step(self, res, world, tokens_per_s: float, usd: float) -> None:  # noqa: D102
         h = self._recipe.train.inner_steps

@@ -445,8 +445,20 @@ def validate_recipe(doc: dict, source: str = "<recipe>") -> Recipe:
         raise RecipeError(_format_errors(source, err)) from None
     problems = _check_files(recipe, source)
     trace = recipe.local.market.trace
-    if trace is not None and not Path(trace).is_file():
-        problems.append(f"{source}: local.market.trace: no such file: {trace}")
+    if trace is not None:
+        if not Path(trace).is_file():
+            problems.append(f"{source}: local.market.trace: no such file: {trace}")
+        else:
+            from providers.simmarket import TraceError, read_trace
+            try:
+                rows = read_trace(trace)
+            except (TraceError, OSError, UnicodeDecodeError) as exc:
+                problems.append(f"{source}: local.market.trace: {str(exc).splitlines()[0]}")
+            else:
+                known = {(it.zone, it.name) for it in recipe.local.instance_types}
+                for zone, itype in sorted(set(rows) - known):
+                    problems.append(f"{source}: local.market.trace: zone {zone} / instance type {itype} is not in "
+                                    "local.instance_types")
     if problems:
         raise RecipeError(problems)
     return recipe

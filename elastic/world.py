@@ -358,12 +358,13 @@ class World:
             attempts += 1
             if attempts > 1:
                 self.epoch += 1   # a fresh group over the survivors
+            self.on_phase("sync", members)
+            members = [rid for rid in members if rid in self.replicas]
             calls = {(rid, r): a.outer_sync.remote(self.epoch, i, len(members))
                      for i, rid in enumerate(members) for r, a in enumerate(self.replicas[rid].actors)}
-            self.on_phase("sync", members)
             sync_out = self._gather(calls, "sync", t.inner_steps)
-            ok = all(sync_out.get((rid, r), {}).get("ok") for rid in members
-                     for r in range(len(self.replicas[rid].actors))) and set(members) <= set(self.replicas)
+            ok = set(members) <= set(self.replicas) and all(
+                sync_out.get((rid, r), {}).get("ok") for rid in members for r in range(len(self.replicas[rid].actors)))
             if ok:
                 break
             if attempts >= MAX_SYNC_ATTEMPTS:

@@ -36,6 +36,7 @@ class LocalProvider:
         self._ranks = ranks_per_replica
         self._instances: dict[str, Instance] = {}
         self._kill_at: dict[str, float] = {}   # instance id -> unix time of a noticed kill
+        self._starting: dict[tuple, int] = {}   # (zone, instance type) -> launches under way
         self._events: list[NodeEvent] = []
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
@@ -66,22 +67,28 @@ class LocalProvider:
     def launch(self, offer: Offer, run: str, role: str) -> Instance:
         with self._lock:
             cap = self.market.state(offer.zone, offer.instance_type).capacity if offer.spot else None
+            key = (offer.zone, offer.instance_type)
             held = sum(1 for i in self._instances.values()
-                       if i.offer.zone == offer.zone and i.offer.instance_type == offer.instance_type)
+                       if (i.offer.zone, i.offer.instance_type) == key) + self._starting.get(key, 0)
             if cap is not None and held >= cap:
                 raise CapacityError(f"{offer.instance_type} in {offer.zone}: no capacity "
                                     f"({'stock-out' if cap == 0 else f'{held}/{cap} held'})")
+            self._starting[key] = self._starting.get(key, 0) + 1   # the slot is ours while it starts
             instance_id = f"local-{next(self._ids):04d}"
         labels = {"elastic.cloud": "local", "elastic.region": offer.region, "elastic.zone": offer.zone,
                   "elastic.instance_type": offer.instance_type, "elastic.instance_id": instance_id,
                   "elastic.run": run, "elastic.role": role}
-        node_id = self._cluster.add_node(cpus=offer.cpus, gpus=0, labels=labels, resources={},
-                                         object_store_bytes=self._section.object_store_bytes)
-        inst = Instance(instance_id=instance_id, offer=offer, run=run, role=role, launched_at=time.time(),
-                        ray_node_id=node_id, labels=labels)
-        with self._lock:
-            self._instances[instance_id] = inst
-        return inst
+        try:
+            node_id = self._cluster.add_node(cpus=offer.cpus, gpus=0, labels=labels, resources={},
+                                             object_store_bytes=self._section.object_store_bytes)
+            inst = Instance(instance_id=instance_id, offer=offer, run=run, role=role, launched_at=time.time(),
+                            ray_node_id=node_id, labels=labels)
+            with self._lock:
+                self._instances[instance_id] = inst
+            return inst
+        finally:
+            with self._lock:
+                self._starting[key] -= 1
 
     def terminate(self, instance_id: str) -> None:
         with self._lock:

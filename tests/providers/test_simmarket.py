@@ -1,0 +1,88 @@
+"""The local provider's simulated spot market: generated from a seed, or replayed from a trace."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+
+from elastic.recipe import LocalInstanceType, MarketSection
+from providers.simmarket import SimMarket, TraceError, read_trace
+
+TYPES = [LocalInstanceType(name="cpu", region="r1", zone="r1a", spot_usd_per_hour=0.5, on_demand_usd_per_hour=1.5)]
+
+
+def test_preemptions_follow_the_rate_and_notice_fraction():
+    # 2 per node-hour, 60× compression: p = 1 - exp(-2 * 0.1 * 60 / 3600) per 0.1 s tick.
+    m = SimMarket(MarketSection(seed=3, preempt_per_hour=2.0, notice_fraction=0.25, time_compression=60), TYPES)
+    ticks = 200_000
+    draws = [m.draw_preemption("r1a", "cpu", 0.1, age_sim_s=1e9) for _ in range(ticks)]
+    hits = [d for d in draws if d]
+    expected = ticks * (1 - math.exp(-2.0 * 0.1 * 60 / 3600))
+    assert abs(len(hits) - expected) < 4 * math.sqrt(expected)
+    share = sum(d == "notice" for d in hits) / len(hits)
+    assert abs(share - 0.25) < 0.05
+
+
+def test_same_seed_same_market_and_grace_period():
+    a = SimMarket(MarketSection(seed=9, preempt_per_hour=5, volatility=0.5), TYPES)
+    b = SimMarket(MarketSection(seed=9, preempt_per_hour=5, volatility=0.5), TYPES)
+    for _ in range(500):
+        a.advance(0.1)
+        b.advance(0.1)
+        assert a.state("r1a", "cpu") == b.state("r1a", "cpu")
+        assert a.draw_preemption("r1a", "cpu", 0.1, 1e9) == b.draw_preemption("r1a", "cpu", 0.1, 1e9)
+    assert a.state("r1a", "cpu").spot_usd_per_hour != 0.5   # the price walked
+    young = SimMarket(MarketSection(seed=1, preempt_per_hour=1e6, first_preemption_after_s=600), TYPES)
+    assert young.draw_preemption("r1a", "cpu", 1.0, age_sim_s=599) is None
+    assert young.draw_preemption("r1a", "cpu", 1.0, age_sim_s=601) is not None
+
+
+def test_stockouts_take_capacity_to_zero_then_return():
+    m = SimMarket(MarketSection(seed=2, stockout_per_hour=1e9, stockout_s=600, time_compression=60), TYPES, capacity=4)
+    m.advance(0.1)
+    assert m.state("r1a", "cpu").capacity == 0
+    calm = SimMarket(MarketSection(seed=2, stockout_per_hour=0), TYPES, capacity=4)
+    calm.advance(100)
+    assert calm.state("r1a", "cpu").capacity == 4
+
+
+def write_trace(path, rows):
+    header = "timestamp_s,cloud,region,zone,instance_type,gpu,gpus,spot_usd_per_hour,on_demand_usd_per_hour,preempt_per_hour,capacity"
+    path.write_text(header + "\n" + "\n".join(rows) + "\n")
+    return path
+
+
+def test_trace_replay_holds_each_row_until_the_next(tmp_path):
+    trace = write_trace(tmp_path / "t.csv", [
+        "0,local,r1,r1a,cpu,,0,0.40,1.50,0,2",
+        "600,local,r1,r1a,cpu,,0,0.90,1.50,12,0",
+        "1200,local,r1,r1a,cpu,,0,0.30,1.50,1,3",
+    ])
+    m = SimMarket(MarketSection(trace=str(trace), time_compression=60), TYPES)
+    assert m.state("r1a", "cpu").spot_usd_per_hour == 0.40 and m.state("r1a", "cpu").capacity == 2
+    m.advance(10)   # 600 simulated seconds
+    st = m.state("r1a", "cpu")
+    assert (st.spot_usd_per_hour, st.preempt_per_hour, st.capacity) == (0.90, 12.0, 0)
+    m.advance(9.9)
+    assert m.state("r1a", "cpu").capacity == 0
+    m.advance(0.2)
+    assert m.state("r1a", "cpu").capacity == 3
+
+
+def test_bad_traces_are_one_line_errors(tmp_path):
+    missing = tmp_path / "m.csv"
+    missing.write_text("timestamp_s,zone\n0,a\n")
+    with pytest.raises(TraceError, match="missing columns"):
+        read_trace(missing)
+    bad = write_trace(tmp_path / "b.csv", ["zero,local,r1,r1a,cpu,,0,0.4,1.5,0,2"])
+    with pytest.raises(TraceError, match="row 2"):
+        read_trace(bad)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: x\nlocal:\n  market:\n    trace: b.csv\n")
+    out = subprocess.run([sys.executable, "-m", "elastic", "validate", str(recipe)], capture_output=True, text=True)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "local.market.trace" in out.stderr and "row 2" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
