@@ -110,6 +110,11 @@ class Driver:
                 self.ledger.append("capacity_error", zone=offer.zone, instance_type=offer.instance_type,
                                    message=str(exc))
                 continue
+            except Exception as exc:  # a VM that failed to come up: the offer rests, the run goes on
+                self._cooldown[(offer.zone, offer.instance_type)] = time.monotonic() + OFFER_COOLDOWN_S
+                self.ledger.append("launch_failed", zone=offer.zone, instance_type=offer.instance_type,
+                                   message=f"{type(exc).__name__}: {str(exc)[:200]}")
+                continue
             self.ledger.append("node_launched", instance_id=inst.instance_id, ray_node_id=inst.ray_node_id,
                                role=inst.role, **{k: v for k, v in offer.to_dict().items() if k != "read_at"})
             rep = self.world.start_replica(inst.instance_id, inst.ray_node_id)
@@ -141,19 +146,20 @@ class Driver:
                 self.ledger.append("node_preempted", instance_id=ev.instance_id, with_notice=ev.with_notice,
                                    replica=rep.replica_id if rep else None)
                 if rep is not None:
-                    phase = self.world_phase if rep.replica_id in self.world.replicas else "setup"
+                    phase = self.world.phase if rep.replica_id in self.world.replicas else "setup"
                     lost = self.recipe.train.inner_steps if phase in ("inner", "sync") else 0
                     self.world.drop(rep.replica_id, "preempted" + (" after notice" if ev.with_notice else ""),
                                     phase=phase, lost_inner_steps=lost)
                     self._draining.pop(rep.replica_id, None)
         self._collect_launches()
+        # Replace what was lost or is about to go right away, not at the next step boundary.
+        self.top_up()
 
     @property
     def draining(self) -> set[int]:
         """Replicas with a preemption notice, finishing their last phase."""
         return set(self._draining)
 
-    world_phase = "idle"
     _last_sync_s = 0.0
 
     def _record_loss(self, loss) -> None:
@@ -187,8 +193,9 @@ class Driver:
                     source = self.world.admit(rep, checkpoint_path=str(path))
                     self.ledger.append("world_restored", from_step=manifest["step"], path=str(path))
                 else:
+                    # Nothing was kept: start over from θ0 (fresh data; tokens count what is kept).
                     self.world.restore({"step": 0, "inner_step": 0, "data_cursor": self.world.cursor,
-                                        "tokens": self.world.tokens})
+                                        "tokens": 0})
                     self.world.admit_fresh(rep)
                     source = "initial state (no checkpoint yet)"
                     self.ledger.append("world_restored", from_step=0, path=None)
@@ -226,9 +233,11 @@ class Driver:
                 self.ledger.append("capacity_wait_started", replicas=alive, min_replicas=w.min_replicas)
                 waited = True
             # The clock runs only while even the replicas on their way would not be enough.
-            on_way = alive + len(self.world.joining) + len(self._launching)
+            on_way = alive + len(self.world.joining)   # launches may be refused: they do not count
             short_since = (short_since or time.monotonic()) if on_way < w.min_replicas else None
             if short_since is not None and time.monotonic() - short_since > w.capacity_timeout_s:
+                if not waited:
+                    self.ledger.append("capacity_wait_started", replicas=alive, min_replicas=w.min_replicas)
                 self.ledger.append("capacity_wait_ended", waited_s=round(time.monotonic() - start, 3),
                                    replicas=alive, gave_up=True)
                 return False
@@ -278,9 +287,7 @@ class Driver:
                 if members != self._members:
                     ledger.append("world_formed", epoch=world.epoch, replicas=members, outer_step=world.outer_step)
                     self._members = members
-                self.world_phase = "inner"
                 res = world.step()
-                self.world_phase = "idle"
                 if res is None:
                     continue   # every replica was lost during the step; capacity wait next
                 self._last_sync_s = res.sync_s
@@ -306,7 +313,7 @@ class Driver:
     def _release_drained(self, res) -> None:
         """Replicas that contributed after a notice leave now, before their node is taken."""
         for rid in list(self._draining):
-            if rid in res.replicas and rid in self.world.replicas:
+            if (rid in res.replicas or rid in res.idle) and rid in self.world.replicas:
                 rep = self.world.replicas[rid]
                 self.world.release(rid)
                 self._draining.pop(rid)

@@ -114,7 +114,7 @@ class _View:
 
     def step(self, res, world, tokens_per_s: float, usd: float) -> None:  # noqa: D102
         h = self._recipe.train.inner_steps
-        loss = sum(res.losses) / len(res.losses)
+        loss = sum(res.losses) / len(res.losses) if res.losses else float("nan")
         self._rows = {
             "phase": "training",
             "outer step": f"{res.outer_step}/{self._total}",

@@ -111,10 +111,10 @@ class WorldSection(_Section):
     """How many replicas train, and how many ranks (GPUs) each replica shards over."""
 
     min_replicas: int = Field(1, ge=1)
-    """Fewest live replicas training continues with (below it, training waits for capacity).
-    Acted on once the world resizes on preemption; this version keeps `replicas` fixed."""
+    """Fewest live replicas training continues with; below it, training pauses and waits for
+    capacity (see `capacity_timeout_s`)."""
     replicas: int = Field(2, ge=1)
-    """Target number of replicas: rented at start."""
+    """Target number of replicas: rented at start, and rented again when preemptions take some."""
     max_replicas: int = Field(4, ge=1)
     """Never run more replicas than this (upper bound for growing back)."""
     ranks_per_replica: int = Field(1, ge=1, le=1024)
@@ -122,8 +122,8 @@ class WorldSection(_Section):
     sync_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the pseudo-gradient all-reduce across replicas (bfloat16 halves the bytes)."""
     step_timeout_s: float = Field(600.0, gt=0)
-    """Longest an inner phase, outer sync or replica start may take, in seconds; past it the run fails
-    with a clear error instead of hanging."""
+    """Longest an inner phase or a replica's setup may take, in seconds; a replica that takes longer
+    counts as lost (its node is released and replaced)."""
     sync_timeout_s: float = Field(60.0, gt=0)
     """Longest the outer all-reduce may wait on a silent member before it counts as lost, in
     seconds. (A member whose process dies is noticed at once: its connections close.)"""

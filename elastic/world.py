@@ -87,6 +87,7 @@ class StepResult:
         bytes_sent: pseudo-gradient bytes each rank all-reduced.
         sync_attempts: all-reduce attempts (1 when nobody failed).
         steps_done: inner steps each contributing replica took (fewer when cut short by a notice).
+        idle: replicas that took no inner step (a notice came before their first): nothing to add.
     """
 
     outer_step: int
@@ -98,6 +99,7 @@ class StepResult:
     bytes_sent: int
     sync_attempts: int = 1
     steps_done: dict = field(default_factory=dict)
+    idle: list[int] = field(default_factory=list)
 
 
 class World:
@@ -129,6 +131,7 @@ class World:
         self.inner_step = 0
         self.cursor = 0  # next unleased sample index: the run's data position
         self.tokens = 0
+        self.phase = "idle"   # "inner" or "sync" while a step is under way
         self._on_loss = on_loss or (lambda loss: None)
         self._on_tick = on_tick or (lambda: None)
         # Observers of the outer loop: on_phase(phase, members) as each phase is under way.
@@ -195,6 +198,8 @@ class World:
         for rep in list(self.joining.values()):
             done, _ = self._ray.wait(rep.setup_refs, num_returns=len(rep.setup_refs), timeout=0)
             if len(done) < len(rep.setup_refs):
+                if time.time() - rep.started_at > self._recipe.world.step_timeout_s:
+                    self._lose(rep, "setup timed out", 0, "setup")
                 continue
             try:
                 self._ray.get(done)
@@ -341,6 +346,7 @@ class World:
         if self._identical:
             self.cursor += per_replica
 
+        self.phase = "inner"
         t0 = time.monotonic()
         calls = {(rid, r): a.inner_phase.remote(leases[rid], self.inner_step)
                  for rid in members for r, a in enumerate(self.replicas[rid].actors)}
@@ -348,12 +354,17 @@ class World:
         results = self._gather(calls, "inner", t.inner_steps)
         inner_s = time.monotonic() - t0
 
+        # A replica whose notice came before its first inner step has Δ = 0: it sits this sync out
+        # (averaging it in would shrink everyone's step).
+        idle = sorted({rid for (rid, _), res in results.items() if res["steps"] == 0})
+        self.phase = "sync"
         t1 = time.monotonic()
         attempts, sync_out = 0, {}
         while True:
-            members = sorted(rid for rid in self.replicas
-                             if all((rid, r) in results for r in range(len(self.replicas[rid].actors))))
+            members = sorted(rid for rid in self.replicas if rid not in idle
+                             and all((rid, r) in results for r in range(len(self.replicas[rid].actors))))
             if not members:
+                self.phase = "idle"
                 return None
             attempts += 1
             if attempts > 1:
@@ -375,6 +386,7 @@ class World:
                                "sync", t.inner_steps)
         members = sorted({rid for rid, _ in applied})
         sync_s = time.monotonic() - t1
+        self.phase = "idle"
 
         contrib = [results[(rid, r)] for rid in members for r in range(len(self.replicas[rid].actors))]
         longest = max(len(c["losses"]) for c in contrib)
@@ -388,7 +400,7 @@ class World:
         self.tokens += tokens
         return StepResult(self.outer_step, members, losses, tokens, inner_s, sync_s,
                           max((s["bytes"] for s in sync_out.values()), default=0), attempts,
-                          {rid: results[(rid, 0)]["steps"] for rid in members})
+                          {rid: results[(rid, 0)]["steps"] for rid in members}, idle)
 
     def lead_replica(self) -> Replica:
         return self.replicas[min(self.replicas)]

@@ -148,8 +148,8 @@ class LocalProvider:
                 due = [i for i, t in self._kill_at.items() if t <= now]
                 draws = []
                 for inst in self._instances.values():
-                    if inst.instance_id in self._kill_at:
-                        continue
+                    if inst.instance_id in self._kill_at or not inst.offer.spot:
+                        continue   # on-demand VMs are not reclaimed
                     age_sim = (now - inst.launched_at) * self._section.market.time_compression
                     kind = self.market.draw_preemption(inst.offer.zone, inst.offer.instance_type, dt, age_sim)
                     if kind:
