@@ -23,33 +23,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-class _QuietView:
-    def phase(self, text):
-        pass
-
-    def step(self, *args):
-        pass
-
-
 def run(recipe, cluster):
-    from elastic.driver import Driver
-    from elastic.ledger import Ledger, read_events
+    from elastic.driver import run_attached
     from elastic.report import build_report
 
     with tempfile.TemporaryDirectory() as tmp:
-        run_dir = Path(tmp) / "run"
-        run_dir.mkdir()
-        ledger = Ledger(run_dir / "events.jsonl")
-        ledger.append("run_started", run="bench-churn", recipe=recipe.name)
-        driver = Driver(recipe, run_dir, ledger)
-        driver.attach(cluster)
-        try:
-            status = driver.run(_QuietView())
-        finally:
-            driver.release_all()
-        ledger.append("run_ended", status=status)
-        ledger.close()
-        events = read_events(run_dir / "events.jsonl")
+        _, events = run_attached(recipe, cluster, Path(tmp) / "run", run_name="bench-churn")
     steps = [e for e in events if e["type"] == "outer_step"]
     start = steps[0]["t"] - steps[0]["inner_s"] - steps[0]["sync_s"]
     wall = steps[-1]["t"] - start

@@ -21,14 +21,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-class _QuietView:
-    def phase(self, text):
-        pass
-
-    def step(self, *args):
-        pass
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kills", type=int, default=8)
@@ -37,8 +29,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from elastic.cluster import LocalCluster
-    from elastic.driver import Driver
-    from elastic.ledger import Ledger, read_events
+    from elastic.driver import run_attached
     from elastic.recipe import load_recipe
     from elastic.report import build_report
 
@@ -48,31 +39,22 @@ def main() -> None:
         "world.sync_timeout_s=5"])
     rng = random.Random(0)
     kills = []
+
+    def faults(driver, phase, members):
+        step = driver.world.outer_step + 1
+        if phase == "inner" and step % args.every == 0 and len(kills) < args.kills and len(members) > 1:
+            victim = driver.world.replicas[rng.choice(members)].instance_id
+            kills.append(step)
+            driver.provider.preempt(victim, notice=False)
+
     cluster = LocalCluster()
-    with tempfile.TemporaryDirectory() as tmp:
-        run_dir = Path(tmp) / "run"
-        run_dir.mkdir()
-        ledger = Ledger(run_dir / "events.jsonl")
-        ledger.append("run_started", run="bench-recovery", recipe=recipe.name)
-        driver = Driver(recipe, run_dir, ledger)
-        driver.attach(cluster)
-
-        def faults(phase, members):
-            step = driver.world.outer_step + 1
-            if phase == "inner" and step % args.every == 0 and len(kills) < args.kills and len(members) > 1:
-                victim = driver.world.replicas[rng.choice(members)].instance_id
-                kills.append(step)
-                driver.provider.preempt(victim, notice=False)
-
-        driver.world.on_phase = faults
-        try:
-            status = driver.run(_QuietView())
-        finally:
-            driver.release_all()
-            cluster.shutdown()
-        ledger.append("run_ended", status=status)
-        ledger.close()
-        report = build_report(read_events(run_dir / "events.jsonl"))
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            status, events = run_attached(recipe, cluster, Path(tmp) / "run", on_phase=faults,
+                                          run_name="bench-recovery")
+    finally:
+        cluster.shutdown()
+    report = build_report(events)
     rec = report["recovery_s"]
     print(f"{len(kills)} hard kills ({args.replicas} replicas, H=10, local-tiny model); status {status}")
     print(f"recovery_s: median {statistics.median(rec):.2f} s, worst {max(rec):.2f} s   (goal: median < 5 s)")

@@ -24,6 +24,16 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 
+def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """dst[i].copy_(src[i]) for every i: one fused call when all share a device, else one by one
+    (θ_outer lives on the CPU while a GPU replica's shards live on the GPU)."""
+    if dst and dst[0].device == src[0].device:
+        torch._foreach_copy_(dst, src)
+    else:
+        for d, t in zip(dst, src):
+            d.copy_(t)
+
+
 def local_shard(p: torch.Tensor) -> torch.Tensor:
     """The tensor this rank actually holds for parameter `p` (a DTensor's local shard, or `p`)."""
     to_local = getattr(p, "to_local", None)
@@ -56,7 +66,7 @@ class OuterState:
         self._wire = torch.zeros(self.numel, dtype=sync_dtype)
         self.theta.grad = self.delta
         self.optimizer = torch.optim.SGD([self.theta], lr=lr, momentum=momentum, nesterov=nesterov)
-        torch._foreach_copy_(self._theta_views, self._locals)
+        copy_all(self._theta_views, self._locals)
         self._pg: dist.ProcessGroup | None = None
         self._epoch = -1
         self.pending = False   # Δ is formed and not yet applied
@@ -68,7 +78,7 @@ class OuterState:
 
     def form_pseudo_gradient(self) -> None:
         """Δ = θ_outer − θ_local, into the preallocated buffer (kept until an outer step applies it)."""
-        torch._foreach_copy_(self._delta_views, self._locals)
+        copy_all(self._delta_views, self._locals)
         self.delta.sub_(self.theta.data).neg_()
         self.pending = True
         self.reduced = False
@@ -104,7 +114,7 @@ class OuterState:
             raise RuntimeError("outer apply without a completed all-reduce")
         self.delta.copy_(self._wire)
         self.optimizer.step()
-        torch._foreach_copy_(self._locals, self._theta_views)
+        copy_all(self._locals, self._theta_views)
         self.pending = self.reduced = False
 
     def sync_and_step(self, size: int) -> None:
@@ -130,5 +140,5 @@ class OuterState:
         self.theta.data.copy_(state["theta"])
         if state.get("momentum") is not None:
             self.optimizer.state[self.theta]["momentum_buffer"] = state["momentum"].clone()
-        torch._foreach_copy_(self._locals, self._theta_views)
+        copy_all(self._locals, self._theta_views)
         self.pending = self.reduced = False

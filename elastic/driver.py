@@ -390,3 +390,36 @@ class Driver:
                 inst = fut.result()
                 self.ledger.append("node_launched", instance_id=inst.instance_id, ray_node_id=inst.ray_node_id,
                                    role=inst.role, **{k: v for k, v in offer.to_dict().items() if k != "read_at"})
+
+
+class QuietView:
+    """A view that shows nothing (for runs driven from code: tests, benchmarks)."""
+
+    def phase(self, text: str) -> None:
+        pass
+
+    def step(self, *args) -> None:
+        pass
+
+
+def run_attached(recipe: Recipe, cluster, run_dir: Path, on_phase=None, run_name: str = "run") -> tuple[str, list[dict]]:
+    """Run a recipe on an already running local cluster, from code: the same driver and ledger as
+    `elastic launch`, without the terminal view or signal handling. `on_phase(driver, phase,
+    members)` is called as each phase of each outer step gets under way. Returns (status, events)."""
+    from elastic.ledger import read_events
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ledger = Ledger(run_dir / "events.jsonl")
+    ledger.append("run_started", run=run_name, recipe=recipe.name, recipe_digest=recipe.digest())
+    driver = Driver(recipe, run_dir, ledger)
+    driver.attach(cluster)
+    if on_phase is not None:
+        driver.world.on_phase = lambda phase, members: on_phase(driver, phase, members)
+    status = "failed"
+    try:
+        status = driver.run(QuietView())
+    finally:
+        driver.release_all()
+        ledger.append("run_ended", status=status)
+        ledger.close()
+    return status, read_events(run_dir / "events.jsonl")

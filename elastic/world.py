@@ -185,11 +185,7 @@ class World:
         new = [self.start_replica(i, n) for i, n in placements]
         self._ray.get([r for rep in new for r in rep.setup_refs], timeout=self._recipe.world.step_timeout_s)
         for rep in new:
-            del self.joining[rep.replica_id]
-            rep.setup_refs = []
-            rep.joined_step = self.outer_step
-            self.replicas[rep.replica_id] = rep
-        self.epoch += 1
+            self._enter(rep)
         return new
 
     def ready_joiners(self) -> list[Replica]:
@@ -230,20 +226,20 @@ class World:
                 raise RuntimeError("no live peer and no checkpoint to join from")
             self._ray.get([a.load_checkpoint.remote(checkpoint_path) for a in rep.actors], timeout=timeout)
             source = f"checkpoint {checkpoint_path}"
+        self._enter(rep)
+        return source
+
+    def _enter(self, rep: Replica) -> None:
+        """A set-up joiner becomes a member: from this outer step on it trains and syncs."""
         del self.joining[rep.replica_id]
         rep.setup_refs = []
         rep.joined_step = self.outer_step
         self.replicas[rep.replica_id] = rep
         self.epoch += 1
-        return source
 
     def admit_fresh(self, rep: Replica) -> None:
         """Admit a set-up joiner as it is: the seeded initial θ (only when no replica holds newer state)."""
-        del self.joining[rep.replica_id]
-        rep.setup_refs = []
-        rep.joined_step = self.outer_step
-        self.replicas[rep.replica_id] = rep
-        self.epoch += 1
+        self._enter(rep)
 
     def restore(self, manifest: dict) -> None:
         """Set the driver-side counters from a checkpoint manifest (all replicas were lost)."""

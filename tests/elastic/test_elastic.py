@@ -7,20 +7,11 @@ import random
 
 import pytest
 
-from elastic.driver import Driver
-from elastic.ledger import Ledger, read_events
+from elastic.driver import run_attached
 from elastic.report import build_report
 from tests.conftest import tiny_recipe
 
 pytestmark = pytest.mark.slow
-
-
-class QuietView:
-    def phase(self, text):
-        pass
-
-    def step(self, *args):
-        pass
 
 
 def elastic_recipe(**overrides):
@@ -37,21 +28,7 @@ def elastic_recipe(**overrides):
 def run_driver(recipe, cluster, tmp_path, faults=None):
     """Run the real driver on the shared cluster; `faults(driver, phase, members)` is called as
     each phase of each outer step gets under way."""
-    run_dir = tmp_path / "run"
-    run_dir.mkdir(parents=True)
-    ledger = Ledger(run_dir / "events.jsonl")
-    ledger.append("run_started", run="test", recipe=recipe.name, recipe_digest=recipe.digest())
-    driver = Driver(recipe, run_dir, ledger)
-    driver.attach(cluster)
-    if faults is not None:
-        driver.world.on_phase = lambda phase, members: faults(driver, phase, members)
-    try:
-        status = driver.run(QuietView())
-    finally:
-        driver.release_all()
-    ledger.append("run_ended", status=status)
-    ledger.close()
-    events = read_events(run_dir / "events.jsonl")
+    status, events = run_attached(recipe, cluster, tmp_path / "run", on_phase=faults, run_name="test")
     return status, build_report(events), events
 
 
