@@ -49,7 +49,7 @@ class ModelSection(_Section):
     @model_validator(mode="after")
     def _check(self) -> "ModelSection":
         if self.factory is None and self.width % self.heads:
-            raise ValueError(f"heads ({self.heads}) must divide width ({self.width})")
+            raise ValueError(f"@heads: {self.heads} must divide width ({self.width})")
         return self
 
 
@@ -100,7 +100,7 @@ class TrainSection(_Section):
     @model_validator(mode="after")
     def _check(self) -> "TrainSection":
         if self.outer_steps is None and self.token_budget is None:
-            raise ValueError("set train.outer_steps or train.token_budget")
+            raise ValueError("@outer_steps: set train.outer_steps or train.token_budget")
         if self.outer_nesterov and self.outer_momentum == 0:
             # torch refuses Nesterov without momentum; plain SGD is what is meant.
             self.outer_nesterov = False
@@ -137,10 +137,10 @@ class WorldSection(_Section):
     def _check(self) -> "WorldSection":
         if self.min_replicas > self.max_replicas:
             raise ValueError(
-                f"min_replicas ({self.min_replicas}) must be <= max_replicas ({self.max_replicas})")
+                f"@min_replicas: {self.min_replicas} must be <= max_replicas ({self.max_replicas})")
         if not self.min_replicas <= self.replicas <= self.max_replicas:
             raise ValueError(
-                f"replicas ({self.replicas}) must lie between min_replicas ({self.min_replicas}) "
+                f"@replicas: {self.replicas} must lie between min_replicas ({self.min_replicas}) "
                 f"and max_replicas ({self.max_replicas})")
         return self
 
@@ -165,7 +165,7 @@ class ResourcesSection(_Section):
         if self.accelerators is not None:
             model, _, count = self.accelerators.partition(":")
             if not model or (count and not (count.isdigit() and int(count) > 0)):
-                raise ValueError(f"accelerators must look like MODEL:COUNT (e.g. A100:8), got {self.accelerators!r}")
+                raise ValueError(f"@accelerators: must look like MODEL:COUNT (e.g. A100:8), got {self.accelerators!r}")
         return self
 
 
@@ -194,7 +194,7 @@ class CheckpointSection(_Section):
     def _check(self) -> "CheckpointSection":
         if self.uri is not None and "://" in self.uri and not self.uri.startswith("file://"):
             scheme = self.uri.split("://", 1)[0]
-            raise ValueError(f"scheme {scheme}:// is not supported yet (use file:// or a path)")
+            raise ValueError(f"@uri: scheme {scheme}:// is not supported yet (use file:// or a path)")
         return self
 
 
@@ -364,6 +364,10 @@ def _format_errors(source: str, err: ValidationError) -> list[str]:
             msg = "required field is missing"
         elif msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
+            if msg.startswith("@"):
+                # A check across fields of one section names the field it is about: "@field: ...".
+                field, _, msg = msg[1:].partition(": ")
+                loc = f"{loc}.{field}" if loc else field
         if e["type"] not in ("extra_forbidden", "missing") and "input" in e and not isinstance(e["input"], (dict, list)):
             msg = f"{msg} (got {e['input']!r})"
         lines.extend(f"{source}: {loc + ': ' if loc else ''}{m}" for m in msg.splitlines())
