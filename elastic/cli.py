@@ -30,6 +30,14 @@ def _parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("report", help="rebuild report.json of a run from its ledger and print it")
     sp.add_argument("run_dir", type=Path)
 
+    sp = sub.add_parser("checkpoints", help="list or verify the checkpoints at a URI")
+    ck = sp.add_subparsers(dest="action", metavar="ACTION", required=True)
+    cl = ck.add_parser("list", help="table: step, time, size, complete or not")
+    cl.add_argument("uri", help="checkpoint URI (file:// or a path)")
+    cv = ck.add_parser("verify", help="re-hash every file against the manifest; non-zero exit names the bad file")
+    cv.add_argument("uri", help="checkpoint URI (file:// or a path)")
+    cv.add_argument("--step", type=int, help="the checkpoint to verify (default: the newest complete one)")
+
     sp = sub.add_parser("schema", help="print the recipe's JSON schema (for editors) or its reference")
     sp.add_argument("--markdown", action="store_true", help="the recipe reference as Markdown")
     return p
@@ -111,8 +119,37 @@ def _dispatch(args, err) -> int:
             raise UserError(f"{args.run_dir}: no events.jsonl (not a run directory)")
         out.print(summary_table(write_report(args.run_dir)))
         return 0
+    if args.command == "checkpoints":
+        return _checkpoints(args, out, err)
     if args.command == "schema":
         from elastic.schema import json_schema, markdown_reference
         sys.stdout.write(markdown_reference() if args.markdown else json_schema())
         return 0
     raise AssertionError(args.command)
+
+
+def _checkpoints(args, out, err) -> int:
+    from datetime import datetime, timezone
+
+    from rich.table import Table
+
+    from elastic import checkpoint as ckpt
+
+    root = ckpt.local_root(args.uri)
+    if args.action == "list":
+        table = Table(title=f"checkpoints at {args.uri}", title_justify="left")
+        for col in ("step", "saved (UTC)", "size", "complete"):
+            table.add_column(col, justify="right" if col in ("step", "size") else "left")
+        for c in ckpt.listing(root):
+            when = (datetime.fromtimestamp(c["saved_at"], timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+                    if c["saved_at"] else "-")
+            table.add_row(str(c["step"]), when, f"{c['bytes'] / 1e6:.1f} MB", "yes" if c["complete"] else "no (partial)")
+        out.print(table)
+        return 0
+    step, problems = ckpt.verify(root, args.step)
+    for line in problems:
+        _err(err, line)
+    if problems:
+        return 1
+    out.print(f"step {step}: every file matches its manifest", highlight=False)
+    return 0

@@ -142,6 +142,8 @@ class LocalCluster:
         ray.init(address=self.address, logging_level=logging.ERROR, log_to_driver=False,
                  _node_ip_address="127.0.0.1" if address is None else None)
         self.gcs_address = ray.get_runtime_context().gcs_address
+        # Every process of this cluster carries this directory on its command line.
+        self.session_dir = ray._private.worker._global_node.get_session_dir_path()
 
     def add_node(self, cpus: int, gpus: int, labels: dict[str, str], resources: dict[str, float],
                  object_store_bytes: int, timeout_s: float = 60.0) -> str:

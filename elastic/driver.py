@@ -61,7 +61,9 @@ class Driver:
         """Start (or join) the Ray cluster, then attach to it."""
         from elastic.cluster import LocalCluster
 
-        self.attach(LocalCluster(address=address))
+        cluster = LocalCluster(address=address)
+        self.ledger.append("cluster_started", address=cluster.address, session_dir=cluster.session_dir)
+        self.attach(cluster)
         self._owns_cluster = True
 
     def attach(self, cluster) -> None:

@@ -20,16 +20,20 @@ pytestmark = pytest.mark.slow
 SMALL = ["--set", "model.layers=1", "--set", "model.width=64", "--set", "data.corpus_bytes=300000"]
 
 
-def raylet_pids() -> set[int]:
+def session_pids(run_dir: Path) -> set[int]:
+    """The GCS and raylets of the Ray cluster the run started (their command lines name its session
+    directory; workers and agents rename themselves, and die with their raylet)."""
+    started = [e for e in read_events(run_dir / "events.jsonl") if e["type"] == "cluster_started"]
+    assert started, "the run recorded no cluster"
+    marker = started[0]["session_dir"].encode()
     pids = set()
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
-                cmd = (d / "cmdline").read_bytes()
+                if marker in (d / "cmdline").read_bytes():
+                    pids.add(int(d.name))
             except OSError:
                 continue
-            if b"raylet" in cmd.split(b"\0")[0] or b"gcs_server" in cmd.split(b"\0")[0]:
-                pids.add(int(d.name))
     return pids
 
 
@@ -47,7 +51,6 @@ def assert_every_node_released(events):
 
 
 def test_launch_trains_and_reports(tmp_path):
-    before = raylet_pids()
     run_dir = tmp_path / "run"
     proc = launch(run_dir, *SMALL, "--set", "train.outer_steps=8", "--set", "checkpoint.every_outer_steps=4")
     out, _ = proc.communicate(timeout=300)
@@ -67,7 +70,34 @@ def test_launch_trains_and_reports(tmp_path):
     assert (run_dir / "recipe.yaml").read_text().startswith("name: local-tiny")
     assert "completed" in out and "Traceback" not in out
     # The run's own head and raylets are gone.
-    assert raylet_pids() <= before
+    assert not session_pids(run_dir)
+    check_checkpoint_cli(run_dir / "checkpoints")
+
+
+def elastic_cli(*args):
+    return subprocess.run([sys.executable, "-m", "elastic", *args], capture_output=True, text=True, cwd=REPO)
+
+
+def check_checkpoint_cli(root: Path):
+    """`elastic checkpoints list|verify` on a real run's checkpoints, then on damaged ones."""
+    (root / "step-00000012").mkdir()                       # a save that never finished
+    (root / "step-00000012" / "__0_0.distcp").write_bytes(b"partial")
+    listed = elastic_cli("checkpoints", "list", f"file://{root}")
+    assert listed.returncode == 0, listed.stderr
+    rows = [line for line in listed.stdout.splitlines() if line.strip().startswith("│")]
+    assert [r.split("│")[1].strip() for r in rows] == ["4", "8", "12"]
+    assert "no (partial)" in rows[2] and "yes" in rows[0] and "yes" in rows[1]
+    ok = elastic_cli("checkpoints", "verify", str(root))
+    assert ok.returncode == 0 and "step 8" in ok.stdout     # the partial one is never taken for whole
+    shard = sorted((root / "step-00000004").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF                            # flip one byte
+    shard.write_bytes(bytes(data))
+    bad = elastic_cli("checkpoints", "verify", str(root), "--step", "4")
+    assert bad.returncode == 1 and shard.name in bad.stderr and "sha256" in bad.stderr
+    assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    missing = elastic_cli("checkpoints", "verify", str(root), "--step", "5")
+    assert missing.returncode == 2 and "no complete checkpoint at step 5" in missing.stderr
 
 
 def test_launch_refuses_a_run_dir_that_holds_a_run(tmp_path):
@@ -83,7 +113,6 @@ def test_launch_refuses_a_run_dir_that_holds_a_run(tmp_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_interrupt_releases_every_node_and_reports(tmp_path, sig):
-    before = raylet_pids()
     run_dir = tmp_path / "run"
     proc = launch(run_dir, *SMALL, "--set", "train.outer_steps=1000")
     ledger = run_dir / "events.jsonl"
@@ -103,7 +132,7 @@ def test_interrupt_releases_every_node_and_reports(tmp_path, sig):
     assert_every_node_released(events)
     assert events[-1]["type"] == "run_ended"
     assert "Traceback" not in out
-    assert raylet_pids() <= before
+    assert not session_pids(run_dir)
 
 
 def test_budget_stops_the_run_with_a_final_checkpoint(tmp_path):
