@@ -22,6 +22,9 @@ def _parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("launch", help="run a recipe: rent nodes, train, checkpoint, report")
     recipe_args(sp)
     sp.add_argument("--run-dir", type=Path, help="where the run writes (default runs/<name>-<UTC time>/)")
+    sp.add_argument("--resume", action="store_true",
+                    help="continue from the latest complete checkpoint at the recipe's checkpoint.uri "
+                         "(any world shape: replicas and ranks per replica may differ)")
     sp.add_argument("--address", help="HOST:PORT of a running Ray head on this machine to add the local nodes to (default: start a local cluster)")
 
     sp = sub.add_parser("validate", help="check a recipe; print every problem, one line each")
@@ -111,7 +114,15 @@ def _dispatch(args, err) -> int:
         if args.address is not None and not _is_host_port(args.address):
             raise UserError(f"--address {args.address!r}: expected HOST:PORT of a running Ray head")
         recipe = load_recipe(args.recipe, args.overrides)
-        return launch(recipe, args.run_dir or default_run_dir(recipe), address=args.address, console=out)
+        if args.resume:
+            from elastic import checkpoint as ckpt
+            if not recipe.checkpoint.uri:
+                raise UserError("--resume: set checkpoint.uri to where the checkpoints are "
+                                "(a run's default <run dir>/checkpoints is not shared with a new run)")
+            if not ckpt.complete_steps(ckpt.checkpoint_dir(recipe.checkpoint.uri, Path("."))):
+                raise UserError(f"--resume: no complete checkpoint at {recipe.checkpoint.uri}")
+        return launch(recipe, args.run_dir or default_run_dir(recipe), address=args.address, console=out,
+                      resume=args.resume)
     if args.command == "report":
         from elastic.errors import UserError
         from elastic.report import summary_table, write_report

@@ -36,7 +36,7 @@ class Driver:
         console: rich console for progress.
     """
 
-    def __init__(self, recipe: Recipe, run_dir: Path, ledger: Ledger, console=None):
+    def __init__(self, recipe: Recipe, run_dir: Path, ledger: Ledger, console=None, resume: bool = False):
         self.recipe = recipe
         self.run_dir = run_dir
         self.run_name = run_dir.name
@@ -54,6 +54,16 @@ class Driver:
         self._draining: dict[int, float] = {}            # replica id -> notice deadline (unix)
         self._members: list[int] = []
         self._view = None
+        self._resume_from = self._latest_checkpoint() if resume else None
+        if resume and self._resume_from is None:
+            raise UserError(f"--resume: no complete checkpoint at {recipe.checkpoint.uri or self._ckpt_root}")
+
+    def _latest_checkpoint(self) -> tuple[Path, dict] | None:
+        steps = ckpt.complete_steps(self._ckpt_root)
+        if not steps:
+            return None
+        path = ckpt.step_dir(self._ckpt_root, steps[-1])
+        return path, json.loads((path / ckpt.MANIFEST).read_text())
 
     # -- setup -----------------------------------------------------------------------------------
 
@@ -183,14 +193,22 @@ class Driver:
         """At an outer-step boundary: bring every set-up joiner into the world."""
         for rep in self.world.ready_joiners():
             source = None
-            if not self.world.replicas and self.world.outer_step == 0 and not self._restored_once():
+            if self._resume_from is not None and not self.world.replicas and self.world.outer_step == 0:
+                # --resume: the first replica loads the checkpoint (DCP reshards it to this world's
+                # ranks); the rest copy from it as usual.
+                path, manifest = self._resume_from
+                self.world.restore(manifest)
+                source = self.world.admit(rep, checkpoint_path=str(path))
+                self.ledger.append("resumed", from_step=manifest["step"], path=str(path),
+                                   saved_replicas=manifest.get("replicas"), saved_ranks=manifest.get("ranks"))
+                self._resume_from = None
+            elif not self.world.replicas and self.world.outer_step == 0 and not self._restored_once():
                 self.world.admit_fresh(rep)
                 source = "initial state"
             elif not self.world.replicas:
-                steps = ckpt.complete_steps(self._ckpt_root)
-                if steps:
-                    path = ckpt.step_dir(self._ckpt_root, steps[-1])
-                    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+                latest = self._latest_checkpoint()
+                if latest:
+                    path, manifest = latest
                     self.world.restore(manifest)
                     source = self.world.admit(rep, checkpoint_path=str(path))
                     self.ledger.append("world_restored", from_step=manifest["step"], path=str(path))
@@ -404,7 +422,8 @@ class QuietView:
         pass
 
 
-def run_attached(recipe: Recipe, cluster, run_dir: Path, on_phase=None, run_name: str = "run") -> tuple[str, list[dict]]:
+def run_attached(recipe: Recipe, cluster, run_dir: Path, on_phase=None, run_name: str = "run",
+                 resume: bool = False) -> tuple[str, list[dict]]:
     """Run a recipe on an already running local cluster, from code: the same driver and ledger as
     `elastic launch`, without the terminal view or signal handling. `on_phase(driver, phase,
     members)` is called as each phase of each outer step gets under way. Returns (status, events)."""
@@ -413,7 +432,7 @@ def run_attached(recipe: Recipe, cluster, run_dir: Path, on_phase=None, run_name
     run_dir.mkdir(parents=True, exist_ok=True)
     ledger = Ledger(run_dir / "events.jsonl")
     ledger.append("run_started", run=run_name, recipe=recipe.name, recipe_digest=recipe.digest())
-    driver = Driver(recipe, run_dir, ledger)
+    driver = Driver(recipe, run_dir, ledger, resume=resume)
     driver.attach(cluster)
     if on_phase is not None:
         driver.world.on_phase = lambda phase, members: on_phase(driver, phase, members)

@@ -134,7 +134,7 @@ class _View:
                 f"${usd:.4f}", highlight=False)
 
 
-def launch(recipe: Recipe, run_dir: Path, address: str | None = None, console=None) -> int:
+def launch(recipe: Recipe, run_dir: Path, address: str | None = None, console=None, resume: bool = False) -> int:
     """Run a recipe end to end; returns the process exit code."""
     from rich.console import Console
 
@@ -164,7 +164,7 @@ def launch(recipe: Recipe, run_dir: Path, address: str | None = None, console=No
                           highlight=False)
             from elastic.driver import Driver
 
-            driver = Driver(recipe, run_dir, ledger, console)
+            driver = Driver(recipe, run_dir, ledger, console, resume=resume)
             with console.status("starting Ray cluster…"):
                 driver.start_cluster(address)
             with _View(console, recipe, driver.world.total_outer_steps) as view:

@@ -109,6 +109,7 @@ def build_report(events: list[dict], now: float | None = None) -> dict:
         "effective_training_time": _effective(steps, instances),
         "driver_restarts": max(0, sum(1 for e in events if e["type"] == "run_started") - 1),
         "capacity_wait_s": round(sum(e.get("waited_s", 0) for e in events if e["type"] == "capacity_wait_ended"), 3),
+        "resumed_from_step": next((e["from_step"] for e in events if e["type"] == "resumed"), None),
         "restored_from_checkpoint": sum(1 for e in events if e["type"] == "world_restored" and e.get("path")),
         "max_replicas_seen": max((len(e["replicas"]) for e in steps), default=0),
         # Checkpoints still kept (retention deletes the older ones).

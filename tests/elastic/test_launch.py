@@ -154,3 +154,29 @@ def test_budget_stops_the_run_with_a_final_checkpoint(tmp_path):
     saved = [e["step"] for e in events if e["type"] == "checkpoint_saved"]
     assert saved == [report["outer_steps"]]   # the final checkpoint holds the last step
     assert (run_dir / "metrics.jsonl").read_text().count("\n") == report["inner_steps"]
+
+
+def test_resume_continues_from_the_latest_checkpoint_in_another_world_shape(tmp_path):
+    uri = f"file://{tmp_path / 'ckpt'}"
+    first = launch(tmp_path / "first", *SMALL, "--set", "train.outer_steps=4", "--set", "checkpoint.every_outer_steps=2",
+                   "--set", f"checkpoint.uri={uri}")
+    out, _ = first.communicate(timeout=300)
+    assert first.returncode == 0, out
+    second = launch(tmp_path / "second", *SMALL, "--set", "train.outer_steps=6", "--set", f"checkpoint.uri={uri}",
+                    "--set", "world.replicas=1", "--set", "world.ranks_per_replica=2", "--resume")
+    out, _ = second.communicate(timeout=300)
+    assert second.returncode == 0, out
+    report = json.loads((tmp_path / "second" / "report.json").read_text())
+    assert report["status"] == "completed" and report["resumed_from_step"] == 4
+    assert report["outer_steps"] == 6
+    steps = [e["outer_step"] for e in read_events(tmp_path / "second" / "events.jsonl") if e["type"] == "outer_step"]
+    assert steps == [5, 6]
+    first_losses = json.loads((tmp_path / "first" / "report.json").read_text())
+    assert report["loss_last"] < first_losses["loss_first"]
+
+
+def test_resume_without_a_checkpoint_is_bad_input(tmp_path):
+    proc = launch(tmp_path / "run", "--set", f"checkpoint.uri=file://{tmp_path / 'none'}", "--resume")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "no complete checkpoint" in out and "Traceback" not in out
+    assert not (tmp_path / "run").exists()     # refused before anything was written
