@@ -13,6 +13,14 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("ELASTIC_CACHE", str(Path(os.environ.get("PYTEST_CACHE_DIR", "/tmp")) / "elastic-test-cache"))
 
 
+def cli_env(**extra: str) -> dict:
+    """Environment for `python -m elastic` subprocesses: they import the tree under test, not
+    whatever copy of elastic is installed."""
+    env = {**os.environ, **extra}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return env
+
+
 @pytest.fixture(scope="session")
 def local_cluster():
     """A real local Ray cluster (head on 127.0.0.1); tests add and remove raylets as 'VMs'."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from elastic.ledger import read_events
-from tests.conftest import REPO
+from tests.conftest import REPO, cli_env
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +37,7 @@ def session_pids(run_dir: Path) -> set[int]:
 
 
 def launch(run_dir: Path, *args: str, **kw) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = cli_env(PYTHONUNBUFFERED="1")
     return subprocess.Popen([sys.executable, "-m", "elastic", "launch", str(REPO / "recipes/local-tiny.yaml"),
                              "--run-dir", str(run_dir), *args], cwd=kw.get("cwd", REPO), env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -75,7 +74,8 @@ def test_launch_trains_and_reports(tmp_path):
 
 
 def elastic_cli(*args):
-    return subprocess.run([sys.executable, "-m", "elastic", *args], capture_output=True, text=True, cwd=REPO)
+    return subprocess.run([sys.executable, "-m", "elastic", *args], capture_output=True, text=True, cwd=REPO,
+                          env=cli_env())
 
 
 def check_checkpoint_cli(root: Path):

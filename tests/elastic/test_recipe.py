@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,14 +11,14 @@ import yaml
 
 from elastic.errors import RecipeError
 from elastic.recipe import Recipe, dump_recipe, load_recipe, validate_recipe
-from tests.conftest import REPO
+from tests.conftest import REPO, cli_env
 
 TINY = REPO / "recipes" / "local-tiny.yaml"
 
 
 def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """`python -m elastic ARGS` in a subprocess, with plain (uncoloured, narrow) terminal output."""
-    env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "ELASTIC_DEBUG")}
+    env = {k: v for k, v in cli_env().items() if k not in ("FORCE_COLOR", "ELASTIC_DEBUG")}
     # A narrow terminal: an error line that rich wrapped would show up as two lines.
     env.update(NO_COLOR="1", TERM="dumb", COLUMNS="40")
     return subprocess.run([sys.executable, "-m", "elastic", *args], capture_output=True, text=True, env=env,
@@ -59,13 +58,13 @@ BAD = [
     ("no-stop-condition", "name: a\ntrain: {outer_steps: null}\n", ["train", "token_budget"]),
     ("bad-betas", "name: a\ntrain: {inner_betas: [0.9]}\n", ["train.inner_betas[1]", "missing"]),
     ("min-above-max", "name: a\nworld: {min_replicas: 5, replicas: 5, max_replicas: 4}\n",
-     ["world", "min_replicas (5)", "max_replicas (4)"]),
+     ["world.min_replicas: 5", "max_replicas (4)"]),
     ("replicas-above-max", "name: a\nworld: {replicas: 5, max_replicas: 4}\n",
-     ["world", "replicas (5)", "between"]),
+     ["world.replicas: 5", "between"]),
     ("replicas-below-min", "name: a\nworld: {min_replicas: 2, replicas: 1}\n",
-     ["world", "replicas (1)", "between"]),
+     ["world.replicas: 1", "between"]),
     ("bad-sync-dtype", "name: a\nworld: {sync_dtype: float16}\n", ["world.sync_dtype", "bfloat16", "'float16'"]),
-    ("heads-not-dividing", "name: a\nmodel: {width: 256, heads: 3}\n", ["model", "heads (3)", "divide"]),
+    ("heads-not-dividing", "name: a\nmodel: {width: 256, heads: 3}\n", ["model.heads: 3", "divide"]),
     ("seq-len-above-context", "name: a\nmodel: {context: 64}\ntrain: {seq_len: 128}\n",
      ["train.seq_len (128)", "model.context (64)"]),
     ("batch-not-multiple-of-ranks", "name: a\ntrain: {batch_size: 3}\nworld: {ranks_per_replica: 2}\n",

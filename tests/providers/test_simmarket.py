@@ -10,6 +10,7 @@ import pytest
 
 from elastic.recipe import LocalInstanceType, MarketSection
 from providers.simmarket import SimMarket, TraceError, read_trace
+from tests.conftest import cli_env
 
 TYPES = [LocalInstanceType(name="cpu", region="r1", zone="r1a", spot_usd_per_hour=0.5, on_demand_usd_per_hour=1.5)]
 
@@ -82,7 +83,8 @@ def test_bad_traces_are_one_line_errors(tmp_path):
         read_trace(bad)
     recipe = tmp_path / "r.yaml"
     recipe.write_text("name: x\nlocal:\n  market:\n    trace: b.csv\n")
-    out = subprocess.run([sys.executable, "-m", "elastic", "validate", str(recipe)], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "elastic", "validate", str(recipe)], capture_output=True, text=True,
+                         env=cli_env())
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "local.market.trace" in out.stderr and "row 2" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
