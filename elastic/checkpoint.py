@@ -27,6 +27,14 @@ def checkpoint_dir(uri: str | None, run_dir: Path) -> Path:
     return Path(uri.removeprefix("file://")).expanduser()
 
 
+def _step_of(path: Path) -> int | None:
+    """The step a `step-NNNNNNNN` directory holds, or None for any other name."""
+    try:
+        return int(path.name.split("-")[1])
+    except (IndexError, ValueError):
+        return None
+
+
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:08d}"
 
@@ -35,7 +43,7 @@ def complete_steps(root: Path) -> list[int]:
     """Steps with a manifest, oldest first."""
     if not root.is_dir():
         return []
-    return sorted(int(p.name.split("-")[1]) for p in root.glob("step-*") if (p / MANIFEST).is_file())
+    return sorted(s for p in root.glob("step-*") if (s := _step_of(p)) is not None and (p / MANIFEST).is_file())
 
 
 def save(world, root: Path, recipe_digest: str) -> dict:
@@ -70,8 +78,8 @@ def prune(root: Path, keep_last: int) -> list[int]:
     newest = steps[-1] if steps else None
     if newest is not None:
         for p in root.glob("step-*"):
-            s = int(p.name.split("-")[1])
-            if s < newest and not (p / MANIFEST).exists():
+            s = _step_of(p)
+            if s is not None and s < newest and not (p / MANIFEST).exists():
                 shutil.rmtree(p, ignore_errors=True)
     return deleted
 
@@ -88,7 +96,7 @@ def local_root(uri: str) -> Path:
     """The directory a checkpoint URI names, for the destinations this version supports."""
     if "://" in uri and not uri.startswith("file://"):
         raise UserError(f"{uri}: only file:// and plain paths are supported for now")
-    root = Path(uri.removeprefix("file://")).expanduser()
+    root = checkpoint_dir(uri, Path("."))
     if not root.is_dir():
         raise UserError(f"{uri}: no such checkpoint directory")
     return root
@@ -98,9 +106,8 @@ def listing(root: Path) -> list[dict]:
     """Every checkpoint under `root`, oldest first: step, saved_at, bytes, complete."""
     out = []
     for p in sorted(root.glob("step-*")):
-        try:
-            step = int(p.name.split("-")[1])
-        except (IndexError, ValueError):
+        step = _step_of(p)
+        if step is None:
             continue
         manifest = _read_manifest(p)
         if manifest is None:

@@ -188,9 +188,6 @@ class LocalCluster:
         _kill_children(node)
         node.kill_all_processes(check_alive=False, allow_graceful=graceful, wait=True)
 
-    def node_ids(self) -> list[str]:
-        return list(self._nodes)
-
     def _kill_nodes(self) -> None:
         for node_id in list(self._nodes):
             self.remove_node(node_id, graceful=False)

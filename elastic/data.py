@@ -93,7 +93,8 @@ class SampleStream:
         n = self._seq_len + 1
         if out is None:
             out = torch.empty(count, n, dtype=torch.int64)
+        rows = out.numpy()   # shares out's memory: numpy widens uint16 into it with no temporary
         for i in range(count):
             w = self._window(start + i) * self._seq_len
-            out[i].copy_(torch.from_numpy(self._tokens[w: w + n].astype(np.int64)))
+            rows[i] = self._tokens[w: w + n]
         return out

@@ -117,11 +117,6 @@ class OuterState:
         copy_all(self._locals, self._theta_views)
         self.pending = self.reduced = False
 
-    def sync_and_step(self, size: int) -> None:
-        """All-reduce and apply in one go (no failure handling: tests and single-replica use)."""
-        self.all_reduce(size)
-        self.apply()
-
     def momentum(self) -> torch.Tensor | None:
         """The outer momentum buffer (flat, this rank's shard), or None before the first step."""
         return self.optimizer.state.get(self.theta, {}).get("momentum_buffer")

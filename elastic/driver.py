@@ -33,15 +33,14 @@ class Driver:
         recipe: the resolved recipe.
         run_dir: the run directory (exists).
         ledger: the run's ledger.
-        console: rich console for progress.
+        resume: continue from the latest complete checkpoint at `checkpoint.uri`.
     """
 
-    def __init__(self, recipe: Recipe, run_dir: Path, ledger: Ledger, console=None, resume: bool = False):
+    def __init__(self, recipe: Recipe, run_dir: Path, ledger: Ledger, resume: bool = False):
         self.recipe = recipe
         self.run_dir = run_dir
         self.run_name = run_dir.name
         self.ledger = ledger
-        self.console = console
         self.cluster = None
         self.provider = None
         self.world = None
@@ -53,7 +52,7 @@ class Driver:
         self._cooldown: dict[tuple, float] = {}          # (zone, instance type) -> until (monotonic)
         self._draining: dict[int, float] = {}            # replica id -> notice deadline (unix)
         self._members: list[int] = []
-        self._view = None
+        self._restored = False   # the world was restored after losing every replica
         self._resume_from = self._latest_checkpoint() if resume else None
         if resume and self._resume_from is None:
             raise UserError(f"--resume: no complete checkpoint at {recipe.checkpoint.uri or self._ckpt_root}")
@@ -100,12 +99,12 @@ class Driver:
         """Rent nodes in the background up to the target (cheapest offer not cooling down)."""
         for _ in range(self._wanted()):
             now = time.monotonic()
-            offers = [o for o in self.provider.offers(self.recipe.resources)
-                      if self._cooldown.get((o.zone, o.instance_type), 0) <= now]
+            every = self.provider.offers(self.recipe.resources)
+            if not every:
+                raise UserError("resources: no offer in the local market matches resources.regions / "
+                                "resources.max_usd_per_hour")
+            offers = [o for o in every if self._cooldown.get((o.zone, o.instance_type), 0) <= now]
             if not offers:
-                if not self.provider.offers(self.recipe.resources):
-                    raise UserError("resources: no offer in the local market matches resources.regions / "
-                                    "resources.max_usd_per_hour")
                 return
             offer = offers[0]
             self._launching[self._pool.submit(self.provider.launch, offer, self.run_name, "replica")] = offer
@@ -117,18 +116,14 @@ class Driver:
             offer = self._launching.pop(fut)
             try:
                 inst = fut.result()
-            except CapacityError as exc:
+            except Exception as exc:  # no capacity, or a VM that failed to come up: the offer rests
                 self._cooldown[(offer.zone, offer.instance_type)] = time.monotonic() + OFFER_COOLDOWN_S
-                self.ledger.append("capacity_error", zone=offer.zone, instance_type=offer.instance_type,
-                                   message=str(exc))
+                refused = isinstance(exc, CapacityError)
+                self.ledger.append("capacity_error" if refused else "launch_failed", zone=offer.zone,
+                                   instance_type=offer.instance_type,
+                                   message=str(exc) if refused else f"{type(exc).__name__}: {str(exc)[:200]}")
                 continue
-            except Exception as exc:  # a VM that failed to come up: the offer rests, the run goes on
-                self._cooldown[(offer.zone, offer.instance_type)] = time.monotonic() + OFFER_COOLDOWN_S
-                self.ledger.append("launch_failed", zone=offer.zone, instance_type=offer.instance_type,
-                                   message=f"{type(exc).__name__}: {str(exc)[:200]}")
-                continue
-            self.ledger.append("node_launched", instance_id=inst.instance_id, ray_node_id=inst.ray_node_id,
-                               role=inst.role, **{k: v for k, v in offer.to_dict().items() if k != "read_at"})
+            self._record_launch(inst, offer)
             rep = self.world.start_replica(inst.instance_id, inst.ray_node_id)
             self.ledger.append("replica_starting", replica=rep.replica_id, instance_id=inst.instance_id)
 
@@ -192,25 +187,23 @@ class Driver:
     def admit_joiners(self) -> None:
         """At an outer-step boundary: bring every set-up joiner into the world."""
         for rep in self.world.ready_joiners():
-            source = None
             if self._resume_from is not None and not self.world.replicas and self.world.outer_step == 0:
                 # --resume: the first replica loads the checkpoint (DCP reshards it to this world's
                 # ranks); the rest copy from it as usual.
                 path, manifest = self._resume_from
-                self.world.restore(manifest)
-                source = self.world.admit(rep, checkpoint_path=str(path))
+                source = self._admit_from_checkpoint(rep, path, manifest)
                 self.ledger.append("resumed", from_step=manifest["step"], path=str(path),
                                    saved_replicas=manifest.get("replicas"), saved_ranks=manifest.get("ranks"))
                 self._resume_from = None
-            elif not self.world.replicas and self.world.outer_step == 0 and not self._restored_once():
+            elif not self.world.replicas and self.world.outer_step == 0 and not self._restored:
                 self.world.admit_fresh(rep)
                 source = "initial state"
             elif not self.world.replicas:
+                self._restored = True
                 latest = self._latest_checkpoint()
                 if latest:
                     path, manifest = latest
-                    self.world.restore(manifest)
-                    source = self.world.admit(rep, checkpoint_path=str(path))
+                    source = self._admit_from_checkpoint(rep, path, manifest)
                     self.ledger.append("world_restored", from_step=manifest["step"], path=str(path))
                 else:
                     # Nothing was kept: start over from θ0 (fresh data; tokens count what is kept).
@@ -226,8 +219,10 @@ class Driver:
                                    outer_step=self.world.outer_step, epoch=self.world.epoch, source=source,
                                    setup_s=round(time.time() - rep.started_at, 3))
 
-    def _restored_once(self) -> bool:
-        return any(e["type"] == "world_restored" for e in self.ledger.events)
+    def _admit_from_checkpoint(self, rep, path: Path, manifest: dict) -> str:
+        """The world takes the checkpoint's counters; `rep` loads its state from DCP."""
+        self.world.restore(manifest)
+        return self.world.admit(rep, checkpoint_path=str(path))
 
     def wait_for_capacity(self, view) -> bool:
         """Pause until at least `world.min_replicas` are alive (renting and admitting meanwhile);
@@ -283,7 +278,6 @@ class Driver:
     def run(self, view) -> str:
         """Train until done, out of budget or out of capacity; returns the run status."""
         recipe, world, ledger = self.recipe, self.world, self.ledger
-        self._view = view
         self._metrics = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
         every = recipe.checkpoint.every_outer_steps
         train_s, last_step_s = 0.0, 0.0
@@ -407,9 +401,11 @@ class Driver:
         for fut in list(self._launching):
             offer = self._launching.pop(fut)
             if fut.done() and fut.exception() is None:
-                inst = fut.result()
-                self.ledger.append("node_launched", instance_id=inst.instance_id, ray_node_id=inst.ray_node_id,
-                                   role=inst.role, **{k: v for k, v in offer.to_dict().items() if k != "read_at"})
+                self._record_launch(fut.result(), offer)
+
+    def _record_launch(self, inst, offer) -> None:
+        self.ledger.append("node_launched", instance_id=inst.instance_id, ray_node_id=inst.ray_node_id,
+                           role=inst.role, **{k: v for k, v in offer.to_dict().items() if k != "read_at"})
 
 
 class QuietView:

@@ -164,7 +164,7 @@ def launch(recipe: Recipe, run_dir: Path, address: str | None = None, console=No
                           highlight=False)
             from elastic.driver import Driver
 
-            driver = Driver(recipe, run_dir, ledger, console, resume=resume)
+            driver = Driver(recipe, run_dir, ledger, resume=resume)
             with console.status("starting Ray cluster…"):
                 driver.start_cluster(address)
             with _View(console, recipe, driver.world.total_outer_steps) as view:

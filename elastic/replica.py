@@ -52,6 +52,17 @@ def lr_at(step: int, peak: float, warmup: int, total: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
+def _like_param(p, local):
+    """`local` (this rank's shard of something shaped like parameter `p`) laid out as `p` is: a
+    DTensor on the same mesh and placements under FSDP2, else a plain tensor on p's device."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(p, DTensor):
+        return DTensor.from_local(local.to(p.device), p.device_mesh, p.placements, shape=p.shape,
+                                  stride=p.stride(), run_check=False)
+    return local.to(p.device)
+
+
 class RankWorker:
     """Ray actor body for one rank (wrapped with `ray.remote` by the world)."""
 
@@ -206,28 +217,21 @@ class RankWorker:
     def export_state(self) -> dict:
         """This rank's θ_outer, outer momentum and inner AdamW state (local shards), for the same
         rank of a joining replica. Call at an outer-step boundary (θ_local = θ_outer)."""
+        from elastic.diloco import local_shard
+
         inner = []
         for p in self._params:
             st = self._opt.state.get(p, {})
-            inner.append({k: (v.to_local() if hasattr(v, "to_local") else v).detach().cpu().clone()
-                          for k, v in st.items()})
+            inner.append({k: local_shard(v).cpu().clone() for k, v in st.items()})
         return {"outer": self._outer.export(), "inner": inner, "inner_step": self._inner_step}
 
     def import_state(self, state: dict) -> None:
         """Take a peer's state (see export_state): the replica continues exactly where the peer is."""
-        from torch.distributed.tensor import DTensor
-
         self._outer.load(state["outer"])
         for p, st in zip(self._params, state["inner"]):
-            if not st:
-                continue
-            own = {}
-            for k, v in st.items():
-                if isinstance(p, DTensor) and v.dim() > 0:
-                    v = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape,
-                                           stride=p.stride(), run_check=False)
-                own[k] = v.to(p.device) if not isinstance(v, DTensor) and v.dim() > 0 else v
-            self._opt.state[p] = own
+            if st:
+                # Per-element state (exp_avg, exp_avg_sq) takes the parameter's layout; `step` stays scalar.
+                self._opt.state[p] = {k: _like_param(p, v) if v.dim() > 0 else v for k, v in st.items()}
         self._inner_step = state["inner_step"]
         self._stop_at = float("inf")
 
@@ -253,21 +257,14 @@ class RankWorker:
         import torch
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
-        from torch.distributed.tensor import DTensor
 
         t0 = time.monotonic()
         model_sd, optim_sd = get_state_dict(self._model, self._opt)
         momentum = self._outer.momentum()
         if momentum is None:  # no momentum (outer_momentum 0, or before the first step): save zeros
             momentum = torch.zeros(self._outer.numel)
-        outer = {}
-        if True:
-            for (name, p), view in zip(self._model.named_parameters(), self._outer.shard_views(momentum)):
-                if isinstance(p, DTensor):
-                    outer[name] = DTensor.from_local(view.to(p.device), p.device_mesh, p.placements,
-                                                     shape=p.shape, stride=p.stride(), run_check=False)
-                else:
-                    outer[name] = view
+        outer = {name: _like_param(p, view) for (name, p), view
+                 in zip(self._model.named_parameters(), self._outer.shard_views(momentum))}
         state = {"model": model_sd, "optim": optim_sd, "outer_momentum": outer,
                  "inner_step": torch.tensor(self._inner_step)}
         dcp.save(state, checkpoint_id=path)
@@ -279,23 +276,18 @@ class RankWorker:
         import torch
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-        from torch.distributed.tensor import DTensor
+
+        from elastic.diloco import local_shard
 
         t0 = time.monotonic()
         model_sd, optim_sd = get_state_dict(self._model, self._opt)
-        outer = {}
-        for name, p in self._model.named_parameters():
-            outer[name] = (DTensor.from_local(torch.zeros_like(p.to_local()), p.device_mesh, p.placements,
-                                              shape=p.shape, stride=p.stride(), run_check=False)
-                           if isinstance(p, DTensor) else torch.zeros_like(p))
+        outer = {name: _like_param(p, torch.zeros_like(local_shard(p))) for name, p in self._model.named_parameters()}
         state = {"model": model_sd, "optim": optim_sd, "outer_momentum": outer,
                  "inner_step": torch.tensor(0)}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(self._model, self._opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        theta = torch.cat([(p.to_local() if hasattr(p, "to_local") else p).detach().reshape(-1).cpu()
-                           for p in self._params])
-        momentum = torch.cat([(v.to_local() if hasattr(v, "to_local") else v).reshape(-1).cpu()
-                              for v in outer.values()])
+        theta = torch.cat([local_shard(p).reshape(-1).cpu() for p in self._params])
+        momentum = torch.cat([local_shard(v).reshape(-1).cpu() for v in outer.values()])
         self._outer.load({"theta": theta, "momentum": momentum})
         self._inner_step = int(state["inner_step"])
         return {"seconds": time.monotonic() - t0}

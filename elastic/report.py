@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from pathlib import Path
 
 from elastic.ledger import read_events
@@ -75,6 +76,7 @@ def build_report(events: list[dict], now: float | None = None) -> dict:
     cost = sum(i["cost_usd"] for i in instances)
     tokens = steps[-1]["tokens_total"] if steps else 0
     errors = [e["message"] for e in events if e["type"] == "error"]
+    deleted = {e["step"] for e in events if e["type"] == "checkpoint_deleted"}
     train_s = sum(e["inner_s"] + e["sync_s"] for e in steps)
     report = {
         "run": start["run"] if start else None,
@@ -113,18 +115,11 @@ def build_report(events: list[dict], now: float | None = None) -> dict:
         "restored_from_checkpoint": sum(1 for e in events if e["type"] == "world_restored" and e.get("path")),
         "max_replicas_seen": max((len(e["replicas"]) for e in steps), default=0),
         # Checkpoints still kept (retention deletes the older ones).
-        "checkpoints": [e["path"] for e in events if e["type"] == "checkpoint_saved"
-                        and e["step"] not in {d["step"] for d in events if d["type"] == "checkpoint_deleted"}],
+        "checkpoints": [e["path"] for e in events if e["type"] == "checkpoint_saved" and e["step"] not in deleted],
         "budget_exhausted": next((e["reason"] for e in events if e["type"] == "budget_exhausted"), None),
         "errors": errors,
     }
     return report
-
-
-def _median(xs: list[float]) -> float:
-    ys = sorted(xs)
-    n = len(ys)
-    return (ys[n // 2] + ys[(n - 1) // 2]) / 2
 
 
 def write_report(run_dir: str | Path) -> dict:
@@ -159,7 +154,7 @@ def summary_table(report: dict):
         ("$ per 1M tokens", fmt(report["usd_per_mtok"], ".4f")),
         ("instances", str(len(report["instances"]))),
         ("preemptions / joins", f"{report['preemptions']} / {report['joins']}"),
-        ("recovery (median)", f"{_median(report['recovery_s']):.1f} s" if report["recovery_s"] else "-"),
+        ("recovery (median)", f"{statistics.median(report['recovery_s']):.1f} s" if report["recovery_s"] else "-"),
         ("effective training time", fmt(report["effective_training_time"], ".1%")),
     ]
     for k, v in rows:
