@@ -36,9 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("checkpoints", help="list or verify the checkpoints at a URI")
     ck = sp.add_subparsers(dest="action", metavar="ACTION", required=True)
     cl = ck.add_parser("list", help="table: step, time, size, complete or not")
-    cl.add_argument("uri", help="checkpoint URI (file:// or a path)")
+    cl.add_argument("uri", help="checkpoint URI (s3://, gs://, file:// or a path)")
     cv = ck.add_parser("verify", help="re-hash every file against the manifest; non-zero exit names the bad file")
-    cv.add_argument("uri", help="checkpoint URI (file:// or a path)")
+    cv.add_argument("uri", help="checkpoint URI (s3://, gs://, file:// or a path)")
     cv.add_argument("--step", type=int, help="the checkpoint to verify (default: the newest complete one)")
 
     sp = sub.add_parser("schema", help="print the recipe's JSON schema (for editors) or its reference")
@@ -119,7 +119,12 @@ def _dispatch(args, err) -> int:
             if not recipe.checkpoint.uri:
                 raise UserError("--resume: set checkpoint.uri to where the checkpoints are "
                                 "(a run's default <run dir>/checkpoints is not shared with a new run)")
-            if not ckpt.complete_steps(ckpt.checkpoint_dir(recipe.checkpoint.uri, Path("."))):
+            from elastic.storage import open_storage
+            try:
+                store = open_storage(recipe.checkpoint.uri)
+            except UserError as exc:
+                raise UserError(f"--resume: no complete checkpoint ({exc})") from None
+            if not ckpt.complete_steps(store):
                 raise UserError(f"--resume: no complete checkpoint at {recipe.checkpoint.uri}")
         return launch(recipe, args.run_dir or default_run_dir(recipe), address=args.address, console=out,
                       resume=args.resume)
@@ -145,8 +150,9 @@ def _checkpoints(args, out, err) -> int:
     from rich.table import Table
 
     from elastic import checkpoint as ckpt
+    from elastic.storage import open_storage
 
-    root = ckpt.local_root(args.uri)
+    root = open_storage(args.uri)
     if args.action == "list":
         table = Table(title=f"checkpoints at {args.uri}", title_justify="left")
         for col in ("step", "saved (UTC)", "size", "complete"):

@@ -46,23 +46,18 @@ class Driver:
         self.world = None
         self._metrics = None
         self._t0 = time.time()
-        self._ckpt_root = ckpt.checkpoint_dir(recipe.checkpoint.uri, run_dir)
+        c = recipe.checkpoint
+        self.ckpt = ckpt.Checkpointer(ckpt.destination(c.uri, run_dir), ckpt.staging_root(c.local_dir, self.run_name),
+                                      c.keep_last, c.upload_threads, ledger)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="launch")
         self._launching: dict[Future, object] = {}
         self._cooldown: dict[tuple, float] = {}          # (zone, instance type) -> until (monotonic)
         self._draining: dict[int, float] = {}            # replica id -> notice deadline (unix)
         self._members: list[int] = []
         self._restored = False   # the world was restored after losing every replica
-        self._resume_from = self._latest_checkpoint() if resume else None
+        self._resume_from = self.ckpt.latest() if resume else None
         if resume and self._resume_from is None:
-            raise UserError(f"--resume: no complete checkpoint at {recipe.checkpoint.uri or self._ckpt_root}")
-
-    def _latest_checkpoint(self) -> tuple[Path, dict] | None:
-        steps = ckpt.complete_steps(self._ckpt_root)
-        if not steps:
-            return None
-        path = ckpt.step_dir(self._ckpt_root, steps[-1])
-        return path, json.loads((path / ckpt.MANIFEST).read_text())
+            raise UserError(f"--resume: no complete checkpoint at {self.ckpt.uri}")
 
     # -- setup -----------------------------------------------------------------------------------
 
@@ -159,6 +154,7 @@ class Driver:
                                     phase=phase, lost_inner_steps=lost)
                     self._draining.pop(rep.replica_id, None)
         self._collect_launches()
+        self.ckpt.poll()
         # Replace what was lost or is about to go right away, not at the next step boundary.
         self.top_up()
 
@@ -190,9 +186,9 @@ class Driver:
             if self._resume_from is not None and not self.world.replicas and self.world.outer_step == 0:
                 # --resume: the first replica loads the checkpoint (DCP reshards it to this world's
                 # ranks); the rest copy from it as usual.
-                path, manifest = self._resume_from
-                source = self._admit_from_checkpoint(rep, path, manifest)
-                self.ledger.append("resumed", from_step=manifest["step"], path=str(path),
+                manifest = self._resume_from
+                source = self._admit_from_checkpoint(rep, manifest)
+                self.ledger.append("resumed", from_step=manifest["step"], uri=self.ckpt.uri,
                                    saved_replicas=manifest.get("replicas"), saved_ranks=manifest.get("ranks"))
                 self._resume_from = None
             elif not self.world.replicas and self.world.outer_step == 0 and not self._restored:
@@ -200,18 +196,17 @@ class Driver:
                 source = "initial state"
             elif not self.world.replicas:
                 self._restored = True
-                latest = self._latest_checkpoint()
-                if latest:
-                    path, manifest = latest
-                    source = self._admit_from_checkpoint(rep, path, manifest)
-                    self.ledger.append("world_restored", from_step=manifest["step"], path=str(path))
+                manifest = self.ckpt.latest()
+                if manifest:
+                    source = self._admit_from_checkpoint(rep, manifest)
+                    self.ledger.append("world_restored", from_step=manifest["step"], uri=self.ckpt.uri)
                 else:
                     # Nothing was kept: start over from θ0 (fresh data; tokens count what is kept).
                     self.world.restore({"step": 0, "inner_step": 0, "data_cursor": self.world.cursor,
                                         "tokens": 0})
                     self.world.admit_fresh(rep)
                     source = "initial state (no checkpoint yet)"
-                    self.ledger.append("world_restored", from_step=0, path=None)
+                    self.ledger.append("world_restored", from_step=0, uri=None)
             else:
                 source = self.world.admit(rep)
             if source != "lost":
@@ -219,10 +214,10 @@ class Driver:
                                    outer_step=self.world.outer_step, epoch=self.world.epoch, source=source,
                                    setup_s=round(time.time() - rep.started_at, 3))
 
-    def _admit_from_checkpoint(self, rep, path: Path, manifest: dict) -> str:
+    def _admit_from_checkpoint(self, rep, manifest: dict) -> str:
         """The world takes the checkpoint's counters; `rep` loads its state from DCP."""
         self.world.restore(manifest)
-        return self.world.admit(rep, checkpoint_path=str(path))
+        return self.world.admit(rep, checkpoint=(self.ckpt.uri, manifest["step"], self.ckpt.staging))
 
     def wait_for_capacity(self, view) -> bool:
         """Pause until at least `world.min_replicas` are alive (renting and admitting meanwhile);
@@ -276,7 +271,13 @@ class Driver:
     # -- the run ---------------------------------------------------------------------------------
 
     def run(self, view) -> str:
-        """Train until done, out of budget or out of capacity; returns the run status."""
+        """Train until done, out of budget or out of capacity; returns the run status once the
+        last checkpoint is durable."""
+        status = self._train(view)
+        self.finish_checkpoints(view)
+        return status
+
+    def _train(self, view) -> str:
         recipe, world, ledger = self.recipe, self.world, self.ledger
         self._metrics = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
         every = recipe.checkpoint.every_outer_steps
@@ -358,20 +359,30 @@ class Driver:
         return None
 
     def checkpoint(self, view) -> None:
+        """Phase 1 now (training waits), phase 2 in the background (see elastic.checkpoint)."""
+        if self.ckpt.uploading is not None:
+            view.phase(f"waiting for checkpoint {self.ckpt.uploading} to upload")
         view.phase(f"checkpoint at outer step {self.world.outer_step}")
+        # Save from a replica that is not about to leave, so its upload can finish.
+        steady = [r for r in sorted(self.world.replicas) if r not in self._draining]
+        lead = self.world.replicas[steady[0] if steady else min(self.world.replicas)]
         try:
-            info = ckpt.save(self.world, self._ckpt_root, self.recipe.digest())
+            self.ckpt.save(self.world, lead, self.recipe.digest())
         except Exception as exc:  # the saving replica was lost mid-save: the partial one is ignored
-            self.ledger.append("checkpoint_failed", step=self.world.outer_step, message=str(exc)[:200])
-            return
-        self.ledger.append("checkpoint_saved", **info)
-        for step in ckpt.prune(self._ckpt_root, self.recipe.checkpoint.keep_last):
-            self.ledger.append("checkpoint_deleted", step=step)
+            self.ledger.append("checkpoint_failed", step=self.world.outer_step, message=str(exc).splitlines()[0][:200])
+
+    def finish_checkpoints(self, view) -> None:
+        """Wait until the last checkpoint is durable (phase 2 done) before the run lets its nodes go."""
+        if self.ckpt.uploading is not None:
+            view.phase(f"uploading checkpoint {self.ckpt.uploading} to {self.ckpt.uri}")
+            self.ckpt.wait()
 
     # -- teardown --------------------------------------------------------------------------------
 
     def release_all(self) -> None:
         """Release every node the run holds and stop what it started; each part tolerates the others failing."""
+        if self.ckpt.uploading is not None:  # interrupted mid-upload: the last complete one stands
+            self.ledger.append("checkpoint_upload_abandoned", step=self.ckpt.uploading)
         if self.world is not None:
             try:
                 self.world.shutdown()

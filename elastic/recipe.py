@@ -184,17 +184,28 @@ class CheckpointSection(_Section):
     """Where and how often the training state is saved."""
 
     uri: str | None = None
-    """Destination (`file:///abs/path` or a plain path). Empty: `<run dir>/checkpoints`."""
+    """Destination: `s3://bucket/prefix`, `gs://bucket/prefix`, `file:///abs/path` or a plain path
+    (file:// must be a filesystem every node sees). Empty: `<run dir>/checkpoints`. A missing bucket
+    or directory is created."""
     every_outer_steps: int = Field(10, ge=0)
     """Save every N outer steps (0: only at the end)."""
     keep_last: int = Field(3, ge=1)
-    """Keep the newest K checkpoints; older ones are deleted."""
+    """Keep the newest K complete checkpoints; older ones are deleted (never the newest)."""
+    local_dir: str | None = None
+    """Phase 1 writes here on the saving node before training goes on: a path on fast local disk,
+    or `shm` for /dev/shm (RAM; needs room for one replica's state). Empty: the temp directory.
+    Phase 2 then uploads to `uri` in the background."""
+    upload_threads: int = Field(8, ge=1, le=64)
+    """Files each rank uploads at once in phase 2 (large files also go up in parallel parts)."""
 
     @model_validator(mode="after")
     def _check(self) -> "CheckpointSection":
-        if self.uri is not None and "://" in self.uri and not self.uri.startswith("file://"):
-            scheme = self.uri.split("://", 1)[0]
-            raise ValueError(f"@uri: scheme {scheme}:// is not supported yet (use file:// or a path)")
+        if self.uri is not None and "://" in self.uri:
+            scheme, _, rest = self.uri.partition("://")
+            if scheme not in ("file", "s3", "gs"):
+                raise ValueError(f"@uri: unsupported scheme {scheme}:// (use s3://, gs://, file:// or a path)")
+            if scheme != "file" and not rest.split("/", 1)[0]:
+                raise ValueError(f"@uri: {self.uri} names no bucket")
         return self
 
 

@@ -16,6 +16,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,28 @@ def _like_param(p, local):
         return DTensor.from_local(local.to(p.device), p.device_mesh, p.placements, shape=p.shape,
                                   stride=p.stride(), run_check=False)
     return local.to(p.device)
+
+
+def _rng_state() -> dict:
+    import random
+
+    import torch
+
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    import random
+
+    import torch
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 class RankWorker:
@@ -268,7 +291,29 @@ class RankWorker:
         state = {"model": model_sd, "optim": optim_sd, "outer_momentum": outer,
                  "inner_step": torch.tensor(self._inner_step)}
         dcp.save(state, checkpoint_id=path)
+        # RNG state is per rank (not sharded): a small file beside the shards, restored when the
+        # loading world has a rank of the same number.
+        torch.save(_rng_state(), f"{path}/rng-{self._spec.rank}.pt")
         return {"seconds": time.monotonic() - t0}
+
+    def upload_checkpoint(self, local: str, uri: str, step: int, threads: int) -> list[dict]:
+        """Phase 2: upload the files this rank wrote in phase 1 (runs beside training)."""
+        from elastic import checkpoint as ckpt
+
+        names = ckpt.rank_files(Path(local), self._spec.rank)
+        return ckpt.upload(uri, Path(local), step, names, threads)
+
+    def fetch_checkpoint(self, uri: str, step: int, staging: str) -> str:
+        """Make checkpoint `step` at `uri` loadable on this node; returns its local directory."""
+        from elastic import checkpoint as ckpt
+
+        return ckpt.fetch(uri, step, staging)
+
+    def drop_staging(self, local: str) -> None:
+        """Remove a phase-1 directory once it is durable at the destination."""
+        import shutil
+
+        shutil.rmtree(local, ignore_errors=True)
 
     def load_checkpoint(self, path: str) -> dict:
         """Load model, inner AdamW and outer momentum from a DCP checkpoint written by any world
@@ -290,6 +335,9 @@ class RankWorker:
         momentum = torch.cat([local_shard(v).reshape(-1).cpu() for v in outer.values()])
         self._outer.load({"theta": theta, "momentum": momentum})
         self._inner_step = int(state["inner_step"])
+        rng = Path(path) / f"rng-{self._spec.rank}.pt"
+        if rng.is_file():
+            _set_rng_state(torch.load(rng, weights_only=False))
         return {"seconds": time.monotonic() - t0}
 
     def ping(self) -> bool:

@@ -77,6 +77,7 @@ def build_report(events: list[dict], now: float | None = None) -> dict:
     tokens = steps[-1]["tokens_total"] if steps else 0
     errors = [e["message"] for e in events if e["type"] == "error"]
     deleted = {e["step"] for e in events if e["type"] == "checkpoint_deleted"}
+    uploads = [e for e in events if e["type"] == "checkpoint_uploaded"]
     train_s = sum(e["inner_s"] + e["sync_s"] for e in steps)
     report = {
         "run": start["run"] if start else None,
@@ -112,10 +113,14 @@ def build_report(events: list[dict], now: float | None = None) -> dict:
         "driver_restarts": max(0, sum(1 for e in events if e["type"] == "run_started") - 1),
         "capacity_wait_s": round(sum(e.get("waited_s", 0) for e in events if e["type"] == "capacity_wait_ended"), 3),
         "resumed_from_step": next((e["from_step"] for e in events if e["type"] == "resumed"), None),
-        "restored_from_checkpoint": sum(1 for e in events if e["type"] == "world_restored" and e.get("path")),
+        "restored_from_checkpoint": sum(1 for e in events if e["type"] == "world_restored" and e.get("uri")),
         "max_replicas_seen": max((len(e["replicas"]) for e in steps), default=0),
-        # Checkpoints still kept (retention deletes the older ones).
-        "checkpoints": [e["path"] for e in events if e["type"] == "checkpoint_saved" and e["step"] not in deleted],
+        # Complete checkpoints still kept (retention deletes the older ones).
+        "checkpoints": [f"{e['uri'].rstrip('/')}/step-{e['step']:08d}" for e in uploads if e["step"] not in deleted],
+        "checkpoint_stall_s": round(sum(e["stall_s"] for e in events if e["type"] == "checkpoint_saved"), 3),
+        "checkpoint_upload_s": round(sum(e["seconds"] for e in uploads), 3),
+        "checkpoint_bytes": sum(e["bytes"] for e in uploads),
+        "checkpoint_uploads_failed": sum(1 for e in events if e["type"] == "checkpoint_upload_failed"),
         "budget_exhausted": next((e["reason"] for e in events if e["type"] == "budget_exhausted"), None),
         "errors": errors,
     }

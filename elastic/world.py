@@ -172,9 +172,10 @@ class World:
             rs = RankSpec(recipe=spec, replica_id=rep.replica_id, rank=rank, ranks=ranks,
                           store_host=self._store_host, store_port=self._store.port,
                           total_inner_steps=self.total_inner_steps)
-            # Two threads: request_stop must reach a rank while inner_phase runs.
+            # Three threads: request_stop must reach a rank while inner_phase runs, and a
+            # checkpoint upload (phase 2) runs beside both.
             rep.actors.append(self._actor_cls.options(num_cpus=1, scheduling_strategy=strategy,
-                                                      max_concurrency=2).remote(rs))
+                                                      max_concurrency=3).remote(rs))
         rep.setup_refs = [a.setup.remote() for a in rep.actors]
         self.joining[rep.replica_id] = rep
         return rep
@@ -205,9 +206,10 @@ class World:
             ready.append(rep)
         return ready
 
-    def admit(self, rep: Replica, checkpoint_path: str | None = None) -> str:
+    def admit(self, rep: Replica, checkpoint: tuple[str, int, str] | None = None) -> str:
         """Admit a set-up joiner at this outer-step boundary, with its state from a live peer (or,
-        when none is left, from `checkpoint_path`). Returns where the state came from."""
+        when none is left, from `checkpoint` = (uri, step, node staging dir)). Returns where the
+        state came from."""
         timeout = self._recipe.world.step_timeout_s
         source = None
         for peer in [self.replicas[r] for r in sorted(self.replicas)]:
@@ -222,10 +224,12 @@ class World:
                     return "lost"
                 self._lose(peer, f"lost while exporting state: {_short(exc)}", 0, "idle")
         if source is None:
-            if checkpoint_path is None:
+            if checkpoint is None:
                 raise RuntimeError("no live peer and no checkpoint to join from")
-            self._ray.get([a.load_checkpoint.remote(checkpoint_path) for a in rep.actors], timeout=timeout)
-            source = f"checkpoint {checkpoint_path}"
+            # The replica's ranks share a node: one fetch (a download unless file://), then all load.
+            local = self._ray.get(rep.actors[0].fetch_checkpoint.remote(*checkpoint), timeout=None)
+            self._ray.get([a.load_checkpoint.remote(local) for a in rep.actors], timeout=timeout)
+            source = f"checkpoint step {checkpoint[1]}"
         self._enter(rep)
         return source
 

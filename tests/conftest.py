@@ -22,6 +22,29 @@ def cli_env(**extra: str) -> dict:
 
 
 @pytest.fixture(scope="session")
+def s3_server():
+    """A moto S3 server on 127.0.0.1; boto3 in this process and in nodes started from now on use it."""
+    from tests.servers.object_stores import MotoS3
+
+    server = MotoS3()
+    os.environ.update(AWS_ENDPOINT_URL=server.url, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+                      AWS_DEFAULT_REGION="us-east-1")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+    """A GCS emulator on 127.0.0.1 (google-cloud-storage follows STORAGE_EMULATOR_HOST)."""
+    from tests.servers.object_stores import GCSEmulator
+
+    server = GCSEmulator()
+    os.environ["STORAGE_EMULATOR_HOST"] = server.url
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def local_cluster():
     """A real local Ray cluster (head on 127.0.0.1); tests add and remove raylets as 'VMs'."""
     from elastic.cluster import LocalCluster

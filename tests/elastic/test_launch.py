@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -156,12 +157,20 @@ def test_budget_stops_the_run_with_a_final_checkpoint(tmp_path):
     assert (run_dir / "metrics.jsonl").read_text().count("\n") == report["inner_steps"]
 
 
-def test_resume_continues_from_the_latest_checkpoint_in_another_world_shape(tmp_path):
-    uri = f"file://{tmp_path / 'ckpt'}"
+def test_resume_continues_from_the_latest_checkpoint_in_another_world_shape(tmp_path, s3_server):
+    """Checkpoints through a real S3 server (moto on 127.0.0.1): the bucket is created, the nodes
+    upload in the background, list/verify read it, and a run of another shape resumes from it."""
+    uri = f"s3://ckpt-{uuid.uuid4().hex[:8]}/run1"
     first = launch(tmp_path / "first", *SMALL, "--set", "train.outer_steps=4", "--set", "checkpoint.every_outer_steps=2",
                    "--set", f"checkpoint.uri={uri}")
     out, _ = first.communicate(timeout=300)
     assert first.returncode == 0, out
+    events = read_events(tmp_path / "first" / "events.jsonl")
+    assert [e["step"] for e in events if e["type"] == "checkpoint_uploaded"] == [2, 4]
+    listed = elastic_cli("checkpoints", "list", uri)
+    assert listed.returncode == 0 and listed.stdout.count("yes") == 2, listed.stderr
+    verified = elastic_cli("checkpoints", "verify", uri)
+    assert verified.returncode == 0 and "step 4" in verified.stdout, verified.stderr
     second = launch(tmp_path / "second", *SMALL, "--set", "train.outer_steps=6", "--set", f"checkpoint.uri={uri}",
                     "--set", "world.replicas=1", "--set", "world.ranks_per_replica=2", "--resume")
     out, _ = second.communicate(timeout=300)

@@ -39,7 +39,9 @@ def run_events(ended: bool = True) -> list[dict]:
         {"t": T0 + 12, "type": "replica_joined", "replica": 0, "instance_id": "a", "outer_step": 0, "epoch": 0},
         {"t": T0 + 12, "type": "replica_joined", "replica": 1, "instance_id": "b", "outer_step": 0, "epoch": 0},
         outer_step(T0 + 100, 1, losses=[5.5, 5.25], tokens_total=40_960, inner_s=80.0, sync_s=10.0),
-        {"t": T0 + 101, "type": "checkpoint_saved", "step": 1, "path": "/ckpt/step-1", "bytes": 1234},
+        {"t": T0 + 101, "type": "checkpoint_saved", "step": 1, "local": "/tmp/stage/step-00000001", "stall_s": 0.5},
+        {"t": T0 + 104, "type": "checkpoint_uploaded", "step": 1, "uri": "s3://b/run/", "bytes": 1234,
+         "seconds": 3.25},
         outer_step(T0 + 200, 2, losses=[3.0, 2.0], tokens_total=81_920, inner_s=90.0, sync_s=10.0),
         {"t": T0 + 300, "type": "node_released", "instance_id": "a"},
     ]
@@ -78,7 +80,8 @@ def test_figures_of_a_completed_run():
     assert r["preemptions"] == 0
     assert r["joins"] == 0                  # joins at outer step 0 are the start, not a rejoin
     assert r["max_replicas_seen"] == 2
-    assert r["checkpoints"] == ["/ckpt/step-1"]
+    assert r["checkpoints"] == ["s3://b/run/step-00000001"]
+    assert (r["checkpoint_stall_s"], r["checkpoint_upload_s"], r["checkpoint_bytes"]) == (0.5, 3.25, 1234)
     assert r["errors"] == []
 
 

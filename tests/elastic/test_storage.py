@@ -1,0 +1,128 @@
+"""Checkpoint storage against real servers on 127.0.0.1: file://, S3 (moto server), GCS (emulator)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from elastic import checkpoint as ckpt
+from elastic.errors import UserError
+from elastic.storage import CHUNK_BYTES, open_storage
+from tests.conftest import REPO, cli_env
+
+
+@pytest.fixture(params=["file", "s3", "gs"])
+def uri(request, tmp_path):
+    """A fresh, empty checkpoint destination of each kind."""
+    if request.param == "file":
+        return f"file://{tmp_path / 'ckpt'}"
+    request.getfixturevalue("s3_server" if request.param == "s3" else "gcs_server")
+    return f"{request.param}://ckpt-{uuid.uuid4().hex[:8]}/runs/one"
+
+
+def test_objects_round_trip(uri, tmp_path):
+    store = open_storage(uri, create=True)
+    big = tmp_path / "big.bin"
+    big.write_bytes(os.urandom(2 * CHUNK_BYTES + 12345))     # multipart / resumable sized
+    store.write_file(big, "step-00000001/big.bin")
+    store.write_bytes("step-00000001/elastic.json", b'{"step": 1}')
+    assert store.list() == {"step-00000001/big.bin": big.stat().st_size, "step-00000001/elastic.json": 11}
+    assert store.read_bytes("step-00000001/elastic.json") == b'{"step": 1}'
+    assert store.read_bytes("step-00000001/absent") is None
+    assert store.sha256("step-00000001/big.bin") == ckpt.sha256_file(big)
+    back = tmp_path / "back.bin"
+    assert store.read_file("step-00000001/big.bin", back) == ckpt.sha256_file(big)
+    assert back.read_bytes() == big.read_bytes()
+    store.delete(["step-00000001/big.bin", "step-00000001/elastic.json"])
+    assert store.list() == {}
+
+
+def fake_checkpoint(uri: str, tmp_path, step: int, complete: bool = True) -> None:
+    """A checkpoint made the way ranks and driver make one: phase-2 upload, then the manifest."""
+    local = tmp_path / f"local-{step}"
+    local.mkdir()
+    for name in ("__0_0.distcp", "__1_0.distcp", ".metadata", "rng-0.pt"):
+        (local / name).write_bytes(os.urandom(1000 + step))
+    files = []
+    for rank in (0, 1):
+        files += ckpt.upload(uri, local, step, ckpt.rank_files(local, rank), threads=2)
+    if complete:
+        open_storage(uri).write_bytes(f"{ckpt.step_name(step)}/{ckpt.MANIFEST}",
+                                      json.dumps({"step": step, "saved_at": 1.0, "files": files}).encode())
+
+
+def test_listing_retention_and_verify(uri, tmp_path):
+    store = open_storage(uri, create=True)
+    for step in (2, 4, 6):
+        fake_checkpoint(uri, tmp_path, step)
+    fake_checkpoint(uri, tmp_path, 5, complete=False)      # an upload cut short
+    fake_checkpoint(uri, tmp_path, 8, complete=False)      # one still under way
+    listed = {c["step"]: c["complete"] for c in ckpt.listing(store)}
+    assert listed == {2: True, 4: True, 5: False, 6: True, 8: False}
+    assert ckpt.latest(store)["step"] == 6
+    # every rank's file is there exactly once, shared ones from rank 0
+    assert sorted(f["name"] for f in ckpt.read_manifest(store, 6)["files"]) == \
+        [".metadata", "__0_0.distcp", "__1_0.distcp", "rng-0.pt"]
+
+    assert ckpt.prune(store, keep_last=2) == [2]
+    assert {c["step"] for c in ckpt.listing(store)} == {4, 6, 8}   # partial 5 gone, 8 may still finish
+    assert ckpt.verify(store) == (6, [])
+
+    # one flipped byte in one shard: verify names that file
+    name = "step-00000006/__1_0.distcp"
+    data = bytearray(store.read_bytes(name))
+    data[10] ^= 0xFF
+    store.write_bytes(name, bytes(data))
+    step, problems = ckpt.verify(store, 6)
+    assert step == 6 and len(problems) == 1 and "__1_0.distcp" in problems[0] and "sha256" in problems[0]
+    assert ckpt.verify(store, 4) == (4, [])
+
+
+def test_retention_never_deletes_the_newest_complete_checkpoint(uri, tmp_path):
+    store = open_storage(uri, create=True)
+    fake_checkpoint(uri, tmp_path, 3)
+    fake_checkpoint(uri, tmp_path, 7, complete=False)
+    assert ckpt.prune(store, keep_last=1) == []
+    assert {c["step"]: c["complete"] for c in ckpt.listing(store)} == {3: True, 7: False}
+
+
+def test_checkpoints_cli_on_object_storage(uri, tmp_path):
+    open_storage(uri, create=True)
+    for step in (1, 2):
+        fake_checkpoint(uri, tmp_path, step)
+    env = cli_env()
+    listed = subprocess.run([sys.executable, "-m", "elastic", "checkpoints", "list", uri], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.count("yes") == 2
+    ok = subprocess.run([sys.executable, "-m", "elastic", "checkpoints", "verify", uri], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and "step 2" in ok.stdout, ok.stderr
+
+
+def test_missing_bucket_and_credentials_are_one_line_errors(s3_server, gcs_server, monkeypatch):
+    with pytest.raises(UserError, match="bucket does not exist"):
+        open_storage("s3://no-such-bucket/x")
+    with pytest.raises(UserError, match="bucket does not exist"):
+        open_storage("gs://no-such-bucket/x")
+    with pytest.raises(UserError, match="unsupported scheme"):
+        open_storage("ftp://host/x")
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with pytest.raises(UserError, match="no AWS credentials found"):
+        open_storage("s3://any-bucket/x")
+
+
+def test_cli_reports_a_missing_bucket_in_one_line(s3_server):
+    proc = subprocess.run([sys.executable, "-m", "elastic", "checkpoints", "list", "s3://nothing-here/run"], cwd=REPO,
+                          env=cli_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "bucket does not exist" in proc.stderr
