@@ -26,6 +26,7 @@ from elastic.report import cost_so_far
 log = logging.getLogger(__name__)
 
 OFFER_COOLDOWN_S = 5.0   # real seconds an offer rests after a capacity error
+PRICE_POLL_S = 1.0       # real seconds between reads of the held VMs' current prices
 
 
 class Driver:
@@ -53,6 +54,8 @@ class Driver:
         self._draining: dict[int, float] = {}            # replica id -> notice deadline (unix)
         self._members: list[int] = []
         self._restored = False   # the world was restored after losing every replica
+        self._price: dict[str, float] = {}               # held instance id -> USD/h last recorded
+        self._price_poll_at = 0.0
         self._resume_from = self._latest_checkpoint() if resume else None
         if resume and self._resume_from is None:
             raise UserError(f"--resume: no complete checkpoint at {recipe.checkpoint.uri or self._ckpt_root}")
@@ -150,6 +153,7 @@ class Driver:
                 self.world.request_stop(rep.replica_id, ev.deadline - margin_s)
                 self._draining[rep.replica_id] = ev.deadline
             elif ev.kind == "preempted":
+                self._price.pop(ev.instance_id, None)
                 self.ledger.append("node_preempted", instance_id=ev.instance_id, with_notice=ev.with_notice,
                                    replica=rep.replica_id if rep else None)
                 if rep is not None:
@@ -159,8 +163,21 @@ class Driver:
                                     phase=phase, lost_inner_steps=lost)
                     self._draining.pop(rep.replica_id, None)
         self._collect_launches()
+        self._record_prices()
         # Replace what was lost or is about to go right away, not at the next step boundary.
         self.top_up()
+
+    def _record_prices(self) -> None:
+        """A `node_price` event when the price in effect for a held VM changes (spot prices move)."""
+        prices = getattr(self.provider, "prices", None)
+        now = time.monotonic()
+        if prices is None or now < self._price_poll_at:
+            return
+        self._price_poll_at = now + PRICE_POLL_S
+        for iid, usd in prices(list(self._price)).items():
+            if round(usd, 6) != self._price[iid]:
+                self._price[iid] = round(usd, 6)
+                self.ledger.append("node_price", instance_id=iid, usd_per_hour=round(usd, 6))
 
     @property
     def draining(self) -> set[int]:
@@ -180,6 +197,7 @@ class Driver:
             self._terminate(loss.instance_id)
 
     def _terminate(self, instance_id: str) -> None:
+        self._price.pop(instance_id, None)
         if any(i.instance_id == instance_id for i in self.provider.list_instances(self.run_name)):
             self.provider.terminate(instance_id)
             self.ledger.append("node_released", instance_id=instance_id)
@@ -404,6 +422,7 @@ class Driver:
                 self._record_launch(fut.result(), offer)
 
     def _record_launch(self, inst, offer) -> None:
+        self._price[inst.instance_id] = round(offer.usd_per_hour, 6)
         self.ledger.append("node_launched", instance_id=inst.instance_id, ray_node_id=inst.ray_node_id,
                            role=inst.role, **{k: v for k, v in offer.to_dict().items() if k != "read_at"})
 

@@ -182,7 +182,7 @@ def test_write_report_is_atomic_and_matches_build_report(tmp_path):
     assert json.loads((tmp_path / "report.json").read_text()) == report
     # Replaced, not rewritten in place: a reader never sees a half-written report.
     assert (tmp_path / "report.json").stat().st_ino != old_inode
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["events.jsonl", "report.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["events.jsonl", "report.html", "report.json"]
 
 
 def test_cli_report_regenerates_identical_report(tmp_path):
