@@ -118,8 +118,17 @@ def status_table(snap: dict, run_dir: Path):
     return t
 
 
+def _line(snap: dict) -> str:
+    target = f"/{snap['target_outer_steps']}" if snap["target_outer_steps"] else ""
+    loss = "-" if snap["loss"] is None else f"{snap['loss']:.4f}"
+    projected = "-" if snap["projected_usd"] is None else f"${snap['projected_usd']:.4f}"
+    return (f"{snap['status']}  outer {snap['outer_step']}{target}  world {snap['world']}  loss {loss}  "
+            f"${snap['usd_so_far']:.4f} so far  ${snap['burn_usd_per_hour']:.4f}/h  projected {projected}")
+
+
 def watch(run_dir: Path, console, once: bool = False) -> int:
-    """Show the run's status; refresh until it ends unless `once`."""
+    """Show the run's status; refresh until it ends unless `once`. On a terminal the table
+    redraws in place; piped, one line per outer step, then the table at the end."""
     ledger = run_dir / "events.jsonl"
     if not ledger.is_file():
         raise UserError(f"{run_dir}: no events.jsonl (not a run directory)")
@@ -133,11 +142,22 @@ def watch(run_dir: Path, console, once: bool = False) -> int:
     if once or snap["ended"]:
         console.print(table)
         return 0
+    if not console.is_terminal:
+        shown = None
+        while not snap["ended"]:
+            if (snap["outer_step"], snap["status"]) != shown:
+                shown = (snap["outer_step"], snap["status"])
+                console.print(_line(snap), highlight=False)
+                console.file.flush()
+            time.sleep(REFRESH_S)
+            snap, table = render()
+        console.print(table)
+        return 0
     from rich.live import Live
 
-    with Live(table, console=console, refresh_per_second=4, auto_refresh=console.is_terminal) as live:
+    with Live(table, console=console, refresh_per_second=4) as live:
         while not snap["ended"]:
             time.sleep(REFRESH_S)
             snap, table = render()
-            live.update(table, refresh=True)
+            live.update(table)
     return 0
