@@ -187,7 +187,7 @@ def _series(events: list[dict], vms: dict, t0: float, end: float):
     for vm in vms.values():
         times.update(t for t, _ in vm["segments"])
         times.add(vm["stop"])
-    times = sorted(t for t in times if t0 <= t <= end)
+    times = sorted(t for t in times if t0 <= t <= end) if vms else []
     if len(times) > MAX_POINTS:
         every = len(times) / MAX_POINTS
         times = [times[int(i * every)] for i in range(MAX_POINTS)] + [times[-1]]
