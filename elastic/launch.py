@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import time
 import traceback
 from contextlib import contextmanager
@@ -154,6 +155,7 @@ def launch(recipe: Recipe, run_dir: Path, address: str | None = None, console=No
     run = run_dir.name
     ledger = Ledger(run_dir / "events.jsonl")
     ledger.append("run_started", run=run, recipe=recipe.name, recipe_digest=recipe.digest(), pid=os.getpid(),
+                  host=socket.gethostname(),
                   target_replicas=recipe.world.replicas, ranks_per_replica=recipe.world.ranks_per_replica)
     status, message = "failed", None
     driver = None

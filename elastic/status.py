@@ -36,9 +36,12 @@ def _target_outer_steps(run_dir: Path) -> int | None:
         return None
 
 
-def _alive(pid) -> bool:
-    if not isinstance(pid, int):
-        return True   # unknown (a run driven from code): assume it goes on
+def _alive(pid, host) -> bool:
+    """Whether the driver that wrote the ledger still runs (unknown, or on another host: assume so)."""
+    import socket
+
+    if not isinstance(pid, int) or (host is not None and host != socket.gethostname()):
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -68,7 +71,7 @@ def snapshot(events: list[dict], now: float, target_outer_steps: int | None = No
         # Wall time per outer step so far (joins, waits and checkpoints included), at today's burn.
         per_step_s = (steps[-1]["t"] - steps[0]["t"]) / (done - first) if done > first else 0.0
         projected = spent + burn * max(0, target_outer_steps - done) * per_step_s / 3600
-    alive = end is not None or _alive(start.get("pid") if start else None)
+    alive = end is not None or start is None or _alive(start.get("pid"), start.get("host"))
     return {
         "run": start["run"] if start else None,
         "status": end["status"] if end else ("running" if alive else "driver gone (no run_ended)"),

@@ -64,6 +64,10 @@ def test_snapshot_of_an_ended_run_and_of_a_dead_driver():
     dead.wait()
     gone = snapshot(live_run(pid=dead.pid), now=T0 + 120)
     assert gone["ended"] and "driver gone" in gone["status"]
+    # A ledger written on another machine (copied here): its pid means nothing on this one.
+    elsewhere = live_run(pid=dead.pid)
+    elsewhere[0]["host"] = "some-other-host.invalid"
+    assert snapshot(elsewhere, now=T0 + 120)["status"] == "running"
 
 
 def test_status_once_and_default_run_dir(tmp_path):
