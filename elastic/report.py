@@ -59,6 +59,8 @@ def _vms(events: list[dict], now: float) -> dict[str, dict]:
 def _spot_usd(vm: dict, t0: float, t1: float) -> float:
     """USD the VM accrued over [t0, t1] at the prices in effect (no minimum)."""
     t0, t1 = max(t0, vm["start"]), min(t1, vm["stop"])
+    if t1 <= t0:
+        return 0.0
     usd = 0.0
     segs = vm["segments"]
     for i, (since, price) in enumerate(segs):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from html import escape
 
-from elastic.report import _vm_on_demand_usd, _vm_usd, _vms
+from elastic.report import _billed_s, _vms
 
 W, H = 880, 260                      # chart size, px
 ML, MR, MT, MB = 64, 16, 12, 36      # margins: left (y labels), right, top, bottom (x labels)
@@ -164,12 +164,49 @@ def _timeline(events: list[dict], vms: dict, t0: float, x_max: float) -> str:
     return "".join(parts) + legend
 
 
+def _cumulative(vms: dict, t0: float, end: float):
+    """Cumulative billed and on-demand USD at every change of the total rate: one sweep over the
+    VMs' price segments (plus each minimum-billing top-up, due when its VM goes)."""
+    steps: dict[float, list[float]] = {}   # t -> [Δ USD/s billed, Δ USD/s on demand, lump billed, lump on demand]
+
+    def at(t):
+        return steps.setdefault(min(max(t, t0), end), [0.0, 0.0, 0.0, 0.0])
+
+    for vm in vms.values():
+        segs = vm["segments"]
+        for i, (since, price) in enumerate(segs):
+            until = segs[i + 1][0] if i + 1 < len(segs) else vm["stop"]
+            if until > since:
+                at(since)[0] += price / 3600
+                at(until)[0] -= price / 3600
+        held = vm["stop"] - vm["start"]
+        if held > 0:
+            at(vm["start"])[1] += vm["on_demand_usd_per_hour"] / 3600
+            at(vm["stop"])[1] -= vm["on_demand_usd_per_hour"] / 3600
+            extra_s = _billed_s(vm) - held
+            at(vm["stop"])[2] += extra_s * segs[-1][1] / 3600
+            at(vm["stop"])[3] += extra_s * vm["on_demand_usd_per_hour"] / 3600
+    usd, od = [], []
+    total = total_od = rate = rate_od = 0.0
+    last = t0
+    for t in sorted(steps):
+        d_rate, d_od, lump, lump_od = steps[t]
+        total += rate * (t - last) + lump
+        total_od += rate_od * (t - last) + lump_od
+        rate, rate_od, last = rate + d_rate, rate_od + d_od, t
+        usd.append((t - t0, total))
+        od.append((t - t0, total_od))
+    if steps and last < end:
+        usd.append((end - t0, total + rate * (end - last)))
+        od.append((end - t0, total_od + rate_od * (end - last)))
+    return usd, od
+
+
 def _series(events: list[dict], vms: dict, t0: float, end: float):
-    loss, world, held, times = [], [], [], set()
+    loss, world, held = [], [], []
     replicas = nodes = 0
     for e in events:
         x = e["t"] - t0
-        times.add(min(e["t"], end))
         if e["type"] == "outer_step" and e.get("losses"):
             loss.append((x, sum(e["losses"]) / len(e["losses"])))
         if e["type"] == "replica_joined":
@@ -184,15 +221,7 @@ def _series(events: list[dict], vms: dict, t0: float, end: float):
             continue
         world.append((x, replicas))
         held.append((x, nodes))
-    for vm in vms.values():
-        times.update(t for t, _ in vm["segments"])
-        times.add(vm["stop"])
-    times = sorted(t for t in times if t0 <= t <= end) if vms else []
-    if len(times) > MAX_POINTS:
-        every = len(times) / MAX_POINTS
-        times = [times[int(i * every)] for i in range(MAX_POINTS)] + [times[-1]]
-    usd = [(t - t0, sum(_vm_usd(vm, t) for vm in vms.values())) for t in times]
-    od = [(t - t0, sum(_vm_on_demand_usd(vm, t) for vm in vms.values())) for t in times]
+    usd, od = _cumulative(vms, t0, end)
     if world:
         world.append((end - t0, world[-1][1]))
         held.append((end - t0, held[-1][1]))
