@@ -175,7 +175,7 @@ class Driver:
             return
         self._price_poll_at = now + PRICE_POLL_S
         for iid, usd in prices(list(self._price)).items():
-            if round(usd, 6) != self._price[iid]:
+            if iid in self._price and round(usd, 6) != self._price[iid]:
                 self._price[iid] = round(usd, 6)
                 self.ledger.append("node_price", instance_id=iid, usd_per_hour=round(usd, 6))
 
@@ -369,7 +369,8 @@ class Driver:
             return f"budget.max_hours ({b.max_hours} h) would be passed by the next outer step"
         if b.max_usd is not None:
             spent = cost_so_far(self.ledger.events, now)
-            rate_usd_per_s = sum(i.offer.usd_per_hour for i in self.provider.list_instances(self.run_name)) / 3600
+            rate_usd_per_s = sum(self._price.get(i.instance_id, i.offer.usd_per_hour)
+                                 for i in self.provider.list_instances(self.run_name)) / 3600
             if spent + rate_usd_per_s * next_step_s > b.max_usd:
                 return (f"budget.max_usd (${b.max_usd:.2f}) would be passed by the next outer step "
                         f"(spent ${spent:.4f})")

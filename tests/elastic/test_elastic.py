@@ -39,8 +39,7 @@ def instance_of(driver, replica_id):
 def test_chaos_run_completes_without_restart_and_matches_fault_free_loss(local_cluster, tmp_path):
     h = 16
     budget = 3 * 30 * h * 8 * 64   # the fault-free run's tokens: 3 replicas × 30 outer steps
-    # Spot prices move too (they only draw from the market's generator when preemptions are manual).
-    recipe = elastic_recipe(**{"train.token_budget": budget, "train.inner_steps": h, "local.market.volatility": 0.5})
+    recipe = elastic_recipe(**{"train.token_budget": budget, "train.inner_steps": h})
     rng = random.Random(1234)
     # Faults in order; each fires at the first phase where it can (enough replicas live).
     plan = [("hard", "inner", 1), ("notice", "inner", 2), ("sync", "sync", 2), ("two", "inner", 3)]
@@ -81,12 +80,6 @@ def test_chaos_run_completes_without_restart_and_matches_fault_free_loss(local_c
     # Survivors kept training through every loss: outer steps are consecutive, none repeated.
     steps = [e["outer_step"] for e in events if e["type"] == "outer_step"]
     assert steps == list(range(1, len(steps) + 1))
-    # The driver recorded the moving prices of held VMs and the report billed them.
-    prices = [e for e in events if e["type"] == "node_price"]
-    assert prices and {e["instance_id"] for e in prices} <= {i["instance_id"] for i in report["instances"]}
-    assert report["cost_usd"] != pytest.approx(sum(i["seconds"] * i["usd_per_hour"] / 3600 for i in report["instances"]),
-                                               rel=1e-4)
-    assert sum(i["price_changes"] for i in report["instances"]) == len(prices)
     # Joiners took state from a live peer, not from storage.
     assert all(e["source"].startswith("replica") for e in events
                if e["type"] == "replica_joined" and e["outer_step"] > 0)

@@ -138,7 +138,8 @@ def test_launch_refuses_a_run_dir_that_holds_a_run(tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_interrupt_releases_every_node_and_reports(tmp_path, sig):
     run_dir = tmp_path / "run"
-    proc = launch(run_dir, *SMALL, "--set", "train.outer_steps=1000")
+    # Spot prices move during the run (a fast, volatile simulated market).
+    proc = launch(run_dir, *SMALL, "--set", "train.outer_steps=1000", "--set", "local.market.volatility=0.5")
     ledger = run_dir / "events.jsonl"
     deadline = time.monotonic() + 180
     # Wait until training is under way (the ledger shows an outer step), then interrupt.
@@ -154,6 +155,11 @@ def test_interrupt_releases_every_node_and_reports(tmp_path, sig):
     assert report["outer_steps"] >= 1
     assert_outputs_of_any_ending(run_dir, out)
     events = read_events(ledger)
+    # The driver recorded the held VMs' moving prices and the report billed each interval at its price.
+    prices = [e for e in events if e["type"] == "node_price"]
+    assert prices and sum(i["price_changes"] for i in report["instances"]) == len(prices)
+    at_launch_price = sum(i["seconds"] * i["usd_per_hour"] / 3600 for i in report["instances"])
+    assert report["cost_usd"] != pytest.approx(at_launch_price, rel=1e-4)
     assert_every_node_released(events)
     assert events[-1]["type"] == "run_ended"
     assert "Traceback" not in out
