@@ -289,6 +289,7 @@ class Checkpointer:
             files = [f for per_rank in ray.get(p["refs"]) for f in per_rank]
         except Exception as exc:  # a rank (its node) was lost mid-upload: no manifest, never loaded
             self.ledger.append("checkpoint_upload_failed", step=p["step"], message=str(exc).splitlines()[0][:200])
+            self._drop_staging(p)
             return
         manifest = {**p["manifest"], "saved_at": time.time(), "files": sorted(files, key=lambda f: f["name"])}
         self.storage.write_bytes(f"{step_name(p['step'])}/{MANIFEST}", json.dumps(manifest, indent=2).encode())
@@ -296,12 +297,16 @@ class Checkpointer:
         size = sum(f["bytes"] for f in files)
         self.ledger.append("checkpoint_uploaded", step=p["step"], uri=self.uri, bytes=size, files=len(files),
                            seconds=round(seconds, 3), mb_per_s=round(size / 1e6 / max(seconds, 1e-6), 1))
+        self._drop_staging(p)
+        for step in prune(self.storage, self.keep_last):
+            self.ledger.append("checkpoint_deleted", step=step)
+
+    @staticmethod
+    def _drop_staging(p: dict) -> None:
         try:
             p["lead"].actors[0].drop_staging.remote(p["local"])
         except Exception:
             pass  # the lead is gone; its node's staging went with it
-        for step in prune(self.storage, self.keep_last):
-            self.ledger.append("checkpoint_deleted", step=step)
 
     def latest(self) -> dict | None:
         return latest(self.storage)

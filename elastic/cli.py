@@ -30,8 +30,15 @@ def _parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("validate", help="check a recipe; print every problem, one line each")
     recipe_args(sp)
 
-    sp = sub.add_parser("report", help="rebuild report.json of a run from its ledger and print it")
+    sp = sub.add_parser("report", help="rebuild report.json and report.html of a run from its ledger and print the summary")
     sp.add_argument("run_dir", type=Path)
+    sp.add_argument("--compare", type=Path, metavar="OTHER_RUN_DIR",
+                    help="also read another run's ledger and print both side by side")
+
+    sp = sub.add_parser("status", help="live view of a run from its ledger: world, step, loss, tokens/s, USD")
+    sp.add_argument("run_dir", type=Path, nargs="?",
+                    help="the run directory (default: the run under runs/ whose ledger changed last)")
+    sp.add_argument("--once", action="store_true", help="print one snapshot and exit (default: refresh until the run ends)")
 
     sp = sub.add_parser("checkpoints", help="list or verify the checkpoints at a URI")
     ck = sp.add_subparsers(dest="action", metavar="ACTION", required=True)
@@ -130,11 +137,22 @@ def _dispatch(args, err) -> int:
                       resume=args.resume)
     if args.command == "report":
         from elastic.errors import UserError
-        from elastic.report import summary_table, write_report
-        if not (args.run_dir / "events.jsonl").is_file():
-            raise UserError(f"{args.run_dir}: no events.jsonl (not a run directory)")
-        out.print(summary_table(write_report(args.run_dir)))
+        from elastic.ledger import read_events
+        from elastic.report import build_report, compare_table, summary_table, write_report
+        for d in filter(None, [args.run_dir, args.compare]):
+            if not (d / "events.jsonl").is_file():
+                raise UserError(f"{d}: no events.jsonl (not a run directory)")
+        report = write_report(args.run_dir)
+        if args.compare is None:
+            out.print(summary_table(report))
+        else:
+            other = build_report(read_events(args.compare / "events.jsonl"))
+            out.print(compare_table(report, other, args.run_dir.name, args.compare.name))
+        out.print(f"report: {args.run_dir / 'report.json'}, {args.run_dir / 'report.html'}", highlight=False)
         return 0
+    if args.command == "status":
+        from elastic.status import latest_run_dir, watch
+        return watch(args.run_dir or latest_run_dir(), out, once=args.once)
     if args.command == "checkpoints":
         return _checkpoints(args, out, err)
     if args.command == "schema":

@@ -26,6 +26,7 @@ from elastic.report import cost_so_far
 log = logging.getLogger(__name__)
 
 OFFER_COOLDOWN_S = 5.0   # real seconds an offer rests after a capacity error
+PRICE_POLL_S = 1.0       # real seconds between reads of the held VMs' current prices
 
 
 class Driver:
@@ -55,6 +56,8 @@ class Driver:
         self._draining: dict[int, float] = {}            # replica id -> notice deadline (unix)
         self._members: list[int] = []
         self._restored = False   # the world was restored after losing every replica
+        self._price: dict[str, float] = {}               # held instance id -> USD/h last recorded
+        self._price_poll_at = 0.0
         self._resume_from = self.ckpt.latest() if resume else None
         if resume and self._resume_from is None:
             raise UserError(f"--resume: no complete checkpoint at {self.ckpt.uri}")
@@ -145,6 +148,7 @@ class Driver:
                 self.world.request_stop(rep.replica_id, ev.deadline - margin_s)
                 self._draining[rep.replica_id] = ev.deadline
             elif ev.kind == "preempted":
+                self._price.pop(ev.instance_id, None)
                 self.ledger.append("node_preempted", instance_id=ev.instance_id, with_notice=ev.with_notice,
                                    replica=rep.replica_id if rep else None)
                 if rep is not None:
@@ -155,8 +159,21 @@ class Driver:
                     self._draining.pop(rep.replica_id, None)
         self._collect_launches()
         self.ckpt.poll()
+        self._record_prices()
         # Replace what was lost or is about to go right away, not at the next step boundary.
         self.top_up()
+
+    def _record_prices(self) -> None:
+        """A `node_price` event when the price in effect for a held VM changes (spot prices move)."""
+        prices = getattr(self.provider, "prices", None)
+        now = time.monotonic()
+        if prices is None or now < self._price_poll_at:
+            return
+        self._price_poll_at = now + PRICE_POLL_S
+        for iid, usd in prices(list(self._price)).items():
+            if iid in self._price and round(usd, 6) != self._price[iid]:
+                self._price[iid] = round(usd, 6)
+                self.ledger.append("node_price", instance_id=iid, usd_per_hour=round(usd, 6))
 
     @property
     def draining(self) -> set[int]:
@@ -176,6 +193,7 @@ class Driver:
             self._terminate(loss.instance_id)
 
     def _terminate(self, instance_id: str) -> None:
+        self._price.pop(instance_id, None)
         if any(i.instance_id == instance_id for i in self.provider.list_instances(self.run_name)):
             self.provider.terminate(instance_id)
             self.ledger.append("node_released", instance_id=instance_id)
@@ -352,7 +370,8 @@ class Driver:
             return f"budget.max_hours ({b.max_hours} h) would be passed by the next outer step"
         if b.max_usd is not None:
             spent = cost_so_far(self.ledger.events, now)
-            rate_usd_per_s = sum(i.offer.usd_per_hour for i in self.provider.list_instances(self.run_name)) / 3600
+            rate_usd_per_s = sum(self._price.get(i.instance_id, i.offer.usd_per_hour)
+                                 for i in self.provider.list_instances(self.run_name)) / 3600
             if spent + rate_usd_per_s * next_step_s > b.max_usd:
                 return (f"budget.max_usd (${b.max_usd:.2f}) would be passed by the next outer step "
                         f"(spent ${spent:.4f})")
@@ -415,6 +434,7 @@ class Driver:
                 self._record_launch(fut.result(), offer)
 
     def _record_launch(self, inst, offer) -> None:
+        self._price[inst.instance_id] = round(offer.usd_per_hour, 6)
         self.ledger.append("node_launched", instance_id=inst.instance_id, ray_node_id=inst.ray_node_id,
                            role=inst.role, **{k: v for k, v in offer.to_dict().items() if k != "read_at"})
 

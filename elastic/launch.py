@@ -1,7 +1,7 @@
 """`elastic launch`: rent nodes, build the world, train, checkpoint, release, report.
 
 Whatever happens (completion, a failure, Ctrl-C or SIGTERM), every node the run rented is released,
-the ledger records the end, and report.json is written. Exit codes: 0 completed, 1 failed,
+the ledger records the end, and report.json and report.html are written. Exit codes: 0 completed, 1 failed,
 3 budget exhausted (stopped at `budget.max_usd` / `budget.max_hours` after a final checkpoint),
 4 insufficient capacity (fewer than `world.min_replicas` for `world.capacity_timeout_s`),
 130 interrupted. (2 is bad input, from the CLI.)
@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import time
 import traceback
 from contextlib import contextmanager
@@ -154,6 +155,7 @@ def launch(recipe: Recipe, run_dir: Path, address: str | None = None, console=No
     run = run_dir.name
     ledger = Ledger(run_dir / "events.jsonl")
     ledger.append("run_started", run=run, recipe=recipe.name, recipe_digest=recipe.digest(), pid=os.getpid(),
+                  host=socket.gethostname(),
                   target_replicas=recipe.world.replicas, ranks_per_replica=recipe.world.ranks_per_replica)
     status, message = "failed", None
     driver = None
@@ -192,5 +194,5 @@ def launch(recipe: Recipe, run_dir: Path, address: str | None = None, console=No
     if message:
         console.print(f"[red]error:[/red] {escape(message)}" if status == "failed"
                       else f"[yellow]{escape(message)}[/yellow]", highlight=False)
-    console.print(f"report: {run_dir / 'report.json'}", highlight=False)
+    console.print(f"report: {run_dir / 'report.json'}, {run_dir / 'report.html'}", highlight=False)
     return EXIT[status]

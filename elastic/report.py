@@ -1,7 +1,14 @@
 """The run report: a view of the ledger, never a second tally.
 
 `build_report(events)` turns `events.jsonl` into the figures of `report.json`; the same function
-feeds the live view's "$ so far" and `elastic report RUN_DIR`.
+feeds the live view's "$ so far", `elastic status` and `elastic report RUN_DIR`. Nothing here reads
+the clock: the report of a ledger is the same whenever it is built (the end of a running ledger is
+its last event, unless the caller passes `now`).
+
+Billing model (see docs/report.md): each VM is billed per second from `launched_at` to its release
+or preemption, at the price in effect in each interval (`node_launched.usd_per_hour`, then every
+`node_price` event for it); GCP VMs bill at least one minute. The on-demand equivalent prices the
+same VM-seconds at `on_demand_usd_per_hour`. Storage and egress are estimates from bytes moved.
 """
 
 from __future__ import annotations
@@ -13,28 +20,179 @@ from pathlib import Path
 
 from elastic.ledger import read_events
 
+MIN_BILLED_S = {"gcp": 60.0}   # per-second billing with a minimum, by cloud
+# Estimate rates (list prices, standard class, USD): object storage per GB-month by URI scheme
+# (local disks are part of the VM price) and traffic between regions per GB.
+STORAGE_USD_PER_GB_MONTH = {"s3": 0.023, "gs": 0.020}
+EGRESS_USD_PER_GB = 0.02
+_MONTH_S = 30 * 86400
+WASTE_CAUSES = ("preemption", "capacity_wait", "checkpoint_stalls", "never_joined")
 
-def _instances(events: list[dict], now: float) -> list[dict]:
-    """Every VM the run held, with seconds held and cost (price × seconds, per-second billing)."""
-    held: dict[str, dict] = {}
+
+def _vms(events: list[dict], now: float) -> dict[str, dict]:
+    """Every VM the run held: its launch fields, price segments [(from_t, usd_per_hour)], end."""
+    vms: dict[str, dict] = {}
     for e in events:
-        if e["type"] == "node_launched":
-            held[e["instance_id"]] = {
-                "instance_id": e["instance_id"], "cloud": e["cloud"], "region": e["region"], "zone": e["zone"],
-                "instance_type": e["instance_type"], "spot": e["spot"], "usd_per_hour": e["usd_per_hour"],
-                "on_demand_usd_per_hour": e["on_demand_usd_per_hour"], "launched_at": e["t"], "released_at": None,
-                "end": None}
-        elif e["type"] in ("node_released", "node_preempted") and e["instance_id"] in held:
-            held[e["instance_id"]]["released_at"] = e["t"]
-            held[e["instance_id"]]["end"] = e["type"].removeprefix("node_")
+        kind = e["type"]
+        if kind == "node_launched":
+            start = e.get("launched_at") or e["t"]
+            vms[e["instance_id"]] = {**e, "start": start, "end": None, "ended": "held",
+                                     "segments": [(start, e["usd_per_hour"])],
+                                     "joined": e.get("joined", True) is not False}
+        elif e.get("instance_id") not in vms:
+            continue
+        elif kind == "node_price":
+            vm = vms[e["instance_id"]]
+            if vm["end"] is None:
+                vm["segments"].append((max(e["t"], vm["start"]), e["usd_per_hour"]))
+        elif kind in ("node_released", "node_preempted"):
+            vm = vms[e["instance_id"]]
+            if vm["end"] is None:
+                vm["end"], vm["ended"] = max(e["t"], vm["start"]), kind.removeprefix("node_")
+        elif kind == "node_join_timeout":
+            vms[e["instance_id"]]["joined"] = False
+    for vm in vms.values():
+        vm["stop"] = vm["end"] if vm["end"] is not None else max(now, vm["start"])
+    return vms
+
+
+def _spot_usd(vm: dict, t0: float, t1: float) -> float:
+    """USD the VM accrued over [t0, t1] at the prices in effect (no minimum)."""
+    t0, t1 = max(t0, vm["start"]), min(t1, vm["stop"])
+    if t1 <= t0:
+        return 0.0
+    usd = 0.0
+    segs = vm["segments"]
+    for i, (since, price) in enumerate(segs):
+        until = segs[i + 1][0] if i + 1 < len(segs) else vm["stop"]
+        lo, hi = max(since, t0), min(until, t1)
+        if hi > lo:
+            usd += (hi - lo) * price / 3600
+    return usd
+
+
+def _billed_s(vm: dict) -> float:
+    """Seconds billed: held seconds, raised to the cloud's minimum once the VM is gone."""
+    held = vm["stop"] - vm["start"]
+    minimum = MIN_BILLED_S.get(vm["cloud"], 0.0)
+    return max(held, minimum) if vm["end"] is not None and held > 0 else held
+
+
+def _vm_usd(vm: dict, until: float | None = None) -> float:
+    """USD billed for the VM up to `until` (default: its whole life), minimum included at its end."""
+    until = vm["stop"] if until is None else until
+    usd = _spot_usd(vm, vm["start"], until)
+    if until >= vm["stop"]:
+        usd += (_billed_s(vm) - (vm["stop"] - vm["start"])) * vm["segments"][-1][1] / 3600
+    return usd
+
+
+def _vm_on_demand_usd(vm: dict, until: float | None = None) -> float:
+    until = vm["stop"] if until is None else until
+    held = max(0.0, min(until, vm["stop"]) - vm["start"])
+    if until >= vm["stop"]:
+        held = _billed_s(vm)
+    return held * vm["on_demand_usd_per_hour"] / 3600
+
+
+def _instances(vms: dict[str, dict]) -> list[dict]:
+    """Every VM the run held, with seconds held, seconds billed and cost."""
     out = []
-    for h in held.values():
-        seconds = max(0.0, (h["released_at"] or now) - h["launched_at"])
-        out.append({"instance_id": h["instance_id"], "cloud": h["cloud"], "region": h["region"], "zone": h["zone"],
-                    "instance_type": h["instance_type"], "spot": h["spot"], "usd_per_hour": h["usd_per_hour"],
-                    "seconds": round(seconds, 3), "cost_usd": round(seconds * h["usd_per_hour"] / 3600, 6),
-                    "ended": h["end"] or "held"})
+    for vm in vms.values():
+        seconds, billed = vm["stop"] - vm["start"], _billed_s(vm)
+        cost = _vm_usd(vm)
+        out.append({"instance_id": vm["instance_id"], "cloud": vm["cloud"], "region": vm["region"], "zone": vm["zone"],
+                    "instance_type": vm["instance_type"], "gpu": vm.get("gpu") or "", "gpus": vm.get("gpus") or 0,
+                    "spot": vm["spot"], "usd_per_hour": vm["usd_per_hour"],
+                    "on_demand_usd_per_hour": vm["on_demand_usd_per_hour"],
+                    "mean_usd_per_hour": round(cost / billed * 3600, 6) if billed > 0 else vm["usd_per_hour"],
+                    "price_changes": len(vm["segments"]) - 1,
+                    "launched_at": vm["start"], "released_at": vm["end"],
+                    "seconds": round(seconds, 3), "billed_seconds": round(billed, 3),
+                    "cost_usd": round(cost, 6), "on_demand_cost_usd": round(_vm_on_demand_usd(vm), 6),
+                    "joined": vm["joined"], "ended": vm["ended"]})
     return out
+
+
+def _joined_usd(vms: dict[str, dict], t0: float, t1: float) -> float:
+    """USD every VM that joined accrued over [t0, t1] (a VM that never joined is all waste already)."""
+    return sum(_spot_usd(vm, t0, t1) for vm in vms.values() if vm["joined"])
+
+
+def _wasted(events: list[dict], vms: dict[str, dict], end: float) -> dict:
+    """USD spent on VM time that produced no kept progress, by cause (see docs/report.md)."""
+    waste = dict.fromkeys(WASTE_CAUSES, 0.0)
+    joined_at: dict[int, float] = {}
+    last_step_t = None
+    for e in events:
+        kind = e["type"]
+        if kind == "replica_joined":
+            joined_at[e["replica"]] = e["t"]
+        elif kind == "outer_step":
+            last_step_t = e["t"]
+        elif kind == "replica_lost" and e.get("instance_id") in vms and (
+                e["reason"].startswith("preempted") or e["reason"] == "notice while joining"):
+            vm = vms[e["instance_id"]]
+            if e.get("phase") in ("inner", "sync"):
+                # The work of the outer step under way: from its start (or the replica's admission).
+                since = max(last_step_t or vm["start"], joined_at.get(e["replica"], vm["start"]))
+            elif e.get("phase") == "setup":
+                since = vm["start"]   # renting and setting up a replica that never trained
+            else:
+                continue
+            waste["preemption"] += _spot_usd(vm, since, e["t"])
+        elif kind == "capacity_wait_ended":
+            waste["capacity_wait"] += _joined_usd(vms, e["t"] - e.get("waited_s", 0), e["t"])
+        elif kind == "checkpoint_saved":
+            waste["checkpoint_stalls"] += _joined_usd(vms, e["t"] - e["stall_s"], e["t"])
+    for vm in vms.values():
+        if not vm["joined"]:
+            waste["never_joined"] += _vm_usd(vm)
+    out = {k: round(v, 6) for k, v in waste.items()}
+    out["total"] = round(sum(waste.values()), 6)
+    return out
+
+
+def _breakdown(instances: list[dict], key: str) -> dict:
+    out: dict[str, dict] = {}
+    for i in instances:
+        row = out.setdefault(i[key], {"instances": 0, "seconds": 0.0, "cost_usd": 0.0,
+                                      "on_demand_equivalent_usd": 0.0, "gpu_hours": 0.0})
+        row["instances"] += 1
+        row["seconds"] += i["billed_seconds"]
+        row["cost_usd"] += i["cost_usd"]
+        row["on_demand_equivalent_usd"] += i["on_demand_cost_usd"]
+        row["gpu_hours"] += i["billed_seconds"] * i["gpus"] / 3600
+    return {k: {f: round(v, 6) if isinstance(v, float) else v for f, v in row.items()} for k, row in sorted(out.items())}
+
+
+def _estimates(events: list[dict], vms: dict[str, dict], end: float) -> dict:
+    """Storage and egress: estimates from bytes moved, at the list rates above."""
+    deleted = {e["step"]: e["t"] for e in events if e["type"] == "checkpoint_deleted"}
+    written, storage_usd = 0, 0.0
+    for e in events:
+        if e["type"] == "checkpoint_uploaded":
+            written += e["bytes"]
+            scheme = e["uri"].partition("://")[0]
+            rate = STORAGE_USD_PER_GB_MONTH.get(scheme, 0.0)
+            kept_s = max(0.0, deleted.get(e["step"], end) - e["t"])
+            storage_usd += e["bytes"] / 1e9 * rate * kept_s / _MONTH_S
+    start = next((e for e in events if e["type"] == "run_started"), {})
+    ranks = start.get("ranks_per_replica") or 1
+    region_of: dict[int, str] = {}
+    cross = 0
+    for e in events:
+        if e["type"] == "replica_joined" and e.get("instance_id") in vms:
+            region_of[e["replica"]] = f'{vms[e["instance_id"]]["cloud"]}/{vms[e["instance_id"]]["region"]}'
+        elif e["type"] == "outer_step":
+            regions = {region_of.get(r) for r in e["replicas"]} - {None}
+            if len(regions) > 1:
+                # A ring all-reduce crosses a region boundary once per region; each crossing carries
+                # about what one rank sends.
+                cross += e.get("bytes_sent", 0) * ranks * len(regions)
+    return {"checkpoint_bytes_written": written, "checkpoint_storage_usd": round(storage_usd, 6),
+            "cross_region_sync_bytes": cross, "egress_usd": round(cross / 1e9 * EGRESS_USD_PER_GB, 6),
+            "storage_usd_per_gb_month": STORAGE_USD_PER_GB_MONTH, "egress_usd_per_gb": EGRESS_USD_PER_GB}
 
 
 def _recovery_s(events: list[dict], steps: list[dict]) -> list[float]:
@@ -62,7 +220,12 @@ def _effective(steps: list[dict], instances: list[dict]) -> float | None:
 
 def cost_so_far(events: list[dict], now: float) -> float:
     """USD accrued by every VM the run has held, up to `now`."""
-    return sum(i["cost_usd"] for i in _instances(events, now))
+    return sum(_vm_usd(vm) for vm in _vms(events, now).values())
+
+
+def burn_usd_per_hour(events: list[dict]) -> float:
+    """USD per hour of the VMs held at the end of the ledger, at their current prices."""
+    return sum(vm["segments"][-1][1] for vm in _vms(events, 0.0).values() if vm["end"] is None)
 
 
 def build_report(events: list[dict], now: float | None = None) -> dict:
@@ -72,8 +235,10 @@ def build_report(events: list[dict], now: float | None = None) -> dict:
     if now is None:
         now = end["t"] if end else (events[-1]["t"] if events else 0.0)
     steps = [e for e in events if e["type"] == "outer_step"]
-    instances = _instances(events, now)
+    vms = _vms(events, now)
+    instances = _instances(vms)
     cost = sum(i["cost_usd"] for i in instances)
+    on_demand = sum(i["on_demand_cost_usd"] for i in instances)
     tokens = steps[-1]["tokens_total"] if steps else 0
     errors = [e["message"] for e in events if e["type"] == "error"]
     deleted = {e["step"] for e in events if e["type"] == "checkpoint_deleted"}
@@ -96,7 +261,18 @@ def build_report(events: list[dict], now: float | None = None) -> dict:
         "tokens_per_s": round(tokens / train_s, 1) if train_s > 0 else 0.0,
         "cost_usd": round(cost, 6),
         "usd_per_mtok": round(cost / tokens * 1e6, 6) if tokens else None,
+        "on_demand_equivalent_usd": round(on_demand, 6),
+        "savings_pct": round(100 * (1 - cost / on_demand), 2) if on_demand > 0 else None,
+        "vm_hours": round(sum(i["billed_seconds"] for i in instances) / 3600, 6),
+        "gpu_hours": round(sum(i["billed_seconds"] * i["gpus"] for i in instances) / 3600, 6),
+        "wasted_usd": _wasted(events, vms, now),
+        "estimates": _estimates(events, vms, now),
+        "by_cloud": _breakdown(instances, "cloud"),
+        "by_region": _breakdown(instances, "region"),
+        "by_instance_type": _breakdown(instances, "instance_type"),
         "instances": instances,
+        "nodes_joined": sum(1 for i in instances if i["joined"]),
+        "nodes_never_joined": sum(1 for i in instances if not i["joined"]),
         # A VM the cloud reclaims counts once, whether it was killed outright or after a notice
         # (and whether or not the run released it before the deadline).
         "preemptions": len({e["instance_id"] for e in events if e["type"] in ("node_preempted", "node_notice")}),
@@ -119,7 +295,6 @@ def build_report(events: list[dict], now: float | None = None) -> dict:
         "checkpoints": [f"{e['uri'].rstrip('/')}/step-{e['step']:08d}" for e in uploads if e["step"] not in deleted],
         "checkpoint_stall_s": round(sum(e["stall_s"] for e in events if e["type"] == "checkpoint_saved"), 3),
         "checkpoint_upload_s": round(sum(e["seconds"] for e in uploads), 3),
-        "checkpoint_bytes": sum(e["bytes"] for e in uploads),
         "checkpoint_uploads_failed": sum(1 for e in events if e["type"] == "checkpoint_upload_failed"),
         "budget_exhausted": next((e["reason"] for e in events if e["type"] == "budget_exhausted"), None),
         "errors": errors,
@@ -128,13 +303,48 @@ def build_report(events: list[dict], now: float | None = None) -> dict:
 
 
 def write_report(run_dir: str | Path) -> dict:
-    """Rebuild `report.json` in `run_dir` from its ledger (atomic replace)."""
+    """Rebuild `report.json` and `report.html` in `run_dir` from its ledger (each an atomic replace)."""
+    from elastic.report_html import render_html
+
     run_dir = Path(run_dir)
-    report = build_report(read_events(run_dir / "events.jsonl"))
-    tmp = run_dir / "report.json.tmp"
-    tmp.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, run_dir / "report.json")
+    events = read_events(run_dir / "events.jsonl")
+    report = build_report(events)
+    for name, text in (("report.json", json.dumps(report, indent=2) + "\n"),
+                       ("report.html", render_html(events, report))):
+        tmp = run_dir / f"{name}.tmp"
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, run_dir / name)
     return report
+
+
+def _fmt(v, spec=""):
+    return "-" if v is None else format(v, spec)
+
+
+def headline_rows(report: dict) -> list[tuple[str, str]]:
+    """The headline figures as (label, text): the terminal summary and the top of report.html."""
+    waste = report["wasted_usd"]
+    causes = ", ".join(f"{k.replace('_', ' ')} ${waste[k]:.4f}" for k in WASTE_CAUSES if waste[k])
+    return [
+        ("status", report["status"]),
+        ("outer steps", _fmt(report["outer_steps"])),
+        ("tokens", _fmt(report["tokens"], ",")),
+        ("loss first → last", f"{_fmt(report['loss_first'], '.3f')} → {_fmt(report['loss_last'], '.3f')}"),
+        ("wall time", f"{report['wall_s']:.1f} s"),
+        ("tokens/s (training)", _fmt(report["tokens_per_s"], ",.0f")),
+        ("cost", f"${report['cost_usd']:.4f}"),
+        ("on-demand equivalent", f"${report['on_demand_equivalent_usd']:.4f}"),
+        ("saving vs on-demand", "-" if report["savings_pct"] is None else f"{report['savings_pct']:.1f} %"),
+        ("$ per 1M tokens", _fmt(report["usd_per_mtok"], ".4f")),
+        ("VM-hours / GPU-hours", f"{report['vm_hours']:.3f} / {report['gpu_hours']:.3f}"),
+        ("wasted", f"${waste['total']:.4f}" + (f" ({causes})" if causes else "")),
+        ("instances", str(len(report["instances"]))),
+        ("preemptions / joins", f"{report['preemptions']} / {report['joins']}"),
+        ("recovery (median)", f"{statistics.median(report['recovery_s']):.1f} s" if report["recovery_s"] else "-"),
+        ("effective training time", _fmt(report["effective_training_time"], ".1%")),
+        ("storage + egress (estimate)",
+         f"${report['estimates']['checkpoint_storage_usd'] + report['estimates']['egress_usd']:.4f}"),
+    ]
 
 
 def summary_table(report: dict):
@@ -144,24 +354,19 @@ def summary_table(report: dict):
     table = Table(title=f"elastic run {report['run']}", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column(justify="right")
-
-    def fmt(v, spec=""):
-        return "-" if v is None else format(v, spec)
-
-    rows = [
-        ("status", report["status"]),
-        ("outer steps", fmt(report["outer_steps"])),
-        ("tokens", fmt(report["tokens"], ",")),
-        ("loss first → last", f"{fmt(report['loss_first'], '.3f')} → {fmt(report['loss_last'], '.3f')}"),
-        ("wall time", f"{report['wall_s']:.1f} s"),
-        ("tokens/s (training)", fmt(report["tokens_per_s"], ",.0f")),
-        ("cost", f"${report['cost_usd']:.4f}"),
-        ("$ per 1M tokens", fmt(report["usd_per_mtok"], ".4f")),
-        ("instances", str(len(report["instances"]))),
-        ("preemptions / joins", f"{report['preemptions']} / {report['joins']}"),
-        ("recovery (median)", f"{statistics.median(report['recovery_s']):.1f} s" if report["recovery_s"] else "-"),
-        ("effective training time", fmt(report["effective_training_time"], ".1%")),
-    ]
-    for k, v in rows:
+    for k, v in headline_rows(report):
         table.add_row(k, v)
+    return table
+
+
+def compare_table(a: dict, b: dict, name_a: str, name_b: str):
+    """Two runs side by side: the headline figures of each."""
+    from rich.table import Table
+
+    table = Table(title="elastic runs compared", title_justify="left")
+    table.add_column("")
+    table.add_column(name_a, justify="right")
+    table.add_column(name_b, justify="right")
+    for (k, va), (_, vb) in zip(headline_rows(a), headline_rows(b)):
+        table.add_row(k, va, vb, style="bold" if va != vb else None)
     return table

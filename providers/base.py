@@ -106,3 +106,7 @@ class Provider(Protocol):
 
     def events(self) -> list[NodeEvent]:
         """Preemption notices and preemptions seen since the last call."""
+
+    # Optional: `prices(instance_ids) -> dict[str, float]`, the USD per hour in effect now for each
+    # held VM (spot prices move during a VM's life). The driver polls it every PRICE_POLL_S and
+    # records a `node_price` event when a price changes; without it a VM bills at its launch price.

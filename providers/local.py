@@ -101,6 +101,17 @@ class LocalProvider:
         with self._lock:
             return [i for i in self._instances.values() if i.run == run]
 
+    def prices(self, instance_ids) -> dict[str, float]:
+        """USD per hour in effect now for each held VM: the market's spot price (on-demand VMs keep theirs)."""
+        out = {}
+        with self._lock:
+            for iid in instance_ids:
+                inst = self._instances.get(iid)
+                if inst is not None:
+                    st = self.market.state(inst.offer.zone, inst.offer.instance_type)
+                    out[iid] = st.spot_usd_per_hour if inst.offer.spot else st.on_demand_usd_per_hour
+        return out
+
     def events(self) -> list[NodeEvent]:
         with self._lock:
             out, self._events = self._events, []

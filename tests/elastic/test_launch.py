@@ -50,6 +50,26 @@ def assert_every_node_released(events):
     assert launched and launched == released
 
 
+REPORT_FIELDS = ("cost_usd", "usd_per_mtok", "on_demand_equivalent_usd", "savings_pct", "effective_training_time",
+                 "wasted_usd", "instances", "gpu_hours", "by_cloud", "by_region", "by_instance_type", "estimates")
+
+
+def assert_outputs_of_any_ending(run_dir: Path, out: str) -> dict:
+    """Every ending writes report.json and report.html, and `elastic report` rebuilds the same bytes."""
+    report = json.loads((run_dir / "report.json").read_text())
+    assert all(k in report for k in REPORT_FIELDS), [k for k in REPORT_FIELDS if k not in report]
+    assert set(report["wasted_usd"]) == {"preemption", "capacity_wait", "checkpoint_stalls", "never_joined", "total"}
+    html = (run_dir / "report.html").read_text()
+    # Five charts, each drawn or, with nothing to draw (no VM ever rented), saying so.
+    assert html.count('<svg class="chart"') + html.count('class="empty"') == 5 and "<script" not in html
+    assert "on-demand equivalent" in out          # the summary table was printed
+    written = (run_dir / "report.json").read_bytes()
+    rebuilt = elastic_cli("report", str(run_dir))
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    assert (run_dir / "report.json").read_bytes() == written
+    return report
+
+
 def test_launch_trains_and_reports(tmp_path):
     run_dir = tmp_path / "run"
     proc = launch(run_dir, *SMALL, "--set", "train.outer_steps=8", "--set", "checkpoint.every_outer_steps=4")
@@ -62,6 +82,10 @@ def test_launch_trains_and_reports(tmp_path):
     assert len(report["instances"]) == 2 and all(i["cost_usd"] > 0 for i in report["instances"])
     assert report["cost_usd"] == pytest.approx(sum(i["cost_usd"] for i in report["instances"]), abs=1e-6)
     assert report["tokens"] == 8 * 2 * 20 * 8 * 128
+    assert_outputs_of_any_ending(run_dir, out)
+    # local-tiny's market does not move: every second at $0.40/h against $1.20/h on demand.
+    assert report["on_demand_equivalent_usd"] == pytest.approx(3 * report["cost_usd"], rel=1e-3)
+    assert report["savings_pct"] == pytest.approx(66.67, abs=0.01)
     events = read_events(run_dir / "events.jsonl")
     assert_every_node_released(events)
     assert [e["step"] for e in events if e["type"] == "checkpoint_saved"] == [4, 8]
@@ -115,7 +139,8 @@ def test_launch_refuses_a_run_dir_that_holds_a_run(tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_interrupt_releases_every_node_and_reports(tmp_path, sig):
     run_dir = tmp_path / "run"
-    proc = launch(run_dir, *SMALL, "--set", "train.outer_steps=1000")
+    # Spot prices move during the run (a fast, volatile simulated market).
+    proc = launch(run_dir, *SMALL, "--set", "train.outer_steps=1000", "--set", "local.market.volatility=0.5")
     ledger = run_dir / "events.jsonl"
     deadline = time.monotonic() + 180
     # Wait until training is under way (the ledger shows an outer step), then interrupt.
@@ -129,7 +154,13 @@ def test_interrupt_releases_every_node_and_reports(tmp_path, sig):
     report = json.loads((run_dir / "report.json").read_text())
     assert report["status"] == "interrupted"
     assert report["outer_steps"] >= 1
+    assert_outputs_of_any_ending(run_dir, out)
     events = read_events(ledger)
+    # The driver recorded the held VMs' moving prices and the report billed each interval at its price.
+    prices = [e for e in events if e["type"] == "node_price"]
+    assert prices and sum(i["price_changes"] for i in report["instances"]) == len(prices)
+    at_launch_price = sum(i["seconds"] * i["usd_per_hour"] / 3600 for i in report["instances"])
+    assert report["cost_usd"] != pytest.approx(at_launch_price, rel=1e-4)
     assert_every_node_released(events)
     assert events[-1]["type"] == "run_ended"
     assert "Traceback" not in out
@@ -146,6 +177,7 @@ def test_budget_stops_the_run_with_a_final_checkpoint(tmp_path):
     report = json.loads((run_dir / "report.json").read_text())
     assert report["status"] == "budget_exhausted"
     assert "budget.max_usd" in report["budget_exhausted"]
+    assert_outputs_of_any_ending(run_dir, out)
     assert 0 < report["outer_steps"] < 1000
     # Spend stops at the cap, give or take the seconds it takes to release two nodes.
     release_margin_usd = 2 * 0.40 * 5 / 3600
@@ -189,3 +221,15 @@ def test_resume_without_a_checkpoint_is_bad_input(tmp_path):
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2 and "no complete checkpoint" in out and "Traceback" not in out
     assert not (tmp_path / "run").exists()     # refused before anything was written
+
+
+def test_no_capacity_ends_insufficient_capacity_with_a_report(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "--set", "local.capacity=0", "--set", "world.capacity_timeout_s=2")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 4, out
+    report = assert_outputs_of_any_ending(run_dir, out)
+    assert report["status"] == "insufficient_capacity"
+    assert report["instances"] == [] and report["cost_usd"] == 0 and report["savings_pct"] is None
+    assert (run_dir / "report.html").read_text().count('class="empty"') == 5
+    assert not session_pids(run_dir)

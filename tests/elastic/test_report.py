@@ -81,7 +81,8 @@ def test_figures_of_a_completed_run():
     assert r["joins"] == 0                  # joins at outer step 0 are the start, not a rejoin
     assert r["max_replicas_seen"] == 2
     assert r["checkpoints"] == ["s3://b/run/step-00000001"]
-    assert (r["checkpoint_stall_s"], r["checkpoint_upload_s"], r["checkpoint_bytes"]) == (0.5, 3.25, 1234)
+    assert (r["checkpoint_stall_s"], r["checkpoint_upload_s"]) == (0.5, 3.25)
+    assert r["estimates"]["checkpoint_bytes_written"] == 1234
     assert r["errors"] == []
 
 
@@ -185,7 +186,7 @@ def test_write_report_is_atomic_and_matches_build_report(tmp_path):
     assert json.loads((tmp_path / "report.json").read_text()) == report
     # Replaced, not rewritten in place: a reader never sees a half-written report.
     assert (tmp_path / "report.json").stat().st_ino != old_inode
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["events.jsonl", "report.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["events.jsonl", "report.html", "report.json"]
 
 
 def test_cli_report_regenerates_identical_report(tmp_path):

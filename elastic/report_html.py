@@ -1,0 +1,293 @@
+"""report.html: the report as one self-contained page (inline CSS and SVG, no script, no network).
+
+A view of the same ledger as report.json: the headline figures and breakdowns, then charts of
+loss, world size, cumulative USD against the on-demand equivalent, each VM's price over its life,
+and a timeline of launches, joins, notices and preemptions. Deterministic: the same ledger gives
+the same bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from html import escape
+
+from elastic.report import _billed_s, _vms
+
+W, H = 880, 260                      # chart size, px
+ML, MR, MT, MB = 64, 16, 12, 36      # margins: left (y labels), right, top, bottom (x labels)
+COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+          "#bcbd22", "#17becf"]
+MAX_POINTS = 600                     # samples per line, so a long run's page stays small
+CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;max-width:920px;color:#222}
+h1{font-size:22px;margin:0 0 4px}h2{font-size:16px;margin:28px 0 6px}
+.sub{color:#666;margin:0 0 16px}table{border-collapse:collapse;font-size:13px;margin:6px 0}
+td,th{padding:3px 10px;border-bottom:1px solid #eee;text-align:right}td:first-child,th:first-child{text-align:left}
+.figs td:first-child{font-weight:600}.est{color:#666;font-style:italic}
+svg{display:block;background:#fafafa;border:1px solid #ddd}svg text{font-size:11px;fill:#444}
+.legend span{display:inline-block;margin-right:14px;font-size:12px}.legend i{display:inline-block;width:12px;
+height:3px;vertical-align:middle;margin-right:4px}.empty{color:#888;font-style:italic}
+"""
+
+
+def _nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+    if hi <= lo:
+        hi = lo + 1
+    raw = (hi - lo) / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next((m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw), raw)
+    start = (lo // step) * step
+    out, v = [], start
+    while v <= hi + step * 1e-9:
+        if v >= lo - step * 1e-9:
+            out.append(round(v, 10))
+        v += step
+    return out
+
+
+def _fmt(v: float) -> str:
+    if v == 0:
+        return "0"
+    if abs(v) >= 100:
+        return f"{v:,.0f}"
+    if abs(v) >= 1:
+        return f"{v:.2f}".rstrip("0").rstrip(".")
+    return f"{v:.4g}"
+
+
+def _thin(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    if len(points) <= MAX_POINTS:
+        return points
+    every = len(points) / MAX_POINTS
+    return [points[int(i * every)] for i in range(MAX_POINTS)] + [points[-1]]
+
+
+def _chart(lines: list[tuple[str, str, list[tuple[float, float]]]], x_max: float, y_label: str,
+           step: bool = False, y_zero: bool = True) -> str:
+    """An SVG line chart: `lines` as (label, color, [(x seconds, y)]); step lines hold each value
+    until the next point."""
+    pts = [p for _, _, ps in lines for p in ps]
+    if not pts:
+        return '<p class="empty">nothing recorded yet</p>'
+    ys = [y for _, y in pts]
+    y_lo, y_hi = (0.0 if y_zero else min(ys)), max(ys)
+    if y_hi <= y_lo:
+        y_hi = y_lo + (abs(y_lo) or 1.0)
+    x_max = x_max or 1.0
+    pw, ph = W - ML - MR, H - MT - MB
+
+    def sx(x):
+        return ML + pw * min(max(x, 0.0), x_max) / x_max
+
+    def sy(y):
+        return MT + ph * (1 - (y - y_lo) / (y_hi - y_lo))
+
+    parts = [f'<svg class="chart" xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" '
+             f'viewBox="0 0 {W} {H}" role="img" aria-label="{escape(y_label)}">']
+    for t in _nice_ticks(y_lo, y_hi):
+        parts.append(f'<line x1="{ML}" x2="{W - MR}" y1="{sy(t):.1f}" y2="{sy(t):.1f}" stroke="#e4e4e4"/>'
+                     f'<text x="{ML - 6}" y="{sy(t) + 4:.1f}" text-anchor="end">{_fmt(t)}</text>')
+    for t in _nice_ticks(0.0, x_max):
+        parts.append(f'<text x="{sx(t):.1f}" y="{H - MB + 16}" text-anchor="middle">{_fmt(t)}</text>')
+    parts.append(f'<text x="{ML + pw / 2:.0f}" y="{H - 4}" text-anchor="middle">seconds since run start</text>'
+                 f'<text x="12" y="{MT + ph / 2:.0f}" transform="rotate(-90 12 {MT + ph / 2:.0f})" '
+                 f'text-anchor="middle">{escape(y_label)}</text>'
+                 f'<rect x="{ML}" y="{MT}" width="{pw}" height="{ph}" fill="none" stroke="#bbb"/>')
+    for label, color, ps in lines:
+        ps = _thin(ps)
+        if step:
+            ps = [q for a, b in zip(ps, ps[1:] + [None]) for q in ([a, (b[0], a[1])] if b else [a])]
+        d = " ".join(f"{'M' if i == 0 else 'L'}{sx(x):.1f},{sy(y):.1f}" for i, (x, y) in enumerate(ps))
+        parts.append(f'<path d="{d}" fill="none" stroke="{color}" stroke-width="2"><title>{escape(label)}</title></path>')
+        if len(ps) == 1:
+            parts.append(f'<circle cx="{sx(ps[0][0]):.1f}" cy="{sy(ps[0][1]):.1f}" r="3" fill="{color}"/>')
+    parts.append("</svg>")
+    legend = "".join(f'<span><i style="background:{c}"></i>{escape(label)}</span>' for label, c, _ in lines[:12])
+    more = f"<span>… and {len(lines) - 12} more</span>" if len(lines) > 12 else ""
+    return "".join(parts) + f'<div class="legend">{legend}{more}</div>'
+
+
+def _timeline(events: list[dict], vms: dict, t0: float, x_max: float) -> str:
+    """One row per VM: a bar from launch to release (colour by how it ended), with its replica's
+    joins (green dots), notices (orange ticks), preemptions (red crosses); capacity waits shaded."""
+    if not vms:
+        return '<p class="empty">no VM rented</p>'
+    row_h = 18
+    h = MT + MB + row_h * len(vms)
+    pw = W - ML - MR
+    x_max = x_max or 1.0
+
+    def sx(t):
+        return ML + pw * min(max(t - t0, 0.0), x_max) / x_max
+
+    rows = {iid: n for n, iid in enumerate(vms)}
+    fill = {"preempted": "#d62728", "released": "#1f77b4", "held": "#7f7f7f"}
+    parts = [f'<svg class="chart" xmlns="http://www.w3.org/2000/svg" width="{W}" height="{h}" '
+             f'viewBox="0 0 {W} {h}" role="img" aria-label="timeline">']
+    for e in events:
+        if e["type"] == "capacity_wait_ended" and e.get("waited_s"):
+            a, b = sx(e["t"] - e["waited_s"]), sx(e["t"])
+            parts.append(f'<rect x="{a:.1f}" y="{MT}" width="{max(b - a, 1):.1f}" height="{h - MT - MB}" '
+                         f'fill="#fdecc8"><title>waiting for capacity {e["waited_s"]:.1f} s</title></rect>')
+    for t in _nice_ticks(0.0, x_max):
+        parts.append(f'<text x="{sx(t0 + t):.1f}" y="{h - MB + 16}" text-anchor="middle">{_fmt(t)}</text>')
+    parts.append(f'<text x="{ML + pw / 2:.0f}" y="{h - 4}" text-anchor="middle">seconds since run start</text>')
+    for iid, vm in vms.items():
+        y = MT + rows[iid] * row_h
+        color = fill[vm["ended"]] if vm["joined"] else "#bbbbbb"
+        a, b = sx(vm["start"]), sx(vm["stop"])
+        state = vm["ended"] + ("" if vm["joined"] else ", never joined")
+        parts.append(f'<text x="{ML - 6}" y="{y + 13}" text-anchor="end">{escape(iid[-12:])}</text>'
+                     f'<rect x="{a:.1f}" y="{y + 3}" width="{max(b - a, 1.5):.1f}" height="{row_h - 6}" '
+                     f'fill="{color}" opacity="0.55"><title>{escape(iid)}: {escape(vm["instance_type"])} in '
+                     f'{escape(vm["zone"])}, {state}, {vm["stop"] - vm["start"]:.1f} s</title></rect>')
+    for e in events:
+        iid = e.get("instance_id")
+        if iid not in rows:
+            continue
+        x, y = sx(e["t"]), MT + rows[iid] * row_h + row_h / 2
+        if e["type"] == "replica_joined":
+            parts.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="4" fill="#2ca02c"><title>replica {e["replica"]} '
+                         f'joined at outer step {e.get("outer_step", 0)}</title></circle>')
+        elif e["type"] == "node_notice":
+            parts.append(f'<path d="M{x:.1f},{y - 7:.1f}L{x:.1f},{y + 7:.1f}" stroke="#ff7f0e" stroke-width="3">'
+                         f'<title>preemption notice</title></path>')
+        elif e["type"] == "node_preempted":
+            parts.append(f'<path d="M{x - 5:.1f},{y - 5:.1f}L{x + 5:.1f},{y + 5:.1f}M{x - 5:.1f},{y + 5:.1f}'
+                         f'L{x + 5:.1f},{y - 5:.1f}" stroke="#d62728" stroke-width="2.5"><title>preempted</title></path>')
+    parts.append("</svg>")
+    legend = ('<div class="legend"><span><i style="background:#1f77b4"></i>released</span>'
+              '<span><i style="background:#d62728"></i>preempted</span><span><i style="background:#7f7f7f"></i>'
+              'held</span><span><i style="background:#bbbbbb"></i>never joined</span><span>'
+              '<i style="background:#2ca02c"></i>replica joined</span><span><i style="background:#ff7f0e"></i>'
+              'notice</span><span><i style="background:#fdecc8"></i>waiting for capacity</span></div>')
+    return "".join(parts) + legend
+
+
+def _cumulative(vms: dict, t0: float, end: float):
+    """Cumulative billed and on-demand USD at every change of the total rate: one sweep over the
+    VMs' price segments (plus each minimum-billing top-up, due when its VM goes)."""
+    steps: dict[float, list[float]] = {}   # t -> [Δ USD/s billed, Δ USD/s on demand, lump billed, lump on demand]
+
+    def at(t):
+        return steps.setdefault(min(max(t, t0), end), [0.0, 0.0, 0.0, 0.0])
+
+    for vm in vms.values():
+        segs = vm["segments"]
+        for i, (since, price) in enumerate(segs):
+            until = segs[i + 1][0] if i + 1 < len(segs) else vm["stop"]
+            if until > since:
+                at(since)[0] += price / 3600
+                at(until)[0] -= price / 3600
+        held = vm["stop"] - vm["start"]
+        if held > 0:
+            at(vm["start"])[1] += vm["on_demand_usd_per_hour"] / 3600
+            at(vm["stop"])[1] -= vm["on_demand_usd_per_hour"] / 3600
+            extra_s = _billed_s(vm) - held
+            at(vm["stop"])[2] += extra_s * segs[-1][1] / 3600
+            at(vm["stop"])[3] += extra_s * vm["on_demand_usd_per_hour"] / 3600
+    usd, od = [], []
+    total = total_od = rate = rate_od = 0.0
+    last = t0
+    for t in sorted(steps):
+        d_rate, d_od, lump, lump_od = steps[t]
+        total += rate * (t - last) + lump
+        total_od += rate_od * (t - last) + lump_od
+        rate, rate_od, last = rate + d_rate, rate_od + d_od, t
+        usd.append((t - t0, total))
+        od.append((t - t0, total_od))
+    if steps and last < end:
+        usd.append((end - t0, total + rate * (end - last)))
+        od.append((end - t0, total_od + rate_od * (end - last)))
+    return usd, od
+
+
+def _series(events: list[dict], vms: dict, t0: float, end: float):
+    loss, world, held = [], [], []
+    replicas = nodes = 0
+    for e in events:
+        x = e["t"] - t0
+        if e["type"] == "outer_step" and e.get("losses"):
+            loss.append((x, sum(e["losses"]) / len(e["losses"])))
+        if e["type"] == "replica_joined":
+            replicas += 1
+        elif e["type"] in ("replica_drained",) or (e["type"] == "replica_lost" and e.get("phase") != "setup"):
+            replicas = max(0, replicas - 1)
+        elif e["type"] == "node_launched":
+            nodes += 1
+        elif e["type"] in ("node_released", "node_preempted"):
+            nodes = max(0, nodes - 1)
+        else:
+            continue
+        world.append((x, replicas))
+        held.append((x, nodes))
+    usd, od = _cumulative(vms, t0, end)
+    if world:
+        world.append((end - t0, world[-1][1]))
+        held.append((end - t0, held[-1][1]))
+    return loss, world, held, usd, od
+
+
+def _table(rows: list[tuple[str, str]], cls: str = "figs") -> str:
+    return f'<table class="{cls}">' + "".join(f"<tr><td>{escape(k)}</td><td>{escape(v)}</td></tr>"
+                                              for k, v in rows) + "</table>"
+
+
+def _breakdown_table(name: str, rows: dict) -> str:
+    head = (f"<tr><th>{escape(name)}</th><th>VMs</th><th>VM-hours</th><th>GPU-hours</th><th>USD</th>"
+            "<th>on-demand USD</th></tr>")
+    body = "".join(f"<tr><td>{escape(k)}</td><td>{r['instances']}</td><td>{r['seconds'] / 3600:.3f}</td>"
+                   f"<td>{r['gpu_hours']:.3f}</td><td>${r['cost_usd']:.4f}</td>"
+                   f"<td>${r['on_demand_equivalent_usd']:.4f}</td></tr>" for k, r in rows.items())
+    return f"<table>{head}{body}</table>"
+
+
+def render_html(events: list[dict], report: dict) -> str:
+    """The whole page for a run's ledger and its report (from `build_report(events)`)."""
+    from elastic.report import headline_rows
+
+    start = next((e for e in events if e["type"] == "run_started"), None)
+    end_ev = next((e for e in reversed(events) if e["type"] == "run_ended"), None)
+    t0 = start["t"] if start else (events[0]["t"] if events else 0.0)
+    end = end_ev["t"] if end_ev else (events[-1]["t"] if events else t0)
+    vms = _vms(events, end)
+    x_max = max([end - t0] + [vm["stop"] - t0 for vm in vms.values()])
+    loss, world, held, usd, od = _series(events, vms, t0, end)
+    prices = [(f"{iid} ({vm['instance_type']}, {vm['zone']})", COLORS[n % len(COLORS)],
+               [(t - t0, p) for t, p in vm["segments"]] + [(vm["stop"] - t0, vm["segments"][-1][1])])
+              for n, (iid, vm) in enumerate(vms.items())]
+    waste = report["wasted_usd"]
+    est = report["estimates"]
+    title = f"elastic run {report['run'] or '(unnamed)'}"
+    body = [
+        f"<h1>{escape(title)}</h1>",
+        f'<p class="sub">status <b>{escape(report["status"])}</b> · recipe digest '
+        f'{escape(str(report["recipe_digest"]))} · built from events.jsonl</p>',
+        _table(headline_rows(report)),
+        "<h2>USD wasted, by cause</h2>",
+        _table([(k.replace("_", " "), f"${waste[k]:.4f}") for k in waste]),
+        "<h2>Estimates (not billed by the VM figures above)</h2>",
+        _table([("checkpoint bytes written", f"{est['checkpoint_bytes_written']:,}"),
+                ("checkpoint storage", f"${est['checkpoint_storage_usd']:.6f}"),
+                ("cross-region sync bytes", f"{est['cross_region_sync_bytes']:,}"),
+                ("egress", f"${est['egress_usd']:.6f}")], cls="figs est"),
+        "<h2>Loss over time</h2>",
+        _chart([("mean loss of the outer step's inner steps", COLORS[0], loss)], x_max, "loss (nats/token)",
+               y_zero=False),
+        "<h2>World size over time</h2>",
+        _chart([("replicas in the world", COLORS[2], world), ("VMs held", COLORS[7], held)], x_max, "count",
+               step=True),
+        "<h2>Cumulative USD against the on-demand equivalent</h2>",
+        _chart([("billed", COLORS[0], usd), ("same VM-seconds on demand", COLORS[3], od)], x_max, "USD"),
+        "<h2>Each VM's price over its life</h2>",
+        _chart(prices, x_max, "USD per hour", step=True, y_zero=False),
+        "<h2>Timeline: VMs, joins, notices and preemptions</h2>",
+        _timeline(events, vms, t0, x_max),
+        "<h2>By cloud</h2>", _breakdown_table("cloud", report["by_cloud"]),
+        "<h2>By region</h2>", _breakdown_table("region", report["by_region"]),
+        "<h2>By instance type</h2>", _breakdown_table("instance type", report["by_instance_type"]),
+    ]
+    if report["errors"]:
+        body.append("<h2>Errors</h2><ul>" + "".join(f"<li>{escape(m)}</li>" for m in report["errors"]) + "</ul>")
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'
+            f"<style>{CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")

@@ -1,0 +1,166 @@
+"""`elastic status [RUN_DIR]`: a live view of a run from its ledger, from any terminal.
+
+It reads `events.jsonl` (and the outer-step target from `recipe.yaml`) and never talks to the
+driver, so it works while the run goes, after it ended, and after its driver died.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from elastic.errors import UserError
+from elastic.ledger import read_events
+from elastic.report import burn_usd_per_hour, cost_so_far
+
+REFRESH_S = 1.0     # how often the live view re-reads the ledger
+RECENT_STEPS = 5    # tokens/s and step time over the last outer steps
+
+
+def latest_run_dir(root: Path = Path("runs")) -> Path:
+    """The run under `root` whose ledger changed last."""
+    ledgers = sorted(root.glob("*/events.jsonl"), key=lambda p: p.stat().st_mtime) if root.is_dir() else []
+    if not ledgers:
+        raise UserError(f"no run under {root}/ (no */events.jsonl); pass RUN_DIR")
+    return ledgers[-1].parent
+
+
+def _target_outer_steps(run_dir: Path) -> int | None:
+    import yaml
+
+    try:
+        doc = yaml.safe_load((run_dir / "recipe.yaml").read_text(encoding="utf-8"))
+        return int(doc["train"]["outer_steps"])
+    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _alive(pid, host) -> bool:
+    """Whether the driver that wrote the ledger still runs (unknown, or on another host: assume so)."""
+    import socket
+
+    if not isinstance(pid, int) or (host is not None and host != socket.gethostname()):
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def snapshot(events: list[dict], now: float, target_outer_steps: int | None = None) -> dict:
+    """The live figures of a ledger at unix time `now` (the end of the run once it ended)."""
+    start = next((e for e in events if e["type"] == "run_started"), None)
+    end = next((e for e in reversed(events) if e["type"] == "run_ended"), None)
+    if end is not None:
+        now = end["t"]
+    steps = [e for e in events if e["type"] == "outer_step"]
+    recent = steps[-RECENT_STEPS:]
+    busy_s = sum(s["inner_s"] + s["sync_s"] for s in recent)
+    spent = cost_so_far(events, now)
+    burn = burn_usd_per_hour(events) if end is None else 0.0
+    done = steps[-1]["outer_step"] if steps else 0
+    first = steps[0]["outer_step"] if steps else 0
+    projected = None
+    if end is not None:
+        projected = spent
+    elif target_outer_steps and len(steps) >= 2:
+        # Wall time per outer step so far (joins, waits and checkpoints included), at today's burn.
+        per_step_s = (steps[-1]["t"] - steps[0]["t"]) / (done - first) if done > first else 0.0
+        projected = spent + burn * max(0, target_outer_steps - done) * per_step_s / 3600
+    alive = end is not None or start is None or _alive(start.get("pid"), start.get("host"))
+    return {
+        "run": start["run"] if start else None,
+        "status": end["status"] if end else ("running" if alive else "driver gone (no run_ended)"),
+        "ended": end is not None or not alive,
+        "elapsed_s": round(now - start["t"], 1) if start else 0.0,
+        "outer_step": done,
+        "target_outer_steps": target_outer_steps,
+        "world": len(steps[-1]["replicas"]) if steps else 0,
+        "vms_held": sum(1 for e in events if e["type"] == "node_launched")
+        - len({e["instance_id"] for e in events if e["type"] in ("node_released", "node_preempted")}),
+        "loss": (sum(steps[-1]["losses"]) / len(steps[-1]["losses"])) if steps and steps[-1]["losses"] else None,
+        "tokens": steps[-1]["tokens_total"] if steps else 0,
+        "tokens_per_s": sum(s["tokens"] for s in recent) / busy_s if busy_s > 0 else None,
+        "usd_so_far": spent,
+        "burn_usd_per_hour": burn,
+        "projected_usd": projected,
+        "preemptions": len({e["instance_id"] for e in events if e["type"] in ("node_preempted", "node_notice")}),
+        "last_event": events[-1]["type"] if events else None,
+    }
+
+
+def status_table(snap: dict, run_dir: Path):
+    from rich.table import Table
+
+    def fmt(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    t = Table(title=f"elastic status · {snap['run'] or run_dir.name}", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column(justify="right")
+    target = f"/{snap['target_outer_steps']}" if snap["target_outer_steps"] else ""
+    for k, v in [
+        ("status", snap["status"]),
+        ("elapsed", f"{snap['elapsed_s']:.0f} s"),
+        ("outer step", f"{snap['outer_step']}{target}"),
+        ("world", f"{snap['world']} replica(s), {snap['vms_held']} VM(s) held"),
+        ("loss", fmt(snap["loss"], ".4f")),
+        ("tokens", f"{snap['tokens']:,}"),
+        ("tokens/s (recent)", fmt(snap["tokens_per_s"], ",.0f")),
+        ("USD so far", f"${snap['usd_so_far']:.4f}"),
+        ("burn rate", f"${snap['burn_usd_per_hour']:.4f}/h"),
+        ("projected total", "-" if snap["projected_usd"] is None else f"${snap['projected_usd']:.4f}"),
+        ("preemptions", str(snap["preemptions"])),
+        ("last event", snap["last_event"] or "-"),
+    ]:
+        t.add_row(k, v)
+    return t
+
+
+def _line(snap: dict) -> str:
+    target = f"/{snap['target_outer_steps']}" if snap["target_outer_steps"] else ""
+    loss = "-" if snap["loss"] is None else f"{snap['loss']:.4f}"
+    projected = "-" if snap["projected_usd"] is None else f"${snap['projected_usd']:.4f}"
+    return (f"{snap['status']}  outer {snap['outer_step']}{target}  world {snap['world']}  loss {loss}  "
+            f"${snap['usd_so_far']:.4f} so far  ${snap['burn_usd_per_hour']:.4f}/h  projected {projected}")
+
+
+def watch(run_dir: Path, console, once: bool = False) -> int:
+    """Show the run's status; refresh until it ends unless `once`. On a terminal the table
+    redraws in place; piped, one line per outer step, then the table at the end."""
+    ledger = run_dir / "events.jsonl"
+    if not ledger.is_file():
+        raise UserError(f"{run_dir}: no events.jsonl (not a run directory)")
+    target = _target_outer_steps(run_dir)
+
+    def render():
+        snap = snapshot(read_events(ledger), time.time(), target)
+        return snap, status_table(snap, run_dir)
+
+    snap, table = render()
+    if once or snap["ended"]:
+        console.print(table)
+        return 0
+    if not console.is_terminal:
+        shown = None
+        while not snap["ended"]:
+            if (snap["outer_step"], snap["status"]) != shown:
+                shown = (snap["outer_step"], snap["status"])
+                console.print(_line(snap), highlight=False)
+                console.file.flush()
+            time.sleep(REFRESH_S)
+            snap, table = render()
+        console.print(table)
+        return 0
+    from rich.live import Live
+
+    with Live(table, console=console, refresh_per_second=4) as live:
+        while not snap["ended"]:
+            time.sleep(REFRESH_S)
+            snap, table = render()
+            live.update(table)
+    return 0
