@@ -56,8 +56,10 @@ class Market:
         history: {key: (node_hours, preemptions)} observed by earlier runs (see `load_history`).
     """
 
-    def __init__(self, planner, history: dict[Key, tuple[float, int]] | None = None):
+    def __init__(self, planner, history: dict[Key, tuple[float, int]] | None = None,
+                 capacity_cooldown_s: float | None = None):
         self._p = planner
+        self._capacity_cooldown_s = planner.capacity_cooldown_s if capacity_cooldown_s is None else capacity_cooldown_s
         self._history = dict(history or {})
         self._hours: dict[Key, float] = defaultdict(float)       # closed node-hours this run
         self._preempted: dict[Key, int] = defaultdict(int)
@@ -88,7 +90,7 @@ class Market:
             elif kind == "node_released":
                 self._close(e["instance_id"], t)
             elif kind == "capacity_error":
-                self._cool_offer[(e["zone"], e["instance_type"])] = t + self._p.capacity_cooldown_s
+                self._cool_offer[(e["zone"], e["instance_type"])] = t + self._capacity_cooldown_s
         self._seen = len(events)
 
     def _close(self, instance_id: str, t: float) -> None:
@@ -123,18 +125,22 @@ class Market:
         return {r for r, until in self._cool_region.items() if until > now}
 
     def cooling(self, offer: Offer, now: float) -> bool:
-        """The offer rests (capacity error, or its region's preemptions spiked)."""
-        return (self._cool_offer.get((offer.zone, offer.instance_type), -1) > now
-                or self._cool_region.get(offer.region, -1) > now)
+        """The offer rests after a capacity error."""
+        return self._cool_offer.get((offer.zone, offer.instance_type), -1) > now
 
     def quote(self, offer: Offer, now: float, capacity: int | None = None) -> Quote:
         rate, source = self.risk(offer, now)
         return Quote(offer, rate, source, capacity)
 
     def quotes(self, offers: list[Offer], now: float, capacity: dict[Key, int | None] | None = None) -> list[Quote]:
-        """Every offer not cooling down, with its risk (and its capacity when known)."""
+        """Every offer not resting after a capacity error, with its risk (and its capacity when
+        known). Regions whose preemptions spiked are left out while any other region has an offer
+        (the next region first; a cooled region is still better than none)."""
         capacity = capacity or {}
-        return [self.quote(o, now, capacity.get(offer_key(o))) for o in offers if not self.cooling(o, now)]
+        fresh = [o for o in offers if not self.cooling(o, now)]
+        cooled = self.cooled_regions(now)
+        elsewhere = [o for o in fresh if o.region not in cooled]
+        return [self.quote(o, now, capacity.get(offer_key(o))) for o in (elsewhere or fresh)]
 
     def stats(self, now: float) -> dict[Key, tuple[float, int]]:
         """This run's observations: {key: (node_hours, preemptions)} (open VMs counted up to now)."""
