@@ -169,21 +169,29 @@ def _fill(ranked: list[Quote], held: list[Quote], n: int, k: int, planner) -> li
     return chosen
 
 
-def _best(quotes: list[Quote], recipe, held: list[Quote], n: int) -> Placement:
+class _Ranked:
+    """Quotes the recipe allows, best first by USD per useful token, and grouped by speed and by
+    region (computed once per decision; `_best` is called for several world sizes)."""
+
+    def __init__(self, quotes: list[Quote], recipe):
+        p = recipe.planner
+        self.all = sorted((q for q in quotes if allowed(q.offer, recipe.resources)), key=lambda q: usd_per_mtok(q, recipe))
+        self.by_speed: dict = {}
+        self.by_region: dict = {}
+        for q in self.all:
+            self.by_speed.setdefault(replica_tokens_per_s(q.offer, p), []).append(q)
+            self.by_region.setdefault((q.offer.cloud, q.offer.region), []).append(q)
+
+
+def _best(ranked: _Ranked, recipe, held: list[Quote], n: int) -> Placement:
     p = recipe.planner
-    ranked = sorted((q for q in quotes if allowed(q.offer, recipe.resources)), key=lambda q: usd_per_mtok(q, recipe))
     k = min(p.spread_min, n)
     # Besides the plain ranking: one throughput class (no replica waits on a slower GPU) and, when
     # no spread is asked for, one region (no cross-region sync).
-    by_speed: dict = {}
-    by_region: dict = {}
-    for q in ranked:
-        by_speed.setdefault(replica_tokens_per_s(q.offer, p), []).append(q)
-        by_region.setdefault((q.offer.cloud, q.offer.region), []).append(q)
-    subsets = [ranked] + (list(by_speed.values()) if len(by_speed) > 1 else [])
-    if k <= 1 and len(by_region) > 1:
+    subsets = [ranked.all] + (list(ranked.by_speed.values()) if len(ranked.by_speed) > 1 else [])
+    if k <= 1 and len(ranked.by_region) > 1:
         held_regions = {(q.offer.cloud, q.offer.region) for q in held}
-        subsets += [qs for r, qs in by_region.items() if held_regions <= {r}]
+        subsets += [qs for r, qs in ranked.by_region.items() if held_regions <= {r}]
     best = None
     for qs in subsets:
         pl = evaluate(_fill(qs, held, n, k, p), recipe)
@@ -200,10 +208,11 @@ def plan(quotes: list[Quote], recipe, held: list[Quote] = (), n: int | None = No
     w, b = recipe.world, recipe.budget
     grow = n is None
     n = n if n is not None else min(w.replicas, w.max_replicas)
-    best = _best(quotes, recipe, list(held), n)
+    ranked = _Ranked(quotes, recipe)
+    best = _best(ranked, recipe, list(held), n)
     while grow and b.max_hours is not None and best.expected_hours > b.max_hours and n < w.max_replicas:
         n += 1
-        bigger = _best(quotes, recipe, list(held), n)
+        bigger = _best(ranked, recipe, list(held), n)
         if len(bigger.quotes) < n:
             break
         best = bigger
@@ -222,7 +231,7 @@ def plan(quotes: list[Quote], recipe, held: list[Quote] = (), n: int | None = No
 
 def choose_launch(quotes: list[Quote], recipe, held: list[Quote]) -> Quote | None:
     """The offer the next replica should be rented from, given the replicas held (or on their way)."""
-    pl = _best(quotes, recipe, list(held), len(held) + 1)
+    pl = _best(_Ranked(quotes, recipe), recipe, list(held), len(held) + 1)
     return pl.quotes[len(held)] if len(pl.quotes) > len(held) else None
 
 

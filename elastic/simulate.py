@@ -222,6 +222,26 @@ def _elastic(run: _Run) -> None:
     market = Market(p)
     last_replan = -math.inf
     short_since = None
+
+    def top_up(busy_s: float) -> None:
+        """Rent up to the target where the planner says (as the driver does the moment a replica
+        is lost); `busy_s`: seconds left of the phase under way, all of which the budget must cover."""
+        offers, cap = run.market.offers(run.t, recipe.resources.spot)
+        for _ in range(len(offers)):
+            market.observe(run.events)
+            live = [n for n in run.nodes.values() if not n.drain_for]
+            if len(live) >= n_target:
+                return
+            q = choose_launch(market.quotes(offers, run.t, cap), recipe,
+                              [market.quote(run.now_offer(n), run.t) for n in live])
+            if q is None:
+                return
+            cap_usd = recipe.budget.max_usd
+            if cap_usd is not None and run.spent + (run.rate_usd_per_hour() + q.offer.usd_per_hour) * busy_s / 3600 > cap_usd:
+                return
+            if run.launch(q.offer) is None and run.refused == "budget":
+                return                        # the budget cannot take another VM
+
     while run.tokens < run.target_tokens:
         offers, cap = run.market.offers(run.t, recipe.resources.spot)
         market.observe(run.events)
@@ -248,18 +268,7 @@ def _elastic(run: _Run) -> None:
                 run.nodes[move.drain].drain_for = iid
                 run.moves += 1
             market.observe(run.events)
-        # Rent up to the target where the planner says.
-        for _ in range(len(quotes)):
-            live = [n for n in run.nodes.values() if not n.drain_for]
-            if len(live) >= n_target:
-                break
-            quotes = market.quotes(offers, run.t, cap)
-            q = choose_launch(quotes, recipe, [market.quote(run.now_offer(n), run.t) for n in live])
-            if q is None:
-                break
-            if run.launch(q.offer) is None and run.refused == "budget":
-                break                         # the budget cannot take another VM
-            market.observe(run.events)
+        top_up(0.0)
         members = [n for n in run.nodes.values() if n.ready_at <= run.t]
         if not run.nodes and run.refused == "budget":
             run.status = "budget_exhausted"
@@ -279,7 +288,13 @@ def _elastic(run: _Run) -> None:
         dt = evaluate(run.quotes_of(members), recipe).phase_s
         if not run.affordable(dt):
             break
-        lost = set(run.advance(dt, stop_at_first_loss=False))
+        end, lost = run.t + dt, set()
+        while run.t < end - 1e-6:
+            gone = run.advance(end - run.t, stop_at_first_loss=True)
+            if not gone:
+                break
+            lost.update(gone)
+            top_up(end - run.t)               # the replacement is rented at once, not at the boundary
         kept = [m for m in members if m.iid not in lost]
         if kept:
             run.train_phase(kept, dt)
