@@ -15,6 +15,7 @@ import json
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 from elastic import checkpoint as ckpt
@@ -57,6 +58,7 @@ class Driver:
         self._moves: dict[str, str] = {}                 # new instance id -> instance id it replaces
         self._replanned_at = time.monotonic()
         self._budget_held_back = False                   # a launch was held back by the budget
+        self._prices: dict[str, float] = {}              # instance id -> USD/h last recorded
         self._restored = False   # the world was restored after losing every replica
         self._resume_from = self._latest_checkpoint() if resume else None
         if resume and self._resume_from is None:
@@ -122,7 +124,8 @@ class Driver:
     def _held_quotes(self, now: float) -> list:
         """Quotes (today's risk) of every VM held or on its way, minus those being drained."""
         gone = {self.world.replicas[r].instance_id for r in self._draining if r in self.world.replicas}
-        held = [i.offer for i in self.provider.list_instances(self.run_name) if i.instance_id not in gone]
+        held = [replace(i.offer, usd_per_hour=self._prices.get(i.instance_id, i.offer.usd_per_hour))
+                for i in self.provider.list_instances(self.run_name) if i.instance_id not in gone]
         return [self.market.quote(o, now) for o in held + list(self._launching.values())]
 
     def _choose(self, offers, held=None):
@@ -159,13 +162,25 @@ class Driver:
         self._replanned_at = time.monotonic()
         if self._launching or w.joining or self._draining or self._moves:
             return   # the world is changing already; look again next time
+        from elastic.market import offer_key
+
         now = time.time()
         self.market.observe(self.ledger.events)
+        every = self.provider.offers(self.recipe.resources)
+        priced = {offer_key(o): o for o in every}
         by_id = {i.instance_id: i for i in self.provider.list_instances(self.run_name)}
-        held = [(r.instance_id, self.market.quote(by_id[r.instance_id].offer, now))
-                for r in w.replicas.values() if r.instance_id in by_id]
-        offers = [o for o in self.provider.offers(self.recipe.resources)
-                  if self._cooldown.get((o.zone, o.instance_type), 0) <= time.monotonic()]
+        held = []
+        for r in w.replicas.values():
+            inst = by_id.get(r.instance_id)
+            if inst is None:
+                continue
+            # A held VM costs what its offer costs now (spot prices move).
+            offer = priced.get(offer_key(inst.offer), inst.offer)
+            if self._prices.get(r.instance_id, inst.offer.usd_per_hour) != offer.usd_per_hour:
+                self.ledger.append("node_price", instance_id=r.instance_id, usd_per_hour=offer.usd_per_hour)
+            self._prices[r.instance_id] = offer.usd_per_hour
+            held.append((r.instance_id, self.market.quote(offer, now)))
+        offers = [o for o in every if self._cooldown.get((o.zone, o.instance_type), 0) <= time.monotonic()]
         quotes = self.market.quotes(offers, now)
         tokens_left = (self.recipe.train.token_budget or 0) - w.tokens
         rate = evaluate([q for _, q in held], self.recipe).useful_tokens_per_s

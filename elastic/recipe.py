@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationError, model_validator
 
 from elastic.errors import RecipeError
 
@@ -185,7 +185,7 @@ class PlannerSection(_Section):
     and the driver's choice of where to rent). Times are wall seconds (for the `local` provider,
     real seconds, not the market's simulated ones)."""
 
-    tokens_per_s: dict[str, float] = Field(default_factory=dict)
+    tokens_per_s: dict[str, PositiveFloat] = Field(default_factory=dict)
     """Training throughput of one replica, tokens/s: by instance type (per VM), or by GPU model (per
     GPU, multiplied by the VM's GPU count). The instance type wins when both match."""
     default_tokens_per_s: float = Field(1000.0, gt=0)
