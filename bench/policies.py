@@ -31,7 +31,7 @@ def main() -> None:
     for trace in sorted((ROOT / "bench/traces").glob("*.csv")):
         runs = [{r["policy"]: r for r in simulate(recipe, str(trace), seed=s)} for s in range(args.seeds)]
         print(f"\n{trace.name} ({args.seeds} seeds, medians)")
-        print(f"| policy | USD/1M tok | wall h | USD | preemptions | moves | effective | completed |")
+        print("| policy | USD/1M tok | wall h | USD | preemptions | moves | effective | completed |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         med = {}
         for p in POLICIES:

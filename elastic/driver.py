@@ -142,7 +142,8 @@ class Driver:
         if q is None:
             return None
         spent = cost_so_far(self.ledger.events, now)
-        if not launch_fits_budget(spent, sum(h.offer.usd_per_hour for h in held), q.offer.usd_per_hour, self.recipe):
+        if not launch_fits_budget(spent, sum(h.offer.usd_per_hour for h in held), q.offer.usd_per_hour, self.recipe,
+                                  horizon_s=self._last_step_s):
             if not self._budget_held_back:
                 self._budget_held_back = True
                 self.ledger.append("launch_held_back", reason="budget.max_usd", spent_usd=round(spent, 6),
@@ -154,7 +155,8 @@ class Driver:
         """Every `planner.replan_every_s`: move the most expensive replica(s) when a clearly cheaper
         offer appears. The new replica is rented first; once it has joined, the old one drains at
         the next outer-step boundary."""
-        from elastic.planner import evaluate, replan_all
+        from elastic.market import offer_key
+        from elastic.planner import evaluate, replan_all, tokens_per_phase
 
         p, w = self.recipe.planner, self.world
         if time.monotonic() - self._replanned_at < p.replan_every_s:
@@ -162,8 +164,6 @@ class Driver:
         self._replanned_at = time.monotonic()
         if self._launching or w.joining or self._draining or self._moves:
             return   # the world is changing already; look again next time
-        from elastic.market import offer_key
-
         now = time.time()
         self.market.observe(self.ledger.events)
         every = self.provider.offers(self.recipe.resources)
@@ -182,7 +182,9 @@ class Driver:
             held.append((r.instance_id, self.market.quote(offer, now)))
         offers = [o for o in every if self._cooldown.get((o.zone, o.instance_type), 0) <= time.monotonic()]
         quotes = self.market.quotes(offers, now)
-        tokens_left = (self.recipe.train.token_budget or 0) - w.tokens
+        t = self.recipe.train
+        tokens_left = (t.token_budget - w.tokens if t.token_budget is not None
+                       else (t.outer_steps - w.outer_step) * len(held) * tokens_per_phase(self.recipe))
         rate = evaluate([q for _, q in held], self.recipe).useful_tokens_per_s
         remaining_h = tokens_left / rate / 3600 if tokens_left > 0 and rate > 0 else 1.0
         room = self.recipe.world.max_replicas - len(w.replicas)
@@ -262,6 +264,7 @@ class Driver:
         return set(self._draining)
 
     _last_sync_s = 0.0
+    _last_step_s = 0.0   # the budget is next checked about this long after a launch
 
     def _record_loss(self, loss) -> None:
         self.ledger.append("replica_lost", replica=loss.replica_id, instance_id=loss.instance_id,
@@ -408,7 +411,7 @@ class Driver:
                 self._last_sync_s = res.sync_s
                 if res.sync_attempts > 1:
                     ledger.append("sync_retried", outer_step=res.outer_step, attempts=res.sync_attempts)
-                last_step_s = res.inner_s + res.sync_s
+                last_step_s = self._last_step_s = res.inner_s + res.sync_s
                 train_s += last_step_s
                 ledger.append("outer_step", outer_step=res.outer_step, inner_step=world.inner_step,
                               epoch=world.epoch, replicas=res.replicas, losses=[round(x, 6) for x in res.losses],

@@ -126,10 +126,10 @@ class _Run:
     def rate_usd_per_hour(self) -> float:
         return sum(self.price(n) for n in self.nodes.values())
 
-    def launch(self, offer: Offer) -> str | None:
+    def launch(self, offer: Offer, horizon_s: float = 0.0) -> str | None:
         """Rent one VM now (None: refused for capacity or budget; a capacity error is recorded)."""
         self.refused = None
-        if not launch_fits_budget(self.spent, self.rate_usd_per_hour(), offer.usd_per_hour, self.recipe):
+        if not launch_fits_budget(self.spent, self.rate_usd_per_hour(), offer.usd_per_hour, self.recipe, horizon_s):
             self.refused = "budget"
             return None
         st = self.market.state(offer.zone, offer.instance_type, self.t)
@@ -236,10 +236,7 @@ def _elastic(run: _Run) -> None:
                               [market.quote(run.now_offer(n), run.t) for n in live])
             if q is None:
                 return
-            cap_usd = recipe.budget.max_usd
-            if cap_usd is not None and run.spent + (run.rate_usd_per_hour() + q.offer.usd_per_hour) * busy_s / 3600 > cap_usd:
-                return
-            if run.launch(q.offer) is None and run.refused == "budget":
+            if run.launch(q.offer, horizon_s=busy_s) is None and run.refused == "budget":
                 return                        # the budget cannot take another VM
 
     while run.tokens < run.target_tokens:
