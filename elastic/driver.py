@@ -57,7 +57,8 @@ class Driver:
         self._move_of: dict[Future, str] = {}           # launch of a move -> instance id it replaces
         self._moves: dict[str, str] = {}                 # new instance id -> instance id it replaces
         self._replanned_at = time.monotonic()
-        self._budget_held_back = False                   # a launch was held back by the budget
+        self._budget_held_back = False                   # the last launch was held back by the budget
+        self._budget_logged = False
         self._prices: dict[str, float] = {}              # instance id -> USD/h last recorded
         self._restored = False   # the world was restored after losing every replica
         self._resume_from = self._latest_checkpoint() if resume else None
@@ -142,10 +143,11 @@ class Driver:
         if q is None:
             return None
         spent = cost_so_far(self.ledger.events, now)
-        if not launch_fits_budget(spent, sum(h.offer.usd_per_hour for h in held), q.offer.usd_per_hour, self.recipe,
-                                  horizon_s=self._last_step_s):
-            if not self._budget_held_back:
-                self._budget_held_back = True
+        self._budget_held_back = not launch_fits_budget(spent, sum(h.offer.usd_per_hour for h in held), q.offer,
+                                                        self.recipe, horizon_s=self._last_step_s)
+        if self._budget_held_back:
+            if not self._budget_logged:
+                self._budget_logged = True
                 self.ledger.append("launch_held_back", reason="budget.max_usd", spent_usd=round(spent, 6),
                                    usd_per_hour=q.offer.usd_per_hour)
             return None
@@ -353,6 +355,12 @@ class Driver:
                 waited = True
             # The clock runs only while even the replicas on their way would not be enough.
             on_way = alive + len(self.world.joining)   # launches may be refused: they do not count
+            if self._budget_held_back and on_way < w.min_replicas and not self._launching:
+                # The budget cannot pay for enough nodes: no point waiting.
+                if waited:
+                    self.ledger.append("capacity_wait_ended", waited_s=round(time.monotonic() - start, 3),
+                                       replicas=alive, gave_up=True)
+                return False
             short_since = (short_since or time.monotonic()) if on_way < w.min_replicas else None
             if short_since is not None and time.monotonic() - short_since > w.capacity_timeout_s:
                 if not waited:
@@ -394,6 +402,11 @@ class Driver:
                 if not self.wait_for_capacity(view):
                     if world.replicas and world.outer_step > 0:
                         self.checkpoint(view)
+                    if self._budget_held_back:
+                        ledger.append("budget_exhausted", outer_step=world.outer_step,
+                                      reason=f"budget.max_usd (${recipe.budget.max_usd:.2f}) cannot pay for "
+                                             f"world.min_replicas ({recipe.world.min_replicas}) node(s)")
+                        return "budget_exhausted"
                     return "insufficient_capacity"
                 reason = self._over_budget(last_step_s)
                 if reason:

@@ -292,12 +292,15 @@ def replan_all(quotes: list[Quote], held: list[tuple[str, Quote]], recipe, remai
     return moves
 
 
-def launch_fits_budget(spent_usd: float, held_usd_per_hour: float, new_usd_per_hour: float, recipe,
-                       horizon_s: float = 0.0) -> bool:
-    """A launch keeps the spend within budget.max_usd for one billing increment of every VM (or for
-    `horizon_s`, the time until the budget is next checked, when that is longer)."""
+BILLING_INCREMENT_S = {"local": 1.0}   # per cloud; others bill at least a minute (AWS, GCP)
+
+
+def launch_fits_budget(spent_usd: float, held_usd_per_hour: float, offer, recipe, horizon_s: float = 0.0) -> bool:
+    """A launch from `offer` keeps the spend within budget.max_usd for one billing increment of
+    every VM (or for `horizon_s`, the time until the budget is next checked, when that is longer)."""
     cap = recipe.budget.max_usd
     if cap is None:
         return True
-    span_h = max(recipe.planner.billing_increment_s, horizon_s) / 3600
-    return spent_usd + (held_usd_per_hour + new_usd_per_hour) * span_h <= cap
+    increment_s = recipe.planner.billing_increment_s or BILLING_INCREMENT_S.get(offer.cloud, 60.0)
+    span_h = max(increment_s, horizon_s) / 3600
+    return spent_usd + (held_usd_per_hour + offer.usd_per_hour) * span_h <= cap

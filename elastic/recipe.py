@@ -221,9 +221,10 @@ class PlannerSection(_Section):
     """How long a region whose preemptions spiked rests, seconds."""
     capacity_cooldown_s: float = Field(300.0, ge=0)
     """How long an offer that answered with a capacity error rests, seconds."""
-    billing_increment_s: float = Field(60.0, gt=0)
+    billing_increment_s: float | None = Field(None, gt=0)
     """Billing increment of a VM, seconds: a launch is allowed only when the spend so far plus every
-    held VM and the new one for one increment stays within `budget.max_usd`."""
+    held VM and the new one for one increment stays within `budget.max_usd`. Empty: the cloud's
+    (60 s, the minimum AWS and GCP bill; 1 s for the `local` market, billed per second)."""
 
 
 class CheckpointSection(_Section):

@@ -129,7 +129,7 @@ class _Run:
     def launch(self, offer: Offer, horizon_s: float = 0.0) -> str | None:
         """Rent one VM now (None: refused for capacity or budget; a capacity error is recorded)."""
         self.refused = None
-        if not launch_fits_budget(self.spent, self.rate_usd_per_hour(), offer.usd_per_hour, self.recipe, horizon_s):
+        if not launch_fits_budget(self.spent, self.rate_usd_per_hour(), offer, self.recipe, horizon_s):
             self.refused = "budget"
             return None
         st = self.market.state(offer.zone, offer.instance_type, self.t)
