@@ -48,6 +48,20 @@ def _parser() -> argparse.ArgumentParser:
     cv.add_argument("uri", help="checkpoint URI (s3://, gs://, file:// or a path)")
     cv.add_argument("--step", type=int, help="the checkpoint to verify (default: the newest complete one)")
 
+    sp = sub.add_parser("plan", help="where the recipe would rent now: placement, USD/h, expected USD per 1M tokens and hours")
+    recipe_args(sp)
+    sp.add_argument("--json", action="store_true", help="print the placement as JSON")
+
+    sp = sub.add_parser("simulate", help="compare rental policies on a price/preemption trace, in simulated time")
+    recipe_args(sp)
+    sp.add_argument("--trace", required=True, metavar="TRACE.csv",
+                    help="trace CSV: timestamp_s,cloud,region,zone,instance_type,gpu,gpus,spot_usd_per_hour,"
+                         "on_demand_usd_per_hour,preempt_per_hour,capacity")
+    sp.add_argument("--policy", action="append", metavar="NAME",
+                    help="elastic, on-demand, spot-static or skypilot-like (repeatable; default: all)")
+    sp.add_argument("--seed", type=int, default=0, help="seed of the preemption draws (default 0)")
+    sp.add_argument("--json", action="store_true", help="print the figures as JSON")
+
     sp = sub.add_parser("schema", help="print the recipe's JSON schema (for editors) or its reference")
     sp.add_argument("--markdown", action="store_true", help="the recipe reference as Markdown")
     return p
@@ -155,6 +169,10 @@ def _dispatch(args, err) -> int:
         return watch(args.run_dir or latest_run_dir(), out, once=args.once)
     if args.command == "checkpoints":
         return _checkpoints(args, out, err)
+    if args.command == "plan":
+        return _plan(args, out)
+    if args.command == "simulate":
+        return _simulate(args, out)
     if args.command == "schema":
         from elastic.schema import json_schema, markdown_reference
         sys.stdout.write(markdown_reference() if args.markdown else json_schema())
@@ -187,4 +205,70 @@ def _checkpoints(args, out, err) -> int:
     if problems:
         return 1
     out.print(f"step {step}: every file matches its manifest", highlight=False)
+    return 0
+
+
+def _plan(args, out) -> int:
+    import json
+    import time
+
+    from rich.table import Table
+
+    from elastic.errors import UserError
+    from elastic.market import Market, live_offers, load_history
+    from elastic.planner import plan
+    from elastic.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    offers = live_offers(recipe)
+    if not offers:
+        raise UserError("resources: no offer matches resources.clouds / regions / accelerators / max_usd_per_hour")
+    quotes = Market(recipe.planner, load_history()).quotes(offers, time.time())
+    placement = plan(quotes, recipe)
+    doc = placement.to_dict(recipe)
+    if args.json:
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+    else:
+        table = Table(title=f"plan for {recipe.name}", title_justify="left")
+        for col in ("replicas", "cloud", "region", "zone", "instance type", "GPUs", "USD/h", "preempt/h", "USD/1M tok"):
+            table.add_column(col, justify="right" if col in ("replicas", "GPUs", "USD/h", "preempt/h", "USD/1M tok") else "left")
+        for s in doc["placement"]:
+            table.add_row(str(s["replicas"]), s["cloud"], s["region"], s["zone"], s["instance_type"],
+                          f"{s['gpus']}× {s['gpu']}" if s["gpus"] else "-", f"{s['usd_per_hour']:.2f}",
+                          f"{s['preempt_per_hour']:.2f} ({s['risk_source']})", f"{s['usd_per_mtok']:.4f}")
+        out.print(table)
+        if doc["usd_per_mtok"] is not None:
+            out.print(f"world: {doc['replicas']} replica(s), ${doc['usd_per_hour']:.2f}/h, "
+                      f"{doc['useful_tokens_per_s']:,.0f} useful tokens/s, ${doc['usd_per_mtok']:.4f} per 1M tokens; "
+                      f"{doc['tokens_needed']:,} tokens in about {doc['expected_hours']:.1f} h for "
+                      f"${doc['expected_usd']:,.2f}", highlight=False)
+        for w in doc["warnings"]:
+            out.print(f"[yellow]warning:[/yellow] {w}", highlight=False)
+    return 0 if placement.feasible else 4
+
+
+def _simulate(args, out) -> int:
+    import json
+
+    from rich.table import Table
+
+    from elastic.recipe import load_recipe
+    from elastic.simulate import simulate
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    results = simulate(recipe, args.trace, args.policy, seed=args.seed)
+    if args.json:
+        doc = {"recipe": recipe.name, "trace": args.trace, "seed": args.seed,
+               "budget_usd": recipe.budget.max_usd, "policies": {r["policy"]: r for r in results}}
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        return 0
+    table = Table(title=f"{recipe.name} on {args.trace} (seed {args.seed})", title_justify="left")
+    for col in ("policy", "status", "USD", "tokens", "USD/1M tok", "wall h", "preemptions", "moves", "effective"):
+        table.add_column(col, justify="left" if col in ("policy", "status") else "right")
+    for r in results:
+        table.add_row(r["policy"], r["status"], f"{r['cost_usd']:,.2f}", f"{r['tokens']:,}",
+                      f"{r['usd_per_mtok']:.4f}" if r["usd_per_mtok"] is not None else "-", f"{r['wall_h']:.2f}",
+                      str(r["preemptions"]), str(r["moves"]),
+                      f"{r['effective_training_time']:.3f}" if r["effective_training_time"] is not None else "-")
+    out.print(table)
     return 0

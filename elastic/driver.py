@@ -15,6 +15,7 @@ import json
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 from elastic import checkpoint as ckpt
@@ -44,6 +45,7 @@ class Driver:
         self.ledger = ledger
         self.cluster = None
         self.provider = None
+        self.market = None
         self.world = None
         self._metrics = None
         self._t0 = time.time()
@@ -55,6 +57,11 @@ class Driver:
         self._cooldown: dict[tuple, float] = {}          # (zone, instance type) -> until (monotonic)
         self._draining: dict[int, float] = {}            # replica id -> notice deadline (unix)
         self._members: list[int] = []
+        self._move_of: dict[Future, str] = {}           # launch of a move -> instance id it replaces
+        self._moves: dict[str, str] = {}                 # new instance id -> instance id it replaces
+        self._replanned_at = time.monotonic()
+        self._budget_held_back = False                   # the last launch was held back by the budget
+        self._budget_logged = False
         self._restored = False   # the world was restored after losing every replica
         self._price: dict[str, float] = {}               # held instance id -> USD/h last recorded
         self._price_poll_at = 0.0
@@ -78,8 +85,12 @@ class Driver:
         from elastic.world import World
         from providers import provider_class
 
+        from elastic.market import Market, load_history
+
         self.cluster = cluster
         self.provider = provider_class("local")(self.recipe.local, self.cluster, self.recipe.world.ranks_per_replica)
+        # The driver rests an offer that refused capacity OFFER_COOLDOWN_S itself (`_cooldown`).
+        self.market = Market(self.recipe.planner, load_history(), capacity_cooldown_s=0.0)
         self.world = World(self.recipe, on_loss=self._record_loss, on_tick=self.tick)
 
     _owns_cluster = False
@@ -94,7 +105,8 @@ class Driver:
         return max(0, min(self.recipe.world.replicas, self.recipe.world.max_replicas) - have)
 
     def top_up(self) -> None:
-        """Rent nodes in the background up to the target (cheapest offer not cooling down)."""
+        """Rent nodes in the background up to the target, where the planner says (offers not
+        cooling down; never past the budget)."""
         for _ in range(self._wanted()):
             now = time.monotonic()
             every = self.provider.offers(self.recipe.resources)
@@ -102,16 +114,95 @@ class Driver:
                 raise UserError("resources: no offer in the local market matches resources.regions / "
                                 "resources.max_usd_per_hour")
             offers = [o for o in every if self._cooldown.get((o.zone, o.instance_type), 0) <= now]
-            if not offers:
+            offer = self._choose(offers)
+            if offer is None:
                 return
-            offer = offers[0]
             self._launching[self._pool.submit(self.provider.launch, offer, self.run_name, "replica")] = offer
+
+    def _held_quotes(self, now: float) -> list:
+        """Quotes (today's risk) of every VM held or on its way, minus those being drained."""
+        gone = {self.world.replicas[r].instance_id for r in self._draining if r in self.world.replicas}
+        held = [replace(i.offer, usd_per_hour=self._price.get(i.instance_id, i.offer.usd_per_hour))
+                for i in self.provider.list_instances(self.run_name) if i.instance_id not in gone]
+        return [self.market.quote(o, now) for o in held + list(self._launching.values())]
+
+    def _choose(self, offers, held=None):
+        """The planner's offer for the next replica, or None (no offer, or the budget cannot take
+        one more VM for a billing increment)."""
+        from elastic.planner import choose_launch, launch_fits_budget
+
+        if not offers:
+            return None
+        now = time.time()
+        self.market.observe(self.ledger.events)
+        held = self._held_quotes(now) if held is None else held
+        q = choose_launch(self.market.quotes(offers, now), self.recipe, held)
+        if q is None:
+            return None
+        spent = cost_so_far(self.ledger.events, now)
+        self._budget_held_back = not launch_fits_budget(spent, sum(h.offer.usd_per_hour for h in held), q.offer,
+                                                        self.recipe, horizon_s=self._last_step_s)
+        if self._budget_held_back:
+            if not self._budget_logged:
+                self._budget_logged = True
+                self.ledger.append("launch_held_back", reason="budget.max_usd", spent_usd=round(spent, 6),
+                                   usd_per_hour=q.offer.usd_per_hour)
+            return None
+        return q.offer
+
+    def replan(self) -> None:
+        """Every `planner.replan_every_s`: move the most expensive replica(s) when a clearly cheaper
+        offer appears. The new replica is rented first; once it has joined, the old one drains at
+        the next outer-step boundary."""
+        from elastic.market import offer_key
+        from elastic.planner import evaluate, replan_all, tokens_per_phase
+
+        p, w = self.recipe.planner, self.world
+        if time.monotonic() - self._replanned_at < p.replan_every_s:
+            return
+        self._replanned_at = time.monotonic()
+        if self._launching or w.joining or self._draining or self._moves:
+            return   # the world is changing already; look again next time
+        now = time.time()
+        self.market.observe(self.ledger.events)
+        every = self.provider.offers(self.recipe.resources)
+        priced = {offer_key(o): o for o in every}
+        by_id = {i.instance_id: i for i in self.provider.list_instances(self.run_name)}
+        held = []
+        for r in w.replicas.values():
+            inst = by_id.get(r.instance_id)
+            if inst is None:
+                continue
+            # A held VM costs what its offer costs now (spot prices move; _record_prices logs it).
+            offer = priced.get(offer_key(inst.offer), inst.offer)
+            held.append((r.instance_id, self.market.quote(offer, now)))
+        offers = [o for o in every if self._cooldown.get((o.zone, o.instance_type), 0) <= time.monotonic()]
+        quotes = self.market.quotes(offers, now)
+        t = self.recipe.train
+        tokens_left = (t.token_budget - w.tokens if t.token_budget is not None
+                       else (t.outer_steps - w.outer_step) * len(held) * tokens_per_phase(self.recipe))
+        rate = evaluate([q for _, q in held], self.recipe).useful_tokens_per_s
+        remaining_h = tokens_left / rate / 3600 if tokens_left > 0 and rate > 0 else 1.0
+        room = self.recipe.world.max_replicas - len(w.replicas)
+        for move in replan_all(quotes, held, self.recipe, remaining_h)[:max(0, room)]:
+            held_quotes = [q for _, q in held]
+            if self._choose([move.add.offer], held=held_quotes) is None:
+                break
+            fut = self._pool.submit(self.provider.launch, move.add.offer, self.run_name, "replica")
+            self._launching[fut] = move.add.offer
+            self._move_of[fut] = move.drain
+            self.ledger.append("replica_move", drain_instance_id=move.drain, zone=move.add.offer.zone,
+                               instance_type=move.add.offer.instance_type,
+                               usd_per_hour=move.add.offer.usd_per_hour,
+                               usd_per_mtok_before=round(move.usd_per_mtok_before, 6),
+                               usd_per_mtok_after=round(move.usd_per_mtok_after, 6))
 
     def _collect_launches(self) -> None:
         from providers.base import CapacityError
 
         for fut in [f for f in self._launching if f.done()]:
             offer = self._launching.pop(fut)
+            replaces = self._move_of.pop(fut, None)
             try:
                 inst = fut.result()
             except Exception as exc:  # no capacity, or a VM that failed to come up: the offer rests
@@ -122,6 +213,8 @@ class Driver:
                                    message=str(exc) if refused else f"{type(exc).__name__}: {str(exc)[:200]}")
                 continue
             self._record_launch(inst, offer)
+            if replaces is not None:
+                self._moves[inst.instance_id] = replaces
             rep = self.world.start_replica(inst.instance_id, inst.ray_node_id)
             self.ledger.append("replica_starting", replica=rep.replica_id, instance_id=inst.instance_id)
 
@@ -162,6 +255,7 @@ class Driver:
         self._record_prices()
         # Replace what was lost or is about to go right away, not at the next step boundary.
         self.top_up()
+        self.replan()
 
     def _record_prices(self) -> None:
         """A `node_price` event when the price in effect for a held VM changes (spot prices move)."""
@@ -181,6 +275,7 @@ class Driver:
         return set(self._draining)
 
     _last_sync_s = 0.0
+    _last_step_s = 0.0   # the budget is next checked about this long after a launch
 
     def _record_loss(self, loss) -> None:
         self.ledger.append("replica_lost", replica=loss.replica_id, instance_id=loss.instance_id,
@@ -228,9 +323,16 @@ class Driver:
             else:
                 source = self.world.admit(rep)
             if source != "lost":
+                self._drain_replaced(rep.instance_id)
                 self.ledger.append("replica_joined", replica=rep.replica_id, instance_id=rep.instance_id,
                                    outer_step=self.world.outer_step, epoch=self.world.epoch, source=source,
                                    setup_s=round(time.time() - rep.started_at, 3))
+
+    def _drain_replaced(self, instance_id: str) -> None:
+        """A moved replica's replacement trains now: the old one drains at the next step boundary."""
+        old = self.world.replica_on(self._moves.pop(instance_id, ""))
+        if old is not None and old.replica_id in self.world.replicas:
+            self._draining[old.replica_id] = time.time()
 
     def _admit_from_checkpoint(self, rep, manifest: dict) -> str:
         """The world takes the checkpoint's counters; `rep` loads its state from DCP."""
@@ -262,6 +364,12 @@ class Driver:
                 waited = True
             # The clock runs only while even the replicas on their way would not be enough.
             on_way = alive + len(self.world.joining)   # launches may be refused: they do not count
+            if self._budget_held_back and on_way < w.min_replicas and not self._launching:
+                # The budget cannot pay for enough nodes: no point waiting.
+                if waited:
+                    self.ledger.append("capacity_wait_ended", waited_s=round(time.monotonic() - start, 3),
+                                       replicas=alive, gave_up=True)
+                return False
             short_since = (short_since or time.monotonic()) if on_way < w.min_replicas else None
             if short_since is not None and time.monotonic() - short_since > w.capacity_timeout_s:
                 if not waited:
@@ -309,6 +417,11 @@ class Driver:
                 if not self.wait_for_capacity(view):
                     if world.replicas and world.outer_step > 0:
                         self.checkpoint(view)
+                    if self._budget_held_back:
+                        ledger.append("budget_exhausted", outer_step=world.outer_step,
+                                      reason=f"budget.max_usd (${recipe.budget.max_usd:.2f}) cannot pay for "
+                                             f"world.min_replicas ({recipe.world.min_replicas}) node(s)")
+                        return "budget_exhausted"
                     return "insufficient_capacity"
                 reason = self._over_budget(last_step_s)
                 if reason:
@@ -326,7 +439,7 @@ class Driver:
                 self._last_sync_s = res.sync_s
                 if res.sync_attempts > 1:
                     ledger.append("sync_retried", outer_step=res.outer_step, attempts=res.sync_attempts)
-                last_step_s = res.inner_s + res.sync_s
+                last_step_s = self._last_step_s = res.inner_s + res.sync_s
                 train_s += last_step_s
                 ledger.append("outer_step", outer_step=res.outer_step, inner_step=world.inner_step,
                               epoch=world.epoch, replicas=res.replicas, losses=[round(x, 6) for x in res.losses],
@@ -420,11 +533,27 @@ class Driver:
             close = getattr(self.provider, "close", None)
             if close:
                 close()
+        self._save_preemption_history()
         if self.cluster is not None and self._owns_cluster:
             try:
                 self.cluster.shutdown()
             except Exception:
                 log.exception("cluster shutdown")
+
+    def _save_preemption_history(self) -> None:
+        """Add this run's preemptions per node-hour to the history later runs' risk estimates start
+        from (real clouds only: a simulated local market says nothing about them)."""
+        from elastic.market import save_history
+
+        if self.market is None:
+            return
+        try:
+            self.market.observe(self.ledger.events)
+            stats = {k: v for k, v in self.market.stats(time.time()).items() if k[0] != "local"}
+            if stats:
+                save_history(stats)
+        except Exception:
+            log.exception("saving the preemption history")
 
     def _collect_launches_quietly(self) -> None:
         """Launches that finished during shutdown: record them so their release is priced."""

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationError, model_validator
 
 from elastic.errors import RecipeError
 
@@ -180,6 +180,53 @@ class BudgetSection(_Section):
     """Hard wall-clock limit in hours, enforced the same way."""
 
 
+class PlannerSection(_Section):
+    """How the planner values offers and when it moves replicas (`elastic plan`, `elastic simulate`,
+    and the driver's choice of where to rent). Times are wall seconds (for the `local` provider,
+    real seconds, not the market's simulated ones)."""
+
+    tokens_per_s: dict[str, PositiveFloat] = Field(default_factory=dict)
+    """Training throughput of one replica, tokens/s: by instance type (per VM), or by GPU model (per
+    GPU, multiplied by the VM's GPU count). The instance type wins when both match."""
+    default_tokens_per_s: float = Field(1000.0, gt=0)
+    """Throughput for offers `tokens_per_s` does not name: tokens/s per GPU (per VM for CPU-only
+    VMs)."""
+    spread_min: int = Field(1, ge=1)
+    """Place the world over at least this many distinct zones or regions (`spread_over`), so one
+    capacity event cannot take it all. Capped at the number of replicas."""
+    spread_over: Literal["zone", "region"] = "region"
+    """What `spread_min` counts."""
+    preempt_per_hour_prior: float = Field(0.2, ge=0)
+    """Prior preemption rate of a spot VM, per node-hour, before the run (or earlier runs) observed
+    any; on-demand VMs count as 0."""
+    prior_weight_hours: float = Field(4.0, gt=0)
+    """How many node-hours of observation the prior weighs as; observed preemptions outweigh it
+    once a zone has been held longer than this."""
+    recovery_s: float = Field(300.0, ge=0)
+    """Seconds from losing a replica to its replacement training (boot, join, state copy): the
+    work one preemption costs on top of the lost inner phase."""
+    cross_region_sync_s: float = Field(20.0, ge=0)
+    """Extra seconds an outer sync takes when the world spans regions (twice this across clouds)."""
+    replan_every_s: float = Field(300.0, gt=0)
+    """How often a running world re-reads prices and risks and considers moving a replica."""
+    min_saving: float = Field(0.25, ge=0, lt=1)
+    """Move a replica only when the new offer's expected USD per useful token is at least this share
+    below the held one's (hysteresis: price jitter never moves a replica)."""
+    region_cooldown_preemptions: int = Field(3, ge=1)
+    """This many preemptions in one region within `region_cooldown_window_s` cool the region down:
+    no new replica is placed there for `region_cooldown_s`."""
+    region_cooldown_window_s: float = Field(3600.0, gt=0)
+    """Window over which a region's preemptions are counted, seconds."""
+    region_cooldown_s: float = Field(3600.0, ge=0)
+    """How long a region whose preemptions spiked rests, seconds."""
+    capacity_cooldown_s: float = Field(300.0, ge=0)
+    """How long an offer that answered with a capacity error rests, seconds."""
+    billing_increment_s: float | None = Field(None, gt=0)
+    """Billing increment of a VM, seconds: a launch is allowed only when the spend so far plus every
+    held VM and the new one for one increment stays within `budget.max_usd`. Empty: the cloud's
+    (60 s, the minimum AWS and GCP bill; 1 s for the `local` market, billed per second)."""
+
+
 class CheckpointSection(_Section):
     """Where and how often the training state is saved."""
 
@@ -287,6 +334,8 @@ class Recipe(_Section):
     """What to rent."""
     budget: BudgetSection = Field(default_factory=BudgetSection)
     """Spend and time limits."""
+    planner: PlannerSection = Field(default_factory=PlannerSection)
+    """Where to rent and when to move."""
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     """Checkpoints."""
     local: LocalSection = Field(default_factory=LocalSection)

@@ -39,24 +39,77 @@ class TraceError(ValueError):
     """A trace file that cannot be replayed (one line: file, row, what is wrong)."""
 
 
+@dataclass(frozen=True)
+class TraceRow:
+    """One row of a trace: what one (zone, instance type) offers from `t` (simulated seconds) on."""
+
+    t: float
+    cloud: str
+    region: str
+    zone: str
+    instance_type: str
+    gpu: str
+    gpus: int
+    state: MarketState
+
+
+def read_trace_rows(path: str | Path) -> list[TraceRow]:
+    """Every row of a trace, checked (sorted by time). Raises TraceError naming the file and row."""
+    rows: list[TraceRow] = []
+    seen: dict[tuple[str, str], tuple] = {}
+    try:
+        f = open(path, newline="", encoding="utf-8")
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    with f:
+        reader = csv.DictReader(f)
+        try:
+            missing = [c for c in TRACE_COLUMNS if c not in (reader.fieldnames or [])]
+        except (UnicodeDecodeError, csv.Error) as exc:
+            raise TraceError(f"{path}: not a CSV trace: {exc}") from None
+        if missing:
+            raise TraceError(f"{path}: missing columns: {', '.join(missing)}")
+        n = 1
+        try:
+            for n, row in enumerate(reader, start=2):
+                rows.append(_parse_row(row, n, seen))
+        except (UnicodeDecodeError, csv.Error) as exc:
+            raise TraceError(f"{path}: row {n}: {exc}") from None
+        except ValueError as exc:
+            raise TraceError(f"{path}: {exc}") from None
+    if not rows:
+        raise TraceError(f"{path}: no rows")
+    rows.sort(key=lambda r: r.t)
+    return rows
+
+
+def _parse_row(row: dict, n: int, seen: dict) -> TraceRow:
+    if None in row or any(row[c] is None for c in TRACE_COLUMNS):
+        raise ValueError(f"row {n}: expected {len(TRACE_COLUMNS)} columns")
+    try:
+        t = float(row["timestamp_s"])
+        spot, od = float(row["spot_usd_per_hour"]), float(row["on_demand_usd_per_hour"])
+        rate, cap, gpus = float(row["preempt_per_hour"]), int(row["capacity"]), int(row["gpus"])
+    except ValueError as exc:
+        raise ValueError(f"row {n}: {exc}") from None
+    for name, v in (("timestamp_s", t), ("spot_usd_per_hour", spot), ("on_demand_usd_per_hour", od),
+                    ("preempt_per_hour", rate), ("capacity", cap), ("gpus", gpus)):
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"row {n}: {name} must be a finite number >= 0, got {row[name]!r}")
+    if not row["zone"] or not row["instance_type"] or not row["region"] or not row["cloud"]:
+        raise ValueError(f"row {n}: cloud, region, zone and instance_type must not be empty")
+    key, desc = (row["zone"], row["instance_type"]), (row["cloud"], row["region"], row["gpu"], gpus)
+    if seen.setdefault(key, desc) != desc:
+        raise ValueError(f"row {n}: {key[1]} in {key[0]} changes cloud/region/gpu/gpus from an earlier row")
+    return TraceRow(t, row["cloud"], row["region"], row["zone"], row["instance_type"], row["gpu"], gpus,
+                    MarketState(spot, od, rate, cap))
+
+
 def read_trace(path: str | Path) -> dict[tuple[str, str], list[tuple[float, MarketState]]]:
     """Rows per (zone, instance_type), sorted by time."""
     out: dict[tuple[str, str], list[tuple[float, MarketState]]] = {}
-    with open(path, newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        missing = [c for c in TRACE_COLUMNS if c not in (reader.fieldnames or [])]
-        if missing:
-            raise TraceError(f"{path}: missing columns: {', '.join(missing)}")
-        for n, row in enumerate(reader, start=2):
-            try:
-                state = MarketState(float(row["spot_usd_per_hour"]), float(row["on_demand_usd_per_hour"]),
-                                    float(row["preempt_per_hour"]), int(row["capacity"]))
-                t = float(row["timestamp_s"])
-            except (TypeError, ValueError) as exc:
-                raise TraceError(f"{path}: row {n}: {exc}") from None
-            out.setdefault((row["zone"], row["instance_type"]), []).append((t, state))
-    for rows in out.values():
-        rows.sort(key=lambda r: r[0])
+    for r in read_trace_rows(path):
+        out.setdefault((r.zone, r.instance_type), []).append((r.t, r.state))
     return out
 
 

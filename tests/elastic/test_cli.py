@@ -47,7 +47,7 @@ def test_help_and_parsing_import_neither_torch_nor_ray():
     assert proc.stdout.splitlines()[-1] == "HEAVY [] []"
 
 
-def test_validate_schema_and_report_import_neither_torch_nor_ray(tmp_path):
+def test_light_commands_import_neither_torch_nor_ray(tmp_path):
     # The light commands stay light: the recipe, schema and report modules never pull in torch or ray.
     (tmp_path / "events.jsonl").write_text('{"t": 1, "type": "run_started", "run": "r"}\n')
     proc = python(f"""
@@ -56,6 +56,9 @@ def test_validate_schema_and_report_import_neither_torch_nor_ray(tmp_path):
         assert main(["schema"]) == 0
         assert main(["schema", "--markdown"]) == 0
         assert main(["report", {str(tmp_path)!r}]) == 0
+        assert main(["plan", {str(REPO / "recipes/multi-cloud.yaml")!r}, "--json"]) == 0
+        assert main(["simulate", {str(REPO / "recipes/multi-cloud.yaml")!r}, "--trace",
+                     {str(REPO / "bench/traces/calm.csv")!r}, "--policy", "elastic"]) == 0
         print("HEAVY", heavy())
     """)
     assert proc.returncode == 0, proc.stderr

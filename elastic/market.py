@@ -1,0 +1,205 @@
+"""The market: one view of what can be rented now, with an interruption-risk estimate per offer.
+
+Offers come from the enabled providers (or, in `elastic simulate`, from a trace). Risk is a
+preemption rate per node-hour, estimated per (cloud, region, zone, instance type) from the recipe's
+prior blended with what was observed: preemptions over node-hours held in this run's ledger, and in
+earlier runs through a small history file. Capacity errors and regions whose preemptions spike cool
+offers down for a while. The market reads ledger-shaped events only, so the driver (real ledger) and
+the simulator (events it writes in simulated time) share this code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from providers.base import Offer
+
+Key = tuple[str, str, str, str]   # cloud, region, zone, instance type
+
+
+def offer_key(o) -> Key:
+    """The market key of an Offer (or of a `node_launched` event dict)."""
+    if isinstance(o, dict):
+        return (o["cloud"], o["region"], o["zone"], o["instance_type"])
+    return (o.cloud, o.region, o.zone, o.instance_type)
+
+
+@dataclass(frozen=True)
+class Quote:
+    """One offer in the market view.
+
+    Args:
+        offer: the provider's offer (price and when it was read).
+        preempt_per_hour: estimated preemptions per node-hour (0 for on-demand).
+        risk_source: `prior`, `observed` (this run or earlier ones) or `on-demand`.
+        capacity: VMs of this offer that can be held at once, when known (traces); None: unknown.
+    """
+
+    offer: Offer
+    preempt_per_hour: float
+    risk_source: str
+    capacity: int | None = None
+
+    @property
+    def key(self) -> Key:
+        return offer_key(self.offer)
+
+
+class Market:
+    """Args:
+        planner: the recipe's `planner` section (prior, cool-downs).
+        history: {key: (node_hours, preemptions)} observed by earlier runs (see `load_history`).
+    """
+
+    def __init__(self, planner, history: dict[Key, tuple[float, int]] | None = None,
+                 capacity_cooldown_s: float | None = None):
+        self._p = planner
+        self._capacity_cooldown_s = planner.capacity_cooldown_s if capacity_cooldown_s is None else capacity_cooldown_s
+        self._history = dict(history or {})
+        self._hours: dict[Key, float] = defaultdict(float)       # closed node-hours this run
+        self._preempted: dict[Key, int] = defaultdict(int)
+        self._open: dict[str, tuple[Key, float]] = {}            # instance id -> (key, held since)
+        self._counted: set[str] = set()                           # instances whose preemption counted
+        self._region_hits: dict[str, list[float]] = defaultdict(list)
+        self._cool_offer: dict[tuple[str, str], float] = {}       # (zone, instance type) -> until
+        self._cool_region: dict[str, float] = {}                  # region -> until
+        self._seen = 0
+
+    # -- what happened --------------------------------------------------------------------------
+
+    def observe(self, events: list[dict]) -> None:
+        """Take in the ledger events appended since the last call."""
+        for e in events[self._seen:]:
+            kind, t = e["type"], e["t"]
+            if kind == "node_launched" and e.get("spot", True):
+                self._open[e["instance_id"]] = (offer_key(e), e.get("launched_at", t))
+            elif kind in ("node_notice", "node_preempted"):
+                iid = e["instance_id"]
+                if iid in self._open and iid not in self._counted:
+                    self._counted.add(iid)
+                    key = self._open[iid][0]
+                    self._preempted[key] += 1
+                    self._hit_region(key[1], t)
+                if kind == "node_preempted":
+                    self._close(iid, t)
+            elif kind == "node_released":
+                self._close(e["instance_id"], t)
+            elif kind == "capacity_error":
+                self._cool_offer[(e["zone"], e["instance_type"])] = t + self._capacity_cooldown_s
+        self._seen = len(events)
+
+    def _close(self, instance_id: str, t: float) -> None:
+        held = self._open.pop(instance_id, None)
+        if held is not None:
+            self._hours[held[0]] += max(0.0, t - held[1]) / 3600
+
+    def _hit_region(self, region: str, t: float) -> None:
+        hits = [h for h in self._region_hits[region] if h > t - self._p.region_cooldown_window_s] + [t]
+        self._region_hits[region] = hits
+        if len(hits) >= self._p.region_cooldown_preemptions:
+            self._cool_region[region] = t + self._p.region_cooldown_s
+            self._region_hits[region] = []
+
+    # -- the view -------------------------------------------------------------------------------
+
+    def risk(self, offer: Offer, now: float) -> tuple[float, str]:
+        """(preemptions per node-hour, where the figure comes from) for an offer."""
+        if not offer.spot:
+            return 0.0, "on-demand"
+        key = offer_key(offer)
+        h_hours, h_n = self._history.get(key, (0.0, 0))
+        hours = h_hours + self._hours.get(key, 0.0) + sum(
+            max(0.0, now - since) / 3600 for k, since in self._open.values() if k == key)
+        n = h_n + self._preempted.get(key, 0)
+        w = self._p.prior_weight_hours
+        rate = (self._p.preempt_per_hour_prior * w + n) / (w + hours)
+        return rate, ("observed" if hours or n else "prior")
+
+    def cooled_regions(self, now: float) -> set[str]:
+        """Regions resting after a spike of preemptions."""
+        return {r for r, until in self._cool_region.items() if until > now}
+
+    def cooling(self, offer: Offer, now: float) -> bool:
+        """The offer rests after a capacity error."""
+        return self._cool_offer.get((offer.zone, offer.instance_type), -1) > now
+
+    def quote(self, offer: Offer, now: float, capacity: int | None = None) -> Quote:
+        rate, source = self.risk(offer, now)
+        return Quote(offer, rate, source, capacity)
+
+    def quotes(self, offers: list[Offer], now: float, capacity: dict[Key, int | None] | None = None) -> list[Quote]:
+        """Every offer not resting after a capacity error, with its risk (and its capacity when
+        known). Regions whose preemptions spiked are left out while any other region has an offer
+        (the next region first; a cooled region is still better than none)."""
+        capacity = capacity or {}
+        fresh = [o for o in offers if not self.cooling(o, now)]
+        cooled = self.cooled_regions(now)
+        elsewhere = [o for o in fresh if o.region not in cooled]
+        return [self.quote(o, now, capacity.get(offer_key(o))) for o in (elsewhere or fresh)]
+
+    def stats(self, now: float) -> dict[Key, tuple[float, int]]:
+        """This run's observations: {key: (node_hours, preemptions)} (open VMs counted up to now)."""
+        out: dict[Key, list] = {k: [h, 0] for k, h in self._hours.items()}
+        for key, since in self._open.values():
+            out.setdefault(key, [0.0, 0])[0] += max(0.0, now - since) / 3600
+        for key, n in self._preempted.items():
+            out.setdefault(key, [0.0, 0])[1] += n
+        return {k: (h, n) for k, (h, n) in out.items()}
+
+
+# -- history of earlier runs ----------------------------------------------------------------------
+
+def history_path() -> Path:
+    """Where observed preemption rates of earlier runs are kept ($ELASTIC_CACHE or ~/.cache/elastic)."""
+    root = os.environ.get("ELASTIC_CACHE") or Path.home() / ".cache" / "elastic"
+    return Path(root) / "preemptions.json"
+
+
+def load_history(path: Path | None = None) -> dict[Key, tuple[float, int]]:
+    """{key: (node_hours, preemptions)} of earlier runs; empty when missing or unreadable."""
+    path = path or history_path()
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+        return {tuple(r["key"]): (float(r["node_hours"]), int(r["preemptions"])) for r in rows}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def save_history(stats: dict[Key, tuple[float, int]], path: Path | None = None) -> None:
+    """Add a run's observations to the history (written to a temp file, then renamed)."""
+    path = path or history_path()
+    merged = load_history(path)
+    for key, (hours, n) in stats.items():
+        h0, n0 = merged.get(key, (0.0, 0))
+        merged[key] = (h0 + hours, n0 + n)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [{"key": list(k), "node_hours": round(h, 6), "preemptions": n} for k, (h, n) in sorted(merged.items())]
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".preemptions-", suffix=".json")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(rows, f, indent=1)
+    os.replace(tmp, path)
+
+
+def live_offers(recipe) -> list[Offer]:
+    """Offers of every cloud the recipe enables, read now (no cluster needed)."""
+    import providers
+
+    out: list[Offer] = []
+    for name in recipe.resources.clouds:
+        build = getattr(providers, "build", None)
+        if build is not None:
+            provider = build(name, recipe, None, recipe.name)
+        else:   # before providers.build existed: the local provider is the only one
+            provider = providers.provider_class(name)(recipe.local, None, recipe.world.ranks_per_replica)
+        try:
+            out.extend(provider.offers(recipe.resources))
+        finally:
+            close = getattr(provider, "close", None)
+            if close:
+                close()
+    return out

@@ -1,0 +1,306 @@
+"""The planner: how many replicas to rent where, and when to move one. Pure and fast (no I/O).
+
+Objective: least expected USD per useful token. A replica's raw throughput comes from the recipe
+(`planner.tokens_per_s`); useful throughput discounts the work preemption is expected to cost
+(risk × (half an inner phase + `planner.recovery_s`)) and the outer sync a world spread over
+regions or clouds pays (`planner.cross_region_sync_s`). Replicas synchronise every inner phase, so
+the slowest one sets the world's pace. Constraints: regions, `resources.max_usd_per_hour`, spot or
+on-demand, known capacity, world min/target/max, `planner.spread_min` distinct zones or regions,
+and the budget (`launch_fits_budget`, checked before every launch).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from elastic.market import Quote
+
+
+def replica_tokens_per_s(offer, planner) -> float:
+    """Raw training throughput of one replica on this offer's VM, tokens/s."""
+    by = planner.tokens_per_s
+    if offer.instance_type in by:
+        return by[offer.instance_type]
+    return by.get(offer.gpu, planner.default_tokens_per_s) * max(1, offer.gpus)
+
+
+def tokens_per_phase(recipe) -> int:
+    """Tokens one replica trains in one inner phase."""
+    t = recipe.train
+    return t.inner_steps * t.batch_size * t.seq_len
+
+
+def allowed(offer, resources) -> bool:
+    """The recipe lets this offer be rented (regions, price cap, spot or on-demand)."""
+    return ((not resources.regions or offer.region in resources.regions)
+            and offer.spot == resources.spot
+            and (resources.max_usd_per_hour is None or offer.usd_per_hour <= resources.max_usd_per_hour))
+
+
+def sync_penalty_s(quotes: list[Quote], planner) -> float:
+    """Extra seconds per outer sync for a world spread over regions (twice that over clouds)."""
+    if len({q.offer.cloud for q in quotes}) > 1:
+        return 2 * planner.cross_region_sync_s
+    if len({q.offer.region for q in quotes}) > 1:
+        return planner.cross_region_sync_s
+    return 0.0
+
+
+def _group(q: Quote, planner) -> tuple:
+    o = q.offer
+    return (o.cloud, o.region, o.zone) if planner.spread_over == "zone" else (o.cloud, o.region)
+
+
+def _availability(q: Quote, phase_s: float, planner) -> float:
+    """Share of a replica's time that ends up as kept work, given its preemption risk."""
+    lost_s_per_h = q.preempt_per_hour * (phase_s / 2 + planner.recovery_s)
+    return max(0.0, 1.0 - lost_s_per_h / 3600)
+
+
+def usd_per_mtok(q: Quote, recipe) -> float:
+    """Expected USD per million useful tokens of one replica on its own (the ranking key)."""
+    p = recipe.planner
+    tps = replica_tokens_per_s(q.offer, p)
+    useful = tps * _availability(q, tokens_per_phase(recipe) / tps, p)
+    return q.offer.usd_per_hour / (useful * 3600) * 1e6 if useful > 0 else float("inf")
+
+
+@dataclass
+class Placement:
+    """A world: one quote per replica, and what it is expected to cost and give.
+
+    Args:
+        quotes: one per replica.
+        usd_per_hour: the world's price, USD per hour.
+        useful_tokens_per_s: expected kept tokens per second of the whole world.
+        usd_per_mtok: expected USD per million useful tokens.
+        phase_s: seconds of one inner phase (the slowest replica's) plus the outer sync.
+        sync_penalty_s: the part of `phase_s` due to spreading over regions/clouds.
+        tokens_needed: tokens the run trains (train.token_budget, or outer_steps × replicas × phase tokens).
+        expected_hours: hours to train `tokens_needed` at the useful rate.
+        expected_usd: USD for that.
+        feasible: at least world.min_replicas could be placed.
+        warnings: what the user should know (budget, time, capacity).
+    """
+
+    quotes: list[Quote]
+    usd_per_hour: float = 0.0
+    useful_tokens_per_s: float = 0.0
+    usd_per_mtok: float = float("inf")
+    phase_s: float = 0.0
+    sync_penalty_s: float = 0.0
+    tokens_needed: int = 0
+    expected_hours: float = float("inf")
+    expected_usd: float = float("inf")
+    feasible: bool = False
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self, recipe) -> dict:
+        slots: dict = {}
+        for q in self.quotes:
+            o = q.offer
+            s = slots.setdefault(q.key, {"cloud": o.cloud, "region": o.region, "zone": o.zone,
+                                         "instance_type": o.instance_type, "gpu": o.gpu, "gpus": o.gpus,
+                                         "spot": o.spot, "replicas": 0, "usd_per_hour": round(o.usd_per_hour, 6),
+                                         "on_demand_usd_per_hour": round(o.on_demand_usd_per_hour, 6),
+                                         "preempt_per_hour": round(q.preempt_per_hour, 4),
+                                         "risk_source": q.risk_source,
+                                         "tokens_per_s": replica_tokens_per_s(o, recipe.planner),
+                                         "usd_per_mtok": round(usd_per_mtok(q, recipe), 4),
+                                         "read_at": o.read_at})
+            s["replicas"] += 1
+        fin = (lambda x: round(x, 4) if x != float("inf") else None)
+        return {"feasible": self.feasible, "replicas": len(self.quotes), "placement": list(slots.values()),
+                "regions": sorted({q.offer.region for q in self.quotes}),
+                "zones": sorted({q.offer.zone for q in self.quotes}),
+                "usd_per_hour": round(self.usd_per_hour, 4), "useful_tokens_per_s": round(self.useful_tokens_per_s, 1),
+                "usd_per_mtok": fin(self.usd_per_mtok), "phase_s": round(self.phase_s, 3),
+                "sync_penalty_s": self.sync_penalty_s, "tokens_needed": self.tokens_needed,
+                "expected_hours": fin(self.expected_hours), "expected_usd": fin(self.expected_usd),
+                "warnings": self.warnings}
+
+
+def evaluate(quotes: list[Quote], recipe) -> Placement:
+    """What a world on these quotes is expected to cost and give."""
+    p, t = recipe.planner, recipe.train
+    pl = Placement(list(quotes), feasible=len(quotes) >= recipe.world.min_replicas)
+    if not quotes:
+        return pl
+    tpp = tokens_per_phase(recipe)
+    inner_s = max(tpp / replica_tokens_per_s(q.offer, p) for q in quotes)
+    pl.sync_penalty_s = sync_penalty_s(quotes, p)
+    pl.phase_s = inner_s + pl.sync_penalty_s
+    pl.usd_per_hour = sum(q.offer.usd_per_hour for q in quotes)
+    pl.useful_tokens_per_s = tpp / pl.phase_s * sum(_availability(q, inner_s, p) for q in quotes)
+    pl.tokens_needed = t.token_budget if t.token_budget is not None else t.outer_steps * len(quotes) * tpp
+    if pl.useful_tokens_per_s > 0:
+        pl.usd_per_mtok = pl.usd_per_hour / (pl.useful_tokens_per_s * 3600) * 1e6
+        pl.expected_hours = pl.tokens_needed / pl.useful_tokens_per_s / 3600
+        pl.expected_usd = pl.usd_per_hour * pl.expected_hours
+    return pl
+
+
+def _fill(ranked: list[Quote], held: list[Quote], n: int, k: int, planner) -> list[Quote]:
+    """Greedy: the best quote of each of the first k distinct groups (spread), then the best quotes
+    in order, each up to its known capacity."""
+    chosen = list(held)
+    used = Counter(q.key for q in held)
+    groups = {_group(q, planner) for q in held}
+
+    def room(q):
+        return q.capacity is None or used[q.key] < q.capacity
+
+    if len(groups) < k:
+        for q in ranked:
+            if len(chosen) >= n or len(groups) >= k:
+                break
+            g = _group(q, planner)
+            if g not in groups and room(q):
+                chosen.append(q)
+                used[q.key] += 1
+                groups.add(g)
+    for q in ranked:
+        if len(chosen) >= n:
+            break
+        while len(chosen) < n and room(q):
+            chosen.append(q)
+            used[q.key] += 1
+    return chosen
+
+
+class _Ranked:
+    """Quotes the recipe allows, best first by USD per useful token, and grouped by speed and by
+    region (computed once per decision; `_best` is called for several world sizes)."""
+
+    def __init__(self, quotes: list[Quote], recipe):
+        p = recipe.planner
+        self.all = sorted((q for q in quotes if allowed(q.offer, recipe.resources)), key=lambda q: usd_per_mtok(q, recipe))
+        self.by_speed: dict = {}
+        self.by_region: dict = {}
+        for q in self.all:
+            self.by_speed.setdefault(replica_tokens_per_s(q.offer, p), []).append(q)
+            self.by_region.setdefault((q.offer.cloud, q.offer.region), []).append(q)
+
+
+def _best(ranked: _Ranked, recipe, held: list[Quote], n: int) -> Placement:
+    p = recipe.planner
+    k = min(p.spread_min, n)
+    # Besides the plain ranking: one throughput class (no replica waits on a slower GPU) and, when
+    # no spread is asked for, one region (no cross-region sync).
+    subsets = [ranked.all] + (list(ranked.by_speed.values()) if len(ranked.by_speed) > 1 else [])
+    if k <= 1 and len(ranked.by_region) > 1:
+        held_regions = {(q.offer.cloud, q.offer.region) for q in held}
+        subsets += [qs for r, qs in ranked.by_region.items() if held_regions <= {r}]
+    best = None
+    for qs in subsets:
+        pl = evaluate(_fill(qs, held, n, k, p), recipe)
+        if best is None or (len(pl.quotes), -pl.usd_per_mtok) > (len(best.quotes), -best.usd_per_mtok):
+            best = pl
+    return best
+
+
+def plan(quotes: list[Quote], recipe, held: list[Quote] = (), n: int | None = None) -> Placement:
+    """The placement for the whole world (`held`: replicas already running, kept in place).
+
+    Without `n`: the target world.replicas, grown towards world.max_replicas while the run would
+    otherwise pass budget.max_hours."""
+    w, b = recipe.world, recipe.budget
+    grow = n is None
+    n = n if n is not None else min(w.replicas, w.max_replicas)
+    ranked = _Ranked(quotes, recipe)
+    best = _best(ranked, recipe, list(held), n)
+    while grow and b.max_hours is not None and best.expected_hours > b.max_hours and n < w.max_replicas:
+        n += 1
+        bigger = _best(ranked, recipe, list(held), n)
+        if len(bigger.quotes) < n:
+            break
+        best = bigger
+    if len(best.quotes) < n:
+        best.warnings.append(f"only {len(best.quotes)} of {n} replica(s) can be placed on the offers now")
+    if not best.feasible:
+        best.warnings.append(f"fewer than world.min_replicas ({w.min_replicas}) can be placed")
+    if best.quotes and b.max_usd is not None and best.expected_usd > b.max_usd:
+        best.warnings.append(f"budget.max_usd (${b.max_usd:,.2f}) covers about "
+                             f"{b.max_usd / best.expected_usd:.0%} of the expected ${best.expected_usd:,.2f}")
+    if best.quotes and b.max_hours is not None and best.expected_hours > b.max_hours:
+        best.warnings.append(f"budget.max_hours ({b.max_hours} h) is shorter than the expected "
+                             f"{best.expected_hours:.1f} h")
+    return best
+
+
+def choose_launch(quotes: list[Quote], recipe, held: list[Quote]) -> Quote | None:
+    """The offer the next replica should be rented from, given the replicas held (or on their way)."""
+    pl = _best(_Ranked(quotes, recipe), recipe, list(held), len(held) + 1)
+    return pl.quotes[len(held)] if len(pl.quotes) > len(held) else None
+
+
+@dataclass(frozen=True)
+class Move:
+    """Rent `add` first; once its replica has joined, drain the replica on `drain` (an instance id).
+
+    Args:
+        add: the offer to rent.
+        drain: instance id of the replica to drain once the new one trains.
+        usd_per_mtok_before: the world's expected USD per 1M useful tokens now.
+        usd_per_mtok_after: the same after the move.
+    """
+
+    add: Quote
+    drain: str
+    usd_per_mtok_before: float
+    usd_per_mtok_after: float
+
+
+def replan(quotes: list[Quote], held: list[tuple[str, Quote]], recipe, remaining_hours: float = 1.0) -> Move | None:
+    """Whether to move the world's most expensive replica (held: (instance id, its quote at today's
+    price and risk)). The new offer's expected USD per useful token must be `planner.min_saving`
+    below that replica's (hysteresis), the world must come out cheaper per useful token, and the
+    saving over `remaining_hours` must pay for the replacement while it boots and joins."""
+    if not held or not quotes:
+        return None
+    p = recipe.planner
+    now = evaluate([q for _, q in held], recipe)
+    worst = max(range(len(held)), key=lambda i: usd_per_mtok(held[i][1], recipe))
+    rest = [q for i, (_, q) in enumerate(held) if i != worst]
+    add = choose_launch(quotes, recipe, rest)
+    if add is None or add.key == held[worst][1].key:
+        return None
+    if usd_per_mtok(add, recipe) > usd_per_mtok(held[worst][1], recipe) * (1 - p.min_saving):
+        return None
+    after = evaluate(rest + [add], recipe)
+    if after.usd_per_mtok >= now.usd_per_mtok:
+        return None
+    saving_usd_per_h = (now.usd_per_mtok - after.usd_per_mtok) * after.useful_tokens_per_s * 3600 / 1e6
+    migration_usd = add.offer.usd_per_hour * p.recovery_s / 3600
+    if saving_usd_per_h * remaining_hours <= migration_usd:
+        return None
+    return Move(add, held[worst][0], now.usd_per_mtok, after.usd_per_mtok)
+
+
+def replan_all(quotes: list[Quote], held: list[tuple[str, Quote]], recipe, remaining_hours: float = 1.0) -> list[Move]:
+    """Every move worth making now, most expensive replica first (each move's new replica counts
+    as held, in its new place, for the next decision)."""
+    moves: list[Move] = []
+    held = list(held)
+    for _ in range(len(held)):
+        move = replan(quotes, held, recipe, remaining_hours)
+        if move is None:
+            break
+        moves.append(move)
+        held = [(iid, q) for iid, q in held if iid != move.drain] + [(f"<for {move.drain}>", move.add)]
+    return moves
+
+
+BILLING_INCREMENT_S = {"local": 1.0}   # per cloud; others bill at least a minute (AWS, GCP)
+
+
+def launch_fits_budget(spent_usd: float, held_usd_per_hour: float, offer, recipe, horizon_s: float = 0.0) -> bool:
+    """A launch from `offer` keeps the spend within budget.max_usd for one billing increment of
+    every VM (or for `horizon_s`, the time until the budget is next checked, when that is longer)."""
+    cap = recipe.budget.max_usd
+    if cap is None:
+        return True
+    increment_s = recipe.planner.billing_increment_s or BILLING_INCREMENT_S.get(offer.cloud, 60.0)
+    span_h = max(increment_s, horizon_s) / 3600
+    return spent_usd + (held_usd_per_hour + offer.usd_per_hour) * span_h <= cap

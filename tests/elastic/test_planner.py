@@ -1,0 +1,193 @@
+"""The market and the planner on small hand-made markets whose best answer is known."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic.market import Market, Quote, load_history, save_history
+from elastic.planner import (choose_launch, evaluate, launch_fits_budget, plan, replan, replan_all,
+                             usd_per_mtok)
+from providers.base import Offer
+from tests.conftest import tiny_recipe
+
+
+def offer(zone, usd, it="a100x8", gpu="A100", region=None, cloud="aws", spot=True, od=30.0):
+    return Offer(cloud=cloud, region=region or zone[:-1], zone=zone, instance_type=it, gpu=gpu, gpus=8, cpus=96,
+                 spot=spot, usd_per_hour=usd, on_demand_usd_per_hour=od, read_at=0.0)
+
+
+def quote(o, risk=0.0, capacity=None):
+    return Quote(o, risk, "test", capacity)
+
+
+def recipe(**kw):
+    base = {"planner.tokens_per_s": "{A100: 3000, H100: 7500}", "planner.recovery_s": 600,
+            "planner.cross_region_sync_s": 20, "world.replicas": 4, "world.max_replicas": 6,
+            "train.inner_steps": 500, "train.batch_size": 32, "train.seq_len": 1024, "model.context": 1024}
+    return tiny_recipe(**{**base, **kw})
+
+
+def places(pl):
+    return sorted((q.offer.zone, q.offer.instance_type) for q in pl.quotes)
+
+
+def test_cheapest_zone_takes_the_whole_world():
+    r = recipe()
+    qs = [quote(offer("r1a", 10.0)), quote(offer("r2a", 8.0)), quote(offer("r3a", 12.0))]
+    assert places(plan(qs, r)) == [("r2a", "a100x8")] * 4
+
+
+def test_capacity_spills_over_to_the_next_best():
+    r = recipe()
+    qs = [quote(offer("r1a", 10.0), capacity=3), quote(offer("r2a", 8.0), capacity=1), quote(offer("r3a", 12.0))]
+    assert places(plan(qs, r)) == [("r1a", "a100x8")] * 3 + [("r2a", "a100x8")]
+
+
+def test_risk_and_speed_decide_not_the_price_per_hour():
+    r = recipe()
+    # A risky zone that is cheaper per hour loses to a safe one: 2 preemptions per hour of a
+    # ~700 s phase and a 600 s recovery lose about 70 % of the work.
+    safe, risky = offer("r1a", 10.0), offer("r2a", 9.0)
+    assert places(plan([quote(safe, 0.0), quote(risky, 2.0)], r)) == [("r1a", "a100x8")] * 4
+    # 8×H100 at 2.5× the speed for 2.2× the price is cheaper per token.
+    h100 = offer("r3a", 22.0, it="h100x8", gpu="H100")
+    assert places(plan([quote(safe), quote(h100)], r)) == [("r3a", "h100x8")] * 4
+
+
+def test_a_world_never_mixes_speeds_when_one_speed_is_cheaper_whole():
+    r = recipe()
+    # A100 alone is cheapest per token, but an H100 world is not slowed by A100s waiting.
+    a, h = offer("r1a", 9.0), offer("r1b", 24.0, it="h100x8", gpu="H100")
+    pl = plan([quote(a, capacity=2), quote(h)], r)
+    mixed = evaluate([quote(a)] * 2 + [quote(h)] * 2, r)
+    assert places(pl) == [("r1b", "h100x8")] * 4
+    assert pl.usd_per_mtok < mixed.usd_per_mtok
+
+
+def test_spread_over_regions_and_cross_region_sync_cost():
+    r = recipe(**{"planner.spread_min": 2})
+    qs = [quote(offer("r1a", 8.0)), quote(offer("r1b", 8.5)), quote(offer("r2a", 9.0)), quote(offer("r3a", 11.0))]
+    pl = plan(qs, r)
+    assert places(pl) == [("r1a", "a100x8")] * 3 + [("r2a", "a100x8")]
+    assert pl.sync_penalty_s == 20
+    r = recipe(**{"planner.spread_min": 2, "planner.spread_over": "zone"})
+    assert places(plan(qs, r)) == [("r1a", "a100x8")] * 3 + [("r1b", "a100x8")]
+    # Without spread, a slightly cheaper second region is not worth the cross-region sync.
+    r = recipe(**{"planner.cross_region_sync_s": 300})
+    pl = plan([quote(offer("r1a", 7.0), capacity=2), quote(offer("r1b", 8.1)), quote(offer("r2a", 8.0))], r)
+    assert {q.offer.region for q in pl.quotes} == {"r1"}
+
+
+def test_constraints_regions_price_cap_and_spot():
+    r = recipe(**{"resources.regions": "[r2]", "resources.max_usd_per_hour": 9.5})
+    qs = [quote(offer("r1a", 5.0)), quote(offer("r2a", 9.0)), quote(offer("r2b", 9.9)),
+          quote(offer("r2c", 1.0, spot=False))]
+    assert places(plan(qs, r)) == [("r2a", "a100x8")] * 4
+    assert plan([quote(offer("r1a", 5.0))], r).feasible is False
+
+
+def test_budget_and_hours_are_planned():
+    r = recipe(**{"train.token_budget": 10_000_000_000, "budget.max_usd": 100, "budget.max_hours": 15})
+    qs = [quote(offer("r1a", 8.0))]
+    pl = plan(qs, r)
+    # 4 × 24k tokens/s would take ~29 h: the planner grows the world towards max_replicas (6).
+    assert len(pl.quotes) == 6
+    assert pl.expected_hours == pytest.approx(10e9 / pl.useful_tokens_per_s / 3600)
+    assert any("budget.max_usd" in w for w in pl.warnings)
+    assert any("budget.max_hours" in w for w in pl.warnings)
+    # A launch fits while one billing increment of every VM keeps the spend under the cap.
+    vm = offer("r1a", 10.0)
+    assert launch_fits_budget(99.0, 20.0, vm, r) is True        # 99 + 30 × 60/3600 = 99.5 (AWS: a minute)
+    assert launch_fits_budget(99.4, 30.0, vm, r) is False       # 99.4 + 40 × 60/3600 > 100
+    # A 10-minute outer step until the next budget check: 99 + 30 × 600/3600 = 104.
+    assert launch_fits_budget(99.0, 20.0, vm, r, horizon_s=600) is False
+    # The local market bills per second; a recipe can set its own increment.
+    assert launch_fits_budget(99.9, 30.0, offer("r1a", 10.0, cloud="local"), r) is True
+    assert launch_fits_budget(99.0, 20.0, vm, recipe(**{"budget.max_usd": 100, "planner.billing_increment_s": 3600})) is False
+
+
+def test_choose_launch_fills_the_plan_one_replica_at_a_time():
+    r = recipe(**{"planner.spread_min": 2})
+    qs = [quote(offer("r1a", 8.0)), quote(offer("r2a", 9.0))]
+    held = []
+    for _ in range(4):
+        held.append(choose_launch(qs, r, held))
+    assert places(evaluate(held, r)) == places(plan(qs, r))
+
+
+def test_replan_moves_when_much_cheaper_and_not_on_jitter():
+    r = recipe(**{"planner.min_saving": 0.25})
+    here = offer("r1a", 10.0)
+    held = [(f"i{k}", quote(here)) for k in range(4)]
+    # Jitter: other zones within a few percent never move a replica.
+    for usd in (9.9, 9.5, 9.0, 8.0):
+        assert replan([quote(here), quote(offer("r2a", usd))], held, r, remaining_hours=10) is None
+    # A zone at half the price moves the most expensive replica, then (replan_all) the rest.
+    cheap = offer("r2a", 5.0)
+    move = replan([quote(here), quote(cheap)], held, r, remaining_hours=10)
+    assert move is not None and move.add.offer.zone == "r2a" and move.drain.startswith("i")
+    assert move.usd_per_mtok_after < move.usd_per_mtok_before
+    moves = replan_all([quote(here), quote(cheap)], held, r, remaining_hours=10)
+    assert sorted(m.drain for m in moves) == ["i0", "i1", "i2", "i3"]
+    # Not when the run ends before the move pays for itself (the new VM boots for 600 s).
+    assert replan([quote(here), quote(cheap)], held, r, remaining_hours=0.01) is None
+    # A held replica whose price spiked is the one moved.
+    spiked = [("i0", quote(offer("r1a", 10.0))), ("i1", quote(offer("r3a", 25.0)))]
+    assert replan([quote(here), quote(offer("r3a", 25.0))], spiked, r, remaining_hours=10).drain == "i1"
+
+
+def _launched(iid, zone, t, spot=True):
+    return {"t": t, "type": "node_launched", "instance_id": iid, **offer(zone, 8.0, spot=spot).to_dict()}
+
+
+def test_market_learns_risk_and_cools_regions_and_offers(tmp_path):
+    p = recipe(**{"planner.preempt_per_hour_prior": 0.2, "planner.prior_weight_hours": 4,
+                  "planner.region_cooldown_preemptions": 2, "planner.region_cooldown_s": 1000,
+                  "planner.capacity_cooldown_s": 50}).planner
+    m = Market(p)
+    a, b = offer("r1a", 8.0), offer("r2a", 9.0)
+    assert m.risk(a, 0) == (0.2, "prior")
+    assert m.risk(offer("r1a", 8.0, spot=False), 0) == (0.0, "on-demand")
+    events = [_launched("x1", "r1a", 0), _launched("x2", "r1a", 0),
+              {"t": 3600, "type": "node_notice", "instance_id": "x1"},
+              {"t": 3700, "type": "node_preempted", "instance_id": "x1"},   # one preemption, counted once
+              {"t": 4 * 3600, "type": "node_released", "instance_id": "x2"}]
+    m.observe(events)
+    rate, source = m.risk(a, 4 * 3600)
+    # (0.2 × 4 + 1 preemption) / (4 + 3700 s + 4 h of node time)
+    assert source == "observed" and rate == pytest.approx((0.8 + 1) / (4 + 3700 / 3600 + 4))
+    assert m.risk(b, 0) == (0.2, "prior")
+    # Two preemptions within the window cool region r1 down: r2 first, r1 when nothing else is left.
+    events += [_launched("x3", "r1a", 5 * 3600), {"t": 5 * 3600 + 10, "type": "node_preempted", "instance_id": "x3"}]
+    m.observe(events)
+    now = 5 * 3600 + 20
+    assert m.cooled_regions(now) == set()    # 3700 s and 18010 s are not within one hour
+    events += [_launched("x4", "r1a", now), {"t": now + 5, "type": "node_preempted", "instance_id": "x4"}]
+    m.observe(events)
+    assert m.cooled_regions(now + 10) == {"r1"}
+    assert [q.offer.zone for q in m.quotes([a, b], now + 10)] == ["r2a"]
+    assert [q.offer.zone for q in m.quotes([a], now + 10)] == ["r1a"]
+    assert [q.offer.zone for q in m.quotes([a, b], now + 2000)] == ["r1a", "r2a"]
+    # A capacity error rests that offer.
+    events.append({"t": now, "type": "capacity_error", "zone": "r2a", "instance_type": "a100x8", "message": "x"})
+    m.observe(events)
+    assert [q.offer.zone for q in m.quotes([b], now + 10)] == []
+    assert [q.offer.zone for q in m.quotes([b], now + 60)] == ["r2a"]
+    # Observations carry over to later runs through the history file.
+    path = tmp_path / "h.json"
+    save_history(m.stats(now + 60), path)
+    save_history(m.stats(now + 60), path)
+    hist = load_history(path)
+    key = ("aws", "r1", "r1a", "a100x8")
+    assert hist[key][1] == 2 * 3
+    later = Market(p, hist)
+    assert later.risk(a, 0)[0] == pytest.approx((0.8 + 6) / (4 + hist[key][0]))
+    (tmp_path / "bad.json").write_text("{not json")
+    assert load_history(tmp_path / "bad.json") == {}
+
+
+def test_ranking_key_is_usd_per_useful_token():
+    r = recipe()
+    q = quote(offer("r1a", 8.64), risk=0.0)
+    # 24,000 tokens/s for $8.64/h: 8.64 / (24000 × 3600) × 1e6 = $0.1 per 1M tokens.
+    assert usd_per_mtok(q, r) == pytest.approx(0.1)

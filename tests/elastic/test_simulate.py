@@ -1,0 +1,161 @@
+"""`elastic simulate`: policies on traces, the budget never crossed, seeded, bad traces refused."""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+from elastic.errors import UserError
+from elastic.recipe import load_recipe
+from elastic.simulate import simulate
+from tests.conftest import REPO, cli_env, tiny_recipe
+
+COLUMNS = ["timestamp_s", "cloud", "region", "zone", "instance_type", "gpu", "gpus", "spot_usd_per_hour",
+           "on_demand_usd_per_hour", "preempt_per_hour", "capacity"]
+
+
+def write_trace(path, rows):
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(COLUMNS)
+        w.writerows(rows)
+    return str(path)
+
+
+def recipe(**kw):
+    base = {"planner.tokens_per_s": "{A100: 3000}", "planner.recovery_s": 600, "planner.replan_every_s": 600,
+            "world.replicas": 4, "world.max_replicas": 6, "train.inner_steps": 500, "train.batch_size": 32,
+            "train.seq_len": 1024, "model.context": 1024, "train.token_budget": 2_000_000_000,
+            "train.outer_steps": "null", "checkpoint.every_outer_steps": 5}
+    return tiny_recipe(**{**base, **kw})
+
+
+def row(t, zone, spot, rate=0.0, cap=32, od=30.0, region=None, it="a2", cloud="gcp"):
+    return [t, cloud, region or zone[:-1], zone, it, "A100", 8, spot, od, rate, cap]
+
+
+def random_trace(path, rng: random.Random):
+    zones = [f"r{i}{z}" for i in range(rng.randint(1, 3)) for z in "ab"[:rng.randint(1, 2)]]
+    rows = []
+    for zone in zones:
+        for step in range(rng.randint(1, 30)):
+            rows.append(row(step * rng.choice([60, 600, 3600]), zone, round(rng.uniform(0, 40), 3),
+                            rate=rng.choice([0, 0.1, 1, 10, 100]), cap=rng.choice([0, 1, 4, 100]),
+                            od=round(rng.uniform(0, 60), 2)))
+    rng.shuffle(rows)
+    return write_trace(path, rows)
+
+
+def test_budget_is_never_crossed_on_random_traces_and_seeds(tmp_path):
+    rng = random.Random(1)
+    for case in range(25):
+        trace = random_trace(tmp_path / f"t{case}.csv", rng)
+        r = recipe(**{"budget.max_usd": rng.choice([5, 50, 500]), "budget.max_hours": rng.choice(["null", 3, 30]),
+                      "world.min_replicas": rng.choice([1, 2])})
+        for seed in range(3):
+            for res in simulate(r, trace, seed=seed):
+                assert res["cost_usd"] <= r.budget.max_usd + 1e-9, (case, seed, res)
+                assert res["status"] in ("completed", "budget_exhausted", "insufficient_capacity", "unfinished")
+                if r.budget.max_hours is not None:
+                    assert res["wall_h"] <= r.budget.max_hours + 1e-9
+                if res["status"] == "completed":
+                    assert res["tokens"] == r.train.token_budget
+
+
+def test_seeded_and_preemptions_cost_work(tmp_path):
+    trace = write_trace(tmp_path / "t.csv", [row(0, "r1a", 9.0, rate=1.0), row(0, "r2a", 10.0, rate=1.0)])
+    r = recipe()
+    a, b = simulate(r, trace, seed=3), simulate(r, trace, seed=3)
+    assert a == b
+    assert simulate(r, trace, seed=4) != a
+    by = {x["policy"]: x for x in a}
+    assert by["on-demand"]["preemptions"] == 0 and by["elastic"]["preemptions"] > 0
+    # A whole-job restart loses more than one replica's inner phase.
+    assert by["elastic"]["effective_training_time"] > by["skypilot-like"]["effective_training_time"]
+    assert by["elastic"]["wall_h"] < by["spot-static"]["wall_h"]
+
+
+def test_elastic_moves_to_a_much_cheaper_zone_and_ignores_jitter(tmp_path):
+    # r1a jitters ±4 % around 10 $/h against r2a at 10 $/h: nothing moves.
+    rows = [row(t * 300, "r1a", 10.0 * (1.04 if t % 2 else 0.96)) for t in range(200)] + [row(0, "r2a", 10.0)]
+    jitter = write_trace(tmp_path / "jitter.csv", rows)
+    r = recipe()
+    el = simulate(r, jitter, ["elastic"])[0]
+    assert el["status"] == "completed" and el["moves"] == 0
+    # After 2 h, r2a drops to 4 $/h: the world moves there (new replica first), and pays less.
+    rows = [row(0, "r1a", 9.0), row(0, "r2a", 10.0), row(7200, "r2a", 4.0)]
+    drop = write_trace(tmp_path / "drop.csv", rows)
+    by = {x["policy"]: x for x in simulate(r, drop)}
+    assert by["elastic"]["moves"] == 4
+    assert by["elastic"]["usd_per_mtok"] < 0.75 * by["spot-static"]["usd_per_mtok"]
+
+
+def test_every_replica_lost_restores_from_the_checkpoint(tmp_path):
+    trace = write_trace(tmp_path / "t.csv", [row(0, "r1a", 9.0, rate=50.0)])
+    res = simulate(recipe(**{"budget.max_usd": 200}), trace, ["elastic"])[0]
+    assert res["status"] == "budget_exhausted" and res["cost_usd"] <= 200
+    assert res["effective_training_time"] < 0.5
+
+
+@pytest.mark.parametrize("body, message", [
+    ("timestamp_s,cloud\n0,aws\n", "missing columns: region"),
+    (",".join(COLUMNS) + "\n", "no rows"),
+    (",".join(COLUMNS) + "\n0,gcp,r1,r1a,a2,A100,8,-1,30,0,4\n", "row 2: spot_usd_per_hour must be a finite number >= 0"),
+    (",".join(COLUMNS) + "\n0,gcp,r1,r1a,a2,A100,8,nan,30,0,4\n", "row 2: spot_usd_per_hour"),
+    (",".join(COLUMNS) + "\n0,gcp,r1,r1a,a2,A100,8,1,30,0,many\n", "row 2: invalid literal"),
+    (",".join(COLUMNS) + "\n0,gcp,r1,r1a,a2,A100,8,1,30,0\n", "row 2: expected 11 columns"),
+    (",".join(COLUMNS) + "\n0,gcp,r1,r1a,a2,A100,8,1,30,0,4\n5,aws,r1,r1a,a2,A100,8,1,30,0,4\n", "row 3: a2 in r1a changes"),
+])
+def test_bad_traces_are_one_clear_line(tmp_path, body, message):
+    path = tmp_path / "bad.csv"
+    path.write_text(body)
+    with pytest.raises(UserError, match=message):
+        simulate(recipe(), str(path))
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "elastic", *args], capture_output=True, text=True, cwd=REPO,
+                          env=cli_env(), timeout=120)
+
+
+def test_cli_simulate_json_and_errors(tmp_path):
+    proc = run_cli("simulate", "recipes/multi-cloud.yaml", "--trace", "bench/traces/volatile.csv", "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert set(doc["policies"]) == {"elastic", "on-demand", "spot-static", "skypilot-like"}
+    recipe = load_recipe(REPO / "recipes/multi-cloud.yaml")
+    for res in doc["policies"].values():
+        assert {"cost_usd", "tokens", "usd_per_mtok", "wall_h", "preemptions", "effective_training_time"} <= set(res)
+        assert res["cost_usd"] <= recipe.budget.max_usd
+    el, od = doc["policies"]["elastic"], doc["policies"]["on-demand"]
+    assert el["status"] == "completed" and el["usd_per_mtok"] < od["usd_per_mtok"]
+    bad = tmp_path / "bad.csv"
+    bad.write_text("timestamp_s\n0\n")
+    for args, message in ((["--trace", str(bad)], "missing columns"),
+                          (["--trace", str(tmp_path / "none.csv")], "cannot read"),
+                          (["--trace", "bench/traces/calm.csv", "--policy", "greedy"], "--policy 'greedy'")):
+        proc = run_cli("simulate", "recipes/multi-cloud.yaml", *args)
+        assert proc.returncode == 2, proc.stderr
+        assert message in proc.stderr and "Traceback" not in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_cli_plan_prints_a_valid_placement():
+    proc = run_cli("plan", "recipes/multi-cloud.yaml", "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    recipe = load_recipe(REPO / "recipes/multi-cloud.yaml")
+    assert doc["feasible"] and doc["replicas"] == recipe.world.replicas
+    assert sum(s["replicas"] for s in doc["placement"]) == recipe.world.replicas
+    local = {(it.zone, it.name): it for it in recipe.local.instance_types}
+    for s in doc["placement"]:
+        assert s["usd_per_hour"] == local[(s["zone"], s["instance_type"])].spot_usd_per_hour
+        assert s["usd_per_hour"] <= recipe.resources.max_usd_per_hour
+    assert doc["expected_hours"] > 0 and doc["expected_usd"] > 0 and doc["usd_per_mtok"] > 0
+    table = run_cli("plan", "recipes/multi-cloud.yaml")
+    assert table.returncode == 0 and "per 1M tokens" in table.stdout
