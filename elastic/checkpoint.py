@@ -182,17 +182,19 @@ def upload(uri: str, local: Path, step: int, names: list[str], threads: int) -> 
     """Phase 2 for one rank: upload `names` from `local` to the step's directory at `uri`, several
     files at a time. Returns each file's name, bytes and sha256 (of what was read for upload)."""
     storage = open_storage(uri)
+    hasher = ThreadPoolExecutor(max_workers=max(1, min(threads, len(names))))
 
     def one(name: str) -> dict:
         path = local / name
-        digest = sha256_file(path)
+        digest = hasher.submit(sha256_file, path)   # hashed while it uploads (phase 1 is done with it)
         storage.write_file(path, f"{step_name(step)}/{name}")
-        return {"name": name, "bytes": path.stat().st_size, "sha256": digest}
+        return {"name": name, "bytes": path.stat().st_size, "sha256": digest.result()}
 
     try:
         with ThreadPoolExecutor(max_workers=max(1, min(threads, len(names)))) as pool:
             return list(pool.map(one, names))
     finally:
+        hasher.shutdown()
         storage.close()
 
 
@@ -255,14 +257,14 @@ class Checkpointer:
         self.wait()
         step = world.outer_step
         local = f"{self.staging}/{step_name(step)}"
-        world.call_replica(lead, "save_checkpoint", local)
+        write_s = max(r["seconds"] for r in world.call_replica(lead, "save_checkpoint", local))
         stall_s = time.monotonic() - t0
         refs = [a.upload_checkpoint.remote(local, self.uri, step, self.threads) for a in lead.actors]
         self._pending = {"step": step, "refs": refs, "lead": lead, "local": local, "t0": time.monotonic(),
                          "manifest": {"step": step, "inner_step": world.inner_step, "data_cursor": world.cursor,
                                       "tokens": world.tokens, "recipe_digest": recipe_digest,
                                       "ranks": len(lead.actors), "replicas": len(world.replicas)}}
-        self.ledger.append("checkpoint_saved", step=step, stall_s=round(stall_s, 3), local=local,
+        self.ledger.append("checkpoint_saved", step=step, stall_s=round(stall_s, 3), write_s=round(write_s, 3), local=local,
                            replica=lead.replica_id)
 
     def poll(self) -> None:

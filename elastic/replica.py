@@ -290,7 +290,8 @@ class RankWorker:
                  in zip(self._model.named_parameters(), self._outer.shard_views(momentum))}
         state = {"model": model_sd, "optim": optim_sd, "outer_momentum": outer,
                  "inner_step": torch.tensor(self._inner_step)}
-        dcp.save(state, checkpoint_id=path)
+        # Phase 1 only stages the shards for upload: no fsync (a node that dies loses them anyway).
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=False, thread_count=2))
         # RNG state is per rank (not sharded): a small file beside the shards, restored when the
         # loading world has a rank of the same number.
         torch.save(_rng_state(), f"{path}/rng-{self._spec.rank}.pt")

@@ -13,8 +13,11 @@ class MotoS3:
     """A moto server (all of AWS, S3 used here) on a free loopback port."""
 
     def __init__(self):
+        import logging
+
         from moto.server import ThreadedMotoServer
 
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)   # no line per request
         self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self._server.start()
         self.url = f"http://127.0.0.1:{self._server._server.port}"
