@@ -42,14 +42,16 @@ class Driver:
         self.run_name = run_dir.name
         self.ledger = ledger
         self.cluster = None
-        self.provider = None
+        self.provider = None      # the first of `providers` (the only one for local runs)
+        self.providers: dict = {}  # cloud name -> provider, one per `resources.clouds`
+        self.end_message: str | None = None   # why the run ended, when not obvious from its status
         self.world = None
         self._metrics = None
         self._t0 = time.time()
         self._ckpt_root = ckpt.checkpoint_dir(recipe.checkpoint.uri, run_dir)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="launch")
         self._launching: dict[Future, object] = {}
-        self._cooldown: dict[tuple, float] = {}          # (zone, instance type) -> until (monotonic)
+        self._cooldown: dict[tuple, float] = {}          # (cloud, zone, instance type) -> until (monotonic)
         self._draining: dict[int, float] = {}            # replica id -> notice deadline (unix)
         self._members: list[int] = []
         self._restored = False   # the world was restored after losing every replica
@@ -78,10 +80,12 @@ class Driver:
     def attach(self, cluster) -> None:
         """Use a running local cluster: build the provider and the world on it."""
         from elastic.world import World
-        from providers import provider_class
+        from providers import build
 
         self.cluster = cluster
-        self.provider = provider_class("local")(self.recipe.local, self.cluster, self.recipe.world.ranks_per_replica)
+        self.providers = {name: build(name, self.recipe, cluster, self.run_name)
+                          for name in dict.fromkeys(self.recipe.resources.clouds)}
+        self.provider = next(iter(self.providers.values()))
         self.world = World(self.recipe, on_loss=self._record_loss, on_tick=self.tick)
 
     _owns_cluster = False
@@ -95,29 +99,46 @@ class Driver:
         have = len(w.replicas) - len(self._draining) + len(w.joining) + len(self._launching)
         return max(0, min(self.recipe.world.replicas, self.recipe.world.max_replicas) - have)
 
+    def _offers(self) -> list:
+        """Every provider's offers, cheapest per GPU-hour first (per VM-hour for CPU-only VMs)."""
+        every = [o for p in self.providers.values() for o in p.offers(self.recipe.resources)]
+        return sorted(every, key=lambda o: o.usd_per_hour / max(1, o.gpus))
+
+    def _held(self) -> list:
+        """Every VM the run holds, across providers."""
+        return [i for p in self.providers.values() for i in p.list_instances(self.run_name)]
+
     def top_up(self) -> None:
         """Rent nodes in the background up to the target (cheapest offer not cooling down)."""
-        for _ in range(self._wanted()):
-            now = time.monotonic()
-            every = self.provider.offers(self.recipe.resources)
-            if not every:
-                raise UserError("resources: no offer in the local market matches resources.regions / "
-                                "resources.max_usd_per_hour")
-            offers = [o for o in every if self._cooldown.get((o.zone, o.instance_type), 0) <= now]
+        wanted = self._wanted()
+        if not wanted:
+            return
+        now = time.monotonic()
+        every = self._offers()
+        if not every:
+            raise UserError(f"resources: no offer from {', '.join(self.providers)} matches resources.accelerators / "
+                            "resources.regions / resources.max_usd_per_hour")
+        for _ in range(wanted):
+            offers = [o for o in every if self._cooldown.get(_offer_key(o), 0) <= now]
             if not offers:
                 return
             offer = offers[0]
-            self._launching[self._pool.submit(self.provider.launch, offer, self.run_name, "replica")] = offer
+            launch = self.providers[offer.cloud].launch
+            self._launching[self._pool.submit(launch, offer, self.run_name, "replica")] = offer
 
     def _collect_launches(self) -> None:
-        from providers.base import CapacityError
+        from providers.base import CapacityError, JoinTimeout
 
         for fut in [f for f in self._launching if f.done()]:
             offer = self._launching.pop(fut)
             try:
                 inst = fut.result()
+            except JoinTimeout as exc:  # rented, never joined, terminated: bill it, rest the offer
+                self._cooldown[_offer_key(offer)] = time.monotonic() + OFFER_COOLDOWN_S
+                self._record_join_timeout(exc, offer)
+                continue
             except Exception as exc:  # no capacity, or a VM that failed to come up: the offer rests
-                self._cooldown[(offer.zone, offer.instance_type)] = time.monotonic() + OFFER_COOLDOWN_S
+                self._cooldown[_offer_key(offer)] = time.monotonic() + OFFER_COOLDOWN_S
                 refused = isinstance(exc, CapacityError)
                 self.ledger.append("capacity_error" if refused else "launch_failed", zone=offer.zone,
                                    instance_type=offer.instance_type,
@@ -132,9 +153,12 @@ class Driver:
     def tick(self) -> None:
         """Read the provider's notices and preemptions; collect finished launches. Called between
         outer steps and while replicas train."""
-        for ev in self.provider.events():
+        for ev in [ev for p in self.providers.values() for ev in p.events()]:
             rep = self.world.replica_on(ev.instance_id)
-            if ev.kind == "notice":
+            if ev.kind == "rebalance":   # elevated interruption risk, no deadline: recorded only
+                self.ledger.append("node_rebalance", instance_id=ev.instance_id,
+                                   replica=rep.replica_id if rep else None)
+            elif ev.kind == "notice":
                 self.ledger.append("node_notice", instance_id=ev.instance_id, deadline=ev.deadline,
                                    notice_s=round(ev.deadline - ev.at, 3),
                                    replica=rep.replica_id if rep else None)
@@ -175,14 +199,16 @@ class Driver:
                            outer_step=self.world.outer_step)
         self._draining.pop(loss.replica_id, None)
         # A replica lost for any reason other than its node going: release the node too.
-        inst = next((i for i in self.provider.list_instances(self.run_name) if i.instance_id == loss.instance_id), None)
+        inst = next((i for i in self._held() if i.instance_id == loss.instance_id), None)
         if inst is not None and not loss.reason.startswith("preempted"):
             self._terminate(loss.instance_id)
 
     def _terminate(self, instance_id: str) -> None:
-        if any(i.instance_id == instance_id for i in self.provider.list_instances(self.run_name)):
-            self.provider.terminate(instance_id)
-            self.ledger.append("node_released", instance_id=instance_id)
+        for p in self.providers.values():
+            if any(i.instance_id == instance_id for i in p.list_instances(self.run_name)):
+                p.terminate(instance_id)
+                self.ledger.append("node_released", instance_id=instance_id)
+                return
 
     def admit_joiners(self) -> None:
         """At an outer-step boundary: bring every set-up joiner into the world."""
@@ -288,6 +314,7 @@ class Driver:
                 self.top_up()
                 self.admit_joiners()
                 if not self.wait_for_capacity(view):
+                    self.end_message = self._capacity_message()
                     if world.replicas and world.outer_step > 0:
                         self.checkpoint(view)
                     return "insufficient_capacity"
@@ -351,7 +378,7 @@ class Driver:
             return f"budget.max_hours ({b.max_hours} h) would be passed by the next outer step"
         if b.max_usd is not None:
             spent = cost_so_far(self.ledger.events, now)
-            rate_usd_per_s = sum(i.offer.usd_per_hour for i in self.provider.list_instances(self.run_name)) / 3600
+            rate_usd_per_s = sum(i.offer.usd_per_hour for i in self._held()) / 3600
             if spent + rate_usd_per_s * next_step_s > b.max_usd:
                 return (f"budget.max_usd (${b.max_usd:.2f}) would be passed by the next outer step "
                         f"(spent ${spent:.4f})")
@@ -377,19 +404,24 @@ class Driver:
                 self.world.shutdown()
             except Exception:
                 log.exception("world shutdown")
+        for p in self.providers.values():
+            stop = getattr(p, "stop_launches", None)   # VMs still booting give up waiting now
+            if stop:
+                stop()
         self._pool.shutdown(wait=True, cancel_futures=True)
-        if self.provider is not None:
+        if self.providers:
             if self.world is not None:
                 self._collect_launches_quietly()
-            for inst in self.provider.list_instances(self.run_name):
-                try:
-                    self.provider.terminate(inst.instance_id)
-                    self.ledger.append("node_released", instance_id=inst.instance_id)
-                except Exception as exc:
-                    self.ledger.append("error", message=f"could not release {inst.instance_id}: {exc}")
-            close = getattr(self.provider, "close", None)
-            if close:
-                close()
+            for p in self.providers.values():
+                for inst in p.list_instances(self.run_name):
+                    try:
+                        p.terminate(inst.instance_id)
+                        self.ledger.append("node_released", instance_id=inst.instance_id)
+                    except Exception as exc:
+                        self.ledger.append("error", message=f"could not release {inst.instance_id}: {exc}")
+                close = getattr(p, "close", None)
+                if close:
+                    close()
         if self.cluster is not None and self._owns_cluster:
             try:
                 self.cluster.shutdown()
@@ -398,14 +430,48 @@ class Driver:
 
     def _collect_launches_quietly(self) -> None:
         """Launches that finished during shutdown: record them so their release is priced."""
+        from providers.base import JoinTimeout
+
         for fut in list(self._launching):
             offer = self._launching.pop(fut)
-            if fut.done() and fut.exception() is None:
+            if not fut.done() or fut.cancelled():
+                continue
+            if fut.exception() is None:
                 self._record_launch(fut.result(), offer)
+            elif isinstance(fut.exception(), JoinTimeout):
+                self._record_join_timeout(fut.exception(), offer)
 
-    def _record_launch(self, inst, offer) -> None:
+    def _record_launch(self, inst, offer, joined: bool = True) -> None:
         self.ledger.append("node_launched", instance_id=inst.instance_id, ray_node_id=inst.ray_node_id,
-                           role=inst.role, **{k: v for k, v in offer.to_dict().items() if k != "read_at"})
+                           role=inst.role, launched_at=inst.launched_at, joined=joined,
+                           **{k: v for k, v in offer.to_dict().items() if k != "read_at"})
+
+    def _record_join_timeout(self, exc, offer) -> None:
+        """A VM that was rented but never joined: launched, timed out, released (billed between)."""
+        self._record_launch(exc.instance, offer, joined=False)
+        self.ledger.append("node_join_timeout", instance_id=exc.instance.instance_id, timeout_s=exc.timeout_s)
+        self.ledger.append("node_released", instance_id=exc.instance.instance_id, released_at=exc.released_at)
+
+    def _capacity_message(self) -> str | None:
+        """One line on why capacity never came, when no node ever joined."""
+        events = self.ledger.events
+        if any(e["type"] == "replica_joined" for e in events):
+            return None
+        timeouts = [e for e in events if e["type"] == "node_join_timeout"]
+        refused = [e for e in events if e["type"] == "capacity_error"]
+        if timeouts:
+            return (f"no node joined within {self.recipe.resources.join_timeout_s:g} s "
+                    f"({len(timeouts)} VM(s) launched, none joined the Ray cluster, all terminated; "
+                    f"{len(refused)} launch(es) refused for capacity)")
+        if refused:
+            return (f"no capacity: {len(refused)} launch(es) refused within world.capacity_timeout_s "
+                    f"({self.recipe.world.capacity_timeout_s:g} s); last: {refused[-1].get('message')}")
+        return None
+
+
+def _offer_key(offer) -> tuple:
+    """What a capacity error cools down: one instance type in one zone of one cloud."""
+    return (offer.cloud, offer.zone, offer.instance_type)
 
 
 class QuietView:

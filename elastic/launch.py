@@ -169,6 +169,7 @@ def launch(recipe: Recipe, run_dir: Path, address: str | None = None, console=No
                 driver.start_cluster(address)
             with _View(console, recipe, driver.world.total_outer_steps) as view:
                 status = driver.run(view)
+            message = driver.end_message
     except KeyboardInterrupt:
         status, message = "interrupted", "interrupted by signal"
     except UserError as exc:

@@ -22,7 +22,9 @@ def _instances(events: list[dict], now: float) -> list[dict]:
             held[e["instance_id"]] = {
                 "instance_id": e["instance_id"], "cloud": e["cloud"], "region": e["region"], "zone": e["zone"],
                 "instance_type": e["instance_type"], "spot": e["spot"], "usd_per_hour": e["usd_per_hour"],
-                "on_demand_usd_per_hour": e["on_demand_usd_per_hour"], "launched_at": e["t"], "released_at": None,
+                "on_demand_usd_per_hour": e["on_demand_usd_per_hour"],
+                # Billing starts when the VM was rented (a cloud VM is recorded once it joined).
+                "launched_at": e.get("launched_at", e["t"]), "released_at": None,
                 "end": None}
         elif e["type"] in ("node_released", "node_preempted") and e["instance_id"] in held:
             held[e["instance_id"]]["released_at"] = e["t"]

@@ -106,3 +106,21 @@ class Provider(Protocol):
 
     def events(self) -> list[NodeEvent]:
         """Preemption notices and preemptions seen since the last call."""
+
+
+class JoinTimeout(CapacityError):
+    """A launched VM did not join the Ray cluster within `resources.join_timeout_s`; the provider
+    has terminated it. The caller cools the offer down and bills the seconds it ran.
+
+    Args:
+        message: what happened, one line.
+        instance: the VM (its `launched_at` set; `ray_node_id` None).
+        released_at: unix time it was terminated.
+        timeout_s: the join timeout it ran into, seconds.
+    """
+
+    def __init__(self, message: str, instance: Instance, released_at: float, timeout_s: float):
+        super().__init__(message)
+        self.instance = instance
+        self.released_at = released_at
+        self.timeout_s = timeout_s
