@@ -47,6 +47,7 @@ METADATA_URL = "http://metadata.google.internal/computeMetadata/v1"
 PREEMPT_NOTICE_S = 30.0                           # GCP stops a preempted Spot VM ~30 s after notice
 MAINTENANCE_NOTICE_S = 60.0                       # host maintenance with TERMINATE: at least 60 s
 OPERATION_TIMEOUT_S = 600.0                       # longest we wait on a zone operation
+OFFERS_MEMO_S = 30.0                              # offers reused in memory this long
 RETRY_INITIAL_S = 0.5                             # google-api-core Retry backoff for 429 / 503
 RETRY_MAXIMUM_S = 8.0
 RETRY_TIMEOUT_S = 120.0
@@ -249,6 +250,7 @@ class GCPProvider(CloudProvider):
         self._credentials = None
         self._clients: dict[str, object] = {}
         self._client_lock = threading.Lock()
+        self._memo: tuple[float, tuple, list[Offer]] | None = None
 
     @classmethod
     def configured(cls) -> str | None:
@@ -290,6 +292,7 @@ class GCPProvider(CloudProvider):
                     from google.cloud import compute_v1
                     cls = {"instances": compute_v1.InstancesClient, "zones": compute_v1.ZonesClient,
                            "machine_types": compute_v1.MachineTypesClient,
+                           "zone_operations": compute_v1.ZoneOperationsClient,
                            "accelerator_types": compute_v1.AcceleratorTypesClient}[kind]
                     self._clients[kind] = cls(**self._client_kwargs(self.compute_endpoint))
             return self._clients[kind]
@@ -307,13 +310,11 @@ class GCPProvider(CloudProvider):
 
     @staticmethod
     def _retry():
-        """Rate limits (429) and transient 5xx are retried with backoff by google-api-core."""
-        from google.api_core import exceptions, retry
-        return retry.Retry(predicate=retry.if_exception_type(exceptions.TooManyRequests,
-                                                             exceptions.ServiceUnavailable,
-                                                             exceptions.InternalServerError),
-                           initial=RETRY_INITIAL_S, maximum=RETRY_MAXIMUM_S, multiplier=2.0,
-                           timeout=RETRY_TIMEOUT_S)
+        """Rate limits (429, or 403 rateLimitExceeded) and transient 5xx are retried with backoff by
+        google-api-core."""
+        from google.api_core import retry
+        return retry.Retry(predicate=_retryable, initial=RETRY_INITIAL_S, maximum=RETRY_MAXIMUM_S,
+                           multiplier=2.0, timeout=RETRY_TIMEOUT_S)
 
     def _call(self, what: str, fn):
         """Run an API call. A refusal of our identity, an API out of reach or retries given up on
@@ -324,7 +325,9 @@ class GCPProvider(CloudProvider):
         from elastic.errors import UserError
         try:
             return fn()
-        except (exceptions.Unauthenticated, exceptions.PermissionDenied) as exc:
+        except (exceptions.Unauthorized, exceptions.Forbidden) as exc:
+            if capacity_code(exc):
+                raise   # a quota refusal: capacity, for the caller to handle
             raise UserError(f"gcp: {what}: access refused: {exc.message}") from None
         except exceptions.RetryError as exc:
             raise UserError(f"gcp: {what}: still failing after retries: {exc.cause or exc}") from None
@@ -388,6 +391,14 @@ class GCPProvider(CloudProvider):
         GPU-hour first. Without an accelerator, none: elastic rents GPU VMs on GCP."""
         if not resources.accelerators:
             return []
+        key = (resources.accelerators, tuple(resources.regions), resources.spot, resources.max_usd_per_hour)
+        if self._memo and self._memo[1] == key and time.monotonic() - self._memo[0] < OFFERS_MEMO_S:
+            return list(self._memo[2])   # the driver asks often; the disk caches change rarely
+        out = self._offers(resources)
+        self._memo = (time.monotonic(), key, out)
+        return list(out)
+
+    def _offers(self, resources) -> list[Offer]:
         model, _, count = resources.accelerators.partition(":")
         prices, read_at = self.prices()
         regions = set(resources.regions)
@@ -476,10 +487,10 @@ class GCPProvider(CloudProvider):
         client, project = self._client("instances"), self.project
         try:
             # request_id makes a retried insert idempotent: the API creates the VM once.
-            op = self._call("insert instance", lambda: client.insert(
-                project=project, zone=offer.zone, instance_resource=body, request_id=str(uuid.uuid4()),
-                retry=self._retry()))
-            op.result(timeout=OPERATION_TIMEOUT_S)
+            request = {"project": project, "zone": offer.zone, "instance_resource": body,
+                       "request_id": str(uuid.uuid4())}
+            op = self._call("insert instance", lambda: client.insert(request=request, retry=self._retry()))
+            self._wait_operation(offer.zone, op.name)
         except exceptions.GoogleAPICallError as exc:
             code = capacity_code(exc)
             if code:
@@ -489,16 +500,37 @@ class GCPProvider(CloudProvider):
         return Instance(instance_id=name, offer=offer, run=run, role=role, launched_at=time.time(),
                         labels=dict(body.labels))
 
+    def _wait_operation(self, zone: str, name: str) -> None:
+        """Block on zone operation `name` (`zoneOperations.wait` answers when it is done, or after
+        about two minutes); raise its error as the API exception it maps to. (Our own operations
+        client: the one behind the client's extended operation ignores the endpoint override.)"""
+        from google.api_core import exceptions
+        from google.cloud import compute_v1
+
+        ops, project = self._client("zone_operations"), self.project
+        deadline = time.monotonic() + OPERATION_TIMEOUT_S
+        while True:
+            op = self._call("wait on operation", lambda: ops.wait(project=project, zone=zone, operation=name,
+                                                                  retry=self._retry()))
+            if op.status == compute_v1.Operation.Status.DONE:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"gcp: operation {name} in {zone} not done after {OPERATION_TIMEOUT_S:g} s")
+        if op.error.errors:
+            raise exceptions.from_http_status(op.http_error_status_code or 500,
+                                              op.http_error_message or op.error.errors[0].message,
+                                              errors=list(op.error.errors))
+
     def _terminate_vm(self, instance: Instance) -> None:
         """Delete the VM and wait for the zone operation (a VM already gone is fine)."""
         from google.api_core import exceptions
 
         client, project = self._client("instances"), self.project
         try:
-            op = self._call("delete instance", lambda: client.delete(
-                project=project, zone=instance.offer.zone, instance=instance.instance_id,
-                request_id=str(uuid.uuid4()), retry=self._retry()))
-            op.result(timeout=OPERATION_TIMEOUT_S)
+            request = {"project": project, "zone": instance.offer.zone, "instance": instance.instance_id,
+                       "request_id": str(uuid.uuid4())}
+            op = self._call("delete instance", lambda: client.delete(request=request, retry=self._retry()))
+            self._wait_operation(instance.offer.zone, op.name)
         except exceptions.NotFound:
             pass
         log.info("gcp: %s deleted", instance.instance_id)
@@ -553,14 +585,35 @@ VM_STATES = {"PROVISIONING": "pending", "STAGING": "pending", "RUNNING": "runnin
              "SUSPENDED": "gone"}
 
 
+RATE_LIMIT_REASONS = {"rateLimitExceeded", "userRateLimitExceeded", "RATE_LIMIT_EXCEEDED"}
+
+
+def _reasons(exc) -> list[str]:
+    out = []
+    for err in getattr(exc, "errors", None) or ():
+        if isinstance(err, dict):
+            out += [err.get("reason"), err.get("code")]
+        else:
+            out.append(getattr(err, "code", None))
+    return [r for r in out if r]
+
+
+def _retryable(exc) -> bool:
+    """What google-api-core's Retry repeats: rate limits and transient server errors."""
+    from google.api_core import exceptions
+    if isinstance(exc, (exceptions.TooManyRequests, exceptions.ServiceUnavailable, exceptions.InternalServerError,
+                        exceptions.BadGateway, exceptions.GatewayTimeout)):
+        return True
+    return isinstance(exc, exceptions.Forbidden) and bool(RATE_LIMIT_REASONS & set(_reasons(exc)))
+
+
 def capacity_code(exc) -> str | None:
     """The stock-out / quota code of a failed insert, or None for any other failure."""
-    for err in getattr(exc, "errors", None) or ():
-        code = err.get("reason") or err.get("code") if isinstance(err, dict) else getattr(err, "code", None)
-        if code in CAPACITY_CODES:
-            return code
+    code = next((r for r in _reasons(exc) if r in CAPACITY_CODES), None)
+    if code:
+        return code
     text = str(getattr(exc, "message", "") or exc)
-    return next((c for c in CAPACITY_CODES if c in text), None)
+    return next((c for c in sorted(CAPACITY_CODES) if c in text), None)
 
 
 def _n1_shapes(accelerator_type: str, zone: str, max_cards: int) -> list[VMShape]:
@@ -597,10 +650,11 @@ def metadata_url() -> str:
     return (os.environ.get(METADATA_URL_ENV) or METADATA_URL).rstrip("/")
 
 
-def _metadata_wait(base: str, key: str, etag: str | None, wait_s: int) -> tuple[str, str | None]:
-    """One long poll: returns (value, etag) when `instance/KEY` changes, or after `wait_s`."""
+def _metadata_get(base: str, key: str, etag: str | None, wait_s: int) -> tuple[str, str | None]:
+    """`instance/KEY` and its ETag. With `etag`, a long poll: the server answers once the value's
+    ETag differs from it (at once if it already does), or after `wait_s`."""
     import urllib.request
-    query = f"?wait_for_change=true&timeout_sec={wait_s}" + (f"&last_etag={etag}" if etag else "")
+    query = f"?wait_for_change=true&last_etag={etag}&timeout_sec={wait_s}" if etag else ""
     req = urllib.request.Request(f"{base}/instance/{key}{query}", headers={"Metadata-Flavor": "Google"})
     with urllib.request.urlopen(req, timeout=wait_s + 10) as resp:
         return resp.read().decode().strip(), resp.headers.get("ETag")
@@ -635,10 +689,10 @@ class MetadataWatch:
         return value.upper() == "TRUE" if action == "preempted" else value.upper().startswith("TERMINATE")
 
     def _poll(self, key: str, action: str, notice_s: float) -> None:
-        etag = None
+        etag = None   # the first read answers at once (a notice may already be there), then long polls
         while not (self._stop.is_set() or self.fired.is_set()):
             try:
-                value, etag = _metadata_wait(self.base, key, etag, self._wait_s)
+                value, etag = _metadata_get(self.base, key, etag, self._wait_s)
             except OSError as exc:   # the metadata server briefly out of reach: ask again shortly
                 log.warning("metadata %s: %s", key, exc)
                 self._stop.wait(1.0)

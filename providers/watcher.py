@@ -63,7 +63,18 @@ def poll_aws(base: str | None = None) -> dict | None:
     return None
 
 
-POLLERS = {"aws": poll_aws}
+def poll_gcp(base: str | None = None) -> dict | None:
+    """GCP: waits up to POLL_S on the metadata server's `instance/preempted` and
+    `instance/maintenance-event` long polls (`providers.gcp.MetadataWatch`); the notice as soon as
+    it comes, else None."""
+    from providers.gcp import poll_gcp as poll
+
+    return poll(base, wait_s=POLL_S)
+
+
+POLLERS = {"aws": poll_aws, "gcp": poll_gcp}
+# Pollers that wait for the notice themselves (long polls): no pause between two calls.
+BLOCKING_POLLERS = {"gcp"}
 
 
 def forward(instance_id: str, notice: dict) -> None:
@@ -108,7 +119,7 @@ def main() -> None:
     import ray
 
     ray.init(address=args.address, log_to_driver=False)
-    watch(args.cloud, args.instance_id)
+    watch(args.cloud, args.instance_id, poll_s=0.0 if args.cloud in BLOCKING_POLLERS else POLL_S)
 
 
 if __name__ == "__main__":

@@ -61,3 +61,17 @@ def tiny_recipe(**overrides):
     }
     apply_overrides(doc, [f"{k}={v}" for k, v in overrides.items()])
     return validate_recipe(doc)
+
+
+@pytest.fixture
+def gcp_fake(monkeypatch, tmp_path):
+    """The local fake of the GCP endpoints (tests/providers/gcp_fake.py) on 127.0.0.1, with the
+    environment pointing the gcp provider at it and a price cache of this test's own."""
+    from tests.providers.gcp_fake import GCPFake
+
+    fake = GCPFake().start()
+    for k, v in fake.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("ELASTIC_CACHE", str(tmp_path / "cache"))
+    yield fake
+    fake.stop()

@@ -10,7 +10,7 @@ One threaded HTTP server answers, in the REST shapes the real client libraries s
 - The metadata server (`/computeMetadata/v1/instance/preempted|maintenance-event`) with
   `wait_for_change` long polls, as seen from one VM.
 
-Injected failures: a zone's inserts end in an operation error (`ZONE_RESOURCE_POOL_EXHAUSTED`,
+Injected failures: paths refused 403 (a missing permission); a zone's inserts end in an operation error (`ZONE_RESOURCE_POOL_EXHAUSTED`,
 `QUOTA_EXCEEDED`) or are refused at once with HTTP 403 `quotaExceeded`; the next N requests answer
 429. Prices and zones are test data shaped like the real catalog, not a copy of it.
 
@@ -147,6 +147,7 @@ class GCPFake:
         self.requests: list[dict] = []                # every request: method, path, query, body
         self.insert_errors: dict[str, tuple[str, str]] = {}   # zone -> ("operation" | "http", code)
         self.metadata = {"preempted": "FALSE", "maintenance-event": "NONE"}
+        self.denied: list[str] = []                   # path patterns answered 403 (permission)
         self._by_request_id: dict[str, dict] = {}
         self._rate_limited = 0
         self._ids = itertools.count(1000)
@@ -154,7 +155,8 @@ class GCPFake:
         self._changed = threading.Condition(self._lock)
         self._closing = False
         self._server = _Server(("127.0.0.1", port), self._handler())
-        self._thread = threading.Thread(target=self._server.serve_forever, name="gcp-fake", daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="gcp-fake", daemon=True)
 
     @property
     def url(self) -> str:
@@ -186,6 +188,11 @@ class GCPFake:
         """The next `n` requests are answered 429 (rateLimitExceeded)."""
         with self._lock:
             self._rate_limited = n
+
+    def deny(self, pattern: str) -> None:
+        """Requests whose path matches `pattern` are refused 403 (the identity lacks the permission)."""
+        with self._lock:
+            self.denied.append(pattern)
 
     def inserted(self) -> list[dict]:
         """The bodies of every instances.insert request the fake accepted for processing."""
@@ -244,6 +251,9 @@ class GCPFake:
                     if fake._rate_limited > 0:
                         fake._rate_limited -= 1
                         return self._send(429, _error(429, "Rate Limit Exceeded", "rateLimitExceeded"))
+                    if any(re.search(d, u.path) for d in fake.denied):
+                        return self._send(403, _error(403, "Required 'compute.machineTypes.list' permission",
+                                                      "forbidden"))
                     status, doc = fake._route(method, u.path, query, body)
                 self._send(status, doc)
 

@@ -1,0 +1,300 @@
+"""The gcp provider against the local fake of Compute Engine, the Billing Catalog and the metadata
+server (tests/providers/gcp_fake.py): the real google-cloud clients, our code path, HTTP on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.conftest import REPO, cli_env, tiny_recipe
+from tests.providers.gcp_fake import MACHINE_TYPES, PRICES, ZONE_ACCELERATORS, ZONE_MACHINE_TYPES, ZONES
+
+
+def _provider(run="run-1", cluster=None, **dotted):
+    from providers import build
+
+    recipe = tiny_recipe(**{"resources.clouds": "[gcp]", "resources.head": "local",
+                            "world.capacity_timeout_s": 600, **dotted})
+    return build("gcp", recipe, cluster, run), recipe
+
+
+def _expected_usd(machine_type: str, region: str, spot: bool) -> float:
+    """The price of one VM from the fake's price table: vCPUs, GiB and GPUs at their SKU rates."""
+    cpus, mem, accel, gpus = MACHINE_TYPES[machine_type]
+    fam = machine_type.split("-")[0]
+    gpu = {"nvidia-tesla-a100": "A100", "nvidia-a100-80gb": "A100-80GB", "nvidia-l4": "L4"}[accel]
+    i = 1 if spot else 0
+    t = PRICES[region]
+    return cpus * t[f"{fam}-core"][i] + mem * t[f"{fam}-ram"][i] + gpus * t[gpu][i]
+
+
+# -- prices and the catalog ------------------------------------------------------------------------
+
+def test_offers_priced_per_vm_across_regions_and_zones(gcp_fake):
+    p, recipe = _provider(**{"resources.accelerators": "A100"})
+    offers = p.offers(recipe.resources)
+    got = {(o.zone, o.instance_type): o for o in offers}
+    # Every UP zone whose machine types carry an A100 (40 or 80 GB) and whose region has prices.
+    want = {(z, mt) for z, mts in ZONE_MACHINE_TYPES.items() if ZONES[z] == "UP" for mt in mts
+            if mt.startswith("a2-") and z.rsplit("-", 1)[0] in PRICES
+            and ("A100-80GB" if "ultra" in mt else "A100") in PRICES[z.rsplit("-", 1)[0]]}
+    assert set(got) == want
+    assert not any(z == "europe-west4-b" for z, _ in got)              # a DOWN zone offers nothing
+    for (zone, mt), o in got.items():
+        region = zone.rsplit("-", 1)[0]
+        assert o.cloud == "gcp" and o.region == region and o.spot
+        assert o.usd_per_hour == pytest.approx(_expected_usd(mt, region, True), rel=1e-6)
+        # On-demand from the OnDemand SKUs, not the 1-year commitment SKU also in the catalog.
+        assert o.on_demand_usd_per_hour == pytest.approx(_expected_usd(mt, region, False), rel=1e-6)
+        assert o.gpus == MACHINE_TYPES[mt][3] and o.cpus == MACHINE_TYPES[mt][0]
+    per_gpu = [o.usd_per_hour / o.gpus for o in offers]
+    assert per_gpu == sorted(per_gpu)
+    assert {o.gpu for o in offers} == {"A100", "A100-80GB"}
+    assert offers[0].zone == "us-east1-b"   # the cheapest A100 spot region in the test catalog
+
+
+def test_offers_filter_by_count_region_model_and_price(gcp_fake):
+    p, recipe = _provider(**{"resources.accelerators": "A100-80GB:8", "resources.regions": "[europe-west4]"})
+    assert [(o.zone, o.instance_type) for o in p.offers(recipe.resources)] == [("europe-west4-a", "a2-ultragpu-8g")]
+    p, recipe = _provider(**{"resources.accelerators": "A100:1", "resources.max_usd_per_hour": 1.45})
+    offers = p.offers(recipe.resources)
+    assert offers and all(o.usd_per_hour <= 1.45 and o.gpus == 1 for o in offers)
+    p, recipe = _provider(**{"resources.accelerators": "L4:1", "resources.spot": "false"})
+    offers = p.offers(recipe.resources)
+    assert offers and all(not o.spot and o.usd_per_hour == o.on_demand_usd_per_hour for o in offers)
+    p, recipe = _provider(**{"resources.accelerators": "H100:8"})
+    assert p.offers(recipe.resources) == []
+
+
+def test_n1_offers_attach_gpus(gcp_fake):
+    p, recipe = _provider(**{"resources.accelerators": "T4:2"})
+    offers = p.offers(recipe.resources)
+    assert offers and {o.instance_type for o in offers} == {"n1-standard-16"}
+    # Wherever acceleratorTypes lists T4 (up to at least 2 cards) in an UP zone of a priced region:
+    # europe-west4-b lists it too, but is DOWN.
+    assert {o.zone for o in offers} == {z for z, acc in ZONE_ACCELERATORS.items() if acc.get("nvidia-tesla-t4", 0) >= 2
+                                        and ZONES[z] == "UP" and "T4" in PRICES[z.rsplit("-", 1)[0]]}
+    assert "europe-west4-b" not in {o.zone for o in offers}
+    t = PRICES["us-east1"]
+    east = next(o for o in offers if o.zone == "us-east1-c")
+    assert east.usd_per_hour == pytest.approx(16 * t["n1-core"][1] + 60 * t["n1-ram"][1] + 2 * t["T4"][1])
+
+
+def test_prices_cached_on_disk_and_refresh(gcp_fake, monkeypatch):
+    from providers import cloud
+
+    p, recipe = _provider(**{"resources.accelerators": "L4"})
+    first = p.offers(recipe.resources)
+    pages = len(gcp_fake.calls("GET", "/skus$"))
+    assert pages > 1                                    # the catalog came in several pages
+    again, _ = _provider(**{"resources.accelerators": "L4"})   # a new process-like provider: disk cache
+    assert again.offers(recipe.resources) == first
+    assert len(gcp_fake.calls("GET", "/skus$")) == pages
+    monkeypatch.setattr(cloud, "_refresh", True)
+    fresh, _ = _provider(**{"resources.accelerators": "L4"})
+    assert [o.usd_per_hour for o in fresh.offers(recipe.resources)] == [o.usd_per_hour for o in first]
+    assert len(gcp_fake.calls("GET", "/skus$")) == 2 * pages
+
+
+def test_catalog_falls_back_to_shipped_table_when_lists_are_refused(gcp_fake):
+    gcp_fake.deny(r"/aggregated/machineTypes")
+    p, recipe = _provider(**{"resources.accelerators": "A100:8"})
+    offers = p.offers(recipe.resources)
+    # The shipped table's A100 zones in regions the catalog prices: us-central1, us-east1, europe-west4.
+    assert {o.instance_type for o in offers} == {"a2-highgpu-8g", "a2-ultragpu-8g"}
+    assert {"us-central1-a", "us-east1-b", "europe-west4-a"} <= {o.zone for o in offers}
+
+
+# -- launch, errors, teardown ----------------------------------------------------------------------
+
+def _offer(p, recipe, zone=None):
+    offers = p.offers(recipe.resources)
+    return next(o for o in offers if zone is None or o.zone == zone)
+
+
+def test_launch_request_spot_delete_labels_accelerators_no_secrets(gcp_fake, monkeypatch):
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "tok-secret-123")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-secret-456")
+    p, recipe = _provider(run="My.Run_1", **{"resources.accelerators": "T4:2"})
+    offer = _offer(p, recipe, "us-east1-c")
+    inst = p._create(offer, "My.Run_1", "replica")
+    (body,) = gcp_fake.inserted()
+    assert body["name"] == inst.instance_id
+    assert body["machineType"].endswith("zones/us-east1-c/machineTypes/n1-standard-16")
+    assert body["scheduling"] == {"provisioningModel": "SPOT", "instanceTerminationAction": "DELETE",
+                                  "onHostMaintenance": "TERMINATE", "automaticRestart": False}
+    assert body["labels"] == {"elastic-run": "my-run_1", "elastic-role": "replica", "elastic-managed": "true"}
+    assert body["guestAccelerators"] == [{"acceleratorType": "zones/us-east1-c/acceleratorTypes/nvidia-tesla-t4",
+                                          "acceleratorCount": 2}]
+    meta = {i["key"]: i["value"] for i in body["metadata"]["items"]}
+    assert meta["elastic-run"] == "My.Run_1"
+    assert json.loads(meta["elastic-offer"])["usd_per_hour"] == offer.usd_per_hour
+    script = meta["startup-script"]
+    assert "ray start --address=" in script and "--cloud gcp" in script and "--num-gpus=2" in script
+    assert "elastic.run=My.Run_1" in script
+    blob = json.dumps(body)
+    assert "tok-secret-123" not in blob and "aws-secret-456" not in blob and "private_key" not in blob
+    # A bundled-GPU machine type carries no guest accelerators.
+    p2, recipe2 = _provider(**{"resources.accelerators": "A100:1"})
+    p2._create(_offer(p2, recipe2), "run-1", "replica")
+    assert "guestAccelerators" not in gcp_fake.inserted()[-1]
+
+
+@pytest.mark.parametrize("mode,code", [("operation", "ZONE_RESOURCE_POOL_EXHAUSTED"),
+                                       ("operation", "QUOTA_EXCEEDED"), ("http", "quotaExceeded")])
+def test_stockout_and_quota_are_capacity_errors(gcp_fake, mode, code):
+    from providers.base import CapacityError
+
+    p, recipe = _provider(**{"resources.accelerators": "A100:1"})
+    offer = _offer(p, recipe, "us-east1-b")
+    gcp_fake.insert_errors["us-east1-b"] = (mode, code)
+    with pytest.raises(CapacityError, match=code):
+        p.launch(offer, "run-1", "replica")
+    assert gcp_fake.instances == {}
+    # The next zone is tried by the driver after the cool-down; here: it works.
+    inst = p._create(_offer(p, recipe, "us-central1-a"), "run-1", "replica")
+    assert set(gcp_fake.instances) == {inst.instance_id}
+
+
+def test_rate_limits_retried_by_api_core_one_vm(gcp_fake):
+    p, recipe = _provider(**{"resources.accelerators": "L4:1"})
+    offer = _offer(p, recipe)
+    gcp_fake.rate_limit(3)
+    t0 = time.monotonic()
+    inst = p._create(offer, "run-1", "replica")
+    assert time.monotonic() - t0 < 30
+    inserts = gcp_fake.calls("POST", r"/instances$")
+    assert len(inserts) == 4                                     # 3 answered 429, then accepted
+    assert len({r["query"]["requestId"] for r in inserts}) == 1   # one request id: idempotent retries
+    assert list(gcp_fake.instances) == [inst.instance_id]
+
+
+def test_join_timeout_terminates_and_reports_the_vm(gcp_fake):
+    from providers.base import JoinTimeout
+
+    p, recipe = _provider(**{"resources.accelerators": "L4:1", "resources.join_timeout_s": 0.5})
+    t0 = time.time()
+    with pytest.raises(JoinTimeout) as info:
+        p.launch(_offer(p, recipe), "run-1", "replica")
+    exc = info.value
+    assert exc.instance.instance_id.startswith("elastic-run-1-repl-")
+    assert t0 <= exc.instance.launched_at <= exc.released_at and exc.timeout_s == 0.5
+    assert gcp_fake.instances == {}
+    assert gcp_fake.calls("DELETE", exc.instance.instance_id)
+
+
+def test_list_by_label_terminate_and_down_leave_nothing(gcp_fake):
+    p, recipe = _provider(run="run-a", **{"resources.accelerators": "L4:1"})
+    offer = _offer(p, recipe)
+    a = [p._create(offer, "run-a", "replica") for _ in range(2)]
+    b = p._create(offer, "run-b", "replica")
+    # A fresh provider (as `elastic down` builds) finds them by label, prices restored from metadata.
+    down, _ = _provider(run="run-a", **{"resources.accelerators": "L4:1"})
+    listed = down.list_instances("run-a")
+    assert sorted(i.instance_id for i in listed) == sorted(i.instance_id for i in a)
+    assert all(i.offer.usd_per_hour == offer.usd_per_hour and i.role == "replica" for i in listed)
+    assert {i.run for i in down.find_instances(None)} == {"run-a", "run-b"}
+    for i in listed:
+        down.terminate(i.instance_id)
+        down.terminate(i.instance_id)    # idempotent: already gone is fine
+    assert down.list_instances("run-a") == []
+    assert list(gcp_fake.instances) == [b.instance_id]
+
+
+def test_status_poll_reports_a_preempted_vm(gcp_fake, monkeypatch):
+    from providers import cloud
+
+    monkeypatch.setattr(cloud, "STATE_POLL_S", 0.0)
+    p, recipe = _provider(**{"resources.accelerators": "L4:1"})
+    keep, lost = (p._create(_offer(p, recipe), "run-1", "replica") for _ in range(2))
+    for inst in (keep, lost):   # as launch() holds them once their Ray node joined
+        inst.ray_node_id = f"node-{inst.instance_id}"
+        p._held[inst.instance_id] = inst
+    assert p.events() == []
+    gcp_fake.preempt(lost.instance_id)
+    (ev,) = p.events()
+    assert (ev.instance_id, ev.kind, ev.with_notice) == (lost.instance_id, "preempted", False)
+    assert [i.instance_id for i in p._held.values()] == [keep.instance_id]
+
+
+# -- notices on the VM -----------------------------------------------------------------------------
+
+def test_metadata_watch_preempted_and_maintenance(gcp_fake):
+    from providers.gcp import MAINTENANCE_NOTICE_S, PREEMPT_NOTICE_S, MetadataWatch
+
+    w = MetadataWatch(gcp_fake.metadata_url, wait_s=30)
+    try:
+        assert w.wait(0.3) is None                       # long polls waiting, nothing yet
+        t0 = time.time()
+        gcp_fake.set_metadata("preempted", "TRUE")
+        notice = w.wait(5)
+        assert notice["kind"] == "notice" and notice["action"] == "preempted"
+        assert t0 + PREEMPT_NOTICE_S - 1 <= notice["deadline"] <= time.time() + PREEMPT_NOTICE_S
+    finally:
+        w.stop()
+    gcp_fake.set_metadata("preempted", "FALSE")
+    w = MetadataWatch(gcp_fake.metadata_url, wait_s=30)
+    try:
+        gcp_fake.set_metadata("maintenance-event", "TERMINATE_ON_HOST_MAINTENANCE")
+        notice = w.wait(5)
+        assert notice["action"] == "maintenance"
+        assert notice["deadline"] == pytest.approx(time.time() + MAINTENANCE_NOTICE_S, abs=5)
+    finally:
+        w.stop()
+
+
+def test_watcher_forwards_one_gcp_notice(gcp_fake):
+    from providers import watcher
+
+    sent, stop = [], threading.Event()
+    t = threading.Thread(target=watcher.watch, args=("gcp", "vm-1"),
+                         kwargs={"send": lambda i, n: sent.append((i, n)), "poll_s": 0.0, "stop": stop})
+    t.start()
+    try:
+        gcp_fake.set_metadata("preempted", "TRUE")
+        t.join(timeout=10)
+        assert not t.is_alive()                  # returns after forwarding the interruption
+        assert [(i, n["kind"], n["action"]) for i, n in sent] == [("vm-1", "notice", "preempted")]
+    finally:
+        stop.set()
+        from providers import gcp
+        for w in gcp._watches.values():
+            w.stop()
+        gcp._watches.clear()
+
+
+# -- the CLI ---------------------------------------------------------------------------------------
+
+def _cli(*args, env=None, timeout=120):
+    return subprocess.run([sys.executable, "-m", "elastic", *args], capture_output=True, text=True,
+                          env=env or cli_env(), cwd=REPO, timeout=timeout)
+
+
+def test_cli_prices_gcp_table_and_json(gcp_fake):
+    r = _cli("prices", "--cloud", "gcp", "--accelerator", "A100", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert {row["cloud"] for row in rows} == {"gcp"}
+    assert len({row["region"] for row in rows}) >= 3 and len({row["zone"] for row in rows}) >= 4
+    per_gpu = [row["usd_per_gpu_hour"] for row in rows]
+    assert per_gpu == sorted(per_gpu)
+    r = _cli("prices", "--cloud", "gcp", "--accelerator", "A100:8")
+    assert r.returncode == 0, r.stderr
+    assert "a2-highgpu-8g" in r.stdout and "us-east1-b" in r.stdout and "a2-highgpu-1g" not in r.stdout
+
+
+def test_cli_prices_without_credentials_is_one_line(tmp_path):
+    env = cli_env(GOOGLE_APPLICATION_CREDENTIALS=str(tmp_path / "missing.json"), NO_GCE_CHECK="True",
+                  ELASTIC_CACHE=str(tmp_path / "cache"))
+    for k in ("ELASTIC_GCP_COMPUTE_ENDPOINT", "ELASTIC_GCP_BILLING_ENDPOINT"):
+        env.pop(k, None)
+    r = _cli("prices", "--cloud", "gcp", "--accelerator", "A100", env=env)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "gcp:" in lines[0] and "credentials" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
