@@ -298,3 +298,27 @@ def test_cli_prices_without_credentials_is_one_line(tmp_path):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "gcp:" in lines[0] and "credentials" in lines[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_cli_launch_gcp_smoke_no_node_joins(gcp_fake, tmp_path):
+    """recipes/gcp-smoke.yaml against the fake: VMs are created but never join (nothing boots), so
+    the run ends insufficient_capacity with one line, nothing of it is left, and the report bills
+    the seconds each VM was held."""
+    run_dir = tmp_path / "run"
+    r = _cli("launch", "recipes/gcp-smoke.yaml", "--run-dir", str(run_dir), "--set", "resources.join_timeout_s=3",
+             "--set", "world.capacity_timeout_s=6", timeout=240)
+    assert r.returncode == 4, r.stdout + r.stderr
+    out = " ".join(r.stdout.split())
+    assert "no node joined within 3 s" in out and "Traceback" not in r.stdout + r.stderr
+    assert gcp_fake.instances == {}                                    # nothing of the run is left
+    inserted = {b["name"] for b in gcp_fake.inserted()}
+    deleted = {c["path"].rsplit("/", 1)[-1] for c in gcp_fake.calls("DELETE", "/instances/")}
+    assert inserted and inserted == deleted
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["status"] == "insufficient_capacity"
+    billed = {i["instance_id"]: i for i in report["instances"]}
+    assert set(billed) == inserted
+    for i in billed.values():
+        assert i["cloud"] == "gcp" and 0 < i["seconds"] < 60 and i["cost_usd"] > 0
+    assert report["cost_usd"] == pytest.approx(sum(i["cost_usd"] for i in billed.values()), abs=1e-6)
