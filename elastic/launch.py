@@ -192,6 +192,6 @@ def launch(recipe: Recipe, run_dir: Path, address: str | None = None, console=No
     console.print(summary_table(report))
     if message:
         console.print(f"[red]error:[/red] {escape(message)}" if status == "failed"
-                      else f"[yellow]{escape(message)}[/yellow]", highlight=False)
+                      else f"[yellow]{escape(message)}[/yellow]", highlight=False, soft_wrap=True)
     console.print(f"report: {run_dir / 'report.json'}", highlight=False)
     return EXIT[status]

@@ -209,7 +209,7 @@ class AWSProvider(CloudProvider):
         with ThreadPoolExecutor(max_workers=min(16, max(1, len(regions))), thread_name_prefix="aws-prices") as pool:
             per_region = list(pool.map(lambda r: self._region_offers(r, model, count, resources), regions))
         out = sorted((o for offers in per_region for o in offers),
-                     key=lambda o: (o.usd_per_hour / max(1, o.gpus), o.region, o.zone))
+                     key=lambda o: (o.usd_per_hour / max(1, o.gpus), o.usd_per_hour, o.cpus, o.region, o.zone))
         self._memo = (time.monotonic(), key, out)
         return list(out)
 

@@ -162,7 +162,8 @@ class CloudProvider:
         with self._lock:
             self._held[inst.instance_id] = inst
         timeout_s = self.recipe.resources.join_timeout_s
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline = start + timeout_s
         while not self._stop.is_set() and time.monotonic() < deadline:
             node_id = find_node(inst.instance_id) if self.cluster is not None else None
             if node_id is not None:
@@ -173,7 +174,8 @@ class CloudProvider:
         why = "the run stopped" if self._stop.is_set() else f"no Ray node joined within {timeout_s:g} s"
         self.terminate(inst.instance_id)
         raise JoinTimeout(f"{inst.instance_id} ({offer.instance_type} in {offer.zone}): {why}; terminated",
-                          instance=inst, released_at=time.time(), timeout_s=timeout_s)
+                          instance=inst, released_at=time.time(), timeout_s=timeout_s,
+                          waited_s=round(time.monotonic() - start, 3))
 
     def terminate(self, instance_id: str) -> None:
         with self._lock:
