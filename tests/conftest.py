@@ -169,3 +169,61 @@ def aws_env(moto_server, monkeypatch, tmp_path):
     proxy.env = env
     yield proxy
     proxy.close()
+
+
+class IMDSServer:
+    """A tiny EC2 instance metadata service (IMDSv2): PUT /latest/api/token hands out a session
+    token; GETs without it get 401. `paths` maps a metadata path to the JSON body it answers
+    (absent: 404, as when nothing is pending)."""
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        self.paths: dict[str, str] = {}
+        self.token = "imds-session-token"
+        self.unauthorized = 0
+        imds = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, status: int, body: str = ""):
+                payload = body.encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def do_PUT(self):
+                if self.path == "/latest/api/token" and self.headers.get("X-aws-ec2-metadata-token-ttl-seconds"):
+                    self._send(200, imds.token)
+                else:
+                    self._send(400)
+
+            def do_GET(self):
+                if self.headers.get("X-aws-ec2-metadata-token") != imds.token:
+                    imds.unauthorized += 1
+                    self._send(401)
+                elif self.path in imds.paths:
+                    self._send(200, imds.paths[self.path])
+                else:
+                    self._send(404)
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self._server.shutdown()
+        self._server.server_close()
+
+
+@pytest.fixture
+def imds(monkeypatch):
+    """An IMDSv2 server on 127.0.0.1 that ELASTIC_IMDS_URL points at."""
+    server = IMDSServer()
+    monkeypatch.setenv("ELASTIC_IMDS_URL", server.url)
+    yield server
+    server.close()
