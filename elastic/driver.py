@@ -137,6 +137,8 @@ class Driver:
                 self._cooldown[_offer_key(offer)] = time.monotonic() + OFFER_COOLDOWN_S
                 self._record_join_timeout(exc, offer)
                 continue
+            except UserError:   # the recipe or the account setup is wrong: no other offer will do better
+                raise
             except Exception as exc:  # no capacity, or a VM that failed to come up: the offer rests
                 self._cooldown[_offer_key(offer)] = time.monotonic() + OFFER_COOLDOWN_S
                 refused = isinstance(exc, CapacityError)

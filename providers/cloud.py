@@ -68,11 +68,15 @@ def cached_json(key: str, fetch: Callable[[], object], ttl_s: float = PRICE_TTL_
     return value, now
 
 
-def render_bootstrap(**values: str) -> str:
-    """The node bootstrap script (`infra/bootstrap.sh.tmpl`) with `{{name}}` placeholders filled.
-    Values are inserted as given (callers quote what is data with `shlex.quote`); a placeholder
-    without a value is an error, so nothing is left half-rendered."""
-    text = BOOTSTRAP_TEMPLATE.read_text(encoding="utf-8")
+CONTROLLER_TEMPLATE = BOOTSTRAP_TEMPLATE.with_name("controller.sh.tmpl")
+
+
+def render_bootstrap(template: Path = BOOTSTRAP_TEMPLATE, /, **values: str) -> str:
+    """A bootstrap script (default the node's, `infra/bootstrap.sh.tmpl`; the controller's is
+    CONTROLLER_TEMPLATE) with `{{name}}` placeholders filled. Values are inserted as given (callers
+    quote what is data with `shlex.quote`); a placeholder without a value is an error, so nothing
+    is left half-rendered."""
+    text = Path(template).read_text(encoding="utf-8")
     names = set(re.findall(r"\{\{(\w+)\}\}", text))
     missing = names - set(values)
     if missing:
@@ -90,8 +94,9 @@ def labels_arg(labels: dict[str, str]) -> str:
 
 
 def head_address(cluster) -> str:
-    """HOST:PORT nodes join: the cluster's address as Ray reports it."""
-    return cluster.address
+    """HOST:PORT nodes join: `$ELASTIC_HEAD_ADDRESS` when set (the controller sets its private
+    address), else the cluster's address as Ray reports it."""
+    return os.environ.get("ELASTIC_HEAD_ADDRESS") or cluster.address
 
 
 def find_node(instance_id: str) -> str | None:

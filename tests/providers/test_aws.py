@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import subprocess
 import sys
 import time
@@ -296,3 +297,41 @@ def test_launch_smoke_recipe_no_node_joins_ends_clean_and_billed(aws_env, tmp_pa
     assert set(billed) == released
     for iid in timed_out:
         assert billed[iid]["seconds"] >= 4.0 and billed[iid]["ended"] == "released" and billed[iid]["cloud"] == "aws"
+
+
+def test_head_controller_starts_an_on_demand_controller_vm_that_down_stops(aws_env, tmp_path):
+    aws_env.rules.append(price_rule)
+    run_dir = tmp_path / "ctl-run"
+    args = ["launch", "recipes/aws-smoke.yaml", "--set", "resources.head=controller",
+            "--set", "aws.controller_instance_profile=elastic-driver"]
+    missing = run_cli(*args, "--run-dir", str(tmp_path / "no-profile"), env=aws_env.env)
+    assert missing.returncode == 2 and "NoSuchEntity" in missing.stderr and "Traceback" not in missing.stderr
+    assert missing.stderr.count("\n") == 1
+    iam = boto3.client("iam", region_name="us-east-1")   # what infra/aws/ creates
+    iam.create_role(RoleName="elastic-driver", AssumeRolePolicyDocument="{}")
+    iam.create_instance_profile(InstanceProfileName="elastic-driver")
+    iam.add_role_to_instance_profile(InstanceProfileName="elastic-driver", RoleName="elastic-driver")
+    proc = run_cli("launch", "recipes/aws-smoke.yaml", "--set", "resources.head=controller",
+                   "--set", "aws.controller_instance_profile=elastic-driver", "--run-dir", str(run_dir),
+                   env={**aws_env.env, "AWS_SECRET_ACCESS_KEY": "dont-leak-this-secret"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [vm] = instances("us-east-1", "ctl-run")
+    assert vm["State"]["Name"] == "running" and "InstanceLifecycle" not in vm      # on-demand
+    tags = {t["Key"]: t["Value"] for t in vm["Tags"]}
+    assert tags["elastic:role"] == "controller" and vm["InstanceType"] == "m7i.large"
+    assert vm["MetadataOptions"]["HttpTokens"] == "required"
+    assert vm["IamInstanceProfile"]["Arn"].endswith("elastic-driver")
+    ec2 = boto3.client("ec2", region_name="us-east-1")
+    raw = ec2.describe_instance_attribute(InstanceId=vm["InstanceId"], Attribute="userData")["UserData"]["Value"]
+    script = base64.b64decode(raw).decode()
+    assert "ray start --head" in script and "elastic launch recipe.yaml --set resources.head=local" in script
+    [recipe_b64] = re.findall(r"echo (\S+) \| base64 -d", script)
+    assert "name: aws-smoke" in base64.b64decode(recipe_b64).decode()
+    assert "dont-leak-this-secret" not in script and "AWS_SECRET" not in script
+    events = [json.loads(ln) for ln in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["type"] for e in events] == ["run_started", "node_launched", "controller_started"]
+    assert vm["InstanceId"] in proc.stdout
+    down = run_cli("down", str(run_dir), "--yes", env=aws_env.env)
+    assert down.returncode == 0, down.stderr
+    [vm] = instances("us-east-1", "ctl-run")
+    assert vm["State"]["Name"] in ("shutting-down", "terminated")
