@@ -139,6 +139,11 @@ def _dispatch(args, err) -> int:
                                 "(a run's default <run dir>/checkpoints is not shared with a new run)")
             if not ckpt.complete_steps(ckpt.checkpoint_dir(recipe.checkpoint.uri, Path("."))):
                 raise UserError(f"--resume: no complete checkpoint at {recipe.checkpoint.uri}")
+        from elastic.launch import launch_controller, uses_controller
+        if uses_controller(recipe, args.address):
+            if args.resume:
+                raise UserError("--resume with resources.head: controller: not supported yet; use head: local")
+            return launch_controller(recipe, args.run_dir or default_run_dir(recipe), out)
         return launch(recipe, args.run_dir or default_run_dir(recipe), address=args.address, console=out,
                       resume=args.resume)
     if args.command == "report":

@@ -102,7 +102,7 @@ class Driver:
     def _offers(self) -> list:
         """Every provider's offers, cheapest per GPU-hour first (per VM-hour for CPU-only VMs)."""
         every = [o for p in self.providers.values() for o in p.offers(self.recipe.resources)]
-        return sorted(every, key=lambda o: o.usd_per_hour / max(1, o.gpus))
+        return sorted(every, key=lambda o: (o.usd_per_hour / max(1, o.gpus), o.usd_per_hour))
 
     def _held(self) -> list:
         """Every VM the run holds, across providers."""
@@ -137,6 +137,8 @@ class Driver:
                 self._cooldown[_offer_key(offer)] = time.monotonic() + OFFER_COOLDOWN_S
                 self._record_join_timeout(exc, offer)
                 continue
+            except UserError:   # the recipe or the account setup is wrong: no other offer will do better
+                raise
             except Exception as exc:  # no capacity, or a VM that failed to come up: the offer rests
                 self._cooldown[_offer_key(offer)] = time.monotonic() + OFFER_COOLDOWN_S
                 refused = isinstance(exc, CapacityError)
@@ -449,7 +451,8 @@ class Driver:
     def _record_join_timeout(self, exc, offer) -> None:
         """A VM that was rented but never joined: launched, timed out, released (billed between)."""
         self._record_launch(exc.instance, offer, joined=False)
-        self.ledger.append("node_join_timeout", instance_id=exc.instance.instance_id, timeout_s=exc.timeout_s)
+        if exc.waited_s >= exc.timeout_s:   # not when the run stopped while it was still booting
+            self.ledger.append("node_join_timeout", instance_id=exc.instance.instance_id, timeout_s=exc.timeout_s)
         self.ledger.append("node_released", instance_id=exc.instance.instance_id, released_at=exc.released_at)
 
     def _capacity_message(self) -> str | None:

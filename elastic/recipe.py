@@ -292,6 +292,9 @@ class AWSSection(_Section):
     """Size of each node's root volume (gp3), GB."""
     controller_instance_type: str = "m7i.large"
     """On-demand instance type of the controller VM (`resources.head: controller`)."""
+    controller_instance_profile: str | None = None
+    """IAM instance profile of the controller VM: the driver's permissions (`infra/aws/`
+    driver-policy.json) come from it, never from keys written onto the VM."""
     controller_region: str | None = None
     """Region of the controller VM. Empty: the first of `resources.regions`, else `us-east-1`."""
     install: str = "pip install elastic"

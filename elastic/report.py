@@ -27,7 +27,7 @@ def _instances(events: list[dict], now: float) -> list[dict]:
                 "launched_at": e.get("launched_at", e["t"]), "released_at": None,
                 "end": None}
         elif e["type"] in ("node_released", "node_preempted") and e["instance_id"] in held:
-            held[e["instance_id"]]["released_at"] = e["t"]
+            held[e["instance_id"]]["released_at"] = e.get("released_at", e["t"])
             held[e["instance_id"]]["end"] = e["type"].removeprefix("node_")
     out = []
     for h in held.values():

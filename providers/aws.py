@@ -22,7 +22,8 @@ from datetime import datetime, timezone
 
 from elastic.errors import UserError
 from providers.base import CapacityError, Instance, Offer
-from providers.cloud import CloudProvider, cached_json, head_address, labels_arg, quote, render_bootstrap
+from providers.cloud import (CONTROLLER_TEMPLATE, CloudProvider, cached_json, head_address, labels_arg, quote,
+                             render_bootstrap)
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,9 @@ CATALOG: dict[str, dict[str, tuple[int, int, int, float]]] = {
     "H100": {"p5.48xlarge": (8, 80, 192, 55.04)},
 }
 
+# On-demand list prices of controller instance types (same dated source as CATALOG).
+CONTROLLER_USD_PER_HOUR = {"m7i.large": 0.1008, "m7i.xlarge": 0.2016, "m6i.large": 0.096, "t3.medium": 0.0416,
+                           "t3.large": 0.0832, "c7i.large": 0.08925}
 HOME_REGION = "us-east-1"   # where the list of the account's enabled regions is asked
 _REGION_RE = re.compile(r"^[a-z]{2}(-gov)?-[a-z]+-\d$")
 
@@ -56,6 +60,10 @@ CAPACITY_CODES = {"InsufficientInstanceCapacity", "SpotMaxPriceTooLow", "MaxSpot
                   "VcpuLimitExceeded", "InstanceLimitExceeded", "InsufficientCapacity", "Unsupported"}
 _DENIED_CODES = {"UnauthorizedOperation", "AccessDenied", "AccessDeniedException", "AuthFailure",
                  "InvalidClientTokenId", "SignatureDoesNotMatch", "ExpiredToken", "OptInRequired"}
+# Refusals that mean the recipe or the account setup is wrong: the run stops with one line.
+_SETUP_CODES = {"NoSuchEntity", "InvalidParameterValue", "InvalidParameterCombination", "InvalidGroup.NotFound",
+                "InvalidSubnetID.NotFound", "InvalidAMIID.NotFound", "InvalidAMIID.Malformed",
+                "InvalidKeyPair.NotFound", "InvalidInstanceType"}
 _GONE_STATES = {"shutting-down", "terminated", "stopping", "stopped"}
 MAX_ATTEMPTS = 8   # botocore adaptive retries (throttling, 5xx): the client waits, not our code
 
@@ -138,8 +146,13 @@ class AWSProvider(CloudProvider):
         except NoRegionError:
             raise UserError("no AWS region: set resources.regions") from None
         except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in _DENIED_CODES:
+            code = exc.response.get("Error", {}).get("Code")
+            if code in _DENIED_CODES:
                 raise _denied(exc, f"{service}:{_action_name(action)}", region) from None
+            if code in _SETUP_CODES:
+                raise UserError(f"AWS refused {service}:{_action_name(action)} in {region} ({code}: "
+                                f"{exc.response['Error'].get('Message', '')[:160]}); check the aws section of the "
+                                "recipe against what infra/aws/ created (docs/clouds/aws.md)") from None
             raise
 
     # -- catalog and prices --------------------------------------------------------------------------
@@ -209,7 +222,7 @@ class AWSProvider(CloudProvider):
         with ThreadPoolExecutor(max_workers=min(16, max(1, len(regions))), thread_name_prefix="aws-prices") as pool:
             per_region = list(pool.map(lambda r: self._region_offers(r, model, count, resources), regions))
         out = sorted((o for offers in per_region for o in offers),
-                     key=lambda o: (o.usd_per_hour / max(1, o.gpus), o.region, o.zone))
+                     key=lambda o: (o.usd_per_hour / max(1, o.gpus), o.usd_per_hour, o.cpus, o.region, o.zone))
         self._memo = (time.monotonic(), key, out)
         return list(out)
 
@@ -280,9 +293,7 @@ class AWSProvider(CloudProvider):
 
     def user_data(self, offer: Offer, run: str, role: str) -> str:
         """The node's bootstrap script (no credentials in it)."""
-        imds = "http://169.254.169.254/latest"
-        instance_id_cmd = (f"TOKEN=$(curl -sf -X PUT {imds}/api/token -H 'X-aws-ec2-metadata-token-ttl-seconds: 300'); "
-                           f"curl -sf -H \"X-aws-ec2-metadata-token: $TOKEN\" {imds}/meta-data/instance-id")
+        instance_id_cmd = _imds_cmd("instance-id")
         labels = {"elastic.cloud": "aws", "elastic.region": offer.region, "elastic.zone": offer.zone,
                   "elastic.instance_type": offer.instance_type, "elastic.run": run, "elastic.role": role}
         return render_bootstrap(
@@ -341,6 +352,48 @@ class AWSProvider(CloudProvider):
                  "spot" if offer.spot else "on-demand")
         return Instance(instance_id=vm["InstanceId"], offer=offer, run=run, role=role, launched_at=time.time(),
                         labels={t["Key"]: t["Value"] for t in req["TagSpecifications"][0]["Tags"]})
+
+    def controller_region(self) -> str:
+        aws = self.recipe.aws
+        return aws.controller_region or (self.regions()[0] if self.recipe.resources.regions and self.regions()
+                                         else HOME_REGION)
+
+    def controller_request(self, run: str, recipe_text: str) -> tuple[Offer, dict]:
+        """The on-demand CPU VM that runs the Ray head and the driver (`resources.head: controller`),
+        and its run_instances arguments. Its user data carries the recipe (recipes hold no
+        secrets) and no credentials: the driver uses the VM's instance profile."""
+        import base64
+
+        aws = self.recipe.aws
+        region = self.controller_region()
+        zones, read_at = cached_json(f"aws-zones-{region}", lambda: [
+            z["ZoneName"] for z in self._call("ec2", region, "describe_availability_zones")["AvailabilityZones"]
+            if z.get("State") == "available"], ttl_s=24 * 3600)
+        usd = CONTROLLER_USD_PER_HOUR.get(aws.controller_instance_type, 0.0)
+        offer = Offer(cloud="aws", region=region, zone=zones[0], instance_type=aws.controller_instance_type, gpu="",
+                      gpus=0, cpus=0, spot=False, usd_per_hour=usd, on_demand_usd_per_hour=usd, read_at=read_at)
+        script = render_bootstrap(
+            CONTROLLER_TEMPLATE, run=run, install=aws.install, private_ip_cmd=_imds_cmd("local-ipv4"),
+            instance_profile=aws.controller_instance_profile or "none set: aws.controller_instance_profile",
+            recipe_b64=base64.b64encode(recipe_text.encode()).decode())
+        req = self.run_request(offer, run, "controller", script)
+        req.pop("Placement")   # any zone will do
+        if aws.controller_instance_profile:
+            req["IamInstanceProfile"] = {"Name": aws.controller_instance_profile}
+        else:
+            req.pop("IamInstanceProfile", None)
+        return offer, req
+
+    def launch_controller(self, run: str, recipe_text: str) -> Instance:
+        """Start the controller VM (does not wait for it: it is not a node of this machine's
+        cluster). Returns the Instance."""
+        offer, req = self.controller_request(run, recipe_text)
+        vm = self._call("ec2", offer.region, "run_instances", **req)["Instances"][0]
+        log.info("controller %s (%s in %s)", vm["InstanceId"], offer.instance_type, offer.region)
+        zone = vm.get("Placement", {}).get("AvailabilityZone") or offer.zone
+        offer = Offer(**{**offer.to_dict(), "zone": zone})
+        return Instance(instance_id=vm["InstanceId"], offer=offer, run=run, role="controller",
+                        launched_at=time.time(), labels={t["Key"]: t["Value"] for t in req["TagSpecifications"][0]["Tags"]})
 
     def _terminate_vm(self, instance: Instance) -> None:
         from botocore.exceptions import ClientError
@@ -421,6 +474,13 @@ def _guarded(pages, provider: AWSProvider, region: str, action: str):
         if exc.response.get("Error", {}).get("Code") in _DENIED_CODES:
             raise _denied(exc, action, region) from None
         raise
+
+
+def _imds_cmd(path: str) -> str:
+    """Shell command printing one IMDSv2 metadata value (session token first)."""
+    imds = "http://169.254.169.254/latest"
+    return (f"TOKEN=$(curl -sf -X PUT {imds}/api/token -H 'X-aws-ec2-metadata-token-ttl-seconds: 300'); "
+            f"curl -sf -H \"X-aws-ec2-metadata-token: $TOKEN\" {imds}/meta-data/{path}")
 
 
 def _action_name(method: str) -> str:

@@ -117,10 +117,13 @@ class JoinTimeout(CapacityError):
         instance: the VM (its `launched_at` set; `ray_node_id` None).
         released_at: unix time it was terminated.
         timeout_s: the join timeout it ran into, seconds.
+        waited_s: how long it was waited for (less than `timeout_s` when the run stopped first).
     """
 
-    def __init__(self, message: str, instance: Instance, released_at: float, timeout_s: float):
+    def __init__(self, message: str, instance: Instance, released_at: float, timeout_s: float,
+                 waited_s: float | None = None):
         super().__init__(message)
         self.instance = instance
         self.released_at = released_at
         self.timeout_s = timeout_s
+        self.waited_s = timeout_s if waited_s is None else waited_s

@@ -68,11 +68,15 @@ def cached_json(key: str, fetch: Callable[[], object], ttl_s: float = PRICE_TTL_
     return value, now
 
 
-def render_bootstrap(**values: str) -> str:
-    """The node bootstrap script (`infra/bootstrap.sh.tmpl`) with `{{name}}` placeholders filled.
-    Values are inserted as given (callers quote what is data with `shlex.quote`); a placeholder
-    without a value is an error, so nothing is left half-rendered."""
-    text = BOOTSTRAP_TEMPLATE.read_text(encoding="utf-8")
+CONTROLLER_TEMPLATE = BOOTSTRAP_TEMPLATE.with_name("controller.sh.tmpl")
+
+
+def render_bootstrap(template: Path = BOOTSTRAP_TEMPLATE, /, **values: str) -> str:
+    """A bootstrap script (default the node's, `infra/bootstrap.sh.tmpl`; the controller's is
+    CONTROLLER_TEMPLATE) with `{{name}}` placeholders filled. Values are inserted as given (callers
+    quote what is data with `shlex.quote`); a placeholder without a value is an error, so nothing
+    is left half-rendered."""
+    text = Path(template).read_text(encoding="utf-8")
     names = set(re.findall(r"\{\{(\w+)\}\}", text))
     missing = names - set(values)
     if missing:
@@ -90,8 +94,9 @@ def labels_arg(labels: dict[str, str]) -> str:
 
 
 def head_address(cluster) -> str:
-    """HOST:PORT nodes join: the cluster's address as Ray reports it."""
-    return cluster.address
+    """HOST:PORT nodes join: `$ELASTIC_HEAD_ADDRESS` when set (the controller sets its private
+    address), else the cluster's address as Ray reports it."""
+    return os.environ.get("ELASTIC_HEAD_ADDRESS") or cluster.address
 
 
 def find_node(instance_id: str) -> str | None:
@@ -162,7 +167,8 @@ class CloudProvider:
         with self._lock:
             self._held[inst.instance_id] = inst
         timeout_s = self.recipe.resources.join_timeout_s
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline = start + timeout_s
         while not self._stop.is_set() and time.monotonic() < deadline:
             node_id = find_node(inst.instance_id) if self.cluster is not None else None
             if node_id is not None:
@@ -173,7 +179,8 @@ class CloudProvider:
         why = "the run stopped" if self._stop.is_set() else f"no Ray node joined within {timeout_s:g} s"
         self.terminate(inst.instance_id)
         raise JoinTimeout(f"{inst.instance_id} ({offer.instance_type} in {offer.zone}): {why}; terminated",
-                          instance=inst, released_at=time.time(), timeout_s=timeout_s)
+                          instance=inst, released_at=time.time(), timeout_s=timeout_s,
+                          waited_s=round(time.monotonic() - start, 3))
 
     def terminate(self, instance_id: str) -> None:
         with self._lock:
