@@ -315,6 +315,9 @@ class GCPSection(_Section):
     billing_endpoint: str | None = None
     """Cloud Billing Catalog API endpoint override (prices). Empty: `ELASTIC_GCP_BILLING_ENDPOINT`,
     else Google's."""
+    secrets_endpoint: str | None = None
+    """Secret Manager API endpoint override (where the run's Ray cluster token is kept for its
+    nodes). Empty: `ELASTIC_GCP_SECRETS_ENDPOINT`, else Google's."""
     image: str = "projects/deeplearning-platform-release/global/images/family/common-cu124-debian-11-py310"
     """Boot image (a family or an image path). Default: Google's Deep Learning VM image with the
     NVIDIA driver and CUDA installed."""

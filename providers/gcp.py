@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 COMPUTE_SERVICE = "services/6F81-5844-456A"      # Compute Engine in the Cloud Billing Catalog
 COMPUTE_ENDPOINT_ENV = "ELASTIC_GCP_COMPUTE_ENDPOINT"
 BILLING_ENDPOINT_ENV = "ELASTIC_GCP_BILLING_ENDPOINT"
+SECRETS_ENDPOINT_ENV = "ELASTIC_GCP_SECRETS_ENDPOINT"
 METADATA_URL_ENV = "ELASTIC_GCP_METADATA_URL"
 METADATA_URL = "http://metadata.google.internal/computeMetadata/v1"
 PREEMPT_NOTICE_S = 30.0                           # GCP stops a preempted Spot VM ~30 s after notice
@@ -251,6 +252,9 @@ class GCPProvider(CloudProvider):
         self._clients: dict[str, object] = {}
         self._client_lock = threading.Lock()
         self._memo: tuple[float, tuple, list[Offer]] | None = None
+        self.secrets_endpoint = section.secrets_endpoint or os.environ.get(SECRETS_ENDPOINT_ENV) or None
+        self._tokens: set[str] = set()        # runs whose token secret this provider created
+        self._token_lock = threading.Lock()
 
     @classmethod
     def configured(cls) -> str | None:
@@ -288,6 +292,10 @@ class GCPProvider(CloudProvider):
                 if kind == "billing":
                     from google.cloud import billing_v1
                     self._clients[kind] = billing_v1.CloudCatalogClient(**self._client_kwargs(self.billing_endpoint))
+                elif kind == "secrets":
+                    from google.cloud import secretmanager_v1
+                    self._clients[kind] = secretmanager_v1.SecretManagerServiceClient(
+                        **self._client_kwargs(self.secrets_endpoint))
                 else:
                     from google.cloud import compute_v1
                     cls = {"instances": compute_v1.InstancesClient, "zones": compute_v1.ZonesClient,
@@ -476,8 +484,56 @@ class GCPProvider(CloudProvider):
             head_address=quote(head_address(self.cluster)) if self.cluster is not None else "''",
             gpus=str(offer.gpus), labels=labels_arg(labels))
 
+    def token_secret(self, run: str) -> str:
+        """The Secret Manager secret holding the run's Ray cluster token."""
+        return f"elastic-{label_value(run)}-ray-token"
+
     def _token_cmd(self, run: str) -> str:
-        return ":"   # the head runs without token auth; filled in with the shared token plumbing
+        """Shell lines that fetch the cluster token on the node with its service account. The token
+        itself goes to Secret Manager (created once per run, deleted at close), never into metadata."""
+        token = os.environ.get("RAY_AUTH_TOKEN")
+        if not token:
+            return "# The head does not use Ray token authentication (RAY_AUTH_TOKEN unset)."
+        name, project = self.token_secret(run), self.project
+        with self._token_lock:
+            if run not in self._tokens:
+                self._put_secret(name, token, run)
+                self._tokens.add(run)
+        return ("export RAY_AUTH_MODE=token\n"
+                f"RAY_AUTH_TOKEN=\"$(gcloud secrets versions access latest --secret={quote(name)} "
+                f"--project={quote(project)})\"\nexport RAY_AUTH_TOKEN")
+
+    def _put_secret(self, name: str, value: str, run: str) -> None:
+        from google.api_core import exceptions
+
+        client, project = self._client("secrets"), self.project
+        try:
+            self._call("create secret", lambda: client.create_secret(request={
+                "parent": f"projects/{project}", "secret_id": name,
+                "secret": {"replication": {"automatic": {}},
+                           "labels": {"elastic-run": label_value(run), "elastic-managed": "true"}}},
+                retry=self._retry()))
+        except exceptions.AlreadyExists:
+            pass   # a resumed run, or a second launch racing ours: a new version below either way
+        self._call("add secret version", lambda: client.add_secret_version(request={
+            "parent": f"projects/{project}/secrets/{name}", "payload": {"data": value.encode()}},
+            retry=self._retry()))
+
+    def close(self) -> None:
+        """Stop launches waiting for their node, and delete the run's token secret."""
+        from google.api_core import exceptions
+
+        super().close()
+        for run in list(self._tokens):
+            try:
+                client = self._client("secrets")
+                self._call("delete secret", lambda: client.delete_secret(
+                    name=f"projects/{self.project}/secrets/{self.token_secret(run)}", retry=self._retry()))
+            except exceptions.NotFound:
+                pass
+            except Exception as exc:   # teardown goes on; the secret is named in the log to delete by hand
+                log.warning("gcp: could not delete secret %s: %s", self.token_secret(run), exc)
+            self._tokens.discard(run)
 
     def _create(self, offer: Offer, run: str, role: str) -> Instance:
         from google.api_core import exceptions

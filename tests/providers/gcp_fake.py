@@ -7,6 +7,7 @@ One threaded HTTP server answers, in the REST shapes the real client libraries s
   get / wait. Inserts honour `requestId` (a retried insert creates one VM), and bodies are stored
   so tests read back exactly what was sent.
 - Cloud Billing Catalog (`/v1/services/6F81-5844-456A/skus`), paginated.
+- Secret Manager (`/v1/projects/P/secrets`): create, addVersion, access latest, delete.
 - The metadata server (`/computeMetadata/v1/instance/preempted|maintenance-event`) with
   `wait_for_change` long polls, as seen from one VM.
 
@@ -22,6 +23,7 @@ Run it by hand (for `elastic prices --cloud gcp`, `elastic launch recipes/gcp-sm
 from __future__ import annotations
 
 import argparse
+import base64
 import hashlib
 import itertools
 import json
@@ -147,6 +149,7 @@ class GCPFake:
         self.requests: list[dict] = []                # every request: method, path, query, body
         self.insert_errors: dict[str, tuple[str, str]] = {}   # zone -> ("operation" | "http", code)
         self.metadata = {"preempted": "FALSE", "maintenance-event": "NONE"}
+        self.secrets: dict[str, dict] = {}            # Secret Manager: id -> labels, version payloads
         self.denied: list[str] = []                   # path patterns answered 403 (permission)
         self._by_request_id: dict[str, dict] = {}
         self._rate_limited = 0
@@ -169,6 +172,7 @@ class GCPFake:
     def env(self) -> dict[str, str]:
         """Environment variables that point the provider (and its watcher) here."""
         return {"ELASTIC_GCP_COMPUTE_ENDPOINT": self.url, "ELASTIC_GCP_BILLING_ENDPOINT": self.url,
+                "ELASTIC_GCP_SECRETS_ENDPOINT": self.url,
                 "ELASTIC_GCP_METADATA_URL": self.metadata_url, "GOOGLE_CLOUD_PROJECT": self.project}
 
     def start(self) -> "GCPFake":
@@ -270,6 +274,8 @@ class GCPFake:
 
     def _route(self, method: str, path: str, query: dict, body) -> tuple[int, dict]:
         """Answer one API request (called with the lock held)."""
+        if m := re.fullmatch(r"/v1/projects/([^/]+)/secrets(?:/([^/:]+))?(:addVersion|/versions/latest:access)?", path):
+            return self._secret(method, m[1], m[2] or query.get("secretId"), m[3], body)
         if m := re.fullmatch(rf"/v1/services/{SERVICE}/skus", path):
             start = int(query.get("pageToken") or 0)
             size = min(int(query.get("pageSize") or 5000), self.sku_page_size)
@@ -329,6 +335,32 @@ class GCPFake:
         if method == "DELETE":
             del self.instances[name]
             return 200, self._operation(base, zone, "delete", name)
+        return 405, _error(405, "method not allowed", "badRequest")
+
+    def _secret(self, method: str, project: str, name: str, verb: str | None, body) -> tuple[int, dict]:
+        """Secret Manager: create, add a version, read the latest, delete."""
+        if project != self.project:
+            return 404, _error(404, f"project {project} not found", "notFound")
+        full = f"projects/{project}/secrets/{name}"
+        if method == "POST" and verb is None:
+            if name in self.secrets:
+                return 409, {"error": {"code": 409, "message": f"Secret [{full}] already exists.",
+                                       "status": "ALREADY_EXISTS"}}
+            self.secrets[name] = {"labels": (body or {}).get("labels", {}), "versions": []}
+            return 200, {"name": full, "replication": {"automatic": {}}, "labels": self.secrets[name]["labels"]}
+        if name not in self.secrets:
+            return 404, {"error": {"code": 404, "message": f"Secret [{full}] not found.", "status": "NOT_FOUND"}}
+        if method == "POST" and verb == ":addVersion":
+            versions = self.secrets[name]["versions"]
+            versions.append(base64.b64decode(body["payload"]["data"]).decode())
+            return 200, {"name": f"{full}/versions/{len(versions)}", "state": "ENABLED"}
+        if method == "GET" and verb == "/versions/latest:access":
+            versions = self.secrets[name]["versions"]
+            return 200, {"name": f"{full}/versions/{len(versions)}",
+                         "payload": {"data": base64.b64encode(versions[-1].encode()).decode()}}
+        if method == "DELETE" and verb is None:
+            del self.secrets[name]
+            return 200, {}
         return 405, _error(405, "method not allowed", "badRequest")
 
     def _insert(self, base: str, zone: str, query: dict, body: dict) -> tuple[int, dict]:

@@ -322,3 +322,45 @@ def test_cli_launch_gcp_smoke_no_node_joins(gcp_fake, tmp_path):
     for i in billed.values():
         assert i["cloud"] == "gcp" and 0 < i["seconds"] < 60 and i["cost_usd"] > 0
     assert report["cost_usd"] == pytest.approx(sum(i["cost_usd"] for i in billed.values()), abs=1e-6)
+
+
+def test_cli_prices_without_cloud_ranks_aws_and_gcp_together(gcp_fake, aws_env):
+    """No --cloud: every configured cloud (moto for AWS, the fake for GCP) in one ranking."""
+    from tests.providers.test_aws import spot_history
+
+    aws_rows = {"us-east-1": [("us-east-1a", "p4d.24xlarge", 12.0, "2026-01-01T10:00:00Z")],
+                "us-west-2": [("us-west-2b", "p4de.24xlarge", 9.0, "2026-01-01T10:00:00Z")]}
+    aws_env.rules.append(lambda action, region, params: spot_history(aws_rows[region])
+                         if action == "DescribeSpotPriceHistory" and region in aws_rows else None)
+    regions = ["us-east-1", "us-west-2", "us-central1", "us-east1", "europe-west4"]
+    r = _cli("prices", "--accelerator", "A100", "--json", *[a for g in regions for a in ("--region", g)],
+             env=cli_env(**aws_env.env, **gcp_fake.env()))
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert {row["cloud"] for row in rows} == {"aws", "gcp"}
+    per_gpu = [row["usd_per_gpu_hour"] for row in rows]
+    assert per_gpu == sorted(per_gpu)
+    where = [(row["cloud"], row["zone"], row["instance_type"]) for row in rows]
+    # AWS p4de at 1.125 per GPU-hour beats every GCP A100; p4d at 1.5 ranks after GCP's us-east1
+    # (1.3957) and before its europe-west4 (1.6158).
+    assert where[0] == ("aws", "us-west-2b", "p4de.24xlarge")
+    p4d = where.index(("aws", "us-east-1a", "p4d.24xlarge"))
+    assert where.index(("gcp", "us-east1-b", "a2-highgpu-8g")) < p4d < where.index(("gcp", "europe-west4-a",
+                                                                                      "a2-highgpu-8g"))
+
+
+def test_cluster_token_goes_to_secret_manager_not_metadata(gcp_fake, monkeypatch):
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "tok-secret-789")
+    p, recipe = _provider(run="run-t", **{"resources.accelerators": "L4:1"})
+    offer = _offer(p, recipe)
+    for _ in range(2):
+        p._create(offer, "run-t", "replica")
+    name = p.token_secret("run-t")
+    assert gcp_fake.secrets[name]["versions"] == ["tok-secret-789"]    # stored once per run
+    assert gcp_fake.secrets[name]["labels"]["elastic-run"] == "run-t"
+    for body in gcp_fake.inserted():
+        script = {i["key"]: i["value"] for i in body["metadata"]["items"]}["startup-script"]
+        assert f"gcloud secrets versions access latest --secret={name} --project=elastic-test" in script
+        assert "tok-secret-789" not in json.dumps(body)
+    p.close()                                                          # the run's end deletes it
+    assert name not in gcp_fake.secrets
