@@ -341,6 +341,14 @@ class GCPSection(_Section):
     cache, in seconds (GCP changes spot prices at most about monthly)."""
     install: str = "pip install elastic"
     """Shell command the startup script runs to install this project on a node."""
+    controller_machine_type: str = "e2-standard-2"
+    """On-demand machine type of the controller VM (`resources.head: controller`)."""
+    controller_zone: str | None = None
+    """Zone of the controller VM. Empty: zone `-a` of the first GCP region in `resources.regions`,
+    else `us-central1-a`."""
+    controller_service_account: str | None = None
+    """Service account email the controller VM runs as: the driver's permissions (`infra/gcp/`
+    creates `elastic-driver`). Empty: none, and the driver there cannot rent anything."""
 
 
 class Recipe(_Section):

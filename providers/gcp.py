@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from urllib.parse import urlparse
 
 from providers.base import CapacityError, Instance, Offer
-from providers.cloud import CloudProvider, cached_json, head_address, labels_arg, quote, render_bootstrap
+from providers.cloud import (CONTROLLER_TEMPLATE, CloudProvider, cached_json, head_address, labels_arg, quote,
+                             render_bootstrap)
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,8 @@ N1_ATTACHABLE = {"nvidia-tesla-t4": 4, "nvidia-tesla-v100": 8, "nvidia-tesla-p10
 N1_VCPUS_PER_GPU = 8
 N1_GIB_PER_VCPU = 3.75
 BUNDLED_FAMILIES = ("a2", "a3", "g2")
+# On-demand list prices (us-central1) of controller machine types, when the catalog has no E2 SKUs.
+CONTROLLER_USD_PER_HOUR = {"e2-standard-2": 0.067006, "e2-standard-4": 0.134012, "e2-standard-8": 0.268024}
 
 # Shipped fallback (used when the machineTypes / acceleratorTypes lists cannot be read):
 # machine type -> (vCPUs, memory GiB, accelerator type, GPUs).
@@ -163,7 +166,7 @@ def _usd(money) -> float:
 # -- prices --------------------------------------------------------------------------------------
 
 _GPU_SKU = re.compile(r"\bNvidia (?:Tesla )?(?P<model>[A-Z]\d+)(?: (?P<mem>\d+GB))?(?: (?P<mega>Mega))? GPU\b")
-_VM_SKU = re.compile(r"\b(?P<family>A2|A3|G2|N1 Predefined) Instance (?P<kind>Core|Ram)\b")
+_VM_SKU = re.compile(r"\b(?P<family>A2|A3|G2|E2|N1 Predefined) Instance (?P<kind>Core|Ram)\b")
 _SKIP_SKU = re.compile(r"Commitment|Reserved|Workstation|DWS|Dynamic Workload|Calendar|Sole Tenancy|Custom")
 
 
@@ -202,8 +205,9 @@ def vm_price(prices: dict[str, float], shape: VMShape, spot: bool) -> float | No
     kind = "spot" if spot else "od"
     family = "n1" if shape.attached else shape.family
     parts = [(f"core|{family}|{shape.region}|{kind}", shape.cpus),
-             (f"ram|{family}|{shape.region}|{kind}", shape.memory_gib),
-             (f"gpu|{GPU_NAMES.get(shape.accelerator_type, '?')}|{shape.region}|{kind}", shape.gpus)]
+             (f"ram|{family}|{shape.region}|{kind}", shape.memory_gib)]
+    if shape.gpus:
+        parts.append((f"gpu|{GPU_NAMES.get(shape.accelerator_type, '?')}|{shape.region}|{kind}", shape.gpus))
     total = 0.0
     for key, amount in parts:
         if key not in prices:
@@ -430,13 +434,15 @@ class GCPProvider(CloudProvider):
 
     # -- renting ---------------------------------------------------------------------------------
 
-    def instance_body(self, name: str, offer: Offer, run: str, role: str, startup_script: str):
-        """The `instances.insert` body for one VM of `offer` (no credentials anywhere in it)."""
+    def instance_body(self, name: str, offer: Offer, run: str, role: str, startup_script: str,
+                      service_account: str | None = None):
+        """The `instances.insert` body for one VM of `offer` (no credentials anywhere in it); it runs
+        as `service_account` (default `gcp.service_account`)."""
         from google.cloud import compute_v1
 
         s, zone = self.section, offer.zone
         scheduling = compute_v1.Scheduling(
-            on_host_maintenance="TERMINATE",   # GPU VMs cannot live-migrate
+            on_host_maintenance="TERMINATE" if offer.gpus or offer.spot else "MIGRATE",   # GPU VMs cannot migrate
             automatic_restart=not offer.spot,
             provisioning_model="SPOT" if offer.spot else "STANDARD")
         if offer.spot:
@@ -467,9 +473,10 @@ class GCPProvider(CloudProvider):
         if offer.instance_type.startswith("n1-") and accel:
             body.guest_accelerators = [compute_v1.AcceleratorConfig(
                 accelerator_type=f"zones/{zone}/acceleratorTypes/{accel}", accelerator_count=offer.gpus)]
-        if s.service_account:
+        email = service_account or s.service_account
+        if email:
             body.service_accounts = [compute_v1.ServiceAccount(
-                email=s.service_account, scopes=["https://www.googleapis.com/auth/cloud-platform"])]
+                email=email, scopes=["https://www.googleapis.com/auth/cloud-platform"])]
         return body
 
     def startup_script(self, offer: Offer, run: str, role: str) -> str:
@@ -535,11 +542,47 @@ class GCPProvider(CloudProvider):
                 log.warning("gcp: could not delete secret %s: %s", self.token_secret(run), exc)
             self._tokens.discard(run)
 
-    def _create(self, offer: Offer, run: str, role: str) -> Instance:
+    def controller_offer(self) -> Offer:
+        """The on-demand CPU VM that runs the Ray head and the driver (`resources.head: controller`),
+        priced from the Billing Catalog (its E2 SKUs) where listed, else the shipped list price."""
+        s = self.section
+        zone = s.controller_zone or next((f"{r}-a" for r in self.recipe.resources.regions
+                                          if re.fullmatch(r"[a-z]+-[a-z]+\d+", r)), "us-central1-a")
+        region = zone.rsplit("-", 1)[0]
+        m = re.fullmatch(r"e2-standard-(\d+)", s.controller_machine_type)
+        usd, read_at = None, time.time()
+        if m:
+            cpus = int(m[1])
+            prices, read_at = self.prices()
+            usd = vm_price(prices, VMShape(s.controller_machine_type, zone, "", 0, cpus, 4.0 * cpus, False), False)
+        if usd is None:
+            usd = CONTROLLER_USD_PER_HOUR.get(s.controller_machine_type, 0.0)
+        return Offer(cloud="gcp", region=region, zone=zone, instance_type=s.controller_machine_type, gpu="", gpus=0,
+                     cpus=int(m[1]) if m else 0, spot=False, usd_per_hour=usd, on_demand_usd_per_hour=usd,
+                     read_at=read_at)
+
+    def launch_controller(self, run: str, recipe_text: str) -> Instance:
+        """Start the controller VM (does not wait for it: it is not a node of this machine's
+        cluster). Its startup script carries the recipe (recipes hold no secrets) and no
+        credentials: the driver there uses the VM's service account (`gcp.controller_service_account`)."""
+        import base64
+
+        s = self.section
+        offer = self.controller_offer()
+        script = render_bootstrap(
+            CONTROLLER_TEMPLATE, run=run, install=s.install,
+            private_ip_cmd=f"curl -sf -H 'Metadata-Flavor: Google' {METADATA_URL}/instance/network-interfaces/0/ip",
+            instance_profile=f"service account {s.controller_service_account or 'none set: gcp.controller_service_account'}",
+            recipe_b64=base64.b64encode(recipe_text.encode()).decode())
+        return self._create(offer, run, "controller", script, service_account=s.controller_service_account)
+
+    def _create(self, offer: Offer, run: str, role: str, startup_script: str | None = None,
+                service_account: str | None = None) -> Instance:
         from google.api_core import exceptions
 
         name = _instance_name(run, role)
-        body = self.instance_body(name, offer, run, role, self.startup_script(offer, run, role))
+        body = self.instance_body(name, offer, run, role, startup_script or self.startup_script(offer, run, role),
+                                  service_account=service_account)
         client, project = self._client("instances"), self.project
         try:
             # request_id makes a retried insert idempotent: the API creates the VM once.

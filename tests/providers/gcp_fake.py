@@ -41,7 +41,8 @@ PRICES = {
     "us-central1": {"A100": (2.933908, 1.17), "A100-80GB": (3.92876, 1.57), "L4": (0.5603, 0.2241),
                     "T4": (0.35, 0.14), "V100": (2.48, 0.99), "a2-core": (0.031611, 0.0126),
                     "a2-ram": (0.004237, 0.0017), "g2-core": (0.024988, 0.00999), "g2-ram": (0.002927, 0.00117),
-                    "n1-core": (0.031611, 0.00664), "n1-ram": (0.004237, 0.00089)},
+                    "n1-core": (0.031611, 0.00664), "n1-ram": (0.004237, 0.00089),
+                    "e2-core": (0.021811, 0.006543), "e2-ram": (0.002923, 0.000877)},
     "us-east1": {"A100": (2.933908, 1.10), "T4": (0.35, 0.12), "a2-core": (0.031611, 0.0126),
                  "a2-ram": (0.004237, 0.0017), "n1-core": (0.031611, 0.00664), "n1-ram": (0.004237, 0.00089)},
     "europe-west4": {"A100": (3.2273, 1.29), "A100-80GB": (4.32, 1.65), "L4": (0.6163, 0.25), "T4": (0.385, 0.15),
@@ -81,7 +82,7 @@ ZONE_ACCELERATORS = {
 }
 _GPU_DESC = {"A100": "Nvidia Tesla A100 GPU", "A100-80GB": "Nvidia Tesla A100 80GB GPU", "L4": "Nvidia L4 GPU",
              "T4": "Nvidia Tesla T4 GPU", "V100": "Nvidia Tesla V100 GPU"}
-_VM_DESC = {"a2": "A2 Instance", "g2": "G2 Instance", "n1": "N1 Predefined Instance"}
+_VM_DESC = {"a2": "A2 Instance", "g2": "G2 Instance", "n1": "N1 Predefined Instance", "e2": "E2 Instance"}
 _GEO = {"us": "Americas", "europe": "EMEA", "asia": "APAC"}
 
 

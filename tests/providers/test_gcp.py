@@ -3,7 +3,9 @@ server (tests/providers/gcp_fake.py): the real google-cloud clients, our code pa
 
 from __future__ import annotations
 
+import base64
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -11,6 +13,7 @@ import time
 
 import pytest
 
+from providers.base import Offer
 from tests.conftest import REPO, cli_env, tiny_recipe
 from tests.providers.gcp_fake import MACHINE_TYPES, PRICES, ZONE_ACCELERATORS, ZONE_MACHINE_TYPES, ZONES
 
@@ -364,3 +367,41 @@ def test_cluster_token_goes_to_secret_manager_not_metadata(gcp_fake, monkeypatch
         assert "tok-secret-789" not in json.dumps(body)
     p.close()                                                          # the run's end deletes it
     assert name not in gcp_fake.secrets
+
+
+def test_head_controller_starts_an_on_demand_controller_vm_that_down_stops(gcp_fake, tmp_path):
+    run_dir = tmp_path / "ctl-run"
+    sa = "elastic-driver@elastic-test.iam.gserviceaccount.com"
+    r = _cli("launch", "recipes/gcp-smoke.yaml", "--set", "resources.head=controller", "--set",
+             f"gcp.controller_service_account={sa}", "--run-dir", str(run_dir),
+             env=cli_env(**gcp_fake.env(), RAY_AUTH_TOKEN="dont-leak-this-token"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    [(name, vm)] = gcp_fake.instances.items()
+    assert name in r.stdout
+    assert vm["labels"]["elastic-role"] == "controller" and vm["machineType"].endswith("/e2-standard-2")
+    assert vm["scheduling"]["provisioningModel"] == "STANDARD" and vm["scheduling"]["onHostMaintenance"] == "MIGRATE"
+    assert "guestAccelerators" not in vm and vm["serviceAccounts"][0]["email"] == sa
+    script = {i["key"]: i["value"] for i in vm["metadata"]["items"]}["startup-script"]
+    assert "ray start --head" in script and "elastic launch recipe.yaml --set resources.head=local" in script
+    [recipe_b64] = re.findall(r"echo (\S+) \| base64 -d", script)
+    assert "name: gcp-smoke" in base64.b64decode(recipe_b64).decode()
+    assert "dont-leak-this-token" not in json.dumps(vm)
+    events = [json.loads(ln) for ln in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["type"] for e in events] == ["run_started", "node_launched", "controller_started"]
+    t = PRICES["us-central1"]   # priced from the catalog's E2 SKUs: 2 vCPUs, 8 GiB
+    assert events[1]["usd_per_hour"] == pytest.approx(2 * t["e2-core"][0] + 8 * t["e2-ram"][0])
+    down = _cli("down", str(run_dir), "--yes", env=cli_env(**gcp_fake.env()))
+    assert down.returncode == 0, down.stderr
+    assert gcp_fake.instances == {}
+
+
+def test_down_orphans_terminates_runs_no_longer_alive(gcp_fake, tmp_path):
+    p, recipe = _provider(**{"resources.accelerators": "L4:1"})
+    offer = _offer(p, recipe)
+    orphan = p._create(offer, "gone-run", "replica")
+    ctl = p._create(Offer(**{**offer.to_dict(), "gpus": 0, "gpu": "", "spot": False}), "live-run", "controller")
+    worker = p._create(offer, "live-run", "replica")
+    r = _cli("down", "--orphans", "--yes", "--runs-dir", str(tmp_path / "runs"), env=cli_env(**gcp_fake.env()))
+    assert r.returncode == 0, r.stderr
+    assert "terminated 1 instance(s)" in r.stdout and orphan.instance_id not in gcp_fake.instances
+    assert set(gcp_fake.instances) == {ctl.instance_id, worker.instance_id}   # a controller keeps its run alive
