@@ -280,9 +280,10 @@ class AWSSection(_Section):
     instance_profile: str | None = None
     """IAM instance profile for the nodes (`infra/aws/`: reads the checkpoint bucket and the run's
     token parameter only). Empty: none."""
-    security_group_ids: list[str] = Field(default_factory=list)
-    """Security groups for the nodes (`infra/aws/`: Ray ports open only among the run's own nodes).
-    Empty: the VPC's default group."""
+    security_group: str | None = None
+    """Name of the security group for nodes and the controller, looked up in each region
+    (`infra/aws/setup_account.py` creates `elastic-nodes`: every port open only among its own
+    members). Empty: the VPC's default group."""
     subnet_ids: dict[str, str] = Field(default_factory=dict)
     """Subnet per availability zone (`us-east-1a: subnet-…`). Empty: the default VPC's subnet of
     the zone."""

@@ -116,6 +116,7 @@ class AWSProvider(CloudProvider):
         self._client_lock = threading.Lock()
         self._amis: dict[str, tuple[str, str]] = {}   # region -> (AMI id, root device name)
         self._tokens: set[str] = set()                 # regions holding the run's token parameter
+        self._groups: dict[str, str] = {}              # region -> security group id
         self._types: dict[str, dict] = {}              # region -> instance type -> (gpus, vcpus)
         self._memo: tuple[float, tuple, list[Offer]] | None = None
 
@@ -273,6 +274,18 @@ class AWSProvider(CloudProvider):
             self._amis[region] = (ami, root)
         return self._amis[region]
 
+    def _security_group(self, region: str) -> str:
+        """The id of the security group named `aws.security_group` in `region`."""
+        name = self.recipe.aws.security_group
+        if region not in self._groups:
+            groups = self._call("ec2", region, "describe_security_groups",
+                                Filters=[{"Name": "group-name", "Values": [name]}])["SecurityGroups"]
+            if not groups:
+                raise UserError(f"aws.security_group: no security group named {name!r} in {region}; create it with "
+                                f"infra/aws/setup_account.py --region {region}")
+            self._groups[region] = groups[0]["GroupId"]
+        return self._groups[region]
+
     def token_parameter(self, run: str) -> str:
         return f"/elastic/{run}/ray-token"
 
@@ -327,8 +340,8 @@ class AWSProvider(CloudProvider):
                 "SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}}
         if aws.instance_profile:
             req["IamInstanceProfile"] = {"Name": aws.instance_profile}
-        if aws.security_group_ids:
-            req["SecurityGroupIds"] = list(aws.security_group_ids)
+        if aws.security_group:
+            req["SecurityGroupIds"] = [self._security_group(offer.region)]
         if offer.zone in aws.subnet_ids:
             req["SubnetId"] = aws.subnet_ids[offer.zone]
         if aws.key_name:

@@ -67,15 +67,33 @@ def tiny_recipe(**overrides):
 
 @pytest.fixture(scope="session")
 def moto_server():
-    """A moto server (EC2, SSM, ...) on 127.0.0.1; yields its URL. State is reset per test by
-    `aws_env`."""
-    from moto.server import ThreadedMotoServer
+    """A moto server process (EC2, SSM, IAM, S3, ...) on 127.0.0.1 (its own process: it does not
+    compete with the tests for the GIL); yields its URL. State is reset per test by `aws_env`."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(url + "/moto-api/", timeout=2).read()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("moto server did not start")
+            time.sleep(0.1)
+    yield url
+    proc.kill()   # a test server: nothing to save
+    proc.wait(timeout=10)
 
 
 class AWSProxy:

@@ -11,7 +11,7 @@ import yaml
 
 from elastic.errors import RecipeError
 from elastic.recipe import Recipe, dump_recipe, load_recipe, validate_recipe
-from tests.conftest import REPO, cli_env
+from tests.conftest import REPO, cli_env, tiny_recipe
 
 TINY = REPO / "recipes" / "local-tiny.yaml"
 
@@ -265,3 +265,12 @@ def test_digest_changes_with_any_field():
 def test_nesterov_without_momentum_becomes_plain_sgd():
     recipe = validate_recipe({"name": "a", "train": {"outer_momentum": 0}})
     assert recipe.train.outer_nesterov is False
+
+
+def test_a_cloud_without_its_provider_module_is_refused(monkeypatch):
+    import providers
+
+    monkeypatch.setitem(providers.PROVIDERS, "gcp", "providers.no_such_module:GCPProvider")
+    with pytest.raises(RecipeError) as info:
+        tiny_recipe(**{"resources.clouds": "[gcp]"})
+    assert any("resources.clouds: provider(s) gcp are not available" in line for line in info.value.lines)
