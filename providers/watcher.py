@@ -4,7 +4,9 @@ driver through the Ray cluster (internal KV key `elastic/notice/<instance id>`; 
 `providers.cloud.CloudProvider.events`).
 
 The metadata base URL comes from `ELASTIC_IMDS_URL` (default: the link-local address every cloud
-uses), so the watcher can be pointed at a test server. Standard library only, besides Ray.
+uses), so the watcher can be pointed at a test server. On GCP the poller long-polls the metadata
+server instead (`providers.gcp.MetadataWatch`, base URL `ELASTIC_GCP_METADATA_URL`), so the loop
+does not pause between polls there. Standard library only, besides Ray.
 """
 
 from __future__ import annotations
