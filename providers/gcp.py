@@ -16,9 +16,15 @@
   server's `instance/preempted` and `instance/maintenance-event` (`MetadataWatch`) and forwards the
   notice to the driver through the Ray cluster; the driver also polls instance status as a fallback.
 
-Endpoints: `gcp.compute_endpoint` / `gcp.billing_endpoint` in the recipe, or the environment
-variables ELASTIC_GCP_COMPUTE_ENDPOINT / ELASTIC_GCP_BILLING_ENDPOINT (the recipe wins); the metadata
-server base URL from ELASTIC_GCP_METADATA_URL. google-cloud SDKs are imported only when used.
+- **Token and controller**: the run's Ray cluster token goes to Secret Manager (the node reads it
+  with its service account), never into metadata; `resources.head: controller` starts an
+  on-demand e2 VM running the head and the driver.
+
+Endpoints: `gcp.compute_endpoint` / `gcp.billing_endpoint` / `gcp.secrets_endpoint` in the recipe,
+or ELASTIC_GCP_COMPUTE_ENDPOINT / ELASTIC_GCP_BILLING_ENDPOINT / ELASTIC_GCP_SECRETS_ENDPOINT (the
+recipe wins); endpoints on 127.0.0.1 are called without credentials (the tests' fake). The
+metadata server base URL comes from ELASTIC_GCP_METADATA_URL. google-cloud SDKs are imported only
+when used.
 """
 
 from __future__ import annotations

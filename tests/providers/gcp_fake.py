@@ -150,6 +150,10 @@ class GCPFake:
         self.requests: list[dict] = []                # every request: method, path, query, body
         self.insert_errors: dict[str, tuple[str, str]] = {}   # zone -> ("operation" | "http", code)
         self.metadata = {"preempted": "FALSE", "maintenance-event": "NONE"}
+        # Called (in a thread of its own) when a VM is created / deleted: a test can "boot" a VM as
+        # a local Ray node labelled with its name, and stop it again.
+        self.on_insert = None   # (name, body) -> None
+        self.on_delete = None   # (name) -> None
         self.secrets: dict[str, dict] = {}            # Secret Manager: id -> labels, version payloads
         self.denied: list[str] = []                   # path patterns answered 403 (permission)
         self._by_request_id: dict[str, dict] = {}
@@ -218,7 +222,8 @@ class GCPFake:
         """The cloud reclaims a Spot VM: its metadata says so, and (termination action DELETE) it goes."""
         self.set_metadata("preempted", "TRUE")
         with self._lock:
-            self.instances.pop(name, None)
+            if self.instances.pop(name, None) is not None:
+                self._hook(self.on_delete, name)
 
     # -- request handling ------------------------------------------------------------------------
 
@@ -335,6 +340,7 @@ class GCPFake:
             return 200, inst
         if method == "DELETE":
             del self.instances[name]
+            self._hook(self.on_delete, name)
             return 200, self._operation(base, zone, "delete", name)
         return 405, _error(405, "method not allowed", "badRequest")
 
@@ -383,9 +389,15 @@ class GCPFake:
                 "zone": f"{base}/zones/{zone}", "selfLink": f"{base}/zones/{zone}/instances/{name}",
                 "creationTimestamp": datetime.now(timezone.utc).isoformat(timespec="milliseconds")}
             op = self._operation(base, zone, "insert", name)
+            self._hook(self.on_insert, name, body)
         if request_id:
             self._by_request_id[request_id] = op
         return 200, op
+
+    @staticmethod
+    def _hook(fn, *args) -> None:
+        if fn is not None:
+            threading.Thread(target=fn, args=args, daemon=True).start()
 
     def _operation(self, base: str, zone: str, kind: str, target: str, error: str | None = None) -> dict:
         name = f"operation-{int(time.time() * 1000)}-{next(self._ids)}"

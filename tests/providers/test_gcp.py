@@ -405,3 +405,70 @@ def test_down_orphans_terminates_runs_no_longer_alive(gcp_fake, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "terminated 1 instance(s)" in r.stdout and orphan.instance_id not in gcp_fake.instances
     assert set(gcp_fake.instances) == {ctl.instance_id, worker.instance_id}   # a controller keeps its run alive
+
+
+@pytest.mark.slow
+def test_driver_trains_on_gcp_vms_and_drains_one_on_its_notice(gcp_fake, local_cluster, tmp_path, monkeypatch):
+    """The real driver and world on GCP "VMs": the fake boots each inserted VM as a local raylet
+    labelled with its instance name (as the startup script's `ray start` would), a notice is
+    forwarded for one of them as its watcher would, and the run drains it, rents a replacement,
+    completes, and deletes every VM."""
+    from elastic.driver import run_attached
+    from providers import cloud, watcher
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(cloud, "STATE_POLL_S", 1.0)
+    nodes: dict[str, str] = {}
+    lock = threading.Lock()
+    # Raylets die with the thread that started them (Linux parent-death signal): start them all
+    # from one thread that lives as long as the test.
+    starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vm-boot")
+
+    def _start(name):
+        node = local_cluster.add_node(cpus=1, gpus=0, labels={"elastic.instance_id": name, "elastic.cloud": "gcp"},
+                                      resources={}, object_store_bytes=80 * 1024 * 1024)
+        with lock:
+            nodes[name] = node
+
+    def boot(name, body):
+        starter.submit(_start, name)
+
+    def stop(name):
+        with lock:
+            node = nodes.pop(name, None)
+        if node is not None:
+            local_cluster.remove_node(node, graceful=False)
+
+    gcp_fake.on_insert, gcp_fake.on_delete = boot, stop
+    noticed = []
+
+    def notice(driver, phase, members):
+        if noticed or phase != "inner" or driver.world.outer_step < 1 or len(members) < 2:
+            return
+        name = driver.world.replicas[members[0]].instance_id
+        noticed.append(name)
+        watcher.forward(name, {"kind": "notice", "deadline": time.time() + 30, "action": "preempted"})
+
+    recipe = tiny_recipe(**{"resources.clouds": "[gcp]", "resources.head": "local", "resources.accelerators": "L4:1",
+                            "resources.regions": "[us-central1]", "resources.join_timeout_s": 60,
+                            "world.replicas": 2, "world.max_replicas": 2, "world.capacity_timeout_s": 120,
+                            "train.outer_steps": 4})
+    try:
+        status, events = run_attached(recipe, local_cluster, tmp_path / "run", on_phase=notice, run_name="gcp-e2e")
+    finally:
+        for name in list(nodes):
+            stop(name)
+        starter.shutdown(wait=True)
+    assert status == "completed"
+    launched = [e for e in events if e["type"] == "node_launched"]
+    assert len(launched) >= 3 and all(e["cloud"] == "gcp" and e["zone"].startswith("us-central1-") for e in launched)
+    # The replacement rented at the notice may still be booting when the run completes: then it
+    # is recorded as launched but not joined, and released (billed for the seconds it ran).
+    joined = [e["instance_id"] for e in launched if e["joined"]]
+    assert len(joined) >= 2 and noticed[0] in joined
+    assert [e["instance_id"] for e in events if e["type"] == "node_notice"] == noticed
+    assert noticed[0] in {e["instance_id"] for e in events if e["type"] == "replica_drained"}
+    assert gcp_fake.instances == {}                              # every VM deleted at the end
+    released = {e["instance_id"] for e in events if e["type"] == "node_released"}
+    assert released == {e["instance_id"] for e in launched}
