@@ -107,17 +107,19 @@ def _usd(x: float) -> str:
 
 # -- elastic down -----------------------------------------------------------------------------------
 
-def _run_target(run: str) -> tuple[str, list[str] | None]:
-    """(run name, its clouds when RUN is a run directory with a recipe.yaml, else None)."""
+def _run_target(run: str) -> tuple[str, list[str] | None, list[str]]:
+    """(run name, its clouds and regions when RUN is a run directory with a recipe.yaml, else
+    (name, None, []))."""
     p = Path(run)
     if (p / "recipe.yaml").is_file():
         import yaml
         doc = yaml.safe_load((p / "recipe.yaml").read_text(encoding="utf-8")) or {}
-        clouds = [c for c in (doc.get("resources") or {}).get("clouds", []) if c != "local"]
-        return p.resolve().name, clouds
+        resources = doc.get("resources") or {}
+        clouds = [c for c in resources.get("clouds", []) if c != "local"]
+        return p.resolve().name, clouds, list(resources.get("regions") or [])
     if os.sep in run or not run:
         raise UserError(f"{run}: not a run directory (no recipe.yaml) and not a run name")
-    return run, None
+    return run, None, []
 
 
 def _alive_local_runs(runs_dir: Path) -> set[str]:
@@ -152,16 +154,20 @@ def down(args, out, err) -> int:
     if args.orphans == bool(args.run):
         raise UserError("elastic down: give a RUN (name or run directory) or --orphans, not both")
     if args.orphans:
-        run, clouds = None, None
+        run, clouds, regions = None, None, []
     else:
-        run, clouds = _run_target(args.run)
+        run, clouds, regions = _run_target(args.run)
+        if clouds == []:
+            out.print(f"run {run} rented only local nodes: nothing to terminate", highlight=False)
+            return 0
     names = clouds if clouds is not None else [n for n in cloud_names() if _configured(n) is None]
     if not names:
         raise UserError("elastic down: no cloud is configured: "
                         + "; ".join(f"{n}: {_configured(n)}" for n in cloud_names()))
     found = []   # (provider, instance)
     for name in names:
-        provider = build(name, _pseudo_recipe(run or "orphans", [name]), None, run or "orphans")
+        recipe = _pseudo_recipe(run or "orphans", [name], regions=regions)
+        provider = build(name, recipe, None, run or "orphans")
         for inst in (provider.list_instances(run) if run else provider.find_instances(None)):
             found.append((provider, inst))
     if args.orphans:

@@ -425,7 +425,9 @@ class AWSProvider(CloudProvider):
             by_region.setdefault(i.offer.region, []).append(i.instance_id)
         for region, ids in by_region.items():
             seen = {}
-            for r in self._call("ec2", region, "describe_instances", InstanceIds=ids)["Reservations"]:
+            # A filter, not InstanceIds: an id EC2 has already forgotten must not fail the whole call.
+            resp = self._call("ec2", region, "describe_instances", Filters=[{"Name": "instance-id", "Values": ids}])
+            for r in resp["Reservations"]:
                 for vm in r["Instances"]:
                     seen[vm["InstanceId"]] = vm["State"]["Name"]
             for i in ids:

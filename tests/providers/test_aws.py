@@ -395,3 +395,47 @@ def test_driver_policy_allows_every_call_the_provider_makes():
     doc = json.loads((REPO / "infra" / "aws" / "driver-policy.json").read_text())
     allowed = {a for st in doc["Statement"] for a in ([st["Action"]] if isinstance(st["Action"], str) else st["Action"])}
     assert actions and actions <= allowed, sorted(actions - allowed)
+
+
+# -- a VM whose node joins: the label wait, a forwarded notice, termination (real local Ray) -------
+
+@pytest.mark.slow
+def test_launch_returns_once_the_vms_node_joins_and_notices_arrive(aws_env, local_cluster):
+    """moto rents the VM; a raylet labelled with its instance id stands in for the VM's boot
+    script joining. The provider returns it with that Ray node; a notice the node's watcher
+    forwards through Ray's KV becomes a NodeEvent; terminating it ends the VM."""
+    import threading
+
+    from providers import build, watcher
+
+    aws_env.rules.append(price_rule)
+    recipe = aws_recipe(**{"resources.regions": "[us-west-2]", "resources.join_timeout_s": 60,
+                          "world.capacity_timeout_s": 60})
+    p = build("aws", recipe, local_cluster, "run-join")
+    offer = p.offers(recipe.resources)[0]
+    result = {}
+    t = threading.Thread(target=lambda: result.update(inst=p.launch(offer, "run-join", "replica")))
+    t.start()
+    deadline = time.monotonic() + 30
+    while not instances("us-west-2", "run-join") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    [vm] = instances("us-west-2", "run-join")
+    node_id = local_cluster.add_node(cpus=1, gpus=0, labels={"elastic.instance_id": vm["InstanceId"]}, resources={},
+                                     object_store_bytes=80 * 1024 * 1024)
+    try:
+        t.join(timeout=30)
+        inst = result["inst"]
+        assert (inst.instance_id, inst.ray_node_id) == (vm["InstanceId"], node_id)
+        assert [i.instance_id for i in p.list_instances("run-join")] == [inst.instance_id]
+        assert p.events() == []
+        deadline_unix = time.time() + 120
+        watcher.forward(inst.instance_id, {"kind": "notice", "deadline": deadline_unix, "action": "terminate"})
+        [ev] = p.events()
+        assert (ev.instance_id, ev.kind, ev.deadline) == (inst.instance_id, "notice", deadline_unix)
+        assert p.events() == []   # reported once
+        p.terminate(inst.instance_id)
+        assert instances("us-west-2", "run-join")[0]["State"]["Name"] in ("shutting-down", "terminated")
+        assert p.list_instances("run-join") == []
+    finally:
+        local_cluster.remove_node(node_id)
+        p.close()
