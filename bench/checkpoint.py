@@ -36,8 +36,8 @@ def main() -> None:
 
     import os
 
-    from tests.servers.object_stores import MotoS3
-    server = MotoS3()
+    from tests.servers.object_stores import MotoServer
+    server = MotoServer()
     os.environ.update(AWS_ENDPOINT_URL=server.url, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
                       AWS_DEFAULT_REGION="us-east-1")
 

@@ -62,6 +62,24 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--seed", type=int, default=0, help="seed of the preemption draws (default 0)")
     sp.add_argument("--json", action="store_true", help="print the figures as JSON")
 
+    sp = sub.add_parser("prices", help="live offers for an accelerator, cheapest per GPU-hour first")
+    sp.add_argument("--cloud", choices=["aws", "gcp", "local"],
+                    help="one cloud (default: every cloud whose credentials are configured)")
+    sp.add_argument("--accelerator", required=True, metavar="MODEL[:N]",
+                    help="GPU model and optional count per VM, e.g. A10G, A100:8")
+    sp.add_argument("--region", action="append", default=[], metavar="R",
+                    help="only this region (repeatable; default: every region)")
+    sp.add_argument("--on-demand", action="store_true", help="on-demand offers instead of spot")
+    sp.add_argument("--json", action="store_true", help="the offers as JSON")
+    sp.add_argument("--refresh", action="store_true", help="read prices now, bypassing the cache (5 min)")
+
+    sp = sub.add_parser("down", help="terminate every VM of a run, or of runs no longer alive (--orphans)")
+    sp.add_argument("run", nargs="?", help="run name or run directory")
+    sp.add_argument("--orphans", action="store_true",
+                    help="instances tagged by elastic whose run is no longer alive")
+    sp.add_argument("--runs-dir", default="runs", help="where local runs live, for --orphans (default runs/)")
+    sp.add_argument("--yes", action="store_true", help="terminate without asking")
+
     sp = sub.add_parser("schema", help="print the recipe's JSON schema (for editors) or its reference")
     sp.add_argument("--markdown", action="store_true", help="the recipe reference as Markdown")
     return p
@@ -147,6 +165,11 @@ def _dispatch(args, err) -> int:
                 raise UserError(f"--resume: no complete checkpoint ({exc})") from None
             if not ckpt.complete_steps(store):
                 raise UserError(f"--resume: no complete checkpoint at {recipe.checkpoint.uri}")
+        from elastic.launch import launch_controller, uses_controller
+        if uses_controller(recipe, args.address):
+            if args.resume:
+                raise UserError("--resume with resources.head: controller: not supported yet; use head: local")
+            return launch_controller(recipe, args.run_dir or default_run_dir(recipe), out)
         return launch(recipe, args.run_dir or default_run_dir(recipe), address=args.address, console=out,
                       resume=args.resume)
     if args.command == "report":
@@ -173,6 +196,12 @@ def _dispatch(args, err) -> int:
         return _plan(args, out)
     if args.command == "simulate":
         return _simulate(args, out)
+    if args.command == "prices":
+        from elastic.fleet import prices
+        return prices(args, out)
+    if args.command == "down":
+        from elastic.fleet import down
+        return down(args, out, err)
     if args.command == "schema":
         from elastic.schema import json_schema, markdown_reference
         sys.stdout.write(markdown_reference() if args.markdown else json_schema())

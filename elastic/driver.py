@@ -44,8 +44,10 @@ class Driver:
         self.run_name = run_dir.name
         self.ledger = ledger
         self.cluster = None
-        self.provider = None
+        self.provider = None      # the first of `providers` (the only one for local runs)
+        self.providers: dict = {}  # cloud name -> provider, one per `resources.clouds`
         self.market = None
+        self.end_message: str | None = None   # why the run ended, when not obvious from its status
         self.world = None
         self._metrics = None
         self._t0 = time.time()
@@ -54,7 +56,7 @@ class Driver:
                                       c.keep_last, c.upload_threads, ledger)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="launch")
         self._launching: dict[Future, object] = {}
-        self._cooldown: dict[tuple, float] = {}          # (zone, instance type) -> until (monotonic)
+        self._cooldown: dict[tuple, float] = {}          # (cloud, zone, instance type) -> until (monotonic)
         self._draining: dict[int, float] = {}            # replica id -> notice deadline (unix)
         self._members: list[int] = []
         self._move_of: dict[Future, str] = {}           # launch of a move -> instance id it replaces
@@ -83,12 +85,14 @@ class Driver:
     def attach(self, cluster) -> None:
         """Use a running local cluster: build the provider and the world on it."""
         from elastic.world import World
-        from providers import provider_class
+        from providers import build
 
         from elastic.market import Market, load_history
 
         self.cluster = cluster
-        self.provider = provider_class("local")(self.recipe.local, self.cluster, self.recipe.world.ranks_per_replica)
+        self.providers = {name: build(name, self.recipe, cluster, self.run_name)
+                          for name in dict.fromkeys(self.recipe.resources.clouds)}
+        self.provider = next(iter(self.providers.values()))
         # The driver rests an offer that refused capacity OFFER_COOLDOWN_S itself (`_cooldown`).
         self.market = Market(self.recipe.planner, load_history(), capacity_cooldown_s=0.0)
         self.world = World(self.recipe, on_loss=self._record_loss, on_tick=self.tick)
@@ -104,26 +108,42 @@ class Driver:
         have = len(w.replicas) - len(self._draining) + len(w.joining) + len(self._launching)
         return max(0, min(self.recipe.world.replicas, self.recipe.world.max_replicas) - have)
 
+    def _offers(self) -> list:
+        """Every provider's offers, cheapest per GPU-hour first (per VM-hour for CPU-only VMs)."""
+        every = [o for p in self.providers.values() for o in p.offers(self.recipe.resources)]
+        return sorted(every, key=lambda o: (o.usd_per_hour / max(1, o.gpus), o.usd_per_hour))
+
+    def _held(self) -> list:
+        """Every VM the run holds, across providers."""
+        return [i for p in self.providers.values() for i in p.list_instances(self.run_name)]
+
     def top_up(self) -> None:
         """Rent nodes in the background up to the target, where the planner says (offers not
         cooling down; never past the budget)."""
-        for _ in range(self._wanted()):
-            now = time.monotonic()
-            every = self.provider.offers(self.recipe.resources)
-            if not every:
-                raise UserError("resources: no offer in the local market matches resources.regions / "
-                                "resources.max_usd_per_hour")
-            offers = [o for o in every if self._cooldown.get((o.zone, o.instance_type), 0) <= now]
-            offer = self._choose(offers)
+        wanted = self._wanted()
+        if not wanted:
+            return
+        now = time.monotonic()
+        every = self._offers()
+        if not every:
+            raise UserError(f"resources: no offer from {', '.join(self.providers)} matches resources.accelerators / "
+                            "resources.regions / resources.max_usd_per_hour")
+        for _ in range(wanted):
+            offer = self._choose([o for o in every if self._cooldown.get(_offer_key(o), 0) <= now])
             if offer is None:
                 return
-            self._launching[self._pool.submit(self.provider.launch, offer, self.run_name, "replica")] = offer
+            self._launch(offer)
+
+    def _launch(self, offer) -> Future:
+        fut = self._pool.submit(self.providers[offer.cloud].launch, offer, self.run_name, "replica")
+        self._launching[fut] = offer
+        return fut
 
     def _held_quotes(self, now: float) -> list:
         """Quotes (today's risk) of every VM held or on its way, minus those being drained."""
         gone = {self.world.replicas[r].instance_id for r in self._draining if r in self.world.replicas}
         held = [replace(i.offer, usd_per_hour=self._price.get(i.instance_id, i.offer.usd_per_hour))
-                for i in self.provider.list_instances(self.run_name) if i.instance_id not in gone]
+                for i in self._held() if i.instance_id not in gone]
         return [self.market.quote(o, now) for o in held + list(self._launching.values())]
 
     def _choose(self, offers, held=None):
@@ -165,9 +185,9 @@ class Driver:
             return   # the world is changing already; look again next time
         now = time.time()
         self.market.observe(self.ledger.events)
-        every = self.provider.offers(self.recipe.resources)
+        every = self._offers()
         priced = {offer_key(o): o for o in every}
-        by_id = {i.instance_id: i for i in self.provider.list_instances(self.run_name)}
+        by_id = {i.instance_id: i for i in self._held()}
         held = []
         for r in w.replicas.values():
             inst = by_id.get(r.instance_id)
@@ -176,7 +196,7 @@ class Driver:
             # A held VM costs what its offer costs now (spot prices move; _record_prices logs it).
             offer = priced.get(offer_key(inst.offer), inst.offer)
             held.append((r.instance_id, self.market.quote(offer, now)))
-        offers = [o for o in every if self._cooldown.get((o.zone, o.instance_type), 0) <= time.monotonic()]
+        offers = [o for o in every if self._cooldown.get(_offer_key(o), 0) <= time.monotonic()]
         quotes = self.market.quotes(offers, now)
         t = self.recipe.train
         tokens_left = (t.token_budget - w.tokens if t.token_budget is not None
@@ -188,9 +208,7 @@ class Driver:
             held_quotes = [q for _, q in held]
             if self._choose([move.add.offer], held=held_quotes) is None:
                 break
-            fut = self._pool.submit(self.provider.launch, move.add.offer, self.run_name, "replica")
-            self._launching[fut] = move.add.offer
-            self._move_of[fut] = move.drain
+            self._move_of[self._launch(move.add.offer)] = move.drain
             self.ledger.append("replica_move", drain_instance_id=move.drain, zone=move.add.offer.zone,
                                instance_type=move.add.offer.instance_type,
                                usd_per_hour=move.add.offer.usd_per_hour,
@@ -198,15 +216,21 @@ class Driver:
                                usd_per_mtok_after=round(move.usd_per_mtok_after, 6))
 
     def _collect_launches(self) -> None:
-        from providers.base import CapacityError
+        from providers.base import CapacityError, JoinTimeout
 
         for fut in [f for f in self._launching if f.done()]:
             offer = self._launching.pop(fut)
             replaces = self._move_of.pop(fut, None)
             try:
                 inst = fut.result()
+            except JoinTimeout as exc:  # rented, never joined, terminated: bill it, rest the offer
+                self._cooldown[_offer_key(offer)] = time.monotonic() + OFFER_COOLDOWN_S
+                self._record_join_timeout(exc, offer)
+                continue
+            except UserError:   # the recipe or the account setup is wrong: no other offer will do better
+                raise
             except Exception as exc:  # no capacity, or a VM that failed to come up: the offer rests
-                self._cooldown[(offer.zone, offer.instance_type)] = time.monotonic() + OFFER_COOLDOWN_S
+                self._cooldown[_offer_key(offer)] = time.monotonic() + OFFER_COOLDOWN_S
                 refused = isinstance(exc, CapacityError)
                 self.ledger.append("capacity_error" if refused else "launch_failed", zone=offer.zone,
                                    instance_type=offer.instance_type,
@@ -223,9 +247,12 @@ class Driver:
     def tick(self) -> None:
         """Read the provider's notices and preemptions; collect finished launches. Called between
         outer steps and while replicas train."""
-        for ev in self.provider.events():
+        for ev in [ev for p in self.providers.values() for ev in p.events()]:
             rep = self.world.replica_on(ev.instance_id)
-            if ev.kind == "notice":
+            if ev.kind == "rebalance":   # elevated interruption risk, no deadline: recorded only
+                self.ledger.append("node_rebalance", instance_id=ev.instance_id,
+                                   replica=rep.replica_id if rep else None)
+            elif ev.kind == "notice":
                 self.ledger.append("node_notice", instance_id=ev.instance_id, deadline=ev.deadline,
                                    notice_s=round(ev.deadline - ev.at, 3),
                                    replica=rep.replica_id if rep else None)
@@ -259,15 +286,16 @@ class Driver:
 
     def _record_prices(self) -> None:
         """A `node_price` event when the price in effect for a held VM changes (spot prices move)."""
-        prices = getattr(self.provider, "prices", None)
         now = time.monotonic()
-        if prices is None or now < self._price_poll_at:
+        if now < self._price_poll_at or not self._price:
             return
         self._price_poll_at = now + PRICE_POLL_S
-        for iid, usd in prices(list(self._price)).items():
-            if iid in self._price and round(usd, 6) != self._price[iid]:
-                self._price[iid] = round(usd, 6)
-                self.ledger.append("node_price", instance_id=iid, usd_per_hour=round(usd, 6))
+        for p in self.providers.values():
+            prices = getattr(p, "prices", None)   # optional: providers whose prices move while held
+            for iid, usd in (prices(list(self._price)) if prices else {}).items():
+                if iid in self._price and round(usd, 6) != self._price[iid]:
+                    self._price[iid] = round(usd, 6)
+                    self.ledger.append("node_price", instance_id=iid, usd_per_hour=round(usd, 6))
 
     @property
     def draining(self) -> set[int]:
@@ -283,15 +311,17 @@ class Driver:
                            outer_step=self.world.outer_step)
         self._draining.pop(loss.replica_id, None)
         # A replica lost for any reason other than its node going: release the node too.
-        inst = next((i for i in self.provider.list_instances(self.run_name) if i.instance_id == loss.instance_id), None)
+        inst = next((i for i in self._held() if i.instance_id == loss.instance_id), None)
         if inst is not None and not loss.reason.startswith("preempted"):
             self._terminate(loss.instance_id)
 
     def _terminate(self, instance_id: str) -> None:
         self._price.pop(instance_id, None)
-        if any(i.instance_id == instance_id for i in self.provider.list_instances(self.run_name)):
-            self.provider.terminate(instance_id)
-            self.ledger.append("node_released", instance_id=instance_id)
+        for p in self.providers.values():
+            if any(i.instance_id == instance_id for i in p.list_instances(self.run_name)):
+                p.terminate(instance_id)
+                self.ledger.append("node_released", instance_id=instance_id)
+                return
 
     def admit_joiners(self) -> None:
         """At an outer-step boundary: bring every set-up joiner into the world."""
@@ -415,6 +445,7 @@ class Driver:
                 self.top_up()
                 self.admit_joiners()
                 if not self.wait_for_capacity(view):
+                    self.end_message = self._capacity_message()
                     if world.replicas and world.outer_step > 0:
                         self.checkpoint(view)
                     if self._budget_held_back:
@@ -483,8 +514,7 @@ class Driver:
             return f"budget.max_hours ({b.max_hours} h) would be passed by the next outer step"
         if b.max_usd is not None:
             spent = cost_so_far(self.ledger.events, now)
-            rate_usd_per_s = sum(self._price.get(i.instance_id, i.offer.usd_per_hour)
-                                 for i in self.provider.list_instances(self.run_name)) / 3600
+            rate_usd_per_s = sum(self._price.get(i.instance_id, i.offer.usd_per_hour) for i in self._held()) / 3600
             if spent + rate_usd_per_s * next_step_s > b.max_usd:
                 return (f"budget.max_usd (${b.max_usd:.2f}) would be passed by the next outer step "
                         f"(spent ${spent:.4f})")
@@ -520,19 +550,24 @@ class Driver:
                 self.world.shutdown()
             except Exception:
                 log.exception("world shutdown")
+        for p in self.providers.values():
+            stop = getattr(p, "stop_launches", None)   # VMs still booting give up waiting now
+            if stop:
+                stop()
         self._pool.shutdown(wait=True, cancel_futures=True)
-        if self.provider is not None:
+        if self.providers:
             if self.world is not None:
                 self._collect_launches_quietly()
-            for inst in self.provider.list_instances(self.run_name):
-                try:
-                    self.provider.terminate(inst.instance_id)
-                    self.ledger.append("node_released", instance_id=inst.instance_id)
-                except Exception as exc:
-                    self.ledger.append("error", message=f"could not release {inst.instance_id}: {exc}")
-            close = getattr(self.provider, "close", None)
-            if close:
-                close()
+            for p in self.providers.values():
+                for inst in p.list_instances(self.run_name):
+                    try:
+                        p.terminate(inst.instance_id)
+                        self.ledger.append("node_released", instance_id=inst.instance_id)
+                    except Exception as exc:
+                        self.ledger.append("error", message=f"could not release {inst.instance_id}: {exc}")
+                close = getattr(p, "close", None)
+                if close:
+                    close()
         self._save_preemption_history()
         if self.cluster is not None and self._owns_cluster:
             try:
@@ -557,15 +592,51 @@ class Driver:
 
     def _collect_launches_quietly(self) -> None:
         """Launches that finished during shutdown: record them so their release is priced."""
+        from providers.base import JoinTimeout
+
         for fut in list(self._launching):
             offer = self._launching.pop(fut)
-            if fut.done() and fut.exception() is None:
+            if not fut.done() or fut.cancelled():
+                continue
+            if fut.exception() is None:
                 self._record_launch(fut.result(), offer)
+            elif isinstance(fut.exception(), JoinTimeout):
+                self._record_join_timeout(fut.exception(), offer)
 
-    def _record_launch(self, inst, offer) -> None:
-        self._price[inst.instance_id] = round(offer.usd_per_hour, 6)
+    def _record_launch(self, inst, offer, joined: bool = True) -> None:
+        if joined:
+            self._price[inst.instance_id] = round(offer.usd_per_hour, 6)
         self.ledger.append("node_launched", instance_id=inst.instance_id, ray_node_id=inst.ray_node_id,
-                           role=inst.role, **{k: v for k, v in offer.to_dict().items() if k != "read_at"})
+                           role=inst.role, launched_at=inst.launched_at, joined=joined,
+                           **{k: v for k, v in offer.to_dict().items() if k != "read_at"})
+
+    def _record_join_timeout(self, exc, offer) -> None:
+        """A VM that was rented but never joined: launched, timed out, released (billed between)."""
+        self._record_launch(exc.instance, offer, joined=False)
+        if exc.waited_s >= exc.timeout_s:   # not when the run stopped while it was still booting
+            self.ledger.append("node_join_timeout", instance_id=exc.instance.instance_id, timeout_s=exc.timeout_s)
+        self.ledger.append("node_released", instance_id=exc.instance.instance_id, released_at=exc.released_at)
+
+    def _capacity_message(self) -> str | None:
+        """One line on why capacity never came, when no node ever joined."""
+        events = self.ledger.events
+        if any(e["type"] == "replica_joined" for e in events):
+            return None
+        timeouts = [e for e in events if e["type"] == "node_join_timeout"]
+        refused = [e for e in events if e["type"] == "capacity_error"]
+        if timeouts:
+            return (f"no node joined within {self.recipe.resources.join_timeout_s:g} s "
+                    f"({len(timeouts)} VM(s) launched, none joined the Ray cluster, all terminated; "
+                    f"{len(refused)} launch(es) refused for capacity)")
+        if refused:
+            return (f"no capacity: {len(refused)} launch(es) refused within world.capacity_timeout_s "
+                    f"({self.recipe.world.capacity_timeout_s:g} s); last: {refused[-1].get('message')}")
+        return None
+
+
+def _offer_key(offer) -> tuple:
+    """What a capacity error cools down: one instance type in one zone of one cloud."""
+    return (offer.cloud, offer.zone, offer.instance_type)
 
 
 class QuietView:

@@ -135,6 +135,50 @@ class _View:
                 f"${usd:.4f}", highlight=False)
 
 
+def uses_controller(recipe: Recipe, address: str | None) -> bool:
+    """A cloud run with `resources.head: controller` (and no --address): the head and the driver
+    run on a small on-demand VM, not here."""
+    return (address is None and recipe.resources.head == "controller"
+            and any(c != "local" for c in recipe.resources.clouds))
+
+
+def launch_controller(recipe: Recipe, run_dir: Path, console) -> int:
+    """Start the run's controller VM, which runs the Ray head and the driver (`elastic launch`
+    with `head: local` there). This machine records the controller in its run directory and is
+    done; `elastic down RUN` stops everything the run holds, the controller included."""
+    from rich.markup import escape
+
+    from providers import build
+
+    cloud = next(c for c in recipe.resources.clouds if c != "local")
+    prepare_run_dir(run_dir)
+    text = dump_recipe(recipe)
+    (run_dir / "recipe.yaml").write_text(text, encoding="utf-8")
+    provider = build(cloud, recipe, None, run_dir.name)
+    start = getattr(provider, "launch_controller", None)
+    if start is None:
+        raise UserError(f"resources.head: controller is not available on {cloud} yet; set resources.head: local")
+    ledger = Ledger(run_dir / "events.jsonl")
+    ledger.append("run_started", run=run_dir.name, recipe=recipe.name, recipe_digest=recipe.digest(), pid=os.getpid(),
+                  target_replicas=recipe.world.replicas, ranks_per_replica=recipe.world.ranks_per_replica, head="controller")
+    try:
+        inst = start(run_dir.name, text)
+    except BaseException:
+        ledger.append("run_ended", status="failed")
+        ledger.close()
+        raise
+    ledger.append("node_launched", instance_id=inst.instance_id, ray_node_id=None, role="controller",
+                  launched_at=inst.launched_at, joined=False,
+                  **{k: v for k, v in inst.offer.to_dict().items() if k != "read_at"})
+    ledger.append("controller_started", instance_id=inst.instance_id, cloud=cloud, region=inst.offer.region)
+    ledger.close()
+    console.print(f"[bold]elastic[/bold] run [cyan]{escape(run_dir.name)}[/cyan]: controller {inst.instance_id} "
+                  f"({inst.offer.instance_type}, on-demand, {inst.offer.region}) runs the Ray head and the driver.\n"
+                  f"Stop the run and release every VM it holds: elastic down {escape(run_dir.name)} --yes",
+                  highlight=False, soft_wrap=True)
+    return 0
+
+
 def launch(recipe: Recipe, run_dir: Path, address: str | None = None, console=None, resume: bool = False) -> int:
     """Run a recipe end to end; returns the process exit code."""
     from rich.console import Console
@@ -171,6 +215,7 @@ def launch(recipe: Recipe, run_dir: Path, address: str | None = None, console=No
                 driver.start_cluster(address)
             with _View(console, recipe, driver.world.total_outer_steps) as view:
                 status = driver.run(view)
+            message = driver.end_message
     except KeyboardInterrupt:
         status, message = "interrupted", "interrupted by signal"
     except UserError as exc:
@@ -193,6 +238,6 @@ def launch(recipe: Recipe, run_dir: Path, address: str | None = None, console=No
     console.print(summary_table(report))
     if message:
         console.print(f"[red]error:[/red] {escape(message)}" if status == "failed"
-                      else f"[yellow]{escape(message)}[/yellow]", highlight=False)
+                      else f"[yellow]{escape(message)}[/yellow]", highlight=False, soft_wrap=True)
     console.print(f"report: {run_dir / 'report.json'}, {run_dir / 'report.html'}", highlight=False)
     return EXIT[status]

@@ -159,6 +159,14 @@ class ResourcesSection(_Section):
     """Rent spot/preemptible capacity (false: on-demand)."""
     max_usd_per_hour: float | None = Field(None, gt=0)
     """Never rent a VM whose price is above this, in USD per hour."""
+    head: Literal["controller", "local"] = "controller"
+    """Where the Ray head and the driver run for cloud runs. `controller`: `elastic launch` rents one
+    small on-demand CPU VM that runs them, so the run outlives your machine. `local`: here, where
+    `elastic launch` runs (for machines already inside the cloud, and for tests). Local-only runs
+    always run here."""
+    join_timeout_s: float = Field(600.0, gt=0)
+    """Longest a rented VM may take to boot and join the Ray cluster, in seconds; after that it is
+    terminated (billed for the seconds it ran) and its offer cools down."""
 
     @model_validator(mode="after")
     def _check(self) -> "ResourcesSection":
@@ -317,6 +325,91 @@ class LocalSection(_Section):
     """The simulated spot market."""
 
 
+class AWSSection(_Section):
+    """The `aws` provider: EC2 spot (or on-demand) VMs. Credentials come from the usual AWS
+    configuration (environment, `~/.aws`, an instance role), never from the recipe."""
+
+    ami: str | None = None
+    """AMI id to boot (the same id must exist in every allowed region). Empty: looked up per region
+    from the SSM parameter `ami_ssm_parameter`."""
+    ami_ssm_parameter: str = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
+    """Public SSM parameter naming the AMI to boot when `ami` is empty (default: AWS's GPU deep
+    learning base AMI, NVIDIA driver and CUDA included)."""
+    instance_profile: str | None = None
+    """IAM instance profile for the nodes (`infra/aws/`: reads the checkpoint bucket and the run's
+    token parameter only). Empty: none."""
+    security_group: str | None = None
+    """Name of the security group for nodes and the controller, looked up in each region
+    (`infra/aws/setup_account.py` creates `elastic-nodes`: every port open only among its own
+    members). Empty: the VPC's default group."""
+    subnet_ids: dict[str, str] = Field(default_factory=dict)
+    """Subnet per availability zone (`us-east-1a: subnet-…`). Empty: the default VPC's subnet of
+    the zone."""
+    key_name: str | None = None
+    """EC2 key pair for SSH (optional; nothing of elastic needs SSH)."""
+    root_volume_gb: int = Field(200, ge=8, le=16384)
+    """Size of each node's root volume (gp3), GB."""
+    controller_instance_type: str = "m7i.large"
+    """On-demand instance type of the controller VM (`resources.head: controller`)."""
+    controller_instance_profile: str | None = None
+    """IAM instance profile of the controller VM: the driver's permissions (`infra/aws/`
+    driver-policy.json) come from it, never from keys written onto the VM."""
+    controller_region: str | None = None
+    """Region of the controller VM. Empty: the first of `resources.regions`, else `us-east-1`."""
+    install: str = "pip install elastic"
+    """Shell command the bootstrap script runs to install this project on a node (e.g.
+    `pip install git+https://…@v0.1.0`, or nothing when the AMI has it)."""
+
+
+class GCPSection(_Section):
+    """The `gcp` provider: Compute Engine Spot (or on-demand) VMs with GPUs. Credentials come from
+    Application Default Credentials (`gcloud auth application-default login`, a service account
+    key in `GOOGLE_APPLICATION_CREDENTIALS`, or the VM's service account), never from the recipe."""
+
+    project: str | None = None
+    """Project id to rent in. Empty: `GOOGLE_CLOUD_PROJECT`, else the credentials' project."""
+    compute_endpoint: str | None = None
+    """Compute Engine API endpoint override (e.g. `http://127.0.0.1:8089` for a local test
+    endpoint). Empty: `ELASTIC_GCP_COMPUTE_ENDPOINT`, else Google's."""
+    billing_endpoint: str | None = None
+    """Cloud Billing Catalog API endpoint override (prices). Empty: `ELASTIC_GCP_BILLING_ENDPOINT`,
+    else Google's."""
+    secrets_endpoint: str | None = None
+    """Secret Manager API endpoint override (where the run's Ray cluster token is kept for its
+    nodes). Empty: `ELASTIC_GCP_SECRETS_ENDPOINT`, else Google's."""
+    image: str = "projects/deeplearning-platform-release/global/images/family/common-cu124-debian-11-py310"
+    """Boot image (a family or an image path). Default: Google's Deep Learning VM image with the
+    NVIDIA driver and CUDA installed."""
+    boot_disk_gb: int = Field(200, ge=10, le=65536)
+    """Size of each node's boot disk, GB."""
+    network: str = "global/networks/default"
+    """VPC network of the nodes."""
+    subnetwork: str | None = None
+    """Subnetwork (`regions/REGION/subnetworks/NAME`); needed for custom-mode networks."""
+    network_tags: list[str] = Field(default_factory=lambda: ["elastic-node"])
+    """Network tags on every node; the firewall rule of `infra/gcp/` opens the Ray ports only
+    between VMs with these tags."""
+    external_ip: bool = True
+    """Give each node an ephemeral external IP (needed to install packages without Cloud NAT)."""
+    service_account: str | None = None
+    """Service account email the nodes run as (`infra/gcp/` creates one that may only read and write
+    the checkpoint bucket and read the run's cluster token). Empty: none (the VM gets no Google
+    credentials at all)."""
+    price_cache_ttl_s: float = Field(86400.0, ge=0)
+    """How long prices and the machine-type catalog read from the APIs are reused from the disk
+    cache, in seconds (GCP changes spot prices at most about monthly)."""
+    install: str = "pip install elastic"
+    """Shell command the startup script runs to install this project on a node."""
+    controller_machine_type: str = "e2-standard-2"
+    """On-demand machine type of the controller VM (`resources.head: controller`)."""
+    controller_zone: str | None = None
+    """Zone of the controller VM. Empty: zone `-a` of the first GCP region in `resources.regions`,
+    else `us-central1-a`."""
+    controller_service_account: str | None = None
+    """Service account email the controller VM runs as: the driver's permissions (`infra/gcp/`
+    creates `elastic-driver`). Empty: none, and the driver there cannot rent anything."""
+
+
 class Recipe(_Section):
     """A training run: model, data, schedule, world shape, what to rent and how much to spend."""
 
@@ -340,6 +433,10 @@ class Recipe(_Section):
     """Checkpoints."""
     local: LocalSection = Field(default_factory=LocalSection)
     """Settings of the `local` provider."""
+    aws: AWSSection = Field(default_factory=AWSSection)
+    """Settings of the `aws` provider."""
+    gcp: GCPSection = Field(default_factory=GCPSection)
+    """Settings of the `gcp` provider."""
 
     @model_validator(mode="after")
     def _check(self) -> "Recipe":
@@ -350,9 +447,18 @@ class Recipe(_Section):
             problems.append(
                 f"train.batch_size ({self.train.batch_size}) must be a multiple of "
                 f"world.ranks_per_replica ({self.world.ranks_per_replica})")
-        if set(self.resources.clouds) - {"local"}:
-            other = ", ".join(sorted(set(self.resources.clouds) - {"local"}))
-            problems.append(f"resources.clouds: provider(s) {other} are not available in this version")
+        from providers import available
+
+        clouds = set(self.resources.clouds) - {"local"}
+        if clouds and self.world.capacity_timeout_s < self.resources.join_timeout_s:
+            problems.append(f"world.capacity_timeout_s ({self.world.capacity_timeout_s:g}) must be at least "
+                            f"resources.join_timeout_s ({self.resources.join_timeout_s:g}) for cloud runs: "
+                            "a node gets that long to boot and join")
+
+        missing = sorted(c for c in set(self.resources.clouds) if not available(c))
+        if missing:
+            problems.append(f"resources.clouds: provider(s) {', '.join(missing)} are not available in this version")
+
         if problems:
             # One line per problem: _format_errors splits the message on newlines.
             raise ValueError("\n".join(problems))

@@ -48,7 +48,7 @@ def _vms(events: list[dict], now: float) -> dict[str, dict]:
         elif kind in ("node_released", "node_preempted"):
             vm = vms[e["instance_id"]]
             if vm["end"] is None:
-                vm["end"], vm["ended"] = max(e["t"], vm["start"]), kind.removeprefix("node_")
+                vm["end"], vm["ended"] = max(e.get("released_at", e["t"]), vm["start"]), kind.removeprefix("node_")
         elif kind == "node_join_timeout":
             vms[e["instance_id"]]["joined"] = False
     for vm in vms.values():

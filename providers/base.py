@@ -110,3 +110,24 @@ class Provider(Protocol):
     # Optional: `prices(instance_ids) -> dict[str, float]`, the USD per hour in effect now for each
     # held VM (spot prices move during a VM's life). The driver polls it every PRICE_POLL_S and
     # records a `node_price` event when a price changes; without it a VM bills at its launch price.
+
+
+class JoinTimeout(CapacityError):
+    """A launched VM did not join the Ray cluster within `resources.join_timeout_s`; the provider
+    has terminated it. The caller cools the offer down and bills the seconds it ran.
+
+    Args:
+        message: what happened, one line.
+        instance: the VM (its `launched_at` set; `ray_node_id` None).
+        released_at: unix time it was terminated.
+        timeout_s: the join timeout it ran into, seconds.
+        waited_s: how long it was waited for (less than `timeout_s` when the run stopped first).
+    """
+
+    def __init__(self, message: str, instance: Instance, released_at: float, timeout_s: float,
+                 waited_s: float | None = None):
+        super().__init__(message)
+        self.instance = instance
+        self.released_at = released_at
+        self.timeout_s = timeout_s
+        self.waited_s = timeout_s if waited_s is None else waited_s

@@ -22,15 +22,12 @@ def cli_env(**extra: str) -> dict:
 
 
 @pytest.fixture(scope="session")
-def s3_server():
-    """A moto S3 server on 127.0.0.1; boto3 in this process and in nodes started from now on use it."""
-    from tests.servers.object_stores import MotoS3
-
-    server = MotoS3()
-    os.environ.update(AWS_ENDPOINT_URL=server.url, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+def s3_server(moto_server):
+    """S3 on the moto server; boto3 in this process and in nodes started from now on use it.
+    Yields its URL."""
+    os.environ.update(AWS_ENDPOINT_URL=moto_server, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
                       AWS_DEFAULT_REGION="us-east-1")
-    yield server
-    server.stop()
+    yield moto_server
 
 
 @pytest.fixture(scope="session")
@@ -84,3 +81,183 @@ def tiny_recipe(**overrides):
     }
     apply_overrides(doc, [f"{k}={v}" for k, v in overrides.items()])
     return validate_recipe(doc)
+
+
+# -- AWS: a moto server on 127.0.0.1, and a proxy in front of it that injects AWS errors ----------
+
+@pytest.fixture(scope="session")
+def moto_server():
+    """A moto server process (EC2, SSM, IAM, S3, ...) on 127.0.0.1; yields its URL. State is reset
+    per test by `aws_env`."""
+    from tests.servers.object_stores import MotoServer
+
+    server = MotoServer()
+    yield server.url
+    server.stop()
+
+
+class AWSProxy:
+    """An HTTP proxy in front of moto that answers chosen API actions itself: `rule(action, region,
+    params)` returns None (pass the request on to moto) or (HTTP status, XML body). Every request's
+    (action, region) is recorded in `calls`."""
+
+    def __init__(self, upstream: str):
+        import http.server
+        import threading
+        import urllib.parse
+        import urllib.request
+
+        self.upstream = upstream
+        self.calls: list[tuple[str, str]] = []
+        self.rules: list = []
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _forward(self, body: bytes):
+                req = urllib.request.Request(upstream + self.path, data=body if self.command != "GET" else None,
+                                             method=self.command,
+                                             headers={k: v for k, v in self.headers.items() if k.lower() != "host"})
+                try:
+                    with urllib.request.urlopen(req, timeout=30) as resp:
+                        return resp.status, resp.read(), resp.headers.get("Content-Type", "text/xml")
+                except urllib.error.HTTPError as exc:
+                    return exc.code, exc.read(), exc.headers.get("Content-Type", "text/xml")
+
+            def _handle(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                params = {k: v[0] for k, v in urllib.parse.parse_qs(body.decode(errors="replace")).items()}
+                target = self.headers.get("X-Amz-Target", "")
+                action = params.get("Action") or target.rpartition(".")[2]
+                auth = self.headers.get("Authorization", "")
+                region = auth.split("Credential=", 1)[1].split("/")[2] if "Credential=" in auth else ""
+                proxy.calls.append((action, region))
+                answer = None
+                for rule in proxy.rules:
+                    answer = rule(action, region, params)
+                    if answer is not None:
+                        break
+                status, payload, ctype = (answer[0], answer[1].encode(), "text/xml") if answer else self._forward(body)
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            do_POST = do_GET = do_PUT = do_DELETE = _handle
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def count(self, action: str) -> int:
+        return sum(1 for a, _ in self.calls if a == action)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def aws_error(code: str, message: str = "injected by the test proxy", status: int = 400) -> tuple[int, str]:
+    """An EC2-style error response."""
+    return status, (f'<?xml version="1.0" encoding="UTF-8"?><Response><Errors><Error><Code>{code}</Code>'
+                    f"<Message>{message}</Message></Error></Errors><RequestID>test</RequestID></Response>")
+
+
+@pytest.fixture
+def aws_env(moto_server, monkeypatch, tmp_path):
+    """Fake credentials, a fresh moto state, a private price cache, and a proxy in front of moto
+    that AWS_ENDPOINT_URL points at (the proxy passes everything on unless a test adds rules)."""
+    import urllib.request
+
+    urllib.request.urlopen(urllib.request.Request(moto_server + "/moto-api/reset", method="POST")).read()
+    proxy = AWSProxy(moto_server)
+    env = {"AWS_ENDPOINT_URL": proxy.url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
+           "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "no-credentials"),
+           "AWS_CONFIG_FILE": str(tmp_path / "no-config"), "ELASTIC_CACHE": str(tmp_path / "cache")}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    proxy.env = env
+    yield proxy
+    proxy.close()
+
+
+class IMDSServer:
+    """A tiny EC2 instance metadata service (IMDSv2): PUT /latest/api/token hands out a session
+    token; GETs without it get 401. `paths` maps a metadata path to the JSON body it answers
+    (absent: 404, as when nothing is pending)."""
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        self.paths: dict[str, str] = {}
+        self.token = "imds-session-token"
+        self.unauthorized = 0
+        imds = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, status: int, body: str = ""):
+                payload = body.encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def do_PUT(self):
+                if self.path == "/latest/api/token" and self.headers.get("X-aws-ec2-metadata-token-ttl-seconds"):
+                    self._send(200, imds.token)
+                else:
+                    self._send(400)
+
+            def do_GET(self):
+                if self.headers.get("X-aws-ec2-metadata-token") != imds.token:
+                    imds.unauthorized += 1
+                    self._send(401)
+                elif self.path in imds.paths:
+                    self._send(200, imds.paths[self.path])
+                else:
+                    self._send(404)
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self._server.shutdown()
+        self._server.server_close()
+
+
+@pytest.fixture
+def imds(monkeypatch):
+    """An IMDSv2 server on 127.0.0.1 that ELASTIC_IMDS_URL points at."""
+    server = IMDSServer()
+    monkeypatch.setenv("ELASTIC_IMDS_URL", server.url)
+    yield server
+    server.close()
+
+
+# -- GCP: the local fake of Compute Engine, the Billing Catalog and the metadata server ------------
+
+@pytest.fixture
+def gcp_fake(monkeypatch, tmp_path):
+    """The local fake of the GCP endpoints (tests/providers/gcp_fake.py) on 127.0.0.1, with the
+    environment pointing the gcp provider at it and a price cache of this test's own."""
+    from tests.providers.gcp_fake import GCPFake
+
+    fake = GCPFake().start()
+    for k, v in fake.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("ELASTIC_CACHE", str(tmp_path / "cache"))
+    yield fake
+    fake.stop()

@@ -76,7 +76,7 @@ def test_node_lost_during_upload_leaves_the_previous_checkpoint(nodes, local_clu
                                                                 monkeypatch):
     """The saving node dies while its shards are going up: no manifest is written, listing shows a
     partial checkpoint, and the previous complete one is what loads."""
-    proxy = GateProxy(s3_server.url)
+    proxy = GateProxy(s3_server)
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)   # nodes started from here on upload through it
     uri = f"s3://ckpt-{uuid.uuid4().hex[:8]}/run"
     ledger = Ledger(tmp_path / "events.jsonl")
@@ -100,7 +100,7 @@ def test_node_lost_during_upload_leaves_the_previous_checkpoint(nodes, local_clu
     finally:
         world.shutdown()
         proxy.stop()
-        monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.url)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
     events = read_events(tmp_path / "events.jsonl")
     assert [e["step"] for e in events if e["type"] == "checkpoint_uploaded"] == [2]
     assert [e["step"] for e in events if e["type"] == "checkpoint_upload_failed"] == [4]

@@ -11,7 +11,7 @@ import yaml
 
 from elastic.errors import RecipeError
 from elastic.recipe import Recipe, dump_recipe, load_recipe, validate_recipe
-from tests.conftest import REPO, cli_env
+from tests.conftest import REPO, cli_env, tiny_recipe
 
 TINY = REPO / "recipes" / "local-tiny.yaml"
 
@@ -85,8 +85,9 @@ BAD = [
     ("outer-momentum-one", "name: a\ntrain: {outer_momentum: 1.0}\n", ["train.outer_momentum", "less than 1"]),
     ("cloud-not-allowed", "name: a\nresources: {clouds: [azure]}\n",
      ["resources.clouds[0]", "'local', 'aws' or 'gcp'", "'azure'"]),
-    ("cloud-not-available", "name: a\nresources: {clouds: [local, aws]}\n",
-     ["resources.clouds", "aws", "not available"]),
+    ("cloud-join-longer-than-capacity-wait",
+     "name: a\nresources: {clouds: [aws], join_timeout_s: 300}\nworld: {capacity_timeout_s: 100}\n",
+     ["world.capacity_timeout_s (100)", "resources.join_timeout_s (300)"]),
     ("no-clouds", "name: a\nresources: {clouds: []}\n", ["resources.clouds", "at least 1"]),
     ("object-store-too-small", "name: a\nlocal: {object_store_bytes: 1000}\n",
      ["local.object_store_bytes", "greater than or equal to"]),
@@ -265,3 +266,12 @@ def test_digest_changes_with_any_field():
 def test_nesterov_without_momentum_becomes_plain_sgd():
     recipe = validate_recipe({"name": "a", "train": {"outer_momentum": 0}})
     assert recipe.train.outer_nesterov is False
+
+
+def test_a_cloud_without_its_provider_module_is_refused(monkeypatch):
+    import providers
+
+    monkeypatch.setitem(providers.PROVIDERS, "gcp", "providers.no_such_module:GCPProvider")
+    with pytest.raises(RecipeError) as info:
+        tiny_recipe(**{"resources.clouds": "[gcp]"})
+    assert any("resources.clouds: provider(s) gcp are not available" in line for line in info.value.lines)

@@ -1,5 +1,5 @@
-"""Object-storage servers on 127.0.0.1 for the tests: moto (S3), gcp-storage-emulator (GCS), and a
-gate proxy that can hold chosen requests, to cut an upload off at a chosen point."""
+"""Servers on 127.0.0.1 for the tests and benchmarks: moto (AWS, S3 included), gcp-storage-emulator
+(GCS), and a gate proxy that can hold chosen requests, to cut an upload off at a chosen point."""
 
 from __future__ import annotations
 
@@ -9,21 +9,37 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 
-class MotoS3:
-    """A moto server (all of AWS, S3 used here) on a free loopback port."""
+class MotoServer:
+    """A moto server process (EC2, SSM, IAM, S3, ...) on a free loopback port (its own process: it
+    does not compete with the tests for the GIL)."""
 
     def __init__(self):
-        import logging
+        import socket
+        import subprocess
+        import sys
+        import time
+        import urllib.request
 
-        from moto.server import ThreadedMotoServer
-
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)   # no line per request
-        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        self._server.start()
-        self.url = f"http://127.0.0.1:{self._server._server.port}"
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self._proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(self.url + "/moto-api/", timeout=2).read()
+                return
+            except OSError:
+                if self._proc.poll() is not None or time.monotonic() > deadline:
+                    self._proc.kill()
+                    raise RuntimeError("moto server did not start")
+                time.sleep(0.1)
 
     def stop(self) -> None:
-        self._server.stop()
+        self._proc.kill()   # a test server: nothing to save
+        self._proc.wait(timeout=10)
 
 
 class GCSEmulator:

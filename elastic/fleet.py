@@ -1,0 +1,199 @@
+"""`elastic prices` and `elastic down`: what the clouds offer now, and terminating what runs left
+behind. Generic over `providers.PROVIDERS`; no cloud SDK is imported here."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from elastic.errors import UserError
+from elastic.recipe import Recipe
+
+
+def cloud_names() -> list[str]:
+    """Every registered cloud provider whose module is present (not `local`)."""
+    from providers import PROVIDERS, available
+
+    return [n for n in PROVIDERS if n != "local" and available(n)]
+
+
+def _configured(name: str) -> str | None:
+    from providers import provider_class
+
+    check = getattr(provider_class(name), "configured", None)
+    return check() if check else None
+
+
+def _pseudo_recipe(name: str, clouds: list[str], **resources) -> Recipe:
+    """A recipe that only says what to rent, for commands that do not train."""
+    try:
+        return Recipe.model_validate({"name": name, "resources": {"clouds": clouds, **resources}})
+    except Exception as exc:  # pydantic's message, first line per problem
+        from pydantic import ValidationError
+
+        from elastic.recipe import _format_errors
+        if isinstance(exc, ValidationError):
+            raise UserError(_format_errors("arguments", exc)) from None
+        raise
+
+
+def price_rows(cloud: str | None, accelerator: str, regions: list[str], on_demand: bool = False) -> list[dict]:
+    """Offers of every cloud asked (or configured), as dicts with `usd_per_gpu_hour`, cheapest per
+    GPU-hour first."""
+    from providers import build
+
+    if cloud is not None:
+        names = [cloud]
+    else:
+        names = [n for n in cloud_names() if _configured(n) is None]
+        if not names:
+            why = "; ".join(f"{n}: {_configured(n)}" for n in cloud_names())
+            raise UserError(f"no cloud is configured ({why}); or pass --cloud local for the simulated market")
+    rows = []
+    for name in names:
+        recipe = _pseudo_recipe("prices", [name], accelerators=accelerator, regions=regions, spot=not on_demand)
+        provider = build(name, recipe, None, "prices")
+        try:
+            offers = provider.offers(recipe.resources)
+        finally:
+            close = getattr(provider, "close", None)
+            if close:
+                close()
+        for o in offers:
+            row = o.to_dict()
+            row["usd_per_gpu_hour"] = round(o.usd_per_hour / max(1, o.gpus), 6)
+            rows.append(row)
+    return sorted(rows, key=lambda r: (r["usd_per_gpu_hour"], r["usd_per_hour"], r["region"], r["zone"]))
+
+
+def prices(args, out) -> int:
+    from providers import cloud as cloud_common
+
+    if args.refresh:
+        cloud_common.set_refresh(True)
+    rows = price_rows(args.cloud, args.accelerator, args.region, on_demand=args.on_demand)
+    if args.json:
+        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+        return 0
+    if not rows:
+        raise UserError(f"no offer for {args.accelerator} in "
+                        f"{', '.join(args.region) if args.region else 'any region'}")
+    from datetime import datetime, timezone
+
+    from rich.table import Table
+
+    read = min(r["read_at"] for r in rows)
+    when = datetime.fromtimestamp(read, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    kind = "on-demand" if args.on_demand else "spot"
+    t = Table(title=f"{args.accelerator} {kind} offers, cheapest per GPU-hour first (prices read {when})",
+              title_justify="left")
+    for col in ("cloud", "region", "zone", "instance type", "GPUs", "vCPUs", "$/h", "$/GPU-h", "on-demand $/h"):
+        t.add_column(col, justify="right" if col in ("vCPUs",) or "$" in col else "left", no_wrap=True)
+    for r in rows:
+        t.add_row(r["cloud"], r["region"], r["zone"], r["instance_type"], f"{r['gpus']}×{r['gpu']}" if r["gpus"] else "-",
+                  str(r["cpus"]), _usd(r["usd_per_hour"]), _usd(r["usd_per_gpu_hour"]), _usd(r["on_demand_usd_per_hour"]))
+    if not out.is_terminal:   # piped: whole rows, not a table squeezed into 80 columns
+        from rich.console import Console
+        out = Console(width=160)
+    out.print(t)
+    return 0
+
+
+def _usd(x: float) -> str:
+    return f"{x:.4f}" if x >= 0.01 or x == 0 else f"{x:.6f}"
+
+
+# -- elastic down -----------------------------------------------------------------------------------
+
+def _run_target(run: str) -> tuple[str, list[str] | None, list[str]]:
+    """(run name, its clouds and regions when RUN is a run directory with a recipe.yaml, else
+    (name, None, []))."""
+    p = Path(run)
+    if (p / "recipe.yaml").is_file():
+        import yaml
+        doc = yaml.safe_load((p / "recipe.yaml").read_text(encoding="utf-8")) or {}
+        resources = doc.get("resources") or {}
+        clouds = [c for c in resources.get("clouds", []) if c != "local"]
+        return p.resolve().name, clouds, list(resources.get("regions") or [])
+    if os.sep in run or not run:
+        raise UserError(f"{run}: not a run directory (no recipe.yaml) and not a run name")
+    return run, None, []
+
+
+def _alive_local_runs(runs_dir: Path) -> set[str]:
+    """Runs under `runs_dir` whose ledger has not ended and whose driver process still lives."""
+    from elastic.ledger import read_events
+
+    alive = set()
+    if not runs_dir.is_dir():
+        return alive
+    for ledger in runs_dir.glob("*/events.jsonl"):
+        events = read_events(ledger)
+        if any(e["type"] == "run_ended" for e in events):
+            continue
+        start = next((e for e in events if e["type"] == "run_started"), {})
+        pid = start.get("pid")
+        try:
+            if pid:
+                os.kill(pid, 0)
+                alive.add(ledger.parent.name)
+        except (ProcessLookupError, PermissionError):
+            continue
+    return alive
+
+
+def down(args, out, err) -> int:
+    """Terminate every VM tagged with a run (or, with --orphans, every elastic VM whose run is no
+    longer alive) in every region of every cloud."""
+    from rich.table import Table
+
+    from providers import build
+
+    if args.orphans == bool(args.run):
+        raise UserError("elastic down: give a RUN (name or run directory) or --orphans, not both")
+    if args.orphans:
+        run, clouds, regions = None, None, []
+    else:
+        run, clouds, regions = _run_target(args.run)
+        if clouds == []:
+            out.print(f"run {run} rented only local nodes: nothing to terminate", highlight=False)
+            return 0
+    names = clouds if clouds is not None else [n for n in cloud_names() if _configured(n) is None]
+    if not names:
+        raise UserError("elastic down: no cloud is configured: "
+                        + "; ".join(f"{n}: {_configured(n)}" for n in cloud_names()))
+    found = []   # (provider, instance)
+    for name in names:
+        recipe = _pseudo_recipe(run or "orphans", [name], regions=regions)
+        provider = build(name, recipe, None, run or "orphans")
+        for inst in (provider.list_instances(run) if run else provider.find_instances(None)):
+            found.append((provider, inst))
+    if args.orphans:
+        live = _alive_local_runs(Path(args.runs_dir))
+        live |= {i.run for _, i in found if i.role == "controller"}   # a controller VM is its run alive
+        found = [(p, i) for p, i in found if i.run not in live]
+    what = f"run {run}" if run else "orphaned runs"
+    if not found:
+        out.print(f"nothing to terminate for {what} in {', '.join(names)}", highlight=False)
+        return 0
+    t = Table(title=f"instances of {what}", title_justify="left")
+    for col in ("cloud", "region", "instance", "type", "run", "role", "launched (UTC)"):
+        t.add_column(col)
+    from datetime import datetime, timezone
+    for p, i in found:
+        t.add_row(i.offer.cloud, i.offer.region, i.instance_id, i.offer.instance_type, i.run, i.role,
+                  datetime.fromtimestamp(i.launched_at, timezone.utc).strftime("%Y-%m-%d %H:%M:%S"))
+    out.print(t)
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise UserError(f"{len(found)} instance(s) found; pass --yes to terminate them")
+        answer = input(f"terminate {len(found)} instance(s)? [y/N] ").strip().lower()
+        if answer not in ("y", "yes"):
+            out.print("nothing terminated")
+            return 1
+    for p, i in found:
+        p.terminate(i.instance_id)
+    out.print(f"terminated {len(found)} instance(s)", highlight=False)
+    return 0

@@ -1,0 +1,201 @@
+# elastic on GCP: what a project owner applies once (review it first; `terraform plan` shows it all).
+#
+#   terraform init && terraform apply -var project=MY-PROJECT -var bucket=MY-CKPT-BUCKET
+#
+# Creates:
+#   - service account elastic-driver: what `elastic` itself may do (custom role elastic.driver:
+#     create/list/delete instances and read zones, machine and accelerator types, operations;
+#     create secrets, and write/delete only those named elastic-*; act as elastic-node only),
+#     plus the checkpoint bucket. Run `elastic` as it (a key, impersonation, or the controller VM).
+#   - service account elastic-node: what a training VM may do: the checkpoint bucket, and reading
+#     secrets named elastic-* (its run's Ray cluster token). Nothing else.
+#   - firewall rule elastic-ray-internal: every TCP/UDP port (Ray's GCS, raylets, object transfers,
+#     workers, torch.distributed) open only between VMs tagged elastic-node; nothing from outside.
+#   - the checkpoint bucket (uniform access, no public access).
+#   - the APIs elastic calls: Compute Engine, Cloud Billing (price catalog), Secret Manager, Storage.
+
+terraform {
+  required_providers {
+    google = { source = "hashicorp/google", version = ">= 5.0" }
+  }
+}
+
+variable "project" {
+  description = "Project id elastic rents in."
+  type        = string
+}
+
+variable "bucket" {
+  description = "Name of the checkpoint bucket to create (checkpoint.uri: gs://BUCKET/...)."
+  type        = string
+}
+
+variable "bucket_location" {
+  description = "Location of the checkpoint bucket."
+  type        = string
+  default     = "US"
+}
+
+variable "network" {
+  description = "VPC network the VMs use (gcp.network)."
+  type        = string
+  default     = "default"
+}
+
+variable "ssh_source_ranges" {
+  description = "CIDRs allowed to SSH to elastic VMs (empty: no SSH rule; elastic needs none)."
+  type        = list(string)
+  default     = []
+}
+
+provider "google" {
+  project = var.project
+}
+
+data "google_project" "this" {}
+
+locals {
+  node_tag      = "elastic-node"
+  secret_prefix = "projects/${data.google_project.this.number}/secrets/elastic-"
+}
+
+resource "google_project_service" "apis" {
+  for_each           = toset(["compute.googleapis.com", "cloudbilling.googleapis.com", "secretmanager.googleapis.com",
+                              "storage.googleapis.com", "iam.googleapis.com"])
+  service            = each.value
+  disable_on_destroy = false
+}
+
+# -- identities -----------------------------------------------------------------------------------
+
+resource "google_service_account" "driver" {
+  account_id   = "elastic-driver"
+  display_name = "elastic driver: rents, lists and deletes the run's VMs"
+}
+
+resource "google_service_account" "node" {
+  account_id   = "elastic-node"
+  display_name = "elastic training VM: checkpoint bucket and its run's Ray token only"
+}
+
+resource "google_project_iam_custom_role" "driver" {
+  role_id     = "elastic.driver"
+  title       = "elastic driver"
+  description = "Rent, label, list and delete elastic's VMs; read the machine catalog."
+  permissions = [
+    "compute.instances.create", "compute.instances.delete", "compute.instances.get", "compute.instances.list",
+    "compute.instances.setLabels", "compute.instances.setMetadata", "compute.instances.setTags",
+    "compute.instances.setServiceAccount", "compute.disks.create", "compute.images.useReadOnly",
+    "compute.subnetworks.use", "compute.subnetworks.useExternalIp", "compute.networks.use",
+    "compute.networks.useExternalIp", "compute.zoneOperations.get", "compute.zones.list",
+    "compute.machineTypes.list", "compute.acceleratorTypes.list",
+    # Creating a secret is authorised on the project (no name condition can apply to it); what can
+    # be done with secrets afterwards is limited to elastic-* below.
+    "secretmanager.secrets.create",
+  ]
+}
+
+resource "google_project_iam_custom_role" "driver_secrets" {
+  role_id     = "elastic.driverSecrets"
+  title       = "elastic driver: its run tokens"
+  description = "Add a version to and delete the secrets holding runs' Ray tokens."
+  permissions = ["secretmanager.secrets.get", "secretmanager.secrets.delete", "secretmanager.versions.add"]
+}
+
+resource "google_project_iam_member" "driver_compute" {
+  project = var.project
+  role    = google_project_iam_custom_role.driver.id
+  member  = "serviceAccount:${google_service_account.driver.email}"
+}
+
+# The run's Ray token: the driver creates and deletes secrets named elastic-*, and nothing else.
+resource "google_project_iam_member" "driver_secrets" {
+  project = var.project
+  role    = google_project_iam_custom_role.driver_secrets.id
+  member  = "serviceAccount:${google_service_account.driver.email}"
+  condition {
+    title      = "elastic secrets only"
+    expression = "resource.name.startsWith(\"${local.secret_prefix}\")"
+  }
+}
+
+resource "google_project_iam_member" "node_secrets" {
+  project = var.project
+  role    = "roles/secretmanager.secretAccessor"
+  member  = "serviceAccount:${google_service_account.node.email}"
+  condition {
+    title      = "elastic secrets only"
+    expression = "resource.name.startsWith(\"${local.secret_prefix}\")"
+  }
+}
+
+# The driver starts VMs that run as elastic-node, and may act as no other account.
+resource "google_service_account_iam_member" "driver_acts_as_node" {
+  service_account_id = google_service_account.node.name
+  role               = "roles/iam.serviceAccountUser"
+  member             = "serviceAccount:${google_service_account.driver.email}"
+}
+
+# -- checkpoints ----------------------------------------------------------------------------------
+
+resource "google_storage_bucket" "checkpoints" {
+  name                        = var.bucket
+  location                    = var.bucket_location
+  uniform_bucket_level_access = true
+  public_access_prevention    = "enforced"
+}
+
+resource "google_storage_bucket_iam_member" "ckpt" {
+  for_each = toset([google_service_account.driver.email, google_service_account.node.email])
+  bucket   = google_storage_bucket.checkpoints.name
+  role     = "roles/storage.objectAdmin"
+  member   = "serviceAccount:${each.value}"
+}
+
+# -- network --------------------------------------------------------------------------------------
+
+resource "google_compute_firewall" "ray_internal" {
+  name        = "elastic-ray-internal"
+  network     = var.network
+  direction   = "INGRESS"
+  description = "Ray and torch.distributed between elastic's VMs (tag elastic-node) only."
+  source_tags = [local.node_tag]
+  target_tags = [local.node_tag]
+  allow { protocol = "tcp" }
+  allow { protocol = "udp" }
+  allow { protocol = "icmp" }
+}
+
+resource "google_compute_firewall" "ssh" {
+  count         = length(var.ssh_source_ranges) > 0 ? 1 : 0
+  name          = "elastic-ssh"
+  network       = var.network
+  direction     = "INGRESS"
+  source_ranges = var.ssh_source_ranges
+  target_tags   = [local.node_tag]
+  allow {
+    protocol = "tcp"
+    ports    = ["22"]
+  }
+}
+
+# -- what to put in recipes -----------------------------------------------------------------------
+
+output "recipe_gcp_section" {
+  description = "The gcp: section of a recipe that uses what this created."
+  value       = <<-EOT
+    gcp:
+      project: ${var.project}
+      service_account: ${google_service_account.node.email}
+      controller_service_account: ${google_service_account.driver.email}
+      network: global/networks/${var.network}
+      network_tags: [${local.node_tag}]
+    checkpoint:
+      uri: gs://${var.bucket}/RUN-NAME
+  EOT
+}
+
+output "driver_service_account" {
+  description = "Run elastic as this account (gcloud auth application-default login --impersonate-service-account=...)."
+  value       = google_service_account.driver.email
+}

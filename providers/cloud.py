@@ -1,0 +1,261 @@
+"""What every cloud provider shares: the price cache on disk, rendering the node bootstrap script,
+waiting for a rented VM's Ray node to join, the join timeout, and notices forwarded by the nodes.
+
+A cloud provider subclasses `CloudProvider` and implements `_create` (rent one VM, return its
+Instance without waiting), `_terminate_vm`, `_vm_states` (what the cloud says of the VMs it holds),
+`_find_vms` (ask the cloud for VMs tagged by elastic, for `elastic down` and teardown) and
+`offers`; `launch`, `terminate`, `list_instances` and `events` come from here. Optionally a
+classmethod `configured()` returning None when credentials are found, else one line saying what is
+missing (`elastic prices` without `--cloud` asks every cloud).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shlex
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from providers.base import Instance, JoinTimeout, NodeEvent, Offer
+
+log = logging.getLogger(__name__)
+
+PRICE_TTL_S = 300.0          # spot prices on disk are reused for this long
+JOIN_POLL_S = 1.0            # how often a launch looks for its node in the Ray cluster
+STATE_POLL_S = 15.0          # how often events() asks the cloud whether held VMs still run
+NOTICE_KV_PREFIX = "elastic/notice/"   # Ray internal KV key the node's watcher writes, + instance id
+BOOTSTRAP_TEMPLATE = Path(__file__).resolve().parents[1] / "infra" / "bootstrap.sh.tmpl"
+
+_refresh = False
+
+
+def set_refresh(refresh: bool) -> None:
+    """Read fresh prices in this process, ignoring (and rewriting) the disk cache (`--refresh`)."""
+    global _refresh
+    _refresh = refresh
+
+
+def cache_dir() -> Path:
+    """Where elastic caches things: `$ELASTIC_CACHE`, else `~/.cache/elastic`."""
+    return Path(os.environ.get("ELASTIC_CACHE") or Path.home() / ".cache" / "elastic")
+
+
+def cached_json(key: str, fetch: Callable[[], object], ttl_s: float = PRICE_TTL_S) -> tuple[object, float]:
+    """`fetch()`'s JSON-able result, reused from the disk cache while younger than `ttl_s`.
+    Returns (value, unix time it was fetched). Written to a temp file and renamed: a reader never
+    sees half a file."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", key)
+    path = cache_dir() / "prices" / f"{safe}.json"
+    if not _refresh:
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+            if time.time() - doc["fetched_at"] < ttl_s:
+                return doc["value"], doc["fetched_at"]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    value, now = fetch(), time.time()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{safe}.", suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump({"fetched_at": now, "value": value}, f)
+    os.replace(tmp, path)
+    return value, now
+
+
+CONTROLLER_TEMPLATE = BOOTSTRAP_TEMPLATE.with_name("controller.sh.tmpl")
+
+
+def render_bootstrap(template: Path = BOOTSTRAP_TEMPLATE, /, **values: str) -> str:
+    """A bootstrap script (default the node's, `infra/bootstrap.sh.tmpl`; the controller's is
+    CONTROLLER_TEMPLATE) with `{{name}}` placeholders filled. Values are inserted as given (callers
+    quote what is data with `shlex.quote`); a placeholder without a value is an error, so nothing
+    is left half-rendered."""
+    text = Path(template).read_text(encoding="utf-8")
+    names = set(re.findall(r"\{\{(\w+)\}\}", text))
+    missing = names - set(values)
+    if missing:
+        raise KeyError(f"bootstrap template: no value for {', '.join(sorted(missing))}")
+    return re.sub(r"\{\{(\w+)\}\}", lambda m: values[m.group(1)], text)
+
+
+def labels_arg(labels: dict[str, str]) -> str:
+    """`k=v,k2=v2` for `ray start --labels`; keys and values are restricted to characters that
+    need no quoting in the script."""
+    for k, v in labels.items():
+        if not re.fullmatch(r"[A-Za-z0-9_.:/-]+", f"{k}{v}"):
+            raise ValueError(f"label {k}={v!r}: only letters, digits and _ . : / - are allowed")
+    return ",".join(f"{k}={v}" for k, v in labels.items())
+
+
+def head_address(cluster) -> str:
+    """HOST:PORT nodes join: `$ELASTIC_HEAD_ADDRESS` when set (the controller sets its private
+    address), else the cluster's address as Ray reports it."""
+    return os.environ.get("ELASTIC_HEAD_ADDRESS") or cluster.address
+
+
+def find_node(instance_id: str) -> str | None:
+    """The id of the live Ray node labelled `elastic.instance_id=instance_id`, or None."""
+    import ray
+
+    for n in ray.nodes():
+        if n.get("Alive") and (n.get("Labels") or {}).get("elastic.instance_id") == instance_id:
+            return n["NodeID"]
+    return None
+
+
+class CloudProvider:
+    """The shared half of a cloud provider.
+
+    Args:
+        recipe: the run's recipe (`resources.join_timeout_s`, the provider's own section).
+        cluster: the run's Ray cluster, or None when not training (prices, down).
+        run_name: the run's name (tags / labels on every VM).
+    """
+
+    name = "cloud"
+
+    def __init__(self, recipe, cluster, run_name: str):
+        self.recipe = recipe
+        self.cluster = cluster
+        self.run_name = run_name
+        self._held: dict[str, Instance] = {}
+        self._known: dict[str, Instance] = {}   # found in the cloud by find_instances (elastic down)
+        self._events: list[NodeEvent] = []
+        self._noticed: set[str] = set()          # instances with an interruption notice
+        self._seen: set[tuple[str, str]] = set()  # (instance id, notice kind) already reported
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._last_state_poll = time.monotonic()
+
+    # -- what each cloud implements ---------------------------------------------------------------
+
+    def _create(self, offer: Offer, run: str, role: str) -> Instance:
+        """Rent one VM from `offer` (raise CapacityError when the cloud refuses); do not wait."""
+        raise NotImplementedError
+
+    def _terminate_vm(self, instance: Instance) -> None:
+        """Ask the cloud to delete the VM (idempotent)."""
+        raise NotImplementedError
+
+    def _vm_states(self, instances: list[Instance]) -> dict[str, str]:
+        """instance id -> `running` / `pending` / `gone` for VMs this provider holds."""
+        raise NotImplementedError
+
+    def _find_vms(self, run: str | None) -> list[Instance]:
+        """Ask the cloud (every allowed region) for live VMs tagged with `run`, or with any run
+        when None. Each Instance's `run` and `role` come from its tags."""
+        raise NotImplementedError
+
+    @classmethod
+    def configured(cls) -> str | None:
+        """None when credentials for this cloud are found; else one line on what is missing."""
+        return None
+
+    # -- the provider interface --------------------------------------------------------------------
+
+    def launch(self, offer: Offer, run: str, role: str) -> Instance:
+        """Rent a VM and wait until its Ray node joins (labelled with its instance id). One that has
+        not joined after `resources.join_timeout_s` (or when the run stops) is terminated and
+        JoinTimeout is raised."""
+        inst = self._create(offer, run, role)
+        with self._lock:
+            self._held[inst.instance_id] = inst
+        timeout_s = self.recipe.resources.join_timeout_s
+        start = time.monotonic()
+        deadline = start + timeout_s
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            node_id = find_node(inst.instance_id) if self.cluster is not None else None
+            if node_id is not None:
+                inst.ray_node_id = node_id
+                return inst
+            if self._stop.wait(JOIN_POLL_S):
+                break
+        why = "the run stopped" if self._stop.is_set() else f"no Ray node joined within {timeout_s:g} s"
+        self.terminate(inst.instance_id)
+        raise JoinTimeout(f"{inst.instance_id} ({offer.instance_type} in {offer.zone}): {why}; terminated",
+                          instance=inst, released_at=time.time(), timeout_s=timeout_s,
+                          waited_s=round(time.monotonic() - start, 3))
+
+    def terminate(self, instance_id: str) -> None:
+        with self._lock:
+            inst = self._held.pop(instance_id, None) or self._known.get(instance_id)
+        if inst is None:
+            inst = next((i for i in self.find_instances(self.run_name) if i.instance_id == instance_id), None)
+        if inst is not None:
+            self._terminate_vm(inst)
+
+    def find_instances(self, run: str | None) -> list[Instance]:
+        """Live VMs the cloud says are tagged with `run` (any elastic run when None); remembered so
+        `terminate` can find them."""
+        found = self._find_vms(run)
+        with self._lock:
+            self._known.update((i.instance_id, i) for i in found)
+        return found
+
+    def list_instances(self, run: str) -> list[Instance]:
+        """VMs held for `run`: the ones this process rented; without a cluster (`elastic down`),
+        what the cloud says is tagged with `run`."""
+        if self.cluster is None:
+            return self.find_instances(run)
+        with self._lock:
+            return [i for i in self._held.values() if i.run == run]
+
+    def events(self) -> list[NodeEvent]:
+        """Notices the nodes' watchers forwarded (Ray KV), and, as a fallback every STATE_POLL_S,
+        held VMs the cloud says are gone (preempted without a notice we saw)."""
+        now = time.time()
+        with self._lock:
+            held = [i for i in self._held.values() if i.ray_node_id is not None]
+        for inst in held:
+            notice = read_notice(inst.instance_id) if inst.instance_id not in self._noticed else None
+            if notice is not None and (inst.instance_id, notice.get("kind")) not in self._seen:
+                self._seen.add((inst.instance_id, notice.get("kind")))
+                if notice.get("kind") == "notice":   # an interruption: the VM goes at the deadline
+                    self._noticed.add(inst.instance_id)
+                    self._events.append(NodeEvent(inst.instance_id, "notice", now, deadline=notice["deadline"]))
+                else:                                 # a rebalance recommendation: risk, no deadline
+                    self._events.append(NodeEvent(inst.instance_id, "rebalance", now))
+        if held and time.monotonic() - self._last_state_poll >= STATE_POLL_S:
+            self._last_state_poll = time.monotonic()
+            try:
+                states = self._vm_states(held)
+            except Exception as exc:  # a failed poll is retried next time; the run goes on
+                log.warning("%s: instance state poll failed: %s", self.name, exc)
+                states = {}
+            for inst in held:
+                if states.get(inst.instance_id) == "gone":
+                    with self._lock:
+                        self._held.pop(inst.instance_id, None)
+                    self._events.append(NodeEvent(inst.instance_id, "preempted", now,
+                                                  with_notice=inst.instance_id in self._noticed))
+        out, self._events = self._events, []
+        return out
+
+    def stop_launches(self) -> None:
+        """Launches still waiting for their node give up now (their VMs are terminated)."""
+        self._stop.set()
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def read_notice(instance_id: str) -> dict | None:
+    """The notice a node's watcher forwarded for `instance_id` (see providers.watcher), or None."""
+    from ray.experimental import internal_kv
+
+    try:
+        raw = internal_kv._internal_kv_get(NOTICE_KV_PREFIX + instance_id)
+    except Exception:  # Ray not connected (prices, down): no notices to read
+        return None
+    return json.loads(raw) if raw else None
+
+
+def quote(value: str) -> str:
+    """Shell-quote a value for the bootstrap script."""
+    return shlex.quote(value)

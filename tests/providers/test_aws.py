@@ -1,0 +1,441 @@
+"""The aws provider against a moto server on 127.0.0.1 (boto3 follows AWS_ENDPOINT_URL), with a
+proxy in front of moto that answers chosen actions with AWS errors or chosen spot prices."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import subprocess
+import sys
+import time
+
+import boto3
+import pytest
+
+from tests.conftest import REPO, aws_error, cli_env, tiny_recipe
+
+NS = 'xmlns="http://ec2.amazonaws.com/doc/2016-11-15/"'
+
+
+def spot_history(items: list[tuple[str, str, float, str]], next_token: str = "") -> tuple[int, str]:
+    """A DescribeSpotPriceHistory answer: (zone, instance type, USD/h, ISO time) rows."""
+    rows = "".join(f"<item><instanceType>{t}</instanceType><productDescription>Linux/UNIX</productDescription>"
+                   f"<spotPrice>{p}</spotPrice><timestamp>{ts}</timestamp><availabilityZone>{z}</availabilityZone></item>"
+                   for z, t, p, ts in items)
+    return 200, (f"<DescribeSpotPriceHistoryResponse {NS}><requestId>t</requestId><spotPriceHistorySet>{rows}"
+                 f"</spotPriceHistorySet><nextToken>{next_token}</nextToken></DescribeSpotPriceHistoryResponse>")
+
+
+PRICES = {   # region -> pages of rows; us-east-1a's g5.xlarge has an older, cheaper row that must lose
+    "us-east-1": [[("us-east-1a", "g5.xlarge", 0.50, "2026-01-01T10:00:00Z"),
+                   ("us-east-1a", "g5.xlarge", 0.10, "2026-01-01T09:00:00Z")],
+                  [("us-east-1b", "g5.xlarge", 0.45, "2026-01-01T10:00:00Z"),
+                   ("us-east-1b", "g5.12xlarge", 1.60, "2026-01-01T10:00:00Z")]],
+    "us-west-2": [[("us-west-2a", "g5.xlarge", 0.40, "2026-01-01T10:00:00Z"),
+                   ("us-west-2c", "g5.2xlarge", 0.42, "2026-01-01T10:00:00Z")]],
+}
+
+
+def three_regions(action, region, params):
+    """An account with three regions enabled (moto knows every region; real accounts have fewer)."""
+    if action != "DescribeRegions":
+        return None
+    items = "".join(f"<item><regionName>{r}</regionName><regionEndpoint>ec2.{r}.amazonaws.com</regionEndpoint>"
+                    f"<optInStatus>opt-in-not-required</optInStatus></item>" for r in ("us-east-1", "us-west-2", "eu-west-1"))
+    return 200, f"<DescribeRegionsResponse {NS}><requestId>t</requestId><regionInfo>{items}</regionInfo></DescribeRegionsResponse>"
+
+
+def price_rule(action, region, params):
+    if action != "DescribeSpotPriceHistory" or region not in PRICES:
+        return None
+    pages = PRICES[region]
+    page = int(params.get("NextToken") or 0)
+    return spot_history(pages[page], str(page + 1) if page + 1 < len(pages) else "")
+
+
+def aws_recipe(**overrides):
+    base = {"resources.clouds": "[aws]", "resources.regions": "[us-east-1, us-west-2]",
+            "resources.accelerators": "A10G", "resources.head": "local", "resources.join_timeout_s": 1,
+            "world.capacity_timeout_s": 30,
+            "aws.ami_ssm_parameter": "/aws/service/ami-amazon-linux-latest/al2023-ami-kernel-default-x86_64"}
+    return tiny_recipe(**{**base, **overrides})
+
+
+def provider(recipe=None, run="run-a"):
+    from providers import build
+    return build("aws", recipe or aws_recipe(), None, run)
+
+
+def run_cli(*args, env):
+    return subprocess.run([sys.executable, "-m", "elastic", *args], capture_output=True, text=True,
+                          env=cli_env(**env), cwd=REPO, timeout=120)
+
+
+def instances(region: str, run: str | None = None) -> list[dict]:
+    ec2 = boto3.client("ec2", region_name=region)
+    out = [vm for r in ec2.describe_instances()["Reservations"] for vm in r["Instances"]]
+    return [vm for vm in out if run is None or {"Key": "elastic:run", "Value": run} in vm.get("Tags", [])]
+
+
+# -- prices ------------------------------------------------------------------------------------------
+
+def test_prices_latest_per_zone_across_regions_ranked_per_gpu_hour(aws_env):
+    aws_env.rules.append(price_rule)
+    offers = provider().offers(aws_recipe().resources)
+    got = [(o.zone, o.instance_type, o.usd_per_hour) for o in offers]
+    assert got == [("us-west-2a", "g5.xlarge", 0.40),      # 0.40 per GPU-hour; at a tie the cheaper VM first
+                   ("us-east-1b", "g5.12xlarge", 1.60),    # 0.40 per GPU-hour, 4 GPUs
+                   ("us-west-2c", "g5.2xlarge", 0.42),
+                   ("us-east-1b", "g5.xlarge", 0.45),
+                   ("us-east-1a", "g5.xlarge", 0.50)]      # the latest row, not the older 0.10
+    assert aws_env.count("DescribeSpotPriceHistory") == 3   # two pages in us-east-1, one in us-west-2
+    by_type = {o.instance_type: o for o in offers}
+    assert (by_type["g5.12xlarge"].gpus, by_type["g5.12xlarge"].cpus, by_type["g5.12xlarge"].gpu) == (4, 48, "A10G")
+    assert by_type["g5.xlarge"].on_demand_usd_per_hour == 1.006
+    # A count keeps only instance types with that many GPUs.
+    four = provider().offers(aws_recipe(**{"resources.accelerators": "A10G:4"}).resources)
+    assert [o.instance_type for o in four] == ["g5.12xlarge"]
+
+
+def test_prices_cli_table_json_cache_and_refresh(aws_env):
+    aws_env.rules.append(price_rule)
+    args = ["prices", "--cloud", "aws", "--accelerator", "A10G", "--region", "us-east-1", "--region", "us-west-2"]
+    proc = run_cli(*args, "--json", env=aws_env.env)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    assert [r["usd_per_gpu_hour"] for r in rows] == sorted(r["usd_per_gpu_hour"] for r in rows)
+    assert {r["region"] for r in rows} == {"us-east-1", "us-west-2"} and len({r["zone"] for r in rows}) == 4
+    assert rows[1]["instance_type"] == "g5.12xlarge" and rows[1]["usd_per_gpu_hour"] == 0.4
+    calls = aws_env.count("DescribeSpotPriceHistory")
+    table = run_cli(*args, env=aws_env.env)
+    assert table.returncode == 0, table.stderr
+    lines = [ln for ln in table.stdout.splitlines() if "│ aws" in ln]
+    assert [ln.split("│")[3].strip() for ln in lines] == [r["zone"] for r in rows]   # same rows, same order
+    assert aws_env.count("DescribeSpotPriceHistory") == calls   # served from the disk cache
+    assert run_cli(*args, "--refresh", env=aws_env.env).returncode == 0
+    assert aws_env.count("DescribeSpotPriceHistory") == calls + 3   # --refresh read them again
+
+
+def test_throttling_is_retried_by_botocore_adaptive_mode(aws_env):
+    throttled = []
+
+    def throttle_twice(action, region, params):
+        if action == "DescribeSpotPriceHistory" and len(throttled) < 2:
+            throttled.append(region)
+            return aws_error("RequestLimitExceeded", "Request limit exceeded.", status=503)
+        return None
+
+    aws_env.rules.extend([throttle_twice, price_rule])
+    p = provider(aws_recipe(**{"resources.regions": "[us-west-2]"}))
+    assert p.client("ec2", "us-west-2").meta.config.retries["mode"] == "adaptive"
+    offers = p.offers(p.recipe.resources)
+    assert [o.zone for o in offers] == ["us-west-2a", "us-west-2c"]
+    assert len(throttled) == 2 and aws_env.count("DescribeSpotPriceHistory") == 3
+
+
+def test_missing_credentials_is_one_clear_line(aws_env, tmp_path):
+    env = {k: v for k, v in aws_env.env.items() if not k.startswith("AWS_ACCESS") and not k.startswith("AWS_SECRET")}
+    proc = subprocess.run([sys.executable, "-m", "elastic", "prices", "--cloud", "aws", "--accelerator", "A10G"],
+                          capture_output=True, text=True, cwd=REPO, timeout=60,
+                          env={k: v for k, v in cli_env(**env).items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")})
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert "no AWS credentials found" in proc.stderr and "AWS_ACCESS_KEY_ID" in proc.stderr
+
+
+def test_denied_permission_names_the_action_and_the_policy(aws_env):
+    aws_env.rules.append(lambda a, r, p: aws_error("UnauthorizedOperation", "You are not authorized")
+                         if a == "DescribeSpotPriceHistory" else None)
+    proc = run_cli("prices", "--cloud", "aws", "--accelerator", "L4", "--region", "eu-west-1", env=aws_env.env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "ec2:DescribeSpotPriceHistory" in proc.stderr and "infra/aws/driver-policy.json" in proc.stderr
+
+
+# -- launching ---------------------------------------------------------------------------------------
+
+def test_launch_request_spot_imdsv2_tags_user_data_then_join_timeout_terminates(aws_env, monkeypatch):
+    from providers.base import JoinTimeout
+
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "s3cret-cluster-token")
+    aws_env.rules.append(price_rule)
+    p = provider(aws_recipe(**{"resources.regions": "[us-west-2]"}), run="run-launch")
+    offer = p.offers(p.recipe.resources)[0]
+    t0 = time.time()
+    with pytest.raises(JoinTimeout) as info:
+        p.launch(offer, "run-launch", "replica")
+    exc = info.value
+    assert exc.instance.launched_at >= t0 and exc.released_at - exc.instance.launched_at >= 1.0
+    [vm] = instances("us-west-2", "run-launch")
+    assert vm["InstanceId"] == exc.instance.instance_id
+    assert vm["State"]["Name"] in ("shutting-down", "terminated")     # the join timeout released it
+    assert vm["InstanceLifecycle"] == "spot" and vm["InstanceType"] == offer.instance_type
+    assert vm["Placement"]["AvailabilityZone"] == offer.zone
+    assert vm["MetadataOptions"]["HttpTokens"] == "required"
+    tags = {t["Key"]: t["Value"] for t in vm["Tags"]}
+    assert (tags["elastic:run"], tags["elastic:role"], tags["elastic:recipe"]) == ("run-launch", "replica", "test")
+    ec2 = boto3.client("ec2", region_name="us-west-2")
+    raw = ec2.describe_instance_attribute(InstanceId=vm["InstanceId"], Attribute="userData")["UserData"]["Value"]
+    script = base64.b64decode(raw).decode()
+    assert script.startswith("#!/bin/bash") and "ray start --address=" in script
+    assert "elastic.run=run-launch" in script and "python3 -m providers.watcher --cloud aws" in script
+    assert "/elastic/run-launch/ray-token" in script          # fetched on the node with its role ...
+    for secret in ("s3cret-cluster-token", "testing", "AWS_SECRET"):  # ... never written into user data
+        assert secret not in script
+    ssm = boto3.client("ssm", region_name="us-west-2")
+    param = ssm.get_parameter(Name="/elastic/run-launch/ray-token", WithDecryption=True)["Parameter"]
+    assert param["Type"] == "SecureString" and param["Value"] == "s3cret-cluster-token"
+    p.close()   # the run's token goes with it
+    with pytest.raises(ssm.exceptions.ParameterNotFound):
+        ssm.get_parameter(Name="/elastic/run-launch/ray-token")
+
+
+@pytest.mark.parametrize("code", ["InsufficientInstanceCapacity", "SpotMaxPriceTooLow",
+                                  "MaxSpotInstanceCountExceeded", "VcpuLimitExceeded"])
+def test_capacity_refusals_are_capacity_errors(aws_env, code):
+    from providers.base import CapacityError, JoinTimeout
+
+    aws_env.rules.extend([lambda a, r, p: aws_error(code) if a == "RunInstances" else None, price_rule])
+    p = provider(aws_recipe(**{"resources.regions": "[us-west-2]"}))
+    offer = p.offers(p.recipe.resources)[0]
+    with pytest.raises(CapacityError, match=code) as info:
+        p.launch(offer, "run-a", "replica")
+    assert not isinstance(info.value, JoinTimeout)
+    assert instances("us-west-2") == [] and p.list_instances("run-a") == []
+
+
+def test_state_poll_sees_a_vm_that_vanished_without_notice(aws_env, monkeypatch):
+    import providers.cloud as cloud
+
+    aws_env.rules.append(price_rule)
+    p = provider(aws_recipe(**{"resources.regions": "[us-west-2]"}), run="run-poll")
+    inst = p._create(p.offers(p.recipe.resources)[0], "run-poll", "replica")
+    ec2 = boto3.client("ec2", region_name="us-west-2")
+    [vol] = ec2.describe_volumes(Filters=[{"Name": "tag:elastic:run", "Values": ["run-poll"]}])["Volumes"]
+    assert vol["Attachments"][0]["InstanceId"] == inst.instance_id   # the root volume carries the run's tags
+    inst.ray_node_id = "joined"     # as if its node had joined
+    p._held[inst.instance_id] = inst
+    monkeypatch.setattr(cloud, "STATE_POLL_S", 0.0)
+    assert p.events() == []   # still running
+    boto3.client("ec2", region_name="us-west-2").terminate_instances(InstanceIds=[inst.instance_id])
+    [ev] = p.events()
+    assert (ev.instance_id, ev.kind, ev.with_notice) == (inst.instance_id, "preempted", False)
+
+
+# -- elastic down ------------------------------------------------------------------------------------
+
+def test_down_terminates_a_runs_instances_in_every_region_and_orphans(aws_env, tmp_path):
+    aws_env.rules.extend([price_rule, three_regions])
+    p = provider(aws_recipe(), run="run-down")
+    east, west = p.offers(p.recipe.resources)[0], next(o for o in p.offers(p.recipe.resources) if o.region == "us-west-2")
+    mine = [p._create(east, "run-down", "replica").instance_id, p._create(west, "run-down", "replica").instance_id]
+    other = p._create(west, "run-other", "replica").instance_id
+    env = {**aws_env.env}
+    no = run_cli("down", "run-down", env=env)
+    assert no.returncode == 2 and "--yes" in no.stderr     # not a terminal: never terminates unasked
+    assert all(vm["State"]["Name"] == "running" for vm in instances("us-east-1") + instances("us-west-2"))
+    # Live runs under --runs-dir are not orphans; run-other has none, so it is one.
+    proc = run_cli("down", "run-down", "--yes", env=env)
+    assert proc.returncode == 0, proc.stderr
+    state = {vm["InstanceId"]: vm["State"]["Name"] for vm in instances("us-east-1") + instances("us-west-2")}
+    assert all(state[i] in ("shutting-down", "terminated") for i in mine) and state[other] == "running"
+    proc = run_cli("down", "--orphans", "--yes", "--runs-dir", str(tmp_path), env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "run-other" in proc.stdout
+    assert {r for a, r in aws_env.calls if a == "DescribeInstances"} >= {"us-east-1", "us-west-2", "eu-west-1"}
+    state = {vm["InstanceId"]: vm["State"]["Name"] for vm in instances("us-west-2")}
+    assert state[other] in ("shutting-down", "terminated")
+
+
+def test_down_orphans_spares_a_live_local_run(aws_env, tmp_path):
+    import os
+
+    aws_env.rules.extend([price_rule, three_regions])
+    p = provider(aws_recipe(**{"resources.regions": "[us-west-2]"}), run="run-live")
+    live = p._create(p.offers(p.recipe.resources)[0], "run-live", "replica").instance_id
+    (tmp_path / "run-live").mkdir()
+    (tmp_path / "run-live" / "events.jsonl").write_text(
+        json.dumps({"t": time.time(), "type": "run_started", "run": "run-live", "pid": os.getpid()}) + "\n")
+    proc = run_cli("down", "--orphans", "--yes", "--runs-dir", str(tmp_path), env=aws_env.env)
+    assert proc.returncode == 0 and "nothing to terminate" in proc.stdout, proc.stdout + proc.stderr
+    assert instances("us-west-2")[0]["InstanceId"] == live and instances("us-west-2")[0]["State"]["Name"] == "running"
+
+
+# -- acceptance: elastic launch of a real AWS recipe whose VMs never join -----------------------------
+
+@pytest.mark.slow
+def test_launch_smoke_recipe_no_node_joins_ends_clean_and_billed(aws_env, tmp_path):
+    """recipes/aws-smoke.yaml with the head here: the first launch is refused for capacity (that
+    offer cools down, the next one is tried), one is throttled (botocore retries it), the VMs moto
+    starts never join, each is terminated at the join timeout, and the run ends with one line."""
+    refused, throttled = [], []
+
+    def faults(action, region, params):
+        if action != "RunInstances":
+            return None
+        if not refused:
+            refused.append((params.get("Placement.AvailabilityZone"), params.get("InstanceType")))
+            return aws_error("InsufficientInstanceCapacity", "We currently do not have sufficient capacity.")
+        if not throttled:
+            throttled.append(1)
+            return aws_error("RequestLimitExceeded", "Request limit exceeded.", status=503)
+        return None
+
+    aws_env.rules.extend([faults, price_rule])
+    run_dir = tmp_path / "aws-smoke-run"
+    proc = run_cli("launch", "recipes/aws-smoke.yaml", "--run-dir", str(run_dir),
+                   "--set", "resources.join_timeout_s=3", "--set", "world.capacity_timeout_s=7", env=aws_env.env)
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    [line] = [ln for ln in proc.stdout.splitlines() if "no node joined" in ln]
+    assert "no node joined within 3 s" in line and "1 launch(es) refused for capacity" in line
+    events = [json.loads(ln) for ln in (run_dir / "events.jsonl").read_text().splitlines()]
+    kinds = [e["type"] for e in events]
+    assert kinds.count("capacity_error") == 1 and kinds[-1] == "run_ended" and events[-1]["status"] == "insufficient_capacity"
+    launched = [e for e in events if e["type"] == "node_launched"]
+    assert launched and all(e["joined"] is False and e["ray_node_id"] is None for e in launched)
+    assert (launched[0]["zone"], launched[0]["instance_type"]) != refused[0]   # the refused offer cooled down
+    timed_out = {e["instance_id"] for e in events if e["type"] == "node_join_timeout"}
+    released = {e["instance_id"] for e in events if e["type"] == "node_released"}
+    assert timed_out and {e["instance_id"] for e in launched} == released
+    assert aws_env.count("RunInstances") == len(launched) + 2    # + the refusal + the throttled try
+    # Nothing of the run is left running in any region.
+    for region in ("us-east-1", "us-west-2"):
+        assert all(vm["State"]["Name"] in ("shutting-down", "terminated") for vm in instances(region, run_dir.name))
+    assert sum(len(instances(r, run_dir.name)) for r in ("us-east-1", "us-west-2")) == len(launched)
+    # The report bills the seconds each VM ran: at least the join timeout for those that timed out.
+    report = json.loads((run_dir / "report.json").read_text())
+    billed = {i["instance_id"]: i for i in report["instances"]}
+    assert set(billed) == released
+    for iid in timed_out:
+        assert billed[iid]["seconds"] >= 3.0 and billed[iid]["ended"] == "released" and billed[iid]["cloud"] == "aws"
+
+
+def test_head_controller_starts_an_on_demand_controller_vm_that_down_stops(aws_env, tmp_path):
+    aws_env.rules.append(price_rule)
+    run_dir = tmp_path / "ctl-run"
+    args = ["launch", "recipes/aws-smoke.yaml", "--set", "resources.head=controller",
+            "--set", "aws.controller_instance_profile=elastic-driver"]
+    missing = run_cli(*args, "--run-dir", str(tmp_path / "no-profile"), env=aws_env.env)
+    assert missing.returncode == 2 and "NoSuchEntity" in missing.stderr and "Traceback" not in missing.stderr
+    assert missing.stderr.count("\n") == 1
+    iam = boto3.client("iam", region_name="us-east-1")   # what infra/aws/ creates
+    iam.create_role(RoleName="elastic-driver", AssumeRolePolicyDocument="{}")
+    iam.create_instance_profile(InstanceProfileName="elastic-driver")
+    iam.add_role_to_instance_profile(InstanceProfileName="elastic-driver", RoleName="elastic-driver")
+    proc = run_cli("launch", "recipes/aws-smoke.yaml", "--set", "resources.head=controller",
+                   "--set", "aws.controller_instance_profile=elastic-driver", "--run-dir", str(run_dir),
+                   env={**aws_env.env, "AWS_SECRET_ACCESS_KEY": "dont-leak-this-secret"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [vm] = instances("us-east-1", "ctl-run")
+    assert vm["State"]["Name"] == "running" and "InstanceLifecycle" not in vm      # on-demand
+    tags = {t["Key"]: t["Value"] for t in vm["Tags"]}
+    assert tags["elastic:role"] == "controller" and vm["InstanceType"] == "m7i.large"
+    assert vm["MetadataOptions"]["HttpTokens"] == "required"
+    assert vm["IamInstanceProfile"]["Arn"].endswith("elastic-driver")
+    ec2 = boto3.client("ec2", region_name="us-east-1")
+    raw = ec2.describe_instance_attribute(InstanceId=vm["InstanceId"], Attribute="userData")["UserData"]["Value"]
+    script = base64.b64decode(raw).decode()
+    assert "ray start --head" in script and "elastic launch recipe.yaml --set resources.head=local" in script
+    [recipe_b64] = re.findall(r"echo (\S+) \| base64 -d", script)
+    assert "name: aws-smoke" in base64.b64decode(recipe_b64).decode()
+    assert "dont-leak-this-secret" not in script and "AWS_SECRET" not in script
+    events = [json.loads(ln) for ln in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["type"] for e in events] == ["run_started", "node_launched", "controller_started"]
+    assert vm["InstanceId"] in proc.stdout
+    down = run_cli("down", str(run_dir), "--yes", env=aws_env.env)
+    assert down.returncode == 0, down.stderr
+    [vm] = instances("us-east-1", "ctl-run")
+    assert vm["State"]["Name"] in ("shutting-down", "terminated")
+
+
+# -- infra/aws ---------------------------------------------------------------------------------------
+
+def test_account_setup_is_idempotent_and_its_output_launches(aws_env, tmp_path):
+    """infra/aws/setup_account.py against moto: bucket, policies, roles, profiles, security groups;
+    run twice; its recipe section is accepted by a launch (nodes get the profile and the group)."""
+    script = REPO / "infra" / "aws" / "setup_account.py"
+    args = [sys.executable, str(script), "--bucket", "ckpt-bucket", "--region", "us-east-1", "--region", "us-west-2"]
+    for _ in range(2):
+        # Straight to moto: S3 uploads are chunked, which the test proxy does not pass on.
+        env = cli_env(**{**aws_env.env, "AWS_ENDPOINT_URL": aws_env.upstream})
+        proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+    section = json.loads(proc.stdout[proc.stdout.index("{"):proc.stdout.rindex("}") + 1])
+    iam = boto3.client("iam", region_name="us-east-1")
+    policies = {p["PolicyName"]: p for p in iam.list_policies(Scope="Local")["Policies"]}
+    node_doc = iam.get_policy_version(PolicyArn=policies["elastic-node"]["Arn"],
+                                      VersionId=policies["elastic-node"]["DefaultVersionId"])["PolicyVersion"]["Document"]
+    node_doc = json.loads(node_doc) if isinstance(node_doc, str) else node_doc
+    s3_resources = [r for st in node_doc["Statement"] if any(a.startswith("s3:") for a in st["Action"])
+                    for r in st["Resource"]]
+    assert s3_resources == ["arn:aws:s3:::ckpt-bucket", "arn:aws:s3:::ckpt-bucket/*"]   # the bucket only
+    ec2 = boto3.client("ec2", region_name="us-west-2")
+    [group] = ec2.describe_security_groups(Filters=[{"Name": "group-name", "Values": ["elastic-nodes"]}])["SecurityGroups"]
+    [rule] = group["IpPermissions"]
+    assert [p["GroupId"] for p in rule["UserIdGroupPairs"]] == [group["GroupId"]] and rule["IpRanges"] == []
+    # The printed section, used by a recipe: the VM gets the node profile and the group.
+    aws_env.rules.append(price_rule)
+    p = provider(aws_recipe(**{"resources.regions": "[us-west-2]", "aws.instance_profile": section["aws"]["instance_profile"],
+                               "aws.security_group": section["aws"]["security_group"]}), run="run-infra")
+    inst = p._create(p.offers(p.recipe.resources)[0], "run-infra", "replica")
+    [vm] = instances("us-west-2", "run-infra")
+    assert vm["InstanceId"] == inst.instance_id and vm["IamInstanceProfile"]["Arn"].endswith("/elastic-node")
+    assert [g["GroupId"] for g in vm["SecurityGroups"]] == [group["GroupId"]]
+
+
+def test_driver_policy_allows_every_call_the_provider_makes():
+    import re as _re
+
+    source = (REPO / "providers" / "aws.py").read_text()
+    calls = set(_re.findall(r'_call\("ec2", [\w.]+, "(\w+)"', source)) | set(_re.findall(r'get_paginator\("(\w+)"\)', source))
+    calls |= {"describe_regions"} if "describe_regions" in source else set()
+    actions = {"ec2:" + "".join(w.capitalize() for w in c.split("_")) for c in calls}
+    actions |= {"ssm:" + "".join(w.capitalize() for w in c.split("_"))
+                for c in _re.findall(r'_call\("ssm", [\w.]+, "(\w+)"', source)}
+    doc = json.loads((REPO / "infra" / "aws" / "driver-policy.json").read_text())
+    allowed = {a for st in doc["Statement"] for a in ([st["Action"]] if isinstance(st["Action"], str) else st["Action"])}
+    assert actions and actions <= allowed, sorted(actions - allowed)
+
+
+# -- a VM whose node joins: the label wait, a forwarded notice, termination (real local Ray) -------
+
+@pytest.mark.slow
+def test_launch_returns_once_the_vms_node_joins_and_notices_arrive(aws_env, local_cluster):
+    """moto rents the VM; a raylet labelled with its instance id stands in for the VM's boot
+    script joining. The provider returns it with that Ray node; a notice the node's watcher
+    forwards through Ray's KV becomes a NodeEvent; terminating it ends the VM."""
+    import threading
+
+    from providers import build, watcher
+
+    aws_env.rules.append(price_rule)
+    recipe = aws_recipe(**{"resources.regions": "[us-west-2]", "resources.join_timeout_s": 60,
+                          "world.capacity_timeout_s": 60})
+    p = build("aws", recipe, local_cluster, "run-join")
+    offer = p.offers(recipe.resources)[0]
+    result = {}
+    t = threading.Thread(target=lambda: result.update(inst=p.launch(offer, "run-join", "replica")))
+    t.start()
+    deadline = time.monotonic() + 30
+    while not instances("us-west-2", "run-join") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    [vm] = instances("us-west-2", "run-join")
+    node_id = local_cluster.add_node(cpus=1, gpus=0, labels={"elastic.instance_id": vm["InstanceId"]}, resources={},
+                                     object_store_bytes=80 * 1024 * 1024)
+    try:
+        t.join(timeout=30)
+        inst = result["inst"]
+        assert (inst.instance_id, inst.ray_node_id) == (vm["InstanceId"], node_id)
+        assert [i.instance_id for i in p.list_instances("run-join")] == [inst.instance_id]
+        assert p.events() == []
+        deadline_unix = time.time() + 120
+        watcher.forward(inst.instance_id, {"kind": "notice", "deadline": deadline_unix, "action": "terminate"})
+        [ev] = p.events()
+        assert (ev.instance_id, ev.kind, ev.deadline) == (inst.instance_id, "notice", deadline_unix)
+        assert p.events() == []   # reported once
+        p.terminate(inst.instance_id)
+        assert instances("us-west-2", "run-join")[0]["State"]["Name"] in ("shutting-down", "terminated")
+        assert p.list_instances("run-join") == []
+    finally:
+        local_cluster.remove_node(node_id)
+        p.close()

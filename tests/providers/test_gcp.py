@@ -1,0 +1,474 @@
+"""The gcp provider against the local fake of Compute Engine, the Billing Catalog and the metadata
+server (tests/providers/gcp_fake.py): the real google-cloud clients, our code path, HTTP on 127.0.0.1."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from providers.base import Offer
+from tests.conftest import REPO, cli_env, tiny_recipe
+from tests.providers.gcp_fake import MACHINE_TYPES, PRICES, ZONE_ACCELERATORS, ZONE_MACHINE_TYPES, ZONES
+
+
+def _provider(run="run-1", cluster=None, **dotted):
+    from providers import build
+
+    recipe = tiny_recipe(**{"resources.clouds": "[gcp]", "resources.head": "local",
+                            "world.capacity_timeout_s": 600, **dotted})
+    return build("gcp", recipe, cluster, run), recipe
+
+
+def _expected_usd(machine_type: str, region: str, spot: bool) -> float:
+    """The price of one VM from the fake's price table: vCPUs, GiB and GPUs at their SKU rates."""
+    cpus, mem, accel, gpus = MACHINE_TYPES[machine_type]
+    fam = machine_type.split("-")[0]
+    gpu = {"nvidia-tesla-a100": "A100", "nvidia-a100-80gb": "A100-80GB", "nvidia-l4": "L4"}[accel]
+    i = 1 if spot else 0
+    t = PRICES[region]
+    return cpus * t[f"{fam}-core"][i] + mem * t[f"{fam}-ram"][i] + gpus * t[gpu][i]
+
+
+# -- prices and the catalog ------------------------------------------------------------------------
+
+def test_offers_priced_per_vm_across_regions_and_zones(gcp_fake):
+    p, recipe = _provider(**{"resources.accelerators": "A100"})
+    offers = p.offers(recipe.resources)
+    got = {(o.zone, o.instance_type): o for o in offers}
+    # Every UP zone whose machine types carry an A100 (40 or 80 GB) and whose region has prices.
+    want = {(z, mt) for z, mts in ZONE_MACHINE_TYPES.items() if ZONES[z] == "UP" for mt in mts
+            if mt.startswith("a2-") and z.rsplit("-", 1)[0] in PRICES
+            and ("A100-80GB" if "ultra" in mt else "A100") in PRICES[z.rsplit("-", 1)[0]]}
+    assert set(got) == want
+    assert not any(z == "europe-west4-b" for z, _ in got)              # a DOWN zone offers nothing
+    for (zone, mt), o in got.items():
+        region = zone.rsplit("-", 1)[0]
+        assert o.cloud == "gcp" and o.region == region and o.spot
+        assert o.usd_per_hour == pytest.approx(_expected_usd(mt, region, True), rel=1e-6)
+        # On-demand from the OnDemand SKUs, not the 1-year commitment SKU also in the catalog.
+        assert o.on_demand_usd_per_hour == pytest.approx(_expected_usd(mt, region, False), rel=1e-6)
+        assert o.gpus == MACHINE_TYPES[mt][3] and o.cpus == MACHINE_TYPES[mt][0]
+    per_gpu = [o.usd_per_hour / o.gpus for o in offers]
+    assert per_gpu == sorted(per_gpu)
+    assert {o.gpu for o in offers} == {"A100", "A100-80GB"}
+    assert offers[0].zone == "us-east1-b"   # the cheapest A100 spot region in the test catalog
+
+
+def test_offers_filter_by_count_region_model_and_price(gcp_fake):
+    p, recipe = _provider(**{"resources.accelerators": "A100-80GB:8", "resources.regions": "[europe-west4]"})
+    assert [(o.zone, o.instance_type) for o in p.offers(recipe.resources)] == [("europe-west4-a", "a2-ultragpu-8g")]
+    p, recipe = _provider(**{"resources.accelerators": "A100:1", "resources.max_usd_per_hour": 1.45})
+    offers = p.offers(recipe.resources)
+    assert offers and all(o.usd_per_hour <= 1.45 and o.gpus == 1 for o in offers)
+    p, recipe = _provider(**{"resources.accelerators": "L4:1", "resources.spot": "false"})
+    offers = p.offers(recipe.resources)
+    assert offers and all(not o.spot and o.usd_per_hour == o.on_demand_usd_per_hour for o in offers)
+    p, recipe = _provider(**{"resources.accelerators": "H100:8"})
+    assert p.offers(recipe.resources) == []
+
+
+def test_n1_offers_attach_gpus(gcp_fake):
+    p, recipe = _provider(**{"resources.accelerators": "T4:2"})
+    offers = p.offers(recipe.resources)
+    assert offers and {o.instance_type for o in offers} == {"n1-standard-16"}
+    # Wherever acceleratorTypes lists T4 (up to at least 2 cards) in an UP zone of a priced region:
+    # europe-west4-b lists it too, but is DOWN.
+    assert {o.zone for o in offers} == {z for z, acc in ZONE_ACCELERATORS.items() if acc.get("nvidia-tesla-t4", 0) >= 2
+                                        and ZONES[z] == "UP" and "T4" in PRICES[z.rsplit("-", 1)[0]]}
+    assert "europe-west4-b" not in {o.zone for o in offers}
+    t = PRICES["us-east1"]
+    east = next(o for o in offers if o.zone == "us-east1-c")
+    assert east.usd_per_hour == pytest.approx(16 * t["n1-core"][1] + 60 * t["n1-ram"][1] + 2 * t["T4"][1])
+
+
+def test_prices_cached_on_disk_and_refresh(gcp_fake, monkeypatch):
+    from providers import cloud
+
+    p, recipe = _provider(**{"resources.accelerators": "L4"})
+    first = p.offers(recipe.resources)
+    pages = len(gcp_fake.calls("GET", "/skus$"))
+    assert pages > 1                                    # the catalog came in several pages
+    again, _ = _provider(**{"resources.accelerators": "L4"})   # a new process-like provider: disk cache
+    assert again.offers(recipe.resources) == first
+    assert len(gcp_fake.calls("GET", "/skus$")) == pages
+    monkeypatch.setattr(cloud, "_refresh", True)
+    fresh, _ = _provider(**{"resources.accelerators": "L4"})
+    assert [o.usd_per_hour for o in fresh.offers(recipe.resources)] == [o.usd_per_hour for o in first]
+    assert len(gcp_fake.calls("GET", "/skus$")) == 2 * pages
+
+
+def test_catalog_falls_back_to_shipped_table_when_lists_are_refused(gcp_fake):
+    gcp_fake.deny(r"/aggregated/machineTypes")
+    p, recipe = _provider(**{"resources.accelerators": "A100:8"})
+    offers = p.offers(recipe.resources)
+    # The shipped table's A100 zones in regions the catalog prices: us-central1, us-east1, europe-west4.
+    assert {o.instance_type for o in offers} == {"a2-highgpu-8g", "a2-ultragpu-8g"}
+    assert {"us-central1-a", "us-east1-b", "europe-west4-a"} <= {o.zone for o in offers}
+
+
+# -- launch, errors, teardown ----------------------------------------------------------------------
+
+def _offer(p, recipe, zone=None):
+    offers = p.offers(recipe.resources)
+    return next(o for o in offers if zone is None or o.zone == zone)
+
+
+def test_launch_request_spot_delete_labels_accelerators_no_secrets(gcp_fake, monkeypatch):
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "tok-secret-123")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-secret-456")
+    p, recipe = _provider(run="My.Run_1", **{"resources.accelerators": "T4:2"})
+    offer = _offer(p, recipe, "us-east1-c")
+    inst = p._create(offer, "My.Run_1", "replica")
+    (body,) = gcp_fake.inserted()
+    assert body["name"] == inst.instance_id
+    assert body["machineType"].endswith("zones/us-east1-c/machineTypes/n1-standard-16")
+    assert body["scheduling"] == {"provisioningModel": "SPOT", "instanceTerminationAction": "DELETE",
+                                  "onHostMaintenance": "TERMINATE", "automaticRestart": False}
+    assert body["labels"] == {"elastic-run": "my-run_1", "elastic-role": "replica", "elastic-managed": "true"}
+    assert body["guestAccelerators"] == [{"acceleratorType": "zones/us-east1-c/acceleratorTypes/nvidia-tesla-t4",
+                                          "acceleratorCount": 2}]
+    meta = {i["key"]: i["value"] for i in body["metadata"]["items"]}
+    assert meta["elastic-run"] == "My.Run_1"
+    assert json.loads(meta["elastic-offer"])["usd_per_hour"] == offer.usd_per_hour
+    script = meta["startup-script"]
+    assert "ray start --address=" in script and "--cloud gcp" in script and "--num-gpus=2" in script
+    assert "elastic.run=My.Run_1" in script
+    blob = json.dumps(body)
+    assert "tok-secret-123" not in blob and "aws-secret-456" not in blob and "private_key" not in blob
+    # A bundled-GPU machine type carries no guest accelerators.
+    p2, recipe2 = _provider(**{"resources.accelerators": "A100:1"})
+    p2._create(_offer(p2, recipe2), "run-1", "replica")
+    assert "guestAccelerators" not in gcp_fake.inserted()[-1]
+
+
+@pytest.mark.parametrize("mode,code", [("operation", "ZONE_RESOURCE_POOL_EXHAUSTED"),
+                                       ("operation", "QUOTA_EXCEEDED"), ("http", "quotaExceeded")])
+def test_stockout_and_quota_are_capacity_errors(gcp_fake, mode, code):
+    from providers.base import CapacityError
+
+    p, recipe = _provider(**{"resources.accelerators": "A100:1"})
+    offer = _offer(p, recipe, "us-east1-b")
+    gcp_fake.insert_errors["us-east1-b"] = (mode, code)
+    with pytest.raises(CapacityError, match=code):
+        p.launch(offer, "run-1", "replica")
+    assert gcp_fake.instances == {}
+    # The next zone is tried by the driver after the cool-down; here: it works.
+    inst = p._create(_offer(p, recipe, "us-central1-a"), "run-1", "replica")
+    assert set(gcp_fake.instances) == {inst.instance_id}
+
+
+def test_rate_limits_retried_by_api_core_one_vm(gcp_fake):
+    p, recipe = _provider(**{"resources.accelerators": "L4:1"})
+    offer = _offer(p, recipe)
+    gcp_fake.rate_limit(3)
+    t0 = time.monotonic()
+    inst = p._create(offer, "run-1", "replica")
+    assert time.monotonic() - t0 < 30
+    inserts = gcp_fake.calls("POST", r"/instances$")
+    assert len(inserts) == 4                                     # 3 answered 429, then accepted
+    assert len({r["query"]["requestId"] for r in inserts}) == 1   # one request id: idempotent retries
+    assert list(gcp_fake.instances) == [inst.instance_id]
+
+
+def test_join_timeout_terminates_and_reports_the_vm(gcp_fake):
+    from providers.base import JoinTimeout
+
+    p, recipe = _provider(**{"resources.accelerators": "L4:1", "resources.join_timeout_s": 0.5})
+    t0 = time.time()
+    with pytest.raises(JoinTimeout) as info:
+        p.launch(_offer(p, recipe), "run-1", "replica")
+    exc = info.value
+    assert exc.instance.instance_id.startswith("elastic-run-1-repl-")
+    assert t0 <= exc.instance.launched_at <= exc.released_at and exc.timeout_s == 0.5
+    assert gcp_fake.instances == {}
+    assert gcp_fake.calls("DELETE", exc.instance.instance_id)
+
+
+def test_list_by_label_terminate_and_down_leave_nothing(gcp_fake):
+    p, recipe = _provider(run="run-a", **{"resources.accelerators": "L4:1"})
+    offer = _offer(p, recipe)
+    a = [p._create(offer, "run-a", "replica") for _ in range(2)]
+    b = p._create(offer, "run-b", "replica")
+    # A fresh provider (as `elastic down` builds) finds them by label, prices restored from metadata.
+    down, _ = _provider(run="run-a", **{"resources.accelerators": "L4:1"})
+    listed = down.list_instances("run-a")
+    assert sorted(i.instance_id for i in listed) == sorted(i.instance_id for i in a)
+    assert all(i.offer.usd_per_hour == offer.usd_per_hour and i.role == "replica" for i in listed)
+    assert {i.run for i in down.find_instances(None)} == {"run-a", "run-b"}
+    for i in listed:
+        down.terminate(i.instance_id)
+        down.terminate(i.instance_id)    # idempotent: already gone is fine
+    assert down.list_instances("run-a") == []
+    assert list(gcp_fake.instances) == [b.instance_id]
+
+
+def test_status_poll_reports_a_preempted_vm(gcp_fake, monkeypatch):
+    from providers import cloud
+
+    monkeypatch.setattr(cloud, "STATE_POLL_S", 0.0)
+    p, recipe = _provider(**{"resources.accelerators": "L4:1"})
+    keep, lost = (p._create(_offer(p, recipe), "run-1", "replica") for _ in range(2))
+    for inst in (keep, lost):   # as launch() holds them once their Ray node joined
+        inst.ray_node_id = f"node-{inst.instance_id}"
+        p._held[inst.instance_id] = inst
+    assert p.events() == []
+    gcp_fake.preempt(lost.instance_id)
+    (ev,) = p.events()
+    assert (ev.instance_id, ev.kind, ev.with_notice) == (lost.instance_id, "preempted", False)
+    assert [i.instance_id for i in p._held.values()] == [keep.instance_id]
+
+
+# -- notices on the VM -----------------------------------------------------------------------------
+
+def test_metadata_watch_preempted_and_maintenance(gcp_fake):
+    from providers.gcp import MAINTENANCE_NOTICE_S, PREEMPT_NOTICE_S, MetadataWatch
+
+    w = MetadataWatch(gcp_fake.metadata_url, wait_s=30)
+    try:
+        assert w.wait(0.3) is None                       # long polls waiting, nothing yet
+        t0 = time.time()
+        gcp_fake.set_metadata("preempted", "TRUE")
+        notice = w.wait(5)
+        assert notice["kind"] == "notice" and notice["action"] == "preempted"
+        assert t0 + PREEMPT_NOTICE_S - 1 <= notice["deadline"] <= time.time() + PREEMPT_NOTICE_S
+    finally:
+        w.stop()
+    gcp_fake.set_metadata("preempted", "FALSE")
+    w = MetadataWatch(gcp_fake.metadata_url, wait_s=30)
+    try:
+        gcp_fake.set_metadata("maintenance-event", "TERMINATE_ON_HOST_MAINTENANCE")
+        notice = w.wait(5)
+        assert notice["action"] == "maintenance"
+        assert notice["deadline"] == pytest.approx(time.time() + MAINTENANCE_NOTICE_S, abs=5)
+    finally:
+        w.stop()
+
+
+def test_watcher_forwards_one_gcp_notice(gcp_fake):
+    from providers import watcher
+
+    sent, stop = [], threading.Event()
+    t = threading.Thread(target=watcher.watch, args=("gcp", "vm-1"),
+                         kwargs={"send": lambda i, n: sent.append((i, n)), "poll_s": 0.0, "stop": stop})
+    t.start()
+    try:
+        gcp_fake.set_metadata("preempted", "TRUE")
+        t.join(timeout=10)
+        assert not t.is_alive()                  # returns after forwarding the interruption
+        assert [(i, n["kind"], n["action"]) for i, n in sent] == [("vm-1", "notice", "preempted")]
+    finally:
+        stop.set()
+        from providers import gcp
+        for w in gcp._watches.values():
+            w.stop()
+        gcp._watches.clear()
+
+
+# -- the CLI ---------------------------------------------------------------------------------------
+
+def _cli(*args, env=None, timeout=120):
+    return subprocess.run([sys.executable, "-m", "elastic", *args], capture_output=True, text=True,
+                          env=env or cli_env(), cwd=REPO, timeout=timeout)
+
+
+def test_cli_prices_gcp_table_and_json(gcp_fake):
+    r = _cli("prices", "--cloud", "gcp", "--accelerator", "A100", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert {row["cloud"] for row in rows} == {"gcp"}
+    assert len({row["region"] for row in rows}) >= 3 and len({row["zone"] for row in rows}) >= 4
+    per_gpu = [row["usd_per_gpu_hour"] for row in rows]
+    assert per_gpu == sorted(per_gpu)
+    r = _cli("prices", "--cloud", "gcp", "--accelerator", "A100:8")
+    assert r.returncode == 0, r.stderr
+    assert "a2-highgpu-8g" in r.stdout and "us-east1-b" in r.stdout and "a2-highgpu-1g" not in r.stdout
+
+
+def test_cli_prices_without_credentials_is_one_line(tmp_path):
+    env = cli_env(GOOGLE_APPLICATION_CREDENTIALS=str(tmp_path / "missing.json"), NO_GCE_CHECK="True",
+                  ELASTIC_CACHE=str(tmp_path / "cache"))
+    for k in ("ELASTIC_GCP_COMPUTE_ENDPOINT", "ELASTIC_GCP_BILLING_ENDPOINT"):
+        env.pop(k, None)
+    r = _cli("prices", "--cloud", "gcp", "--accelerator", "A100", env=env)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "gcp:" in lines[0] and "credentials" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_cli_launch_gcp_smoke_no_node_joins(gcp_fake, tmp_path):
+    """recipes/gcp-smoke.yaml against the fake: VMs are created but never join (nothing boots), so
+    the run ends insufficient_capacity with one line, nothing of it is left, and the report bills
+    the seconds each VM was held."""
+    run_dir = tmp_path / "run"
+    r = _cli("launch", "recipes/gcp-smoke.yaml", "--run-dir", str(run_dir), "--set", "resources.join_timeout_s=3",
+             "--set", "world.capacity_timeout_s=6", timeout=240)
+    assert r.returncode == 4, r.stdout + r.stderr
+    out = " ".join(r.stdout.split())
+    assert "no node joined within 3 s" in out and "Traceback" not in r.stdout + r.stderr
+    assert gcp_fake.instances == {}                                    # nothing of the run is left
+    inserted = {b["name"] for b in gcp_fake.inserted()}
+    deleted = {c["path"].rsplit("/", 1)[-1] for c in gcp_fake.calls("DELETE", "/instances/")}
+    assert inserted and inserted == deleted
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["status"] == "insufficient_capacity"
+    billed = {i["instance_id"]: i for i in report["instances"]}
+    assert set(billed) == inserted
+    for i in billed.values():
+        assert i["cloud"] == "gcp" and 0 < i["seconds"] < 60 and i["cost_usd"] > 0
+    assert report["cost_usd"] == pytest.approx(sum(i["cost_usd"] for i in billed.values()), abs=1e-6)
+
+
+def test_cli_prices_without_cloud_ranks_aws_and_gcp_together(gcp_fake, aws_env):
+    """No --cloud: every configured cloud (moto for AWS, the fake for GCP) in one ranking."""
+    from tests.providers.test_aws import spot_history
+
+    aws_rows = {"us-east-1": [("us-east-1a", "p4d.24xlarge", 12.0, "2026-01-01T10:00:00Z")],
+                "us-west-2": [("us-west-2b", "p4de.24xlarge", 9.0, "2026-01-01T10:00:00Z")]}
+    aws_env.rules.append(lambda action, region, params: spot_history(aws_rows[region])
+                         if action == "DescribeSpotPriceHistory" and region in aws_rows else None)
+    regions = ["us-east-1", "us-west-2", "us-central1", "us-east1", "europe-west4"]
+    r = _cli("prices", "--accelerator", "A100", "--json", *[a for g in regions for a in ("--region", g)],
+             env=cli_env(**aws_env.env, **gcp_fake.env()))
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert {row["cloud"] for row in rows} == {"aws", "gcp"}
+    per_gpu = [row["usd_per_gpu_hour"] for row in rows]
+    assert per_gpu == sorted(per_gpu)
+    where = [(row["cloud"], row["zone"], row["instance_type"]) for row in rows]
+    # AWS p4de at 1.125 per GPU-hour beats every GCP A100; p4d at 1.5 ranks after GCP's us-east1
+    # (1.3957) and before its europe-west4 (1.6158).
+    assert where[0] == ("aws", "us-west-2b", "p4de.24xlarge")
+    p4d = where.index(("aws", "us-east-1a", "p4d.24xlarge"))
+    assert where.index(("gcp", "us-east1-b", "a2-highgpu-8g")) < p4d < where.index(("gcp", "europe-west4-a",
+                                                                                      "a2-highgpu-8g"))
+
+
+def test_cluster_token_goes_to_secret_manager_not_metadata(gcp_fake, monkeypatch):
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "tok-secret-789")
+    p, recipe = _provider(run="run-t", **{"resources.accelerators": "L4:1"})
+    offer = _offer(p, recipe)
+    for _ in range(2):
+        p._create(offer, "run-t", "replica")
+    name = p.token_secret("run-t")
+    assert gcp_fake.secrets[name]["versions"] == ["tok-secret-789"]    # stored once per run
+    assert gcp_fake.secrets[name]["labels"]["elastic-run"] == "run-t"
+    for body in gcp_fake.inserted():
+        script = {i["key"]: i["value"] for i in body["metadata"]["items"]}["startup-script"]
+        assert f"gcloud secrets versions access latest --secret={name} --project=elastic-test" in script
+        assert "tok-secret-789" not in json.dumps(body)
+    p.close()                                                          # the run's end deletes it
+    assert name not in gcp_fake.secrets
+
+
+def test_head_controller_starts_an_on_demand_controller_vm_that_down_stops(gcp_fake, tmp_path):
+    run_dir = tmp_path / "ctl-run"
+    sa = "elastic-driver@elastic-test.iam.gserviceaccount.com"
+    r = _cli("launch", "recipes/gcp-smoke.yaml", "--set", "resources.head=controller", "--set",
+             f"gcp.controller_service_account={sa}", "--run-dir", str(run_dir),
+             env=cli_env(**gcp_fake.env(), RAY_AUTH_TOKEN="dont-leak-this-token"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    [(name, vm)] = gcp_fake.instances.items()
+    assert name in r.stdout
+    assert vm["labels"]["elastic-role"] == "controller" and vm["machineType"].endswith("/e2-standard-2")
+    assert vm["scheduling"]["provisioningModel"] == "STANDARD" and vm["scheduling"]["onHostMaintenance"] == "MIGRATE"
+    assert "guestAccelerators" not in vm and vm["serviceAccounts"][0]["email"] == sa
+    script = {i["key"]: i["value"] for i in vm["metadata"]["items"]}["startup-script"]
+    assert "ray start --head" in script and "elastic launch recipe.yaml --set resources.head=local" in script
+    [recipe_b64] = re.findall(r"echo (\S+) \| base64 -d", script)
+    assert "name: gcp-smoke" in base64.b64decode(recipe_b64).decode()
+    assert "dont-leak-this-token" not in json.dumps(vm)
+    events = [json.loads(ln) for ln in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["type"] for e in events] == ["run_started", "node_launched", "controller_started"]
+    t = PRICES["us-central1"]   # priced from the catalog's E2 SKUs: 2 vCPUs, 8 GiB
+    assert events[1]["usd_per_hour"] == pytest.approx(2 * t["e2-core"][0] + 8 * t["e2-ram"][0])
+    down = _cli("down", str(run_dir), "--yes", env=cli_env(**gcp_fake.env()))
+    assert down.returncode == 0, down.stderr
+    assert gcp_fake.instances == {}
+
+
+def test_down_orphans_terminates_runs_no_longer_alive(gcp_fake, tmp_path):
+    p, recipe = _provider(**{"resources.accelerators": "L4:1"})
+    offer = _offer(p, recipe)
+    orphan = p._create(offer, "gone-run", "replica")
+    ctl = p._create(Offer(**{**offer.to_dict(), "gpus": 0, "gpu": "", "spot": False}), "live-run", "controller")
+    worker = p._create(offer, "live-run", "replica")
+    r = _cli("down", "--orphans", "--yes", "--runs-dir", str(tmp_path / "runs"), env=cli_env(**gcp_fake.env()))
+    assert r.returncode == 0, r.stderr
+    assert "terminated 1 instance(s)" in r.stdout and orphan.instance_id not in gcp_fake.instances
+    assert set(gcp_fake.instances) == {ctl.instance_id, worker.instance_id}   # a controller keeps its run alive
+
+
+@pytest.mark.slow
+def test_driver_trains_on_gcp_vms_and_drains_one_on_its_notice(gcp_fake, local_cluster, tmp_path, monkeypatch):
+    """The real driver and world on GCP "VMs": the fake boots each inserted VM as a local raylet
+    labelled with its instance name (as the startup script's `ray start` would), a notice is
+    forwarded for one of them as its watcher would, and the run drains it, rents a replacement,
+    completes, and deletes every VM."""
+    from elastic.driver import run_attached
+    from providers import cloud, watcher
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(cloud, "STATE_POLL_S", 1.0)
+    nodes: dict[str, str] = {}
+    lock = threading.Lock()
+    # Raylets die with the thread that started them (Linux parent-death signal): start them all
+    # from one thread that lives as long as the test.
+    starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vm-boot")
+
+    def _start(name):
+        node = local_cluster.add_node(cpus=1, gpus=0, labels={"elastic.instance_id": name, "elastic.cloud": "gcp"},
+                                      resources={}, object_store_bytes=80 * 1024 * 1024)
+        with lock:
+            nodes[name] = node
+
+    def boot(name, body):
+        starter.submit(_start, name)
+
+    def stop(name):
+        with lock:
+            node = nodes.pop(name, None)
+        if node is not None:
+            local_cluster.remove_node(node, graceful=False)
+
+    gcp_fake.on_insert, gcp_fake.on_delete = boot, stop
+    noticed = []
+
+    def notice(driver, phase, members):
+        if noticed or phase != "inner" or driver.world.outer_step < 1 or len(members) < 2:
+            return
+        name = driver.world.replicas[members[0]].instance_id
+        noticed.append(name)
+        watcher.forward(name, {"kind": "notice", "deadline": time.time() + 30, "action": "preempted"})
+
+    recipe = tiny_recipe(**{"resources.clouds": "[gcp]", "resources.head": "local", "resources.accelerators": "L4:1",
+                            "resources.regions": "[us-central1]", "resources.join_timeout_s": 60,
+                            "world.replicas": 2, "world.max_replicas": 2, "world.capacity_timeout_s": 120,
+                            "train.outer_steps": 4})
+    try:
+        status, events = run_attached(recipe, local_cluster, tmp_path / "run", on_phase=notice, run_name="gcp-e2e")
+    finally:
+        for name in list(nodes):
+            stop(name)
+        starter.shutdown(wait=True)
+    assert status == "completed"
+    launched = [e for e in events if e["type"] == "node_launched"]
+    assert len(launched) >= 3 and all(e["cloud"] == "gcp" and e["zone"].startswith("us-central1-") for e in launched)
+    # The replacement rented at the notice may still be booting when the run completes: then it
+    # is recorded as launched but not joined, and released (billed for the seconds it ran).
+    joined = [e["instance_id"] for e in launched if e["joined"]]
+    assert len(joined) >= 2 and noticed[0] in joined
+    assert [e["instance_id"] for e in events if e["type"] == "node_notice"] == noticed
+    assert noticed[0] in {e["instance_id"] for e in events if e["type"] == "replica_drained"}
+    assert gcp_fake.instances == {}                              # every VM deleted at the end
+    released = {e["instance_id"] for e in events if e["type"] == "node_released"}
+    assert released == {e["instance_id"] for e in launched}

@@ -1,0 +1,60 @@
+"""The node's interruption watcher against a local IMDSv2 server (ELASTIC_IMDS_URL)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import datetime, timezone
+
+from providers import watcher
+
+ACTION = "/latest/meta-data/spot/instance-action"
+REBALANCE = "/latest/meta-data/events/recommendations/rebalance"
+
+
+def test_poll_uses_a_session_token_and_reads_notices(imds):
+    assert watcher.poll_aws() is None            # 404 on both: nothing pending
+    assert imds.unauthorized == 0                # every GET carried the IMDSv2 token
+    imds.paths[REBALANCE] = '{"noticeTime": "2026-11-22T01:00:00Z"}'
+    assert watcher.poll_aws() == {"kind": "rebalance", "at": datetime(2026, 11, 22, 1, tzinfo=timezone.utc).timestamp()}
+    imds.paths[ACTION] = '{"action": "terminate", "time": "2026-11-22T01:02:00Z"}'
+    got = watcher.poll_aws()                     # an interruption outranks the rebalance
+    assert got == {"kind": "notice", "action": "terminate",
+                   "deadline": datetime(2026, 11, 22, 1, 2, tzinfo=timezone.utc).timestamp()}
+
+
+def test_watch_forwards_rebalance_then_the_notice_and_stops(imds):
+    sent, stop = [], threading.Event()
+    t = threading.Thread(target=watcher.watch, args=("aws", "i-123"),
+                         kwargs={"send": lambda iid, n: sent.append((iid, n["kind"])), "poll_s": 0.01, "stop": stop})
+    t.start()
+    imds.paths[REBALANCE] = '{"noticeTime": "2026-11-22T01:00:00Z"}'
+    deadline = time.monotonic() + 10
+    while not sent and time.monotonic() < deadline:
+        time.sleep(0.01)
+    imds.paths[ACTION] = '{"action": "terminate", "time": "2026-11-22T01:02:00Z"}'
+    t.join(timeout=10)
+    stop.set()
+    assert not t.is_alive(), "the watcher returns once it forwarded the interruption"
+    assert sent == [("i-123", "rebalance"), ("i-123", "notice")]   # each forwarded once
+
+
+def test_watch_survives_a_metadata_outage(imds, monkeypatch):
+    sent, stop, polls = [], threading.Event(), []
+
+    def poll():
+        polls.append(1)
+        return watcher.poll_aws()
+
+    monkeypatch.setitem(watcher.POLLERS, "aws", poll)
+    imds.close()   # the metadata server is gone: each poll fails (connection refused)
+    t = threading.Thread(target=watcher.watch, args=("aws", "i-1"),
+                         kwargs={"send": lambda *a: sent.append(a), "poll_s": 0.01, "stop": stop})
+    t.start()
+    deadline = time.monotonic() + 10
+    while len(polls) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stop.set()
+    t.join(timeout=10)
+    assert len(polls) >= 3, "the watcher keeps polling through errors"
+    assert not t.is_alive() and sent == []
