@@ -71,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="only this region (repeatable; default: every region)")
     sp.add_argument("--on-demand", action="store_true", help="on-demand offers instead of spot")
     sp.add_argument("--json", action="store_true", help="the offers as JSON")
-    sp.add_argument("--refresh", action="store_true", help="read prices now, bypassing the cache (5 min)")
+    sp.add_argument("--refresh", action="store_true", help="read prices now, bypassing the on-disk cache (AWS: 5 min, GCP: gcp.price_cache_ttl_s)")
 
     sp = sub.add_parser("down", help="terminate every VM of a run, or of runs no longer alive (--orphans)")
     sp.add_argument("run", nargs="?", help="run name or run directory")

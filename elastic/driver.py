@@ -21,6 +21,7 @@ from pathlib import Path
 from elastic import checkpoint as ckpt
 from elastic.errors import UserError
 from elastic.ledger import Ledger
+from elastic.market import offer_key
 from elastic.recipe import Recipe
 from elastic.report import cost_so_far
 
@@ -56,7 +57,7 @@ class Driver:
                                       c.keep_last, c.upload_threads, ledger)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="launch")
         self._launching: dict[Future, object] = {}
-        self._cooldown: dict[tuple, float] = {}          # (cloud, zone, instance type) -> until (monotonic)
+        self._cooldown: dict[tuple, float] = {}          # market.offer_key -> until (monotonic)
         self._draining: dict[int, float] = {}            # replica id -> notice deadline (unix)
         self._members: list[int] = []
         self._move_of: dict[Future, str] = {}           # launch of a move -> instance id it replaces
@@ -129,7 +130,7 @@ class Driver:
             raise UserError(f"resources: no offer from {', '.join(self.providers)} matches resources.accelerators / "
                             "resources.regions / resources.max_usd_per_hour")
         for _ in range(wanted):
-            offer = self._choose([o for o in every if self._cooldown.get(_offer_key(o), 0) <= now])
+            offer = self._choose([o for o in every if self._cooldown.get(offer_key(o), 0) <= now])
             if offer is None:
                 return
             self._launch(offer)
@@ -142,8 +143,9 @@ class Driver:
     def _held_quotes(self, now: float) -> list:
         """Quotes (today's risk) of every VM held or on its way, minus those being drained."""
         gone = {self.world.replicas[r].instance_id for r in self._draining if r in self.world.replicas}
+        # A cloud VM still booting is held by its provider and also in _launching: count it once.
         held = [replace(i.offer, usd_per_hour=self._price.get(i.instance_id, i.offer.usd_per_hour))
-                for i in self._held() if i.instance_id not in gone]
+                for i in self._held() if i.instance_id not in gone and i.ray_node_id is not None]
         return [self.market.quote(o, now) for o in held + list(self._launching.values())]
 
     def _choose(self, offers, held=None):
@@ -174,7 +176,6 @@ class Driver:
         """Every `planner.replan_every_s`: move the most expensive replica(s) when a clearly cheaper
         offer appears. The new replica is rented first; once it has joined, the old one drains at
         the next outer-step boundary."""
-        from elastic.market import offer_key
         from elastic.planner import evaluate, replan_all, tokens_per_phase
 
         p, w = self.recipe.planner, self.world
@@ -196,7 +197,7 @@ class Driver:
             # A held VM costs what its offer costs now (spot prices move; _record_prices logs it).
             offer = priced.get(offer_key(inst.offer), inst.offer)
             held.append((r.instance_id, self.market.quote(offer, now)))
-        offers = [o for o in every if self._cooldown.get(_offer_key(o), 0) <= time.monotonic()]
+        offers = [o for o in every if self._cooldown.get(offer_key(o), 0) <= time.monotonic()]
         quotes = self.market.quotes(offers, now)
         t = self.recipe.train
         tokens_left = (t.token_budget - w.tokens if t.token_budget is not None
@@ -204,11 +205,12 @@ class Driver:
         rate = evaluate([q for _, q in held], self.recipe).useful_tokens_per_s
         remaining_h = tokens_left / rate / 3600 if tokens_left > 0 and rate > 0 else 1.0
         room = self.recipe.world.max_replicas - len(w.replicas)
+        held_quotes = [q for _, q in held]
         for move in replan_all(quotes, held, self.recipe, remaining_h)[:max(0, room)]:
-            held_quotes = [q for _, q in held]
             if self._choose([move.add.offer], held=held_quotes) is None:
                 break
             self._move_of[self._launch(move.add.offer)] = move.drain
+            held_quotes.append(move.add)   # the next move's budget check counts this one too
             self.ledger.append("replica_move", drain_instance_id=move.drain, zone=move.add.offer.zone,
                                instance_type=move.add.offer.instance_type,
                                usd_per_hour=move.add.offer.usd_per_hour,
@@ -224,13 +226,13 @@ class Driver:
             try:
                 inst = fut.result()
             except JoinTimeout as exc:  # rented, never joined, terminated: bill it, rest the offer
-                self._cooldown[_offer_key(offer)] = time.monotonic() + OFFER_COOLDOWN_S
+                self._cooldown[offer_key(offer)] = time.monotonic() + OFFER_COOLDOWN_S
                 self._record_join_timeout(exc, offer)
                 continue
             except UserError:   # the recipe or the account setup is wrong: no other offer will do better
                 raise
             except Exception as exc:  # no capacity, or a VM that failed to come up: the offer rests
-                self._cooldown[_offer_key(offer)] = time.monotonic() + OFFER_COOLDOWN_S
+                self._cooldown[offer_key(offer)] = time.monotonic() + OFFER_COOLDOWN_S
                 refused = isinstance(exc, CapacityError)
                 self.ledger.append("capacity_error" if refused else "launch_failed", zone=offer.zone,
                                    instance_type=offer.instance_type,
@@ -569,6 +571,7 @@ class Driver:
                 if close:
                     close()
         self._save_preemption_history()
+        self.ckpt.close()
         if self.cluster is not None and self._owns_cluster:
             try:
                 self.cluster.shutdown()
@@ -633,10 +636,6 @@ class Driver:
                     f"({self.recipe.world.capacity_timeout_s:g} s); last: {refused[-1].get('message')}")
         return None
 
-
-def _offer_key(offer) -> tuple:
-    """What a capacity error cools down: one instance type in one zone of one cloud."""
-    return (offer.cloud, offer.zone, offer.instance_type)
 
 
 class QuietView:

@@ -123,8 +123,10 @@ def _run_target(run: str) -> tuple[str, list[str] | None, list[str]]:
 
 
 def _alive_local_runs(runs_dir: Path) -> set[str]:
-    """Runs under `runs_dir` whose ledger has not ended and whose driver process still lives."""
+    """Runs under `runs_dir` whose ledger has not ended and whose driver may still run (unknown,
+    or on another host, counts as alive: never terminate a live run's VMs)."""
     from elastic.ledger import read_events
+    from elastic.status import driver_alive
 
     alive = set()
     if not runs_dir.is_dir():
@@ -134,13 +136,8 @@ def _alive_local_runs(runs_dir: Path) -> set[str]:
         if any(e["type"] == "run_ended" for e in events):
             continue
         start = next((e for e in events if e["type"] == "run_started"), {})
-        pid = start.get("pid")
-        try:
-            if pid:
-                os.kill(pid, 0)
-                alive.add(ledger.parent.name)
-        except (ProcessLookupError, PermissionError):
-            continue
+        if driver_alive(start.get("pid"), start.get("host")):
+            alive.add(ledger.parent.name)
     return alive
 
 

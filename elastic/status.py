@@ -36,7 +36,7 @@ def _target_outer_steps(run_dir: Path) -> int | None:
         return None
 
 
-def _alive(pid, host) -> bool:
+def driver_alive(pid, host) -> bool:
     """Whether the driver that wrote the ledger still runs (unknown, or on another host: assume so)."""
     import socket
 
@@ -71,7 +71,7 @@ def snapshot(events: list[dict], now: float, target_outer_steps: int | None = No
         # Wall time per outer step so far (joins, waits and checkpoints included), at today's burn.
         per_step_s = (steps[-1]["t"] - steps[0]["t"]) / (done - first) if done > first else 0.0
         projected = spent + burn * max(0, target_outer_steps - done) * per_step_s / 3600
-    alive = end is not None or start is None or _alive(start.get("pid"), start.get("host"))
+    alive = end is not None or start is None or driver_alive(start.get("pid"), start.get("host"))
     return {
         "run": start["run"] if start else None,
         "status": end["status"] if end else ("running" if alive else "driver gone (no run_ended)"),

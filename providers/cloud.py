@@ -212,8 +212,10 @@ class CloudProvider:
         now = time.time()
         with self._lock:
             held = [i for i in self._held.values() if i.ray_node_id is not None]
+        # One KV listing per call (the driver calls this every 0.1 s tick), not one read per VM.
+        forwarded = read_notices() if held else {}
         for inst in held:
-            notice = read_notice(inst.instance_id) if inst.instance_id not in self._noticed else None
+            notice = forwarded.get(inst.instance_id) if inst.instance_id not in self._noticed else None
             if notice is not None and (inst.instance_id, notice.get("kind")) not in self._seen:
                 self._seen.add((inst.instance_id, notice.get("kind")))
                 if notice.get("kind") == "notice":   # an interruption: the VM goes at the deadline
@@ -245,15 +247,16 @@ class CloudProvider:
         self._stop.set()
 
 
-def read_notice(instance_id: str) -> dict | None:
-    """The notice a node's watcher forwarded for `instance_id` (see providers.watcher), or None."""
+def read_notices() -> dict[str, dict]:
+    """Every notice the nodes' watchers forwarded (see providers.watcher): instance id -> notice."""
     from ray.experimental import internal_kv
 
     try:
-        raw = internal_kv._internal_kv_get(NOTICE_KV_PREFIX + instance_id)
+        keys = internal_kv._internal_kv_list(NOTICE_KV_PREFIX)
+        raw = {k.decode()[len(NOTICE_KV_PREFIX):]: internal_kv._internal_kv_get(k) for k in keys}
     except Exception:  # Ray not connected (prices, down): no notices to read
-        return None
-    return json.loads(raw) if raw else None
+        return {}
+    return {iid: json.loads(v) for iid, v in raw.items() if v}
 
 
 def quote(value: str) -> str:

@@ -354,7 +354,7 @@ class GCPProvider(CloudProvider):
 
     # -- prices and catalog ----------------------------------------------------------------------
 
-    def prices(self) -> tuple[dict[str, float], float]:
+    def sku_prices(self) -> tuple[dict[str, float], float]:
         """({"KIND|KEY|REGION|spot|od": USD per unit-hour}, read_at) from the Billing Catalog."""
         def fetch():
             client = self._client("billing")
@@ -418,7 +418,7 @@ class GCPProvider(CloudProvider):
 
     def _offers(self, resources) -> list[Offer]:
         model, _, count = resources.accelerators.partition(":")
-        prices, read_at = self.prices()
+        prices, read_at = self.sku_prices()
         regions = set(resources.regions)
         out = []
         for shape in self.catalog():
@@ -559,7 +559,7 @@ class GCPProvider(CloudProvider):
         usd, read_at = None, time.time()
         if m:
             cpus = int(m[1])
-            prices, read_at = self.prices()
+            prices, read_at = self.sku_prices()
             usd = vm_price(prices, VMShape(s.controller_machine_type, zone, "", 0, cpus, 4.0 * cpus, False), False)
         if usd is None:
             usd = CONTROLLER_USD_PER_HOUR.get(s.controller_machine_type, 0.0)

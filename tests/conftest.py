@@ -13,6 +13,16 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("ELASTIC_CACHE", str(Path(os.environ.get("PYTEST_CACHE_DIR", "/tmp")) / "elastic-test-cache"))
 
 
+def events_within(provider, timeout_s: float = 10.0) -> list:
+    """The provider's next non-empty batch of events (it reads forwarded notices once a second)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not (events := provider.events()) and time.monotonic() < deadline:
+        time.sleep(0.05)   # polling a condition with a deadline
+    return events
+
+
 def cli_env(**extra: str) -> dict:
     """Environment for `python -m elastic` subprocesses: they import the tree under test, not
     whatever copy of elastic is installed."""

@@ -13,7 +13,7 @@ import time
 import boto3
 import pytest
 
-from tests.conftest import REPO, aws_error, cli_env, tiny_recipe
+from tests.conftest import REPO, aws_error, cli_env, events_within, tiny_recipe
 
 NS = 'xmlns="http://ec2.amazonaws.com/doc/2016-11-15/"'
 
@@ -430,7 +430,7 @@ def test_launch_returns_once_the_vms_node_joins_and_notices_arrive(aws_env, loca
         assert p.events() == []
         deadline_unix = time.time() + 120
         watcher.forward(inst.instance_id, {"kind": "notice", "deadline": deadline_unix, "action": "terminate"})
-        [ev] = p.events()
+        [ev] = events_within(p)
         assert (ev.instance_id, ev.kind, ev.deadline) == (inst.instance_id, "notice", deadline_unix)
         assert p.events() == []   # reported once
         p.terminate(inst.instance_id)
