@@ -456,6 +456,8 @@ class Driver:
                                              f"world.min_replicas ({recipe.world.min_replicas}) node(s)")
                         return "budget_exhausted"
                     return "insufficient_capacity"
+                if world.done():   # --resume from a checkpoint already at train.outer_steps
+                    break
                 reason = self._over_budget(last_step_s)
                 if reason:
                     ledger.append("budget_exhausted", reason=reason, outer_step=world.outer_step)

@@ -214,6 +214,14 @@ def test_resume_continues_from_the_latest_checkpoint_in_another_world_shape(tmp_
     assert steps == [5, 6]
     first_losses = json.loads((tmp_path / "first" / "report.json").read_text())
     assert report["loss_last"] < first_losses["loss_first"]
+    # Resuming a run whose checkpoint is already at train.outer_steps trains nothing more.
+    third = launch(tmp_path / "third", *SMALL, "--set", "train.outer_steps=6", "--set", f"checkpoint.uri={uri}",
+                   "--resume")
+    out, _ = third.communicate(timeout=300)
+    assert third.returncode == 0, out
+    events = read_events(tmp_path / "third" / "events.jsonl")
+    assert [e["from_step"] for e in events if e["type"] == "resumed"] == [6]
+    assert not [e for e in events if e["type"] in ("outer_step", "checkpoint_saved")]
 
 
 def test_resume_without_a_checkpoint_is_bad_input(tmp_path):
