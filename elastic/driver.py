@@ -161,7 +161,7 @@ class Driver:
         q = choose_launch(self.market.quotes(offers, now), self.recipe, held)
         if q is None:
             return None
-        spent = cost_so_far(self.ledger.events, now)
+        spent = self._spent(now)
         self._budget_held_back = not launch_fits_budget(spent, sum(h.offer.usd_per_hour for h in held), q.offer,
                                                         self.recipe, horizon_s=self._last_step_s)
         if self._budget_held_back:
@@ -171,6 +171,17 @@ class Driver:
                                    usd_per_hour=q.offer.usd_per_hour)
             return None
         return q.offer
+
+    _spent_memo = (-1, 0.0, 0.0)   # (ledger events, unix time, USD)
+
+    def _spent(self, now: float) -> float:
+        """USD spent so far (the ledger priced up to `now`). Rebuilt only when the ledger grew or a
+        second passed: top_up asks on every 0.1 s tick while it wants a node."""
+        n, at, usd = self._spent_memo
+        if n != len(self.ledger.events) or now - at >= 1.0:
+            usd = cost_so_far(self.ledger.events, now)
+            self._spent_memo = (len(self.ledger.events), now, usd)
+        return usd
 
     def replan(self) -> None:
         """Every `planner.replan_every_s`: move the most expensive replica(s) when a clearly cheaper
@@ -517,7 +528,7 @@ class Driver:
         if b.max_hours is not None and (now - self._t0 + next_step_s) > b.max_hours * 3600:
             return f"budget.max_hours ({b.max_hours} h) would be passed by the next outer step"
         if b.max_usd is not None:
-            spent = cost_so_far(self.ledger.events, now)
+            spent = self._spent(now)
             rate_usd_per_s = sum(self._price.get(i.instance_id, i.offer.usd_per_hour) for i in self._held()) / 3600
             if spent + rate_usd_per_s * next_step_s > b.max_usd:
                 return (f"budget.max_usd (${b.max_usd:.2f}) would be passed by the next outer step "
