@@ -23,6 +23,16 @@ def events_within(provider, timeout_s: float = 10.0) -> list:
     return events
 
 
+def run_cli(*args: str, env: dict | None = None, cwd=REPO, timeout: float = 120, **extra_env: str):
+    """`python -m elastic ARGS` in a subprocess running the tree under test; `env` replaces the
+    environment, `extra_env` adds to `cli_env()`."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "elastic", *args], capture_output=True, text=True, cwd=cwd,
+                          env=env if env is not None else cli_env(**extra_env), timeout=timeout)
+
+
 def cli_env(**extra: str) -> dict:
     """Environment for `python -m elastic` subprocesses: they import the tree under test, not
     whatever copy of elastic is installed."""

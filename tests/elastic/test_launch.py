@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from elastic.ledger import read_events
-from tests.conftest import REPO, cli_env
+from tests.conftest import REPO, cli_env, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -98,9 +98,7 @@ def test_launch_trains_and_reports(tmp_path):
     check_checkpoint_cli(run_dir / "checkpoints")
 
 
-def elastic_cli(*args):
-    return subprocess.run([sys.executable, "-m", "elastic", *args], capture_output=True, text=True, cwd=REPO,
-                          env=cli_env())
+elastic_cli = run_cli
 
 
 def check_checkpoint_cli(root: Path):

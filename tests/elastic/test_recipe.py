@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ import yaml
 from elastic.errors import RecipeError
 from elastic.recipe import Recipe, dump_recipe, load_recipe, validate_recipe
 from tests.conftest import REPO, cli_env, tiny_recipe
+from tests.conftest import run_cli as conftest_run_cli
 
 TINY = REPO / "recipes" / "local-tiny.yaml"
 
@@ -21,8 +21,7 @@ def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in cli_env().items() if k not in ("FORCE_COLOR", "ELASTIC_DEBUG")}
     # A narrow terminal: an error line that rich wrapped would show up as two lines.
     env.update(NO_COLOR="1", TERM="dumb", COLUMNS="40")
-    return subprocess.run([sys.executable, "-m", "elastic", *args], capture_output=True, text=True, env=env,
-                          cwd=cwd, timeout=60)
+    return conftest_run_cli(*args, env=env, cwd=cwd, timeout=60)
 
 
 def error_lines(proc: subprocess.CompletedProcess, names: str) -> list[str]:

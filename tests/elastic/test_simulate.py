@@ -5,15 +5,13 @@ from __future__ import annotations
 import csv
 import json
 import random
-import subprocess
-import sys
 
 import pytest
 
 from elastic.errors import UserError
 from elastic.recipe import load_recipe
 from elastic.simulate import simulate
-from tests.conftest import REPO, cli_env, tiny_recipe
+from tests.conftest import REPO, run_cli, tiny_recipe
 
 COLUMNS = ["timestamp_s", "cloud", "region", "zone", "instance_type", "gpu", "gpus", "spot_usd_per_hour",
            "on_demand_usd_per_hour", "preempt_per_hour", "capacity"]
@@ -118,9 +116,6 @@ def test_bad_traces_are_one_clear_line(tmp_path, body, message):
         simulate(recipe(), str(path))
 
 
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "elastic", *args], capture_output=True, text=True, cwd=REPO,
-                          env=cli_env(), timeout=120)
 
 
 def test_cli_simulate_json_and_errors(tmp_path):

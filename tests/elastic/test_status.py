@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from elastic.status import latest_run_dir, snapshot
-from tests.conftest import REPO, cli_env
+from tests.conftest import REPO, cli_env, run_cli
 from tests.elastic.test_report_costs import T0, ended, started, vm
 
 
@@ -36,9 +36,8 @@ def write_run(run_dir: Path, events: list[dict], outer_steps: int = 20) -> Path:
     return run_dir
 
 
-def cli(*args, cwd=REPO, **kw):
-    return subprocess.run([sys.executable, "-m", "elastic", *args], capture_output=True, text=True, cwd=cwd,
-                          env=cli_env(COLUMNS="120"), **kw)
+def cli(*args, cwd=REPO):
+    return run_cli(*args, cwd=cwd, COLUMNS="120")
 
 
 def test_snapshot_figures():

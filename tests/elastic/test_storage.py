@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import uuid
 
 import pytest
@@ -13,7 +11,7 @@ import pytest
 from elastic import checkpoint as ckpt
 from elastic.errors import UserError
 from elastic.storage import CHUNK_BYTES, open_storage
-from tests.conftest import REPO, cli_env
+from tests.conftest import run_cli
 
 
 @pytest.fixture(params=["file", "s3", "gs"])
@@ -95,13 +93,10 @@ def test_checkpoints_cli_on_object_storage(uri, tmp_path):
     open_storage(uri, create=True)
     for step in (1, 2):
         fake_checkpoint(uri, tmp_path, step)
-    env = cli_env()
-    listed = subprocess.run([sys.executable, "-m", "elastic", "checkpoints", "list", uri], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=60)
+    listed = run_cli("checkpoints", "list", uri)
     assert listed.returncode == 0, listed.stderr
     assert listed.stdout.count("yes") == 2
-    ok = subprocess.run([sys.executable, "-m", "elastic", "checkpoints", "verify", uri], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=60)
+    ok = run_cli("checkpoints", "verify", uri)
     assert ok.returncode == 0 and "step 2" in ok.stdout, ok.stderr
 
 
@@ -122,7 +117,6 @@ def test_missing_bucket_and_credentials_are_one_line_errors(s3_server, gcs_serve
 
 
 def test_cli_reports_a_missing_bucket_in_one_line(s3_server):
-    proc = subprocess.run([sys.executable, "-m", "elastic", "checkpoints", "list", "s3://nothing-here/run"], cwd=REPO,
-                          env=cli_env(), capture_output=True, text=True, timeout=60)
+    proc = run_cli("checkpoints", "list", "s3://nothing-here/run")
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "bucket does not exist" in proc.stderr

@@ -13,7 +13,7 @@ import time
 import boto3
 import pytest
 
-from tests.conftest import REPO, aws_error, cli_env, events_within, tiny_recipe
+from tests.conftest import REPO, aws_error, cli_env, events_within, run_cli, tiny_recipe
 
 NS = 'xmlns="http://ec2.amazonaws.com/doc/2016-11-15/"'
 
@@ -67,9 +67,9 @@ def provider(recipe=None, run="run-a"):
     return build("aws", recipe or aws_recipe(), None, run)
 
 
-def run_cli(*args, env):
-    return subprocess.run([sys.executable, "-m", "elastic", *args], capture_output=True, text=True,
-                          env=cli_env(**env), cwd=REPO, timeout=120)
+def aws_cli(*args, env):
+    """The CLI with the test's AWS environment (endpoint, credentials, cache) added."""
+    return run_cli(*args, **env)
 
 
 def instances(region: str, run: str | None = None) -> list[dict]:
@@ -101,19 +101,19 @@ def test_prices_latest_per_zone_across_regions_ranked_per_gpu_hour(aws_env):
 def test_prices_cli_table_json_cache_and_refresh(aws_env):
     aws_env.rules.append(price_rule)
     args = ["prices", "--cloud", "aws", "--accelerator", "A10G", "--region", "us-east-1", "--region", "us-west-2"]
-    proc = run_cli(*args, "--json", env=aws_env.env)
+    proc = aws_cli(*args, "--json", env=aws_env.env)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
     assert [r["usd_per_gpu_hour"] for r in rows] == sorted(r["usd_per_gpu_hour"] for r in rows)
     assert {r["region"] for r in rows} == {"us-east-1", "us-west-2"} and len({r["zone"] for r in rows}) == 4
     assert rows[1]["instance_type"] == "g5.12xlarge" and rows[1]["usd_per_gpu_hour"] == 0.4
     calls = aws_env.count("DescribeSpotPriceHistory")
-    table = run_cli(*args, env=aws_env.env)
+    table = aws_cli(*args, env=aws_env.env)
     assert table.returncode == 0, table.stderr
     lines = [ln for ln in table.stdout.splitlines() if "│ aws" in ln]
     assert [ln.split("│")[3].strip() for ln in lines] == [r["zone"] for r in rows]   # same rows, same order
     assert aws_env.count("DescribeSpotPriceHistory") == calls   # served from the disk cache
-    assert run_cli(*args, "--refresh", env=aws_env.env).returncode == 0
+    assert aws_cli(*args, "--refresh", env=aws_env.env).returncode == 0
     assert aws_env.count("DescribeSpotPriceHistory") == calls + 3   # --refresh read them again
 
 
@@ -147,7 +147,7 @@ def test_missing_credentials_is_one_clear_line(aws_env, tmp_path):
 def test_denied_permission_names_the_action_and_the_policy(aws_env):
     aws_env.rules.append(lambda a, r, p: aws_error("UnauthorizedOperation", "You are not authorized")
                          if a == "DescribeSpotPriceHistory" else None)
-    proc = run_cli("prices", "--cloud", "aws", "--accelerator", "L4", "--region", "eu-west-1", env=aws_env.env)
+    proc = aws_cli("prices", "--cloud", "aws", "--accelerator", "L4", "--region", "eu-west-1", env=aws_env.env)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "ec2:DescribeSpotPriceHistory" in proc.stderr and "infra/aws/driver-policy.json" in proc.stderr
 
@@ -231,15 +231,15 @@ def test_down_terminates_a_runs_instances_in_every_region_and_orphans(aws_env, t
     mine = [p._create(east, "run-down", "replica").instance_id, p._create(west, "run-down", "replica").instance_id]
     other = p._create(west, "run-other", "replica").instance_id
     env = {**aws_env.env}
-    no = run_cli("down", "run-down", env=env)
+    no = aws_cli("down", "run-down", env=env)
     assert no.returncode == 2 and "--yes" in no.stderr     # not a terminal: never terminates unasked
     assert all(vm["State"]["Name"] == "running" for vm in instances("us-east-1") + instances("us-west-2"))
     # Live runs under --runs-dir are not orphans; run-other has none, so it is one.
-    proc = run_cli("down", "run-down", "--yes", env=env)
+    proc = aws_cli("down", "run-down", "--yes", env=env)
     assert proc.returncode == 0, proc.stderr
     state = {vm["InstanceId"]: vm["State"]["Name"] for vm in instances("us-east-1") + instances("us-west-2")}
     assert all(state[i] in ("shutting-down", "terminated") for i in mine) and state[other] == "running"
-    proc = run_cli("down", "--orphans", "--yes", "--runs-dir", str(tmp_path), env=env)
+    proc = aws_cli("down", "--orphans", "--yes", "--runs-dir", str(tmp_path), env=env)
     assert proc.returncode == 0, proc.stderr
     assert "run-other" in proc.stdout
     assert {r for a, r in aws_env.calls if a == "DescribeInstances"} >= {"us-east-1", "us-west-2", "eu-west-1"}
@@ -256,7 +256,7 @@ def test_down_orphans_spares_a_live_local_run(aws_env, tmp_path):
     (tmp_path / "run-live").mkdir()
     (tmp_path / "run-live" / "events.jsonl").write_text(
         json.dumps({"t": time.time(), "type": "run_started", "run": "run-live", "pid": os.getpid()}) + "\n")
-    proc = run_cli("down", "--orphans", "--yes", "--runs-dir", str(tmp_path), env=aws_env.env)
+    proc = aws_cli("down", "--orphans", "--yes", "--runs-dir", str(tmp_path), env=aws_env.env)
     assert proc.returncode == 0 and "nothing to terminate" in proc.stdout, proc.stdout + proc.stderr
     assert instances("us-west-2")[0]["InstanceId"] == live and instances("us-west-2")[0]["State"]["Name"] == "running"
 
@@ -283,7 +283,7 @@ def test_launch_smoke_recipe_no_node_joins_ends_clean_and_billed(aws_env, tmp_pa
 
     aws_env.rules.extend([faults, price_rule])
     run_dir = tmp_path / "aws-smoke-run"
-    proc = run_cli("launch", "recipes/aws-smoke.yaml", "--run-dir", str(run_dir),
+    proc = aws_cli("launch", "recipes/aws-smoke.yaml", "--run-dir", str(run_dir),
                    "--set", "resources.join_timeout_s=3", "--set", "world.capacity_timeout_s=7", env=aws_env.env)
     assert proc.returncode == 4, proc.stdout + proc.stderr
     [line] = [ln for ln in proc.stdout.splitlines() if "no node joined" in ln]
@@ -315,14 +315,14 @@ def test_head_controller_starts_an_on_demand_controller_vm_that_down_stops(aws_e
     run_dir = tmp_path / "ctl-run"
     args = ["launch", "recipes/aws-smoke.yaml", "--set", "resources.head=controller",
             "--set", "aws.controller_instance_profile=elastic-driver"]
-    missing = run_cli(*args, "--run-dir", str(tmp_path / "no-profile"), env=aws_env.env)
+    missing = aws_cli(*args, "--run-dir", str(tmp_path / "no-profile"), env=aws_env.env)
     assert missing.returncode == 2 and "NoSuchEntity" in missing.stderr and "Traceback" not in missing.stderr
     assert missing.stderr.count("\n") == 1
     iam = boto3.client("iam", region_name="us-east-1")   # what infra/aws/ creates
     iam.create_role(RoleName="elastic-driver", AssumeRolePolicyDocument="{}")
     iam.create_instance_profile(InstanceProfileName="elastic-driver")
     iam.add_role_to_instance_profile(InstanceProfileName="elastic-driver", RoleName="elastic-driver")
-    proc = run_cli("launch", "recipes/aws-smoke.yaml", "--set", "resources.head=controller",
+    proc = aws_cli("launch", "recipes/aws-smoke.yaml", "--set", "resources.head=controller",
                    "--set", "aws.controller_instance_profile=elastic-driver", "--run-dir", str(run_dir),
                    env={**aws_env.env, "AWS_SECRET_ACCESS_KEY": "dont-leak-this-secret"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -342,7 +342,7 @@ def test_head_controller_starts_an_on_demand_controller_vm_that_down_stops(aws_e
     events = [json.loads(ln) for ln in (run_dir / "events.jsonl").read_text().splitlines()]
     assert [e["type"] for e in events] == ["run_started", "node_launched", "controller_started"]
     assert vm["InstanceId"] in proc.stdout
-    down = run_cli("down", str(run_dir), "--yes", env=aws_env.env)
+    down = aws_cli("down", str(run_dir), "--yes", env=aws_env.env)
     assert down.returncode == 0, down.stderr
     [vm] = instances("us-east-1", "ctl-run")
     assert vm["State"]["Name"] in ("shutting-down", "terminated")

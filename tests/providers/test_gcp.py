@@ -6,15 +6,13 @@ from __future__ import annotations
 import base64
 import json
 import re
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 
 from providers.base import Offer
-from tests.conftest import REPO, cli_env, tiny_recipe
+from tests.conftest import cli_env, run_cli, tiny_recipe
 from tests.providers.gcp_fake import MACHINE_TYPES, PRICES, ZONE_ACCELERATORS, ZONE_MACHINE_TYPES, ZONES
 
 
@@ -273,9 +271,7 @@ def test_watcher_forwards_one_gcp_notice(gcp_fake):
 
 # -- the CLI ---------------------------------------------------------------------------------------
 
-def _cli(*args, env=None, timeout=120):
-    return subprocess.run([sys.executable, "-m", "elastic", *args], capture_output=True, text=True,
-                          env=env or cli_env(), cwd=REPO, timeout=timeout)
+_cli = run_cli
 
 
 def test_cli_prices_gcp_table_and_json(gcp_fake):
