@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.servers.object_stores import GateProxy
+
 REPO = Path(__file__).resolve().parents[1]
 
 # Keep the cache of the default corpus inside the test session, never in the user's home.
@@ -116,69 +118,36 @@ def moto_server():
     server.stop()
 
 
-class AWSProxy:
-    """An HTTP proxy in front of moto that answers chosen API actions itself: `rule(action, region,
+class AWSProxy(GateProxy):
+    """A proxy in front of moto that answers chosen API actions itself: `rule(action, region,
     params)` returns None (pass the request on to moto) or (HTTP status, XML body). Every request's
     (action, region) is recorded in `calls`."""
 
     def __init__(self, upstream: str):
-        import http.server
-        import threading
-        import urllib.parse
-        import urllib.request
-
-        self.upstream = upstream
+        super().__init__(upstream)
         self.calls: list[tuple[str, str]] = []
         self.rules: list = []
-        proxy = self
+        self.answer = self._answer
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
+    def _answer(self, method, path, headers, body: bytes):
+        import urllib.parse
 
-            def _forward(self, body: bytes):
-                req = urllib.request.Request(upstream + self.path, data=body if self.command != "GET" else None,
-                                             method=self.command,
-                                             headers={k: v for k, v in self.headers.items() if k.lower() != "host"})
-                try:
-                    with urllib.request.urlopen(req, timeout=30) as resp:
-                        return resp.status, resp.read(), resp.headers.get("Content-Type", "text/xml")
-                except urllib.error.HTTPError as exc:
-                    return exc.code, exc.read(), exc.headers.get("Content-Type", "text/xml")
-
-            def _handle(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                params = {k: v[0] for k, v in urllib.parse.parse_qs(body.decode(errors="replace")).items()}
-                target = self.headers.get("X-Amz-Target", "")
-                action = params.get("Action") or target.rpartition(".")[2]
-                auth = self.headers.get("Authorization", "")
-                region = auth.split("Credential=", 1)[1].split("/")[2] if "Credential=" in auth else ""
-                proxy.calls.append((action, region))
-                answer = None
-                for rule in proxy.rules:
-                    answer = rule(action, region, params)
-                    if answer is not None:
-                        break
-                status, payload, ctype = (answer[0], answer[1].encode(), "text/xml") if answer else self._forward(body)
-                self.send_response(status)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-            do_POST = do_GET = do_PUT = do_DELETE = _handle
-
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
+        params = {k: v[0] for k, v in urllib.parse.parse_qs(body.decode(errors="replace")).items()}
+        action = params.get("Action") or headers.get("X-Amz-Target", "").rpartition(".")[2]
+        auth = headers.get("Authorization", "")
+        region = auth.split("Credential=", 1)[1].split("/")[2] if "Credential=" in auth else ""
+        self.calls.append((action, region))
+        for rule in self.rules:
+            answer = rule(action, region, params)
+            if answer is not None:
+                return answer[0], answer[1].encode(), "text/xml"
+        return None
 
     def count(self, action: str) -> int:
         return sum(1 for a, _ in self.calls if a == action)
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        self.stop()
 
 
 def aws_error(code: str, message: str = "injected by the test proxy", status: int = 400) -> tuple[int, str]:

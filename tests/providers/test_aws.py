@@ -356,8 +356,7 @@ def test_account_setup_is_idempotent_and_its_output_launches(aws_env, tmp_path):
     script = REPO / "infra" / "aws" / "setup_account.py"
     args = [sys.executable, str(script), "--bucket", "ckpt-bucket", "--region", "us-east-1", "--region", "us-west-2"]
     for _ in range(2):
-        # Straight to moto: S3 uploads are chunked, which the test proxy does not pass on.
-        env = cli_env(**{**aws_env.env, "AWS_ENDPOINT_URL": aws_env.upstream})
+        env = cli_env(**aws_env.env)
         proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
         assert proc.returncode == 0, proc.stderr
     section = json.loads(proc.stdout[proc.stdout.index("{"):proc.stdout.rindex("}") + 1])

@@ -57,12 +57,14 @@ class GCSEmulator:
 
 
 class GateProxy:
-    """An HTTP proxy in front of `upstream` that holds every request matching `hold(method, path)`
-    until `release()`. `held` is set once a request is being held."""
+    """An HTTP proxy in front of `upstream`. It holds every request matching `hold(method, path)`
+    until `release()` (`held` is set once one is being held), and answers a request itself when
+    `answer(method, path, headers, body)` returns (status, body bytes, content type)."""
 
     def __init__(self, upstream: str):
         up = urlsplit(upstream)
         self.hold = lambda method, path: False
+        self.answer = lambda method, path, headers, body: None
         self.held = threading.Event()
         self._open = threading.Event()
         gate = self
@@ -78,20 +80,26 @@ class GateProxy:
                 if gate.hold(self.command, self.path):
                     gate.held.set()
                     gate._open.wait()
-                conn = http.client.HTTPConnection(up.hostname, up.port, timeout=60)
-                headers = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
-                headers["Content-Length"] = str(len(body))
-                conn.request(self.command, self.path, body=body, headers=headers)
-                resp = conn.getresponse()
-                data = resp.read()
-                self.send_response(resp.status, resp.reason)
-                for k, v in resp.getheaders():
-                    if k.lower() not in ("transfer-encoding", "content-length", "connection"):
-                        self.send_header(k, v)
+                reply = gate.answer(self.command, self.path, self.headers, body)
+                if reply is not None:
+                    status, data, ctype = reply
+                    self.send_response(status)
+                    self.send_header("Content-Type", ctype)
+                else:
+                    conn = http.client.HTTPConnection(up.hostname, up.port, timeout=60)
+                    headers = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
+                    headers["Content-Length"] = str(len(body))
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                    conn.close()
+                    self.send_response(resp.status, resp.reason)
+                    for k, v in resp.getheaders():
+                        if k.lower() not in ("transfer-encoding", "content-length", "connection"):
+                            self.send_header(k, v)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
-                conn.close()
 
             def _body(self) -> bytes:
                 if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
