@@ -239,6 +239,7 @@ def build_report(events: list[dict], now: float | None = None) -> dict:
     instances = _instances(vms)
     cost = sum(i["cost_usd"] for i in instances)
     on_demand = sum(i["on_demand_cost_usd"] for i in instances)
+    on_demand_exact = sum(_vm_on_demand_usd(vm) for vm in vms.values())
     tokens = steps[-1]["tokens_total"] if steps else 0
     errors = [e["message"] for e in events if e["type"] == "error"]
     deleted = {e["step"] for e in events if e["type"] == "checkpoint_deleted"}
@@ -262,7 +263,9 @@ def build_report(events: list[dict], now: float | None = None) -> dict:
         "cost_usd": round(cost, 6),
         "usd_per_mtok": round(cost / tokens * 1e6, 6) if tokens else None,
         "on_demand_equivalent_usd": round(on_demand, 6),
-        "savings_pct": round(100 * (1 - cost / on_demand), 2) if on_demand > 0 else None,
+        # From the unrounded per-VM figures: tiny runs would otherwise show rounding in the pct.
+        "savings_pct": round(100 * (1 - sum(map(_vm_usd, vms.values())) / on_demand_exact), 2)
+        if on_demand_exact > 0 else None,
         "vm_hours": round(sum(i["billed_seconds"] for i in instances) / 3600, 6),
         "gpu_hours": round(sum(i["billed_seconds"] * i["gpus"] for i in instances) / 3600, 6),
         "wasted_usd": _wasted(events, vms, now),

@@ -20,7 +20,9 @@ def elastic_recipe(**overrides):
             "train.outer_steps": 12, "train.inner_steps": 8, "train.batch_size": 8,
             "model.width": 64, "model.layers": 2, "model.heads": 4, "model.context": 64, "train.seq_len": 64,
             "data.corpus_bytes": 400_000, "checkpoint.every_outer_steps": 3,
-            "local.market.time_compression": 60, "local.market.notice_s": 120}
+            # 300 simulated s at 60× = a 5 s notice: short, yet long enough to contribute on a
+            # loaded 2-core machine (2 s was not, now and then).
+            "local.market.time_compression": 60, "local.market.notice_s": 300}
     base.update(overrides)
     return tiny_recipe(**base)
 
@@ -58,7 +60,7 @@ def test_chaos_run_completes_without_restart_and_matches_fault_free_loss(local_c
         p = driver.provider
         if name == "hard":          # a hard kill mid inner phase
             p.preempt(instance_of(driver, rng.choice(live)), notice=False)
-        elif name == "notice":      # a 2 s notice: cut short, contribute, leave cleanly
+        elif name == "notice":      # a 5 s notice: cut short, contribute, leave cleanly
             p.preempt(instance_of(driver, rng.choice(live)), notice=True)
         elif name == "sync":        # a member dies as the outer all-reduce starts
             p.preempt(instance_of(driver, rng.choice(live)), notice=False)
