@@ -18,8 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-_CACHE = Path(os.environ.get("ELASTIC_CACHE", Path.home() / ".cache" / "elastic"))
-
+from elastic.cache import cache_dir
 
 def stdlib_corpus(max_bytes: int) -> Path:
     """Build (once) and return a uint16 token file of this Python's standard library sources.
@@ -30,7 +29,7 @@ def stdlib_corpus(max_bytes: int) -> Path:
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
     key = hashlib.sha256(f"{root}|{len(files)}|{max_bytes}".encode()).hexdigest()[:12]
-    out = _CACHE / f"stdlib-{key}.bin"
+    out = cache_dir() / f"stdlib-{key}.bin"
     if out.exists():
         return out
     chunks, total = [], 0

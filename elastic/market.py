@@ -11,12 +11,11 @@ the simulator (events it writes in simulated time) share this code.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from elastic.cache import cache_dir, write_json_atomic
 from providers.base import Offer
 
 Key = tuple[str, str, str, str]   # cloud, region, zone, instance type
@@ -156,8 +155,7 @@ class Market:
 
 def history_path() -> Path:
     """Where observed preemption rates of earlier runs are kept ($ELASTIC_CACHE or ~/.cache/elastic)."""
-    root = os.environ.get("ELASTIC_CACHE") or Path.home() / ".cache" / "elastic"
-    return Path(root) / "preemptions.json"
+    return cache_dir() / "preemptions.json"
 
 
 def load_history(path: Path | None = None) -> dict[Key, tuple[float, int]]:
@@ -177,12 +175,8 @@ def save_history(stats: dict[Key, tuple[float, int]], path: Path | None = None) 
     for key, (hours, n) in stats.items():
         h0, n0 = merged.get(key, (0.0, 0))
         merged[key] = (h0 + hours, n0 + n)
-    path.parent.mkdir(parents=True, exist_ok=True)
     rows = [{"key": list(k), "node_hours": round(h, 6), "preemptions": n} for k, (h, n) in sorted(merged.items())]
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".preemptions-", suffix=".json")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(rows, f, indent=1)
-    os.replace(tmp, path)
+    write_json_atomic(path, rows, indent=1)
 
 
 def live_offers(recipe) -> list[Offer]:

@@ -16,12 +16,12 @@ import logging
 import os
 import re
 import shlex
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Callable
 
+from elastic.cache import cache_dir, write_json_atomic
 from providers.base import Instance, JoinTimeout, NodeEvent, Offer
 
 log = logging.getLogger(__name__)
@@ -41,11 +41,6 @@ def set_refresh(refresh: bool) -> None:
     _refresh = refresh
 
 
-def cache_dir() -> Path:
-    """Where elastic caches things: `$ELASTIC_CACHE`, else `~/.cache/elastic`."""
-    return Path(os.environ.get("ELASTIC_CACHE") or Path.home() / ".cache" / "elastic")
-
-
 def cached_json(key: str, fetch: Callable[[], object], ttl_s: float = PRICE_TTL_S) -> tuple[object, float]:
     """`fetch()`'s JSON-able result, reused from the disk cache while younger than `ttl_s`.
     Returns (value, unix time it was fetched). Written to a temp file and renamed: a reader never
@@ -60,11 +55,7 @@ def cached_json(key: str, fetch: Callable[[], object], ttl_s: float = PRICE_TTL_
         except (OSError, ValueError, KeyError, TypeError):
             pass
     value, now = fetch(), time.time()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{safe}.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump({"fetched_at": now, "value": value}, f)
-    os.replace(tmp, path)
+    write_json_atomic(path, {"fetched_at": now, "value": value})
     return value, now
 
 

@@ -28,6 +28,13 @@ def trained_world(recipe, nodes, steps: int) -> World:
     return world
 
 
+def s3_saver(tmp_path, staging: str, keep_last: int, threads: int) -> tuple[str, ckpt.Checkpointer]:
+    """A fresh bucket on the S3 server and a Checkpointer writing to it (ledger in tmp_path)."""
+    uri = f"s3://ckpt-{uuid.uuid4().hex[:8]}/run"
+    return uri, ckpt.Checkpointer(uri, str(tmp_path / staging), keep_last=keep_last, threads=threads,
+                                  ledger=Ledger(tmp_path / "events.jsonl"))
+
+
 def load_into_new_world(recipe, nodes, uri: str, step: int, staging: str) -> dict:
     """A new world of `recipe`'s shape fetches checkpoint `step` (downloading it) and loads it."""
     world = World(recipe)
@@ -46,9 +53,7 @@ def load_into_new_world(recipe, nodes, uri: str, step: int, staging: str) -> dic
 def test_checkpoint_resumes_exactly_into_a_different_world_shape(nodes, s3_server, tmp_path):
     """Saved by 2 replicas × 1 rank (plain tensors) to S3, loaded by 1 replica × 2 ranks (FSDP2
     DTensors): DCP reshards, and the parameters are exactly the ones saved."""
-    uri = f"s3://ckpt-{uuid.uuid4().hex[:8]}/run"
-    ledger = Ledger(tmp_path / "events.jsonl")
-    saver = ckpt.Checkpointer(uri, str(tmp_path / "staging-a"), keep_last=2, threads=4, ledger=ledger)
+    uri, saver = s3_saver(tmp_path, "staging-a", keep_last=2, threads=4)
     recipe = tiny_recipe(**{"world.replicas": 2, "train.outer_steps": 2})
     world = trained_world(recipe, nodes, steps=2)
     try:
@@ -78,9 +83,7 @@ def test_node_lost_during_upload_leaves_the_previous_checkpoint(nodes, local_clu
     partial checkpoint, and the previous complete one is what loads."""
     proxy = GateProxy(s3_server)
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)   # nodes started from here on upload through it
-    uri = f"s3://ckpt-{uuid.uuid4().hex[:8]}/run"
-    ledger = Ledger(tmp_path / "events.jsonl")
-    saver = ckpt.Checkpointer(uri, str(tmp_path / "staging"), keep_last=3, threads=2, ledger=ledger)
+    uri, saver = s3_saver(tmp_path, "staging", keep_last=3, threads=2)
     recipe = tiny_recipe(**{"world.replicas": 2, "train.outer_steps": 4})
     world = trained_world(recipe, nodes, steps=2)
     try:
