@@ -95,7 +95,9 @@ class Driver:
                           for name in dict.fromkeys(self.recipe.resources.clouds)}
         self.provider = next(iter(self.providers.values()))
         # The driver rests an offer that refused capacity OFFER_COOLDOWN_S itself (`_cooldown`).
-        self.market = Market(self.recipe.planner, load_history(), capacity_cooldown_s=0.0)
+        t = self.recipe.train
+        self.market = Market(self.recipe.planner, load_history(), capacity_cooldown_s=0.0,
+                             tokens_per_inner_step=t.batch_size * t.seq_len)
         self.world = World(self.recipe, on_loss=self._record_loss, on_tick=self.tick)
 
     _owns_cluster = False
@@ -491,7 +493,8 @@ class Driver:
                               epoch=world.epoch, replicas=res.replicas, losses=[round(x, 6) for x in res.losses],
                               tokens=res.tokens, tokens_total=world.tokens, inner_s=round(res.inner_s, 4),
                               sync_s=round(res.sync_s, 4), bytes_sent=res.bytes_sent, data_cursor=world.cursor,
-                              steps_done=res.steps_done)
+                              steps_done=res.steps_done,
+                              inner_s_by_replica={r: round(s, 4) for r, s in res.inner_s_by_replica.items()})
                 self._write_metrics(res)
                 self._release_drained(res)
                 view.step(res, world, world.tokens / train_s if train_s else 0.0,

@@ -4,13 +4,16 @@ Offers come from the enabled providers (or, in `elastic simulate`, from a trace)
 preemption rate per node-hour, estimated per (cloud, region, zone, instance type) from the recipe's
 prior blended with what was observed: preemptions over node-hours held in this run's ledger, and in
 earlier runs through a small history file. Capacity errors and regions whose preemptions spike cool
-offers down for a while. The market reads ledger-shaped events only, so the driver (real ledger) and
-the simulator (events it writes in simulated time) share this code.
+offers down for a while. Throughput per instance type is what the run's replicas measured (each
+outer step's `inner_s_by_replica`), else the recipe's figure. The market reads ledger-shaped events
+only, so the driver (real ledger) and the simulator (events it writes in simulated time) share this
+code.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +31,22 @@ def offer_key(o) -> Key:
     return (o.cloud, o.region, o.zone, o.instance_type)
 
 
+def recipe_tokens_per_s(offer, planner) -> float:
+    """The recipe's training throughput of one replica on this offer's VM, tokens/s
+    (`planner.tokens_per_s` by instance type, else by GPU model times the GPU count)."""
+    by = planner.tokens_per_s
+    if offer.instance_type in by:
+        return by[offer.instance_type]
+    return by.get(offer.gpu, planner.default_tokens_per_s) * max(1, offer.gpus)
+
+
+class _OfferLike:
+    """The instance type, GPU model and count of a `node_launched` event, read like an Offer's."""
+
+    def __init__(self, event: dict):
+        self.instance_type, self.gpu, self.gpus = event["instance_type"], event.get("gpu", ""), event.get("gpus", 0)
+
+
 @dataclass(frozen=True)
 class Quote:
     """One offer in the market view.
@@ -37,12 +56,15 @@ class Quote:
         preempt_per_hour: estimated preemptions per node-hour (0 for on-demand).
         risk_source: `prior`, `observed` (this run or earlier ones) or `on-demand`.
         capacity: VMs of this offer that can be held at once, when known (traces); None: unknown.
+        tokens_per_s: one replica's throughput on this VM, tokens/s, as this run measured it (or the
+            recipe's figure rescaled by the measurements of other types); None: the recipe's figure.
     """
 
     offer: Offer
     preempt_per_hour: float
     risk_source: str
     capacity: int | None = None
+    tokens_per_s: float | None = None
 
     @property
     def key(self) -> Key:
@@ -56,8 +78,9 @@ class Market:
     """
 
     def __init__(self, planner, history: dict[Key, tuple[float, int]] | None = None,
-                 capacity_cooldown_s: float | None = None):
+                 capacity_cooldown_s: float | None = None, tokens_per_inner_step: int | None = None):
         self._p = planner
+        self._tokens_per_inner_step = tokens_per_inner_step
         self._capacity_cooldown_s = planner.capacity_cooldown_s if capacity_cooldown_s is None else capacity_cooldown_s
         self._history = dict(history or {})
         self._hours: dict[Key, float] = defaultdict(float)       # closed node-hours this run
@@ -67,6 +90,10 @@ class Market:
         self._region_hits: dict[str, list[float]] = defaultdict(list)
         self._cool_offer: dict[tuple[str, str], float] = {}       # (zone, instance type) -> until
         self._cool_region: dict[str, float] = {}                  # region -> until
+        self._vm_type: dict[str, tuple[str, str]] = {}           # instance id -> (cloud, instance type)
+        self._recipe_tps: dict[tuple[str, str], float] = {}      # (cloud, type) -> the recipe's tokens/s
+        self._replica_vm: dict[int, str] = {}                     # replica id -> instance id
+        self._trained: dict[tuple[str, str], list] = {}          # (cloud, type) -> [tokens, seconds]
         self._seen = 0
 
     # -- what happened --------------------------------------------------------------------------
@@ -75,8 +102,16 @@ class Market:
         """Take in the ledger events appended since the last call."""
         for e in events[self._seen:]:
             kind, t = e["type"], e["t"]
-            if kind == "node_launched" and e.get("spot", True):
-                self._open[e["instance_id"]] = (offer_key(e), e.get("launched_at", t))
+            if kind == "node_launched":
+                typ = (e["cloud"], e["instance_type"])
+                self._vm_type[e["instance_id"]] = typ
+                self._recipe_tps[typ] = recipe_tokens_per_s(_OfferLike(e), self._p)
+                if e.get("spot", True):
+                    self._open[e["instance_id"]] = (offer_key(e), e.get("launched_at", t))
+            elif kind == "replica_starting":
+                self._replica_vm[int(e["replica"])] = e["instance_id"]
+            elif kind == "outer_step" and self._tokens_per_inner_step:
+                self._measure(e)
             elif kind in ("node_notice", "node_preempted"):
                 iid = e["instance_id"]
                 if iid in self._open and iid not in self._counted:
@@ -91,6 +126,37 @@ class Market:
             elif kind == "capacity_error":
                 self._cool_offer[(e["zone"], e["instance_type"])] = t + self._capacity_cooldown_s
         self._seen = len(events)
+
+    def _measure(self, step: dict) -> None:
+        """Credit each replica's inner phase of an outer step to its VM's instance type."""
+        steps_done = {int(r): n for r, n in (step.get("steps_done") or {}).items()}
+        for rid, seconds in (step.get("inner_s_by_replica") or {}).items():
+            typ = self._vm_type.get(self._replica_vm.get(int(rid), ""))
+            n = steps_done.get(int(rid), 0)
+            if typ is not None and n and seconds > 0:
+                acc = self._trained.setdefault(typ, [0, 0.0])
+                acc[0] += n * self._tokens_per_inner_step
+                acc[1] += seconds
+        if self._trained:
+            self._measured = {typ: tokens / seconds for typ, (tokens, seconds) in self._trained.items()}
+            logs = [math.log(tps / self._recipe_tps[typ]) for typ, tps in self._measured.items()]
+            self._recipe_scale = math.exp(sum(logs) / len(logs))
+
+    _measured: dict[tuple[str, str], float] = {}
+    _recipe_scale: float | None = None
+
+    def measured_tokens_per_s(self) -> dict[tuple[str, str], float]:
+        """{(cloud, instance type): tokens/s one replica trained} over this run's outer steps."""
+        return dict(self._measured)
+
+    def tokens_per_s(self, offer: Offer) -> float | None:
+        """A replica's throughput on this offer's VM: measured for its type; for a type not run yet,
+        the recipe's figure times how far measured types came from their own (geometric mean);
+        None before any measurement (the planner takes the recipe's figure)."""
+        mine = self._measured.get((offer.cloud, offer.instance_type))
+        if mine is not None or self._recipe_scale is None:
+            return mine
+        return recipe_tokens_per_s(offer, self._p) * self._recipe_scale
 
     def _close(self, instance_id: str, t: float) -> None:
         held = self._open.pop(instance_id, None)
@@ -129,7 +195,7 @@ class Market:
 
     def quote(self, offer: Offer, now: float, capacity: int | None = None) -> Quote:
         rate, source = self.risk(offer, now)
-        return Quote(offer, rate, source, capacity)
+        return Quote(offer, rate, source, capacity, self.tokens_per_s(offer))
 
     def quotes(self, offers: list[Offer], now: float, capacity: dict[Key, int | None] | None = None) -> list[Quote]:
         """Every offer not resting after a capacity error, with its risk (and its capacity when

@@ -1,7 +1,8 @@
 """The planner: how many replicas to rent where, and when to move one. Pure and fast (no I/O).
 
-Objective: least expected USD per useful token. A replica's raw throughput comes from the recipe
-(`planner.tokens_per_s`); useful throughput discounts the work preemption is expected to cost
+Objective: least expected USD per useful token. A replica's raw throughput is what the run measured
+on that instance type, else the recipe's figure (`planner.tokens_per_s`, scaled by how far the
+measured types came from theirs; see `Market.quote`); useful throughput discounts the work preemption is expected to cost
 (risk × (half an inner phase + `planner.recovery_s`)) and the outer sync a world spread over
 regions or clouds pays (`planner.cross_region_sync_s`). Replicas synchronise every inner phase, so
 the slowest one sets the world's pace. Constraints: regions, `resources.max_usd_per_hour`, spot or
@@ -14,15 +15,13 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from elastic.market import Quote
+from elastic.market import Quote, recipe_tokens_per_s
 
 
-def replica_tokens_per_s(offer, planner) -> float:
-    """Raw training throughput of one replica on this offer's VM, tokens/s."""
-    by = planner.tokens_per_s
-    if offer.instance_type in by:
-        return by[offer.instance_type]
-    return by.get(offer.gpu, planner.default_tokens_per_s) * max(1, offer.gpus)
+def replica_tokens_per_s(q: Quote, planner) -> float:
+    """Raw training throughput of one replica on this quote's VM, tokens/s: the market's figure
+    (measured in this run) where it has one, else the recipe's."""
+    return q.tokens_per_s or recipe_tokens_per_s(q.offer, planner)
 
 
 def tokens_per_phase(recipe) -> int:
@@ -61,7 +60,7 @@ def _availability(q: Quote, phase_s: float, planner) -> float:
 def usd_per_mtok(q: Quote, recipe) -> float:
     """Expected USD per million useful tokens of one replica on its own (the ranking key)."""
     p = recipe.planner
-    tps = replica_tokens_per_s(q.offer, p)
+    tps = replica_tokens_per_s(q, p)
     useful = tps * _availability(q, tokens_per_phase(recipe) / tps, p)
     return q.offer.usd_per_hour / (useful * 3600) * 1e6 if useful > 0 else float("inf")
 
@@ -106,7 +105,7 @@ class Placement:
                                          "on_demand_usd_per_hour": round(o.on_demand_usd_per_hour, 6),
                                          "preempt_per_hour": round(q.preempt_per_hour, 4),
                                          "risk_source": q.risk_source,
-                                         "tokens_per_s": replica_tokens_per_s(o, recipe.planner),
+                                         "tokens_per_s": round(replica_tokens_per_s(q, recipe.planner), 1),
                                          "usd_per_mtok": round(usd_per_mtok(q, recipe), 4),
                                          "read_at": o.read_at})
             s["replicas"] += 1
@@ -128,7 +127,7 @@ def evaluate(quotes: list[Quote], recipe) -> Placement:
     if not quotes:
         return pl
     tpp = tokens_per_phase(recipe)
-    inner_s = max(tpp / replica_tokens_per_s(q.offer, p) for q in quotes)
+    inner_s = max(tpp / replica_tokens_per_s(q, p) for q in quotes)
     pl.sync_penalty_s = sync_penalty_s(quotes, p)
     pl.phase_s = inner_s + pl.sync_penalty_s
     pl.usd_per_hour = sum(q.offer.usd_per_hour for q in quotes)
@@ -179,7 +178,7 @@ class _Ranked:
         self.by_speed: dict = {}
         self.by_region: dict = {}
         for q in self.all:
-            self.by_speed.setdefault(replica_tokens_per_s(q.offer, p), []).append(q)
+            self.by_speed.setdefault(replica_tokens_per_s(q, p), []).append(q)
             self.by_region.setdefault((q.offer.cloud, q.offer.region), []).append(q)
 
 

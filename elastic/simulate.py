@@ -27,9 +27,8 @@ import math
 import random
 
 from elastic.errors import UserError
-from elastic.market import Market, Quote, offer_key
-from elastic.planner import (allowed, choose_launch, evaluate, launch_fits_budget, replan_all,
-                             replica_tokens_per_s, tokens_per_phase)
+from elastic.market import Market, Quote, offer_key, recipe_tokens_per_s
+from elastic.planner import allowed, choose_launch, evaluate, launch_fits_budget, replan_all, tokens_per_phase
 from providers.base import Offer
 
 POLICIES = ("elastic", "on-demand", "spot-static", "skypilot-like")
@@ -309,7 +308,7 @@ def _cheapest(run: _Run, spot: bool, exclude_region: str | None = None) -> Offer
            and o.region != exclude_region and (cap[offer_key(o)] is None or cap[offer_key(o)] >= n)]
     if not fit:
         return None
-    return min(fit, key=lambda o: o.usd_per_hour / replica_tokens_per_s(o, recipe.planner))
+    return min(fit, key=lambda o: o.usd_per_hour / recipe_tokens_per_s(o, recipe.planner))
 
 
 def _whole_job(run: _Run, spot: bool, on_loss: str) -> None:

@@ -88,6 +88,8 @@ class StepResult:
         sync_attempts: all-reduce attempts (1 when nobody failed).
         steps_done: inner steps each contributing replica took (fewer when cut short by a notice).
         idle: replicas that took no inner step (a notice came before their first): nothing to add.
+        inner_s_by_replica: each contributing replica's own inner phase (its slowest rank), seconds:
+            with `steps_done`, the throughput this replica's VM measured for this model.
     """
 
     outer_step: int
@@ -100,6 +102,7 @@ class StepResult:
     sync_attempts: int = 1
     steps_done: dict = field(default_factory=dict)
     idle: list[int] = field(default_factory=list)
+    inner_s_by_replica: dict = field(default_factory=dict)
 
 
 class World:
@@ -400,7 +403,9 @@ class World:
         self.tokens += tokens
         return StepResult(self.outer_step, members, losses, tokens, inner_s, sync_s,
                           max((s["bytes"] for s in sync_out.values()), default=0), attempts,
-                          {rid: results[(rid, 0)]["steps"] for rid in members}, idle)
+                          {rid: results[(rid, 0)]["steps"] for rid in members}, idle,
+                          {rid: max(results[(rid, r)]["seconds"] for r in range(len(self.replicas[rid].actors)))
+                           for rid in members})
 
     def lead_replica(self) -> Replica:
         return self.replicas[min(self.replicas)]

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from elastic.ledger import read_events
+from elastic.market import Market
+from elastic.recipe import load_recipe
 from tests.conftest import REPO, cli_env, run_cli
 
 pytestmark = pytest.mark.slow
@@ -89,6 +91,16 @@ def test_launch_trains_and_reports(tmp_path):
     events = read_events(run_dir / "events.jsonl")
     assert_every_node_released(events)
     assert [e["step"] for e in events if e["type"] == "checkpoint_saved"] == [4, 8]
+    # Each step times every replica's own inner phase: the market measures this model's throughput
+    # on the run's instance type from the ledger alone.
+    steps = [e for e in events if e["type"] == "outer_step"]
+    assert all(set(e["inner_s_by_replica"]) == set(e["steps_done"]) for e in steps)
+    market = Market(load_recipe(run_dir / "recipe.yaml").planner, tokens_per_inner_step=8 * 128)
+    market.observe(events)
+    measured = market.measured_tokens_per_s()
+    trained_s = sum(s for e in steps for s in e["inner_s_by_replica"].values())
+    assert list(measured) == [("local", "local-cpu")]
+    assert measured[("local", "local-cpu")] == pytest.approx(report["tokens"] / trained_s)
     manifest = json.loads((run_dir / "checkpoints/step-00000008/elastic.json").read_text())
     assert manifest["step"] == 8 and manifest["data_cursor"] == 8 * 2 * 20 * 8
     assert (run_dir / "recipe.yaml").read_text().startswith("name: local-tiny")

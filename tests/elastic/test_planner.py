@@ -191,3 +191,27 @@ def test_ranking_key_is_usd_per_useful_token():
     q = quote(offer("r1a", 8.64), risk=0.0)
     # 24,000 tokens/s for $8.64/h: 8.64 / (24000 × 3600) × 1e6 = $0.1 per 1M tokens.
     assert usd_per_mtok(q, r) == pytest.approx(0.1)
+
+
+def test_measured_throughput_replaces_the_recipe_figure():
+    r = recipe()   # the recipe says 3000 tokens/s per A100: every 8×A100 VM 24,000
+    m = Market(r.planner, tokens_per_inner_step=1000)
+    slow, fast, unrun = offer("r1a", 8.0, it="p4d"), offer("r2a", 10.0, it="a2"), offer("r3a", 9.0, it="g2")
+    assert m.quote(slow, 0).tokens_per_s is None
+    before = plan([m.quote(o, 0) for o in (slow, fast)], r)
+    assert places(before) == [("r1a", "p4d")] * 4          # same speed on paper: cheaper per hour wins
+    events = [_launched("v1", "r1a", 0) | {"instance_type": "p4d"}, _launched("v2", "r2a", 0) | {"instance_type": "a2"},
+              {"t": 1, "type": "replica_starting", "replica": 0, "instance_id": "v1"},
+              {"t": 1, "type": "replica_starting", "replica": 1, "instance_id": "v2"},
+              # as a ledger read back from JSON: replica ids are strings
+              {"t": 9, "type": "outer_step", "steps_done": {"0": 6, "1": 6}, "inner_s_by_replica": {"0": 0.5, "1": 0.25}},
+              {"t": 19, "type": "outer_step", "steps_done": {0: 6, 1: 3}, "inner_s_by_replica": {0: 0.5, 1: 0.125}}]
+    m.observe(events)
+    assert m.measured_tokens_per_s() == {("aws", "p4d"): pytest.approx(12000.0), ("aws", "a2"): pytest.approx(24000.0)}
+    assert m.quote(slow, 20).tokens_per_s == pytest.approx(12000.0)
+    # A type not run yet: the recipe's figure scaled like the measured ones (geometric mean of 0.5 and 1).
+    assert m.quote(unrun, 20).tokens_per_s == pytest.approx(24000 * 0.5 ** 0.5)
+    # Measured at half the recipe's speed, p4d costs twice as much per token: the world goes to a2.
+    after = plan([m.quote(o, 20) for o in (slow, fast)], r)
+    assert places(after) == [("r2a", "a2")] * 4
+    assert after.to_dict(r)["placement"][0]["tokens_per_s"] == pytest.approx(24000.0)
