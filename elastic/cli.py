@@ -259,12 +259,15 @@ def _plan(args, out) -> int:
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
     else:
         table = Table(title=f"plan for {recipe.name}", title_justify="left")
-        for col in ("replicas", "cloud", "region", "zone", "instance type", "GPUs", "USD/h", "preempt/h", "USD/1M tok"):
-            table.add_column(col, justify="right" if col in ("replicas", "GPUs", "USD/h", "preempt/h", "USD/1M tok") else "left")
+        numeric = ("n", "USD/h", "risk/h", "capacity", "USD/1M tok")
+        for col in ("n", "cloud:zone", "instance type", "GPUs", "USD/h", "risk/h", "capacity", "USD/1M tok"):
+            table.add_column(col, justify="right" if col in numeric else "left", no_wrap=col != "cloud:zone",
+                             overflow="fold")
         for s in doc["placement"]:
-            table.add_row(str(s["replicas"]), s["cloud"], s["region"], s["zone"], s["instance_type"],
-                          f"{s['gpus']}× {s['gpu']}" if s["gpus"] else "-", f"{s['usd_per_hour']:.2f}",
-                          f"{s['preempt_per_hour']:.2f} ({s['risk_source']})", f"{s['usd_per_mtok']:.4f}")
+            table.add_row(str(s["replicas"]), f"{s['cloud']}:{s['zone']}", s["instance_type"],
+                          f"{s['gpus']}×{s['gpu']}" if s["gpus"] else "-", f"{s['usd_per_hour']:.2f}",
+                          f"{s['preempt_per_hour']:.2f} {s['risk_source']}",
+                          "?" if s["capacity"] is None else str(s["capacity"]), f"{s['usd_per_mtok']:.4f}")
         out.print(table)
         if doc["usd_per_mtok"] is not None:
             out.print(f"world: {doc['replicas']} replica(s), ${doc['usd_per_hour']:.2f}/h, "

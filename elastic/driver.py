@@ -627,7 +627,7 @@ class Driver:
             self._price[inst.instance_id] = round(offer.usd_per_hour, 6)
         self.ledger.append("node_launched", instance_id=inst.instance_id, ray_node_id=inst.ray_node_id,
                            role=inst.role, launched_at=inst.launched_at, joined=joined,
-                           **{k: v for k, v in offer.to_dict().items() if k != "read_at"})
+                           **offer.vm_fields())
 
     def _record_join_timeout(self, exc, offer) -> None:
         """A VM that was rented but never joined: launched, timed out, released (billed between)."""

@@ -172,7 +172,7 @@ def launch_controller(recipe: Recipe, run_dir: Path, console) -> int:
         raise
     ledger.append("node_launched", instance_id=inst.instance_id, ray_node_id=None, role="controller",
                   launched_at=inst.launched_at, joined=False,
-                  **{k: v for k, v in inst.offer.to_dict().items() if k != "read_at"})
+                  **inst.offer.vm_fields())
     ledger.append("controller_started", instance_id=inst.instance_id, cloud=cloud, region=inst.offer.region)
     ledger.close()
     console.print(f"[bold]elastic[/bold] run [cyan]{escape(run_dir.name)}[/cyan]: controller {inst.instance_id} "

@@ -55,7 +55,7 @@ class Quote:
         offer: the provider's offer (price and when it was read).
         preempt_per_hour: estimated preemptions per node-hour (0 for on-demand).
         risk_source: `prior`, `observed` (this run or earlier ones) or `on-demand`.
-        capacity: VMs of this offer that can be held at once, when known (traces); None: unknown.
+        capacity: VMs of this offer that can be held at once, when known (the offer's); None: unknown.
         tokens_per_s: one replica's throughput on this VM, tokens/s, as this run measured it (or the
             recipe's figure rescaled by the measurements of other types); None: the recipe's figure.
     """
@@ -193,19 +193,18 @@ class Market:
         """The offer rests after a capacity error."""
         return self._cool_offer.get((offer.zone, offer.instance_type), -1) > now
 
-    def quote(self, offer: Offer, now: float, capacity: int | None = None) -> Quote:
+    def quote(self, offer: Offer, now: float) -> Quote:
         rate, source = self.risk(offer, now)
-        return Quote(offer, rate, source, capacity, self.tokens_per_s(offer))
+        return Quote(offer, rate, source, offer.capacity, self.tokens_per_s(offer))
 
-    def quotes(self, offers: list[Offer], now: float, capacity: dict[Key, int | None] | None = None) -> list[Quote]:
-        """Every offer not resting after a capacity error, with its risk (and its capacity when
+    def quotes(self, offers: list[Offer], now: float) -> list[Quote]:
+        """Every offer not resting after a capacity error, with its risk, speed and capacity (when
         known). Regions whose preemptions spiked are left out while any other region has an offer
         (the next region first; a cooled region is still better than none)."""
-        capacity = capacity or {}
         fresh = [o for o in offers if not self.cooling(o, now)]
         cooled = self.cooled_regions(now)
         elsewhere = [o for o in fresh if o.region not in cooled]
-        return [self.quote(o, now, capacity.get(offer_key(o))) for o in (elsewhere or fresh)]
+        return [self.quote(o, now) for o in (elsewhere or fresh)]
 
     def stats(self, now: float) -> dict[Key, tuple[float, int]]:
         """This run's observations: {key: (node_hours, preemptions)} (open VMs counted up to now)."""

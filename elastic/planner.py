@@ -104,7 +104,7 @@ class Placement:
                                          "spot": o.spot, "replicas": 0, "usd_per_hour": round(o.usd_per_hour, 6),
                                          "on_demand_usd_per_hour": round(o.on_demand_usd_per_hour, 6),
                                          "preempt_per_hour": round(q.preempt_per_hour, 4),
-                                         "risk_source": q.risk_source,
+                                         "risk_source": q.risk_source, "capacity": q.capacity,
                                          "tokens_per_s": round(replica_tokens_per_s(q, recipe.planner), 1),
                                          "usd_per_mtok": round(usd_per_mtok(q, recipe), 4),
                                          "read_at": o.read_at})

@@ -63,17 +63,16 @@ class TraceMarket:
         _, times, states = self._series[(zone, instance_type)]
         return states[max(0, bisect.bisect_right(times, t) - 1)]
 
-    def offers(self, t: float, spot: bool) -> tuple[list[Offer], dict]:
-        """(offers now, {key: capacity}) for spot or on-demand renting."""
-        out, cap = [], {}
+    def offers(self, t: float, spot: bool) -> list[Offer]:
+        """Offers now for spot or on-demand renting (spot ones with the trace's capacity)."""
+        out = []
         for (zone, it), (r, _, _) in self._series.items():
             st = self.state(zone, it, t)
             usd = st.spot_usd_per_hour if spot else st.on_demand_usd_per_hour
-            o = Offer(cloud=r.cloud, region=r.region, zone=zone, instance_type=it, gpu=r.gpu, gpus=r.gpus, cpus=0,
-                      spot=spot, usd_per_hour=usd, on_demand_usd_per_hour=st.on_demand_usd_per_hour, read_at=t)
-            out.append(o)
-            cap[offer_key(o)] = st.capacity if spot else None
-        return out, cap
+            out.append(Offer(cloud=r.cloud, region=r.region, zone=zone, instance_type=it, gpu=r.gpu, gpus=r.gpus,
+                             cpus=0, spot=spot, usd_per_hour=usd, on_demand_usd_per_hour=st.on_demand_usd_per_hour,
+                             read_at=t, capacity=st.capacity if spot else None))
+        return out
 
 
 @dataclasses.dataclass
@@ -140,7 +139,7 @@ class _Run:
             return None
         iid = f"sim-{next(self._ids):05d}"
         self.nodes[iid] = _Node(iid, offer, self.t, self.t + self.recipe.planner.recovery_s)
-        self.events.append({"t": self.t, "type": "node_launched", "instance_id": iid, **offer.to_dict()})
+        self.events.append({"t": self.t, "type": "node_launched", "instance_id": iid, **offer.vm_fields()})
         return iid
 
     def release(self, iid: str) -> None:
@@ -225,13 +224,13 @@ def _elastic(run: _Run) -> None:
     def top_up(busy_s: float) -> None:
         """Rent up to the target where the planner says (as the driver does the moment a replica
         is lost); `busy_s`: seconds left of the phase under way, all of which the budget must cover."""
-        offers, cap = run.market.offers(run.t, recipe.resources.spot)
+        offers = run.market.offers(run.t, recipe.resources.spot)
         for _ in range(len(offers)):
             market.observe(run.events)
             live = [n for n in run.nodes.values() if not n.drain_for]
             if len(live) >= n_target:
                 return
-            q = choose_launch(market.quotes(offers, run.t, cap), recipe,
+            q = choose_launch(market.quotes(offers, run.t), recipe,
                               [market.quote(run.now_offer(n), run.t) for n in live])
             if q is None:
                 return
@@ -239,9 +238,9 @@ def _elastic(run: _Run) -> None:
                 return                        # the budget cannot take another VM
 
     while run.tokens < run.target_tokens:
-        offers, cap = run.market.offers(run.t, recipe.resources.spot)
+        offers = run.market.offers(run.t, recipe.resources.spot)
         market.observe(run.events)
-        quotes = market.quotes(offers, run.t, cap)
+        quotes = market.quotes(offers, run.t)
         # Drain the replicas whose replacement now trains.
         for n in [n for n in run.nodes.values() if n.drain_for]:
             new = run.nodes.get(n.drain_for)
@@ -303,9 +302,9 @@ def _cheapest(run: _Run, spot: bool, exclude_region: str | None = None) -> Offer
     """The offer with the least USD per raw token that can hold the whole world (risk ignored)."""
     recipe = run.recipe
     n = min(recipe.world.replicas, recipe.world.max_replicas)
-    offers, cap = run.market.offers(run.t, spot)
+    offers = run.market.offers(run.t, spot)
     fit = [o for o in offers if allowed(o, recipe.resources.model_copy(update={"spot": spot}))
-           and o.region != exclude_region and (cap[offer_key(o)] is None or cap[offer_key(o)] >= n)]
+           and o.region != exclude_region and (o.capacity is None or o.capacity >= n)]
     if not fit:
         return None
     return min(fit, key=lambda o: o.usd_per_hour / recipe_tokens_per_s(o, recipe.planner))

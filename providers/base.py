@@ -22,6 +22,8 @@ class Offer:
         usd_per_hour: price of this offer now, USD per hour.
         on_demand_usd_per_hour: on-demand price of the same VM, USD per hour.
         read_at: unix time the price was read.
+        capacity: VMs of this offer that can be held at once, when the provider knows (a simulated
+            market, a trace; 0 in a stock-out); None: unknown (real clouds do not say).
     """
 
     cloud: str
@@ -35,9 +37,15 @@ class Offer:
     usd_per_hour: float
     on_demand_usd_per_hour: float
     read_at: float
+    capacity: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def vm_fields(self) -> dict:
+        """What a VM rented from this offer keeps of it (the ledger's `node_launched`): not when the
+        price was read, nor how many could be had."""
+        return {k: v for k, v in asdict(self).items() if k not in ("read_at", "capacity")}
 
 
 @dataclass

@@ -61,7 +61,8 @@ class LocalProvider:
                     continue
                 out.append(Offer(cloud="local", region=it.region, zone=it.zone, instance_type=it.name, gpu="",
                                  gpus=0, cpus=max(it.cpus, self._ranks), spot=resources.spot, usd_per_hour=usd,
-                                 on_demand_usd_per_hour=st.on_demand_usd_per_hour, read_at=now))
+                                 on_demand_usd_per_hour=st.on_demand_usd_per_hour, read_at=now,
+                                 capacity=st.capacity if resources.spot else None))
         return sorted(out, key=lambda o: o.usd_per_hour)
 
     def launch(self, offer: Offer, run: str, role: str) -> Instance:

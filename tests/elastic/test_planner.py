@@ -215,3 +215,13 @@ def test_measured_throughput_replaces_the_recipe_figure():
     after = plan([m.quote(o, 20) for o in (slow, fast)], r)
     assert places(after) == [("r2a", "a2")] * 4
     assert after.to_dict(r)["placement"][0]["tokens_per_s"] == pytest.approx(24000.0)
+
+
+def test_known_capacity_of_an_offer_reaches_the_plan():
+    r = recipe()
+    cheap_out = Offer(**{**offer("r1a", 5.0).to_dict(), "capacity": 0})       # a stock-out
+    cheap_two = Offer(**{**offer("r2a", 6.0).to_dict(), "capacity": 2})
+    dear = offer("r3a", 9.0)                                                   # capacity unknown
+    qs = Market(r.planner).quotes([cheap_out, cheap_two, dear], 0.0)
+    assert [q.capacity for q in qs] == [0, 2, None]
+    assert places(plan(qs, r)) == [("r2a", "a100x8")] * 2 + [("r3a", "a100x8")] * 2
