@@ -3,24 +3,53 @@ it again writes the same files.
 
     python bench/traces/make_traces.py
 
-Assumptions (per zone and instance type, one row every 5 simulated minutes):
+Shipped traces (`bench/policies.py` holds our policy to its goals on these):
+
+`scarce.csv` (48 h) — the 8-GPU spot market as published measurements describe it. Sources are
+listed in bench/traces/README.md; what no source pins down is marked "assumed".
+- Offers and prices: every zone of a real price snapshot (`catalog-snapshot.csv`: SkyPilot's
+  public catalog, AWS p4d.24xlarge / p5.48xlarge in us-east-1, us-west-2, eu-west-1 by AZ id; GCP
+  a2-highgpu-8g / a3-highgpu-8g in us-central1, us-east4, europe-west4, asia-east1), spot prices
+  as they stand there. GCP on-demand: $29.39/h (a2) and $87.83/h (a3, us-east4) from the same
+  snapshot, +8 % in Europe and +12 % in Asia (the snapshot's other GCP on-demand figures are
+  inconsistent across regions).
+- Price moves: AWS spot prices "adjust gradually" (AWS docs), about 5 % over a week (Can't Be
+  Late, NSDI'24): a log-price random walk of 0.004 per sqrt(h). GCP spot prices change at most
+  once every 30 days (GCP pricing page): constant over the 48 h.
+- Availability: each zone and type alternates between available and out of stock; periods of
+  unavailability "can last for hours or even days" and a zone's available share ranges from
+  about 40 % to most of the time (Can't Be Late; skypilot-org/spot-traces, 8×V100). Assumed:
+  available spells exponential with a per-series mean of 2-24 h, stock-outs exponential with a
+  mean of 0.5-8 h (both log-uniform).
+- Capacity while available: assumed 1-8 VMs per zone and type (no per-zone figure is published;
+  8×A100 spot is reported "unavailable" often: SkyPilot issue #831).
+- Preemptions: when a zone and type runs out, the VMs held there are reclaimed together
+  (co-interruptions in one type and zone within 3 minutes in over 92 % of 2,635 events,
+  Spot-and-Scoot 2026; all-or-none in over 94 % of the time, Can't Be Late): 36 per node-hour for
+  the first 5 minutes of a stock-out (95 % gone). Between stock-outs, assumed 0.02-0.2 per
+  node-hour per zone (log-uniform). Together about 0.06-0.7 per node-hour, the upper end near the
+  0.61 per instance-hour of Parcae's 32-instance p3 trace (NSDI'24).
+
+`volatile.csv` (48 h) — a stress scenario: a market that turns against whatever is cheapest.
 - Offers: AWS p4d.24xlarge (8×A100, on-demand $32.77/h) and p5.48xlarge (8×H100, $98.32/h) in
   us-east-1 (3 zones), us-west-2 (2) and eu-west-1 (1); GCP a2-highgpu-8g (8×A100, $29.39/h) and
   a3-highgpu-8g (8×H100, $88.25/h) in us-central1 (2 zones), europe-west4 (1) and asia-east1 (1).
   On-demand prices are the us list prices, +8 % in Europe and +12 % in Asia; they never move.
-- Spot price: a zone's base is 22-45 % of on-demand (uniform; public spot discounts for these
-  types are 55-75 %); the log-price follows a mean-reverting walk (reverts over ~2 h) with the
-  trace's volatility.
-- Preemptions: a zone's hazard is 0.02-0.35 per node-hour (uniform, log-scaled), the same for
-  both types in a zone.
-- Capacity: 4-24 VMs per zone and type (uniform); 0 during stock-outs.
-Traces:
-- `calm.csv` (48 h): volatility 0.08 per sqrt(h), no events.
-- `volatile.csv` (48 h): volatility 0.25 per sqrt(h), and a market that turns against whatever
-  is cheapest per token at the start (8×H100 taken as 2.5× 8×A100): hours 3-9 that zone's spot
-  prices climb to 85 % of on-demand (a demand surge); hours 12-16 a preemption storm in its
-  region (3 per node-hour); hours 20-26 a stock-out of its whole region; hours 30-34 every spot
-  price +40 %.
+- Spot price: a zone's base is 22-45 % of on-demand (uniform); the log-price follows a
+  mean-reverting walk (reverts over ~2 h) with volatility 0.25 per sqrt(h).
+- Preemptions: a zone's hazard is 0.02-0.35 per node-hour (uniform, log-scaled).
+- Capacity: 4-24 VMs per zone and type (uniform).
+- Events, hitting whatever is cheapest per token at the start (8×H100 taken as 2.5× 8×A100):
+  hours 3-9 that zone's spot prices climb to 85 % of on-demand (a demand surge); hours 12-16 a
+  preemption storm in its region (3 per node-hour); hours 20-26 a stock-out of its whole region;
+  hours 30-34 every spot price +40 %.
+
+Control (`control/calm.csv`, 48 h; reported by `bench/policies.py` apart from the goals): the
+volatile trace's offers and price model with volatility 0.08 per sqrt(h), no events, capacity
+4-24 VMs in every zone at all times and hazards of 0.02-0.35 per node-hour. In that market a
+whole-job restart is cheap once it sits in a quiet zone, and no policy can reach the 0.8 goal:
+`bench/policies.py` prints the bound (every replica always on the cheapest capacity, nothing
+lost) next to the policies.
 """
 
 from __future__ import annotations
@@ -44,6 +73,7 @@ ZONES = [("aws", "us-east-1", "us-east-1a", 1.0), ("aws", "us-east-1", "us-east-
 
 
 def make(name: str, hours: float, volatility: float, seed: int, events: bool) -> Path:
+    """The volatile trace and the control (synthetic offers and prices)."""
     rng = random.Random(seed)
     series = []
     for cloud, region, zone, mult in ZONES:
@@ -74,7 +104,61 @@ def make(name: str, hours: float, volatility: float, seed: int, events: bool) ->
                     ratio = min(0.95, ratio * 1.4)
             rows.append([t, s["cloud"], s["region"], s["zone"], s["it"], s["gpu"], 8, round(ratio * s["od"], 4),
                          s["od"], round(hazard, 4), cap])
+    return write(name, rows)
+
+
+GCP_ON_DEMAND = {"a2-highgpu-8g": 29.39, "a3-highgpu-8g": 87.83}   # us list prices, USD/h
+REGION_MULT = {"europe": 1.08, "asia": 1.12}
+
+
+def make_scarce(name: str, hours: float, seed: int) -> Path:
+    """The measured-market trace (see the module docstring for every figure and its source)."""
+    rng = random.Random(seed)
+    with open(HERE / "catalog-snapshot.csv", newline="", encoding="utf-8") as f:
+        snapshot = list(csv.DictReader(f))
+    gpu = {"p4d.24xlarge": "A100", "p5.48xlarge": "H100", "a2-highgpu-8g": "A100", "a3-highgpu-8g": "H100"}
+    zone_hazard: dict[str, float] = {}
+    series = []
+    for r in snapshot:
+        zone, cloud, it = r["zone"], r["cloud"], r["instance_type"]
+        if zone not in zone_hazard:
+            zone_hazard[zone] = math.exp(rng.uniform(math.log(0.02), math.log(0.2)))
+        od = float(r["on_demand_usd_per_hour"])
+        if cloud == "gcp":
+            od = round(GCP_ON_DEMAND[it] * REGION_MULT.get(r["region"].split("-")[0], 1.0), 2)
+        up_h = math.exp(rng.uniform(math.log(2), math.log(24)))
+        down_h = math.exp(rng.uniform(math.log(0.5), math.log(8)))
+        series.append({"cloud": cloud, "region": r["region"], "zone": zone, "it": it, "gpu": gpu[it], "od": od,
+                       "spot": float(r["spot_usd_per_hour"]), "log_dev": 0.0, "up_h": up_h, "down_h": down_h,
+                       "cap": rng.randint(1, 8),
+                       "available": rng.random() < up_h / (up_h + down_h),
+                       "switch_at_h": 0.0, "out_since_h": -math.inf})
+    for s in series:
+        s["switch_at_h"] = rng.expovariate(1 / (s["up_h"] if s["available"] else s["down_h"]))
+    rows = []
+    dt_h = STEP_S / 3600
+    for i in range(int(hours * 3600 / STEP_S)):
+        t, h = i * STEP_S, i * dt_h
+        for s in series:
+            while h >= s["switch_at_h"]:
+                s["available"] = not s["available"]
+                s["out_since_h"] = None if s["available"] else s["switch_at_h"]
+                s["switch_at_h"] += rng.expovariate(1 / (s["up_h"] if s["available"] else s["down_h"]))
+            if s["cloud"] == "aws":
+                s["log_dev"] += 0.004 * math.sqrt(dt_h) * rng.gauss(0, 1)
+            spot = min(s["od"], s["spot"] * math.exp(s["log_dev"]))
+            if s["available"]:
+                hazard, cap = zone_hazard[s["zone"]], s["cap"]
+            else:   # reclaimed together in the first 5 minutes of a stock-out, then nothing to hold
+                hazard, cap = (36.0 if h - s["out_since_h"] < dt_h else zone_hazard[s["zone"]]), 0
+            rows.append([t, s["cloud"], s["region"], s["zone"], s["it"], s["gpu"], 8, round(spot, 4), s["od"],
+                         round(hazard, 4), cap])
+    return write(name, rows)
+
+
+def write(name: str, rows: list) -> Path:
     path = HERE / f"{name}.csv"
+    path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
         w.writerow(COLUMNS)
@@ -83,5 +167,6 @@ def make(name: str, hours: float, volatility: float, seed: int, events: bool) ->
 
 
 if __name__ == "__main__":
-    print(make("calm", 48, 0.08, seed=1, events=False))
+    print(make_scarce("scarce", 48, seed=3))
     print(make("volatile", 48, 0.25, seed=2, events=True))
+    print(make("control/calm", 48, 0.08, seed=1, events=False))
