@@ -109,7 +109,31 @@ class Driver:
         draining replicas are already being replaced."""
         w = self.world
         have = len(w.replicas) - len(self._draining) + len(w.joining) + len(self._launching)
-        return max(0, min(self.recipe.world.replicas, self.recipe.world.max_replicas) - have)
+        return max(0, self._target_replicas - have)
+
+    @property
+    def _target_replicas(self) -> int:
+        """world.replicas, or more once budget.max_hours needed a bigger world (`_retarget`)."""
+        return max(self._target, min(self.recipe.world.replicas, self.recipe.world.max_replicas))
+
+    _target = 0
+
+    def _progress(self):
+        from elastic.planner import Progress
+
+        w = self.world
+        return Progress(w.tokens, w.outer_step, (time.time() - self._t0) / 3600)
+
+    def _retarget(self, quotes, held) -> None:
+        """Grow the world's target size when the planner needs more replicas to finish within
+        budget.max_hours (never shrinks it: replicas that joined keep training)."""
+        from elastic.planner import plan
+
+        pl = plan(quotes, self.recipe, held, progress=self._progress())
+        if len(pl.quotes) > self._target_replicas:
+            self._target = len(pl.quotes)
+            self.ledger.append("world_target", replicas=self._target, reason="budget.max_hours",
+                               expected_hours=round(pl.expected_hours, 4))
 
     def _offers(self) -> list:
         """Every provider's offers, cheapest per GPU-hour first (per VM-hour for CPU-only VMs)."""
@@ -131,11 +155,18 @@ class Driver:
         if not every:
             raise UserError(f"resources: no offer from {', '.join(self.providers)} matches resources.accelerators / "
                             "resources.regions / resources.max_usd_per_hour")
+        if not self._planned:
+            self._planned = True
+            self.market.observe(self.ledger.events)
+            self._retarget(self.market.quotes(every, time.time()), self._held_quotes(time.time()))
+            wanted = self._wanted()
         for _ in range(wanted):
             offer = self._choose([o for o in every if self._cooldown.get(offer_key(o), 0) <= now])
             if offer is None:
                 return
             self._launch(offer)
+
+    _planned = False   # the first top_up sized the world for budget.max_hours
 
     def _launch(self, offer) -> Future:
         fut = self._pool.submit(self.providers[offer.cloud].launch, offer, self.run_name, "replica")
@@ -160,7 +191,7 @@ class Driver:
         now = time.time()
         self.market.observe(self.ledger.events)
         held = self._held_quotes(now) if held is None else held
-        q = choose_launch(self.market.quotes(offers, now), self.recipe, held)
+        q = choose_launch(self.market.quotes(offers, now), self.recipe, held, self._progress())
         if q is None:
             return None
         spent = self._spent(now)
@@ -189,7 +220,7 @@ class Driver:
         """Every `planner.replan_every_s`: move the most expensive replica(s) when a clearly cheaper
         offer appears. The new replica is rented first; once it has joined, the old one drains at
         the next outer-step boundary."""
-        from elastic.planner import evaluate, replan_all, tokens_per_phase
+        from elastic.planner import evaluate, hours_to_finish, replan_all
 
         p, w = self.recipe.planner, self.world
         if time.monotonic() - self._replanned_at < p.replan_every_s:
@@ -212,14 +243,13 @@ class Driver:
             held.append((r.instance_id, self.market.quote(offer, now)))
         offers = [o for o in every if self._cooldown.get(offer_key(o), 0) <= time.monotonic()]
         quotes = self.market.quotes(offers, now)
-        t = self.recipe.train
-        tokens_left = (t.token_budget - w.tokens if t.token_budget is not None
-                       else (t.outer_steps - w.outer_step) * len(held) * tokens_per_phase(self.recipe))
-        rate = evaluate([q for _, q in held], self.recipe).useful_tokens_per_s
-        remaining_h = tokens_left / rate / 3600 if tokens_left > 0 and rate > 0 else 1.0
-        room = self.recipe.world.max_replicas - len(w.replicas)
         held_quotes = [q for _, q in held]
-        for move in replan_all(quotes, held, self.recipe, remaining_h)[:max(0, room)]:
+        self._retarget(quotes, held_quotes)
+        progress = self._progress()
+        remaining_h = hours_to_finish(evaluate(held_quotes, self.recipe), self.recipe, progress)
+        remaining_h = remaining_h if 0 < remaining_h < float("inf") else 1.0
+        room = self.recipe.world.max_replicas - len(w.replicas)
+        for move in replan_all(quotes, held, self.recipe, remaining_h, progress)[:max(0, room)]:
             if self._choose([move.add.offer], held=held_quotes) is None:
                 break
             self._move_of[self._launch(move.add.offer)] = move.drain

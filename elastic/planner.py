@@ -182,39 +182,103 @@ class _Ranked:
             self.by_region.setdefault((q.offer.cloud, q.offer.region), []).append(q)
 
 
-def _best(ranked: _Ranked, recipe, held: list[Quote], n: int) -> Placement:
-    p = recipe.planner
-    k = min(p.spread_min, n)
-    # Besides the plain ranking: one throughput class (no replica waits on a slower GPU) and, when
-    # no spread is asked for, one region (no cross-region sync).
+def _candidates(ranked: _Ranked, recipe, held: list[Quote], n: int) -> list[Placement]:
+    """Worlds of n replicas (held ones kept) worth comparing: the plain ranking filled greedily;
+    each throughput class alone (no replica waits on a slower GPU); and, when no spread is asked
+    for, each region alone (no cross-region sync)."""
+    k = min(recipe.planner.spread_min, n)
     subsets = [ranked.all] + (list(ranked.by_speed.values()) if len(ranked.by_speed) > 1 else [])
     if k <= 1 and len(ranked.by_region) > 1:
         held_regions = {(q.offer.cloud, q.offer.region) for q in held}
         subsets += [qs for r, qs in ranked.by_region.items() if held_regions <= {r}]
+    return [evaluate(_fill(qs, held, n, k, recipe.planner), recipe) for qs in subsets]
+
+
+def _best(ranked: _Ranked, recipe, held: list[Quote], n: int) -> Placement:
+    """The most replicas (up to n) that can be placed, cheapest per useful token among those."""
     best = None
-    for qs in subsets:
-        pl = evaluate(_fill(qs, held, n, k, p), recipe)
+    for pl in _candidates(ranked, recipe, held, n):
         if best is None or (len(pl.quotes), -pl.usd_per_mtok) > (len(best.quotes), -best.usd_per_mtok):
             best = pl
     return best
 
 
-def plan(quotes: list[Quote], recipe, held: list[Quote] = (), n: int | None = None) -> Placement:
+@dataclass(frozen=True)
+class Progress:
+    """How far a run has come, for planning the rest of it against budget.max_hours.
+
+    Args:
+        tokens: tokens trained so far.
+        outer_steps: outer steps done so far.
+        hours: hours since the run started.
+    """
+
+    tokens: int = 0
+    outer_steps: int = 0
+    hours: float = 0.0
+
+
+def hours_to_finish(pl: Placement, recipe, progress: Progress = Progress()) -> float:
+    """Expected hours for the world `pl` to train what is left of the run."""
+    t = recipe.train
+    if t.token_budget is not None:
+        tokens = max(0, t.token_budget - progress.tokens)
+    else:
+        tokens = max(0, t.outer_steps - progress.outer_steps) * len(pl.quotes) * tokens_per_phase(recipe)
+    if not tokens:
+        return 0.0
+    return tokens / pl.useful_tokens_per_s / 3600 if pl.useful_tokens_per_s > 0 else float("inf")
+
+
+def hours_left(recipe, progress: Progress = Progress()) -> float | None:
+    """Hours the planner may plan the rest of the run into: what budget.max_hours leaves, less
+    `planner.deadline_slack` of it (preemptions make the finish uncertain); None without a limit."""
+    b = recipe.budget
+    if b.max_hours is None:
+        return None
+    return max(0.0, b.max_hours * (1 - recipe.planner.deadline_slack) - progress.hours)
+
+
+def _for_deadline(ranked: _Ranked, recipe, held: list[Quote], progress: Progress) -> Placement:
+    """The cheapest world, from world.replicas up to world.max_replicas replicas and over the
+    throughput classes and regions `_best` weighs, that finishes within `hours_left`; when none
+    does, the one that finishes first. A bigger world must be more than 1 % cheaper per token to win over a
+    smaller one (the recipe's world.replicas is the size asked for)."""
+    w = recipe.world
+    target = min(w.replicas, w.max_replicas)
+    limit = hours_left(recipe, progress)
+    first = _best(ranked, recipe, held, max(target, len(held)))
+    if limit is None or (len(first.quotes) >= target and hours_to_finish(first, recipe, progress) <= limit):
+        return first
+    fits, fastest = None, None
+    for n in range(max(target, len(held)), w.max_replicas + 1):
+        for pl in _candidates(ranked, recipe, held, n):
+            if len(pl.quotes) < n:
+                continue
+            if hours_to_finish(pl, recipe, progress) <= limit:
+                bar = fits.usd_per_mtok * (0.99 if n > len(fits.quotes) else 1.0) if fits else float("inf")
+                if pl.usd_per_mtok < bar:
+                    fits = pl
+            key = (hours_to_finish(pl, recipe, progress), pl.usd_per_mtok, n)
+            if fastest is None or key < fastest[0]:
+                fastest = (key, pl)
+    return fits or (fastest[1] if fastest else first)
+
+
+def plan(quotes: list[Quote], recipe, held: list[Quote] = (), n: int | None = None,
+         progress: Progress = Progress()) -> Placement:
     """The placement for the whole world (`held`: replicas already running, kept in place).
 
-    Without `n`: the target world.replicas, grown towards world.max_replicas while the run would
-    otherwise pass budget.max_hours."""
+    Without `n`: the cheapest world per useful token of world.replicas replicas; when that would not
+    finish within budget.max_hours (less `planner.deadline_slack`), the cheapest that does, with
+    faster GPUs or more replicas (up to world.max_replicas); when none does, the fastest."""
     w, b = recipe.world, recipe.budget
-    grow = n is None
-    n = n if n is not None else min(w.replicas, w.max_replicas)
     ranked = _Ranked(quotes, recipe)
-    best = _best(ranked, recipe, list(held), n)
-    while grow and b.max_hours is not None and best.expected_hours > b.max_hours and n < w.max_replicas:
-        n += 1
-        bigger = _best(ranked, recipe, list(held), n)
-        if len(bigger.quotes) < n:
-            break
-        best = bigger
+    if n is not None:
+        best = _best(ranked, recipe, list(held), n)
+    else:
+        best = _for_deadline(ranked, recipe, list(held), progress)
+        n = max(len(best.quotes), min(w.replicas, w.max_replicas))
     if len(best.quotes) < n:
         best.warnings.append(f"only {len(best.quotes)} of {n} replica(s) can be placed on the offers now")
     if not best.feasible:
@@ -228,9 +292,12 @@ def plan(quotes: list[Quote], recipe, held: list[Quote] = (), n: int | None = No
     return best
 
 
-def choose_launch(quotes: list[Quote], recipe, held: list[Quote]) -> Quote | None:
-    """The offer the next replica should be rented from, given the replicas held (or on their way)."""
-    pl = _best(_Ranked(quotes, recipe), recipe, list(held), len(held) + 1)
+def choose_launch(quotes: list[Quote], recipe, held: list[Quote], progress: Progress = Progress()) -> Quote | None:
+    """The offer the next replica should be rented from, given the replicas held (or on their way):
+    the first one the plan for the whole world (`plan`) adds to them."""
+    pl = plan(quotes, recipe, held, progress=progress)
+    if len(pl.quotes) <= len(held):
+        pl = _best(_Ranked(quotes, recipe), recipe, list(held), len(held) + 1)
     return pl.quotes[len(held)] if len(pl.quotes) > len(held) else None
 
 
@@ -251,18 +318,21 @@ class Move:
     usd_per_mtok_after: float
 
 
-def replan(quotes: list[Quote], held: list[tuple[str, Quote]], recipe, remaining_hours: float = 1.0) -> Move | None:
+def replan(quotes: list[Quote], held: list[tuple[str, Quote]], recipe, remaining_hours: float = 1.0,
+           progress: Progress = Progress()) -> Move | None:
     """Whether to move the world's most expensive replica (held: (instance id, its quote at today's
-    price and risk)). The new offer's expected USD per useful token must be `planner.min_saving`
-    below that replica's (hysteresis), the world must come out cheaper per useful token, and the
-    saving over `remaining_hours` must pay for the replacement while it boots and joins."""
+    price and risk)). The new offer is the planner's choice for that place (`choose_launch`, so the
+    world still finishes within budget.max_hours from `progress` on when it can); its expected USD
+    per useful token must be `planner.min_saving` below that replica's (hysteresis), the world must
+    come out cheaper per useful token, and the saving over `remaining_hours` must pay for the
+    replacement while it boots and joins."""
     if not held or not quotes:
         return None
     p = recipe.planner
     now = evaluate([q for _, q in held], recipe)
     worst = max(range(len(held)), key=lambda i: usd_per_mtok(held[i][1], recipe))
     rest = [q for i, (_, q) in enumerate(held) if i != worst]
-    add = choose_launch(quotes, recipe, rest)
+    add = choose_launch(quotes, recipe, rest, progress)
     if add is None or add.key == held[worst][1].key:
         return None
     if usd_per_mtok(add, recipe) > usd_per_mtok(held[worst][1], recipe) * (1 - p.min_saving):
@@ -277,13 +347,14 @@ def replan(quotes: list[Quote], held: list[tuple[str, Quote]], recipe, remaining
     return Move(add, held[worst][0], now.usd_per_mtok, after.usd_per_mtok)
 
 
-def replan_all(quotes: list[Quote], held: list[tuple[str, Quote]], recipe, remaining_hours: float = 1.0) -> list[Move]:
+def replan_all(quotes: list[Quote], held: list[tuple[str, Quote]], recipe, remaining_hours: float = 1.0,
+               progress: Progress = Progress()) -> list[Move]:
     """Every move worth making now, most expensive replica first (each move's new replica counts
     as held, in its new place, for the next decision)."""
     moves: list[Move] = []
     held = list(held)
     for _ in range(len(held)):
-        move = replan(quotes, held, recipe, remaining_hours)
+        move = replan(quotes, held, recipe, remaining_hours, progress)
         if move is None:
             break
         moves.append(move)

@@ -229,6 +229,10 @@ class PlannerSection(_Section):
     """How long a region whose preemptions spiked rests, seconds."""
     capacity_cooldown_s: float = Field(300.0, ge=0)
     """How long an offer that answered with a capacity error rests, seconds."""
+    deadline_slack: float = Field(0.1, ge=0, lt=1)
+    """Share of `budget.max_hours` the planner keeps spare: it places the world to finish within
+    the rest (preemptions make the finish uncertain). When the cheapest world would not, it rents
+    faster GPUs or more replicas (up to `world.max_replicas`)."""
     billing_increment_s: float | None = Field(None, gt=0)
     """Billing increment of a VM, seconds: a launch is allowed only when the spend so far plus every
     held VM and the new one for one increment stays within `budget.max_usd`. Empty: the cloud's

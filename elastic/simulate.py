@@ -28,7 +28,8 @@ import random
 
 from elastic.errors import UserError
 from elastic.market import Market, Quote, offer_key, recipe_tokens_per_s
-from elastic.planner import allowed, choose_launch, evaluate, launch_fits_budget, replan_all, tokens_per_phase
+from elastic.planner import (Progress, allowed, choose_launch, evaluate, hours_to_finish, launch_fits_budget, plan,
+                             replan_all, tokens_per_phase)
 from providers.base import Offer
 
 POLICIES = ("elastic", "on-demand", "spot-static", "skypilot-like")
@@ -216,10 +217,16 @@ class _Run:
 def _elastic(run: _Run) -> None:
     recipe = run.recipe
     p, w = recipe.planner, recipe.world
-    n_target = min(w.replicas, w.max_replicas)
     market = Market(p)
     last_replan = -math.inf
     short_since = None
+
+    def progress() -> Progress:
+        return Progress(run.tokens, run.phases, run.t / 3600)
+
+    # The world's size: world.replicas, more when budget.max_hours needs it (it grows, never shrinks).
+    n_target = max(1, len(plan(market.quotes(run.market.offers(0.0, recipe.resources.spot), 0.0), recipe).quotes),
+                   min(w.replicas, w.max_replicas))
 
     def top_up(busy_s: float) -> None:
         """Rent up to the target where the planner says (as the driver does the moment a replica
@@ -231,7 +238,7 @@ def _elastic(run: _Run) -> None:
             if len(live) >= n_target:
                 return
             q = choose_launch(market.quotes(offers, run.t), recipe,
-                              [market.quote(run.now_offer(n), run.t) for n in live])
+                              [market.quote(run.now_offer(n), run.t) for n in live], progress())
             if q is None:
                 return
             if run.launch(q.offer, horizon_s=busy_s) is None and run.refused == "budget":
@@ -254,9 +261,9 @@ def _elastic(run: _Run) -> None:
         if run.t - last_replan >= p.replan_every_s and len(ready) == len(live) == n_target:
             last_replan = run.t
             held = [(n.iid, market.quote(run.now_offer(n), run.t)) for n in ready]
-            now = evaluate([q for _, q in held], recipe)
-            remaining_h = (run.target_tokens - run.tokens) / max(now.useful_tokens_per_s, 1e-9) / 3600
-            for move in replan_all(quotes, held, recipe, remaining_h):
+            n_target = max(n_target, len(plan(quotes, recipe, [q for _, q in held], progress=progress()).quotes))
+            remaining_h = hours_to_finish(evaluate([q for _, q in held], recipe), recipe, progress())
+            for move in replan_all(quotes, held, recipe, remaining_h, progress()):
                 iid = run.launch(move.add.offer)
                 if iid is None:
                     break

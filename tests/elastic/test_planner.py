@@ -225,3 +225,36 @@ def test_known_capacity_of_an_offer_reaches_the_plan():
     qs = Market(r.planner).quotes([cheap_out, cheap_two, dear], 0.0)
     assert [q.capacity for q in qs] == [0, 2, None]
     assert places(plan(qs, r)) == [("r2a", "a100x8")] * 2 + [("r3a", "a100x8")] * 2
+
+
+def test_budget_max_hours_buys_faster_gpus_or_more_replicas_only_when_needed():
+    from elastic.planner import Progress, hours_to_finish
+
+    # 8×A100 at 24,000 tokens/s, cheapest per token; 8×H100 at 60,000, 25 % dearer per token.
+    a100 = quote(offer("r1a", 8.64), capacity=6)                       # $0.100 per 1M tokens
+    h100 = quote(offer("r1b", 27.0, it="h100x8", gpu="H100"))          # $0.125 per 1M tokens
+    base = {"train.token_budget": 4 * 24000 * 3600 * 10, "train.outer_steps": "null", "world.replicas": 4,
+            "world.max_replicas": 6, "planner.recovery_s": 0, "planner.deadline_slack": 0}
+    loose = recipe(**base, **{"budget.max_hours": 20})
+    assert places(plan([a100, h100], loose)) == [("r1a", "a100x8")] * 4          # 10 h: fits
+    # 7.5 h: four A100s would take 10 h, five 8 h; six take 6.7 h and cost the same per token.
+    grown = plan([a100, h100], recipe(**base, **{"budget.max_hours": 7.5}))
+    assert places(grown) == [("r1a", "a100x8")] * 6
+    # 5 h: no A100 world fits (at most six replicas); four H100s take 4 h.
+    fast = plan([a100, h100], recipe(**base, **{"budget.max_hours": 5}))
+    assert places(fast) == [("r1b", "h100x8")] * 4
+    assert hours_to_finish(fast, recipe(**base)) == pytest.approx(4.0, rel=0.01)
+    # 2 h: nothing fits; the world that finishes first (six H100s) and a warning.
+    tight = plan([a100, h100], recipe(**base, **{"budget.max_hours": 2}))
+    assert places(tight) == [("r1b", "h100x8")] * 6 and any("max_hours" in w for w in tight.warnings)
+    # Half-way through, with 4.5 h of 9 gone: four A100s need 5 h for the rest, five 4 h;
+    # with 6 h gone, only H100s finish the rest (2 h for four) in time.
+    mid = recipe(**base, **{"budget.max_hours": 9})
+    half = mid.train.token_budget // 2
+    assert places(plan([a100, h100], mid, progress=Progress(tokens=half, hours=4.5))) == [("r1a", "a100x8")] * 5
+    assert places(plan([a100, h100], mid, progress=Progress(tokens=half, hours=6.0))) == [("r1b", "h100x8")] * 4
+    assert hours_to_finish(fast, mid, Progress(tokens=half)) == pytest.approx(2.0, rel=0.01)
+    # A run counted in outer steps takes as long with more replicas: it stays at world.replicas.
+    steps = recipe(**{**base, "train.token_budget": "null", "train.outer_steps": 1000, "budget.max_hours": 1})
+    assert len(plan([a100], steps).quotes) == 4
+

@@ -48,3 +48,23 @@ def test_driver_moves_a_replica_to_a_much_cheaper_region(local_cluster, tmp_path
     # Steps after the drain are trained by the new replica alone.
     after = [e for e in events[drained:] if e["type"] == "outer_step"]
     assert after and all(len(e["replicas"]) == 1 for e in after)
+
+
+def test_driver_grows_the_world_to_finish_within_max_hours(local_cluster, tmp_path):
+    # The planner's figure (1 token/s per replica) says two replicas need about 0.88 h for the
+    # budget; budget.max_hours 0.8 less 10 % slack leaves 0.72 h: three replicas (0.59 h) fit.
+    recipe = tiny_recipe(**{
+        "world.replicas": 2, "world.max_replicas": 3, "train.outer_steps": "null",
+        "train.token_budget": 6 * 2 * 4 * 4 * 32, "planner.default_tokens_per_s": 1, "budget.max_hours": 0.8,
+        "checkpoint.every_outer_steps": 0})
+    status, events = run_attached(recipe, local_cluster, tmp_path / "run", run_name="deadline")
+    assert status == "completed"
+    targets = [e for e in events if e["type"] == "world_target"]
+    assert [e["replicas"] for e in targets] == [3] and targets[0]["reason"] == "budget.max_hours"
+    assert targets[0]["expected_hours"] == pytest.approx(0.59, abs=0.02)
+    # Rented at once, before any step, and every step trained by all three.
+    order = [e["type"] for e in events]
+    assert order.index("world_target") < order.index("node_launched")
+    assert sum(e["type"] == "node_launched" for e in events) == 3
+    steps = [e for e in events if e["type"] == "outer_step"]
+    assert steps and all(len(e["replicas"]) == 3 for e in steps)

@@ -33,8 +33,8 @@ def recipe(**kw):
     return tiny_recipe(**{**base, **kw})
 
 
-def row(t, zone, spot, rate=0.0, cap=32, od=30.0, region=None, it="a2", cloud="gcp"):
-    return [t, cloud, region or zone[:-1], zone, it, "A100", 8, spot, od, rate, cap]
+def row(t, zone, spot, rate=0.0, cap=32, od=30.0, region=None, it="a2", cloud="gcp", gpu="A100"):
+    return [t, cloud, region or zone[:-1], zone, it, gpu, 8, spot, od, rate, cap]
 
 
 def random_trace(path, rng: random.Random):
@@ -91,6 +91,18 @@ def test_elastic_moves_to_a_much_cheaper_zone_and_ignores_jitter(tmp_path):
     by = {x["policy"]: x for x in simulate(r, drop)}
     assert by["elastic"]["moves"] == 4
     assert by["elastic"]["usd_per_mtok"] < 0.75 * by["spot-static"]["usd_per_mtok"]
+
+
+def test_budget_max_hours_is_met_with_faster_gpus_when_the_cheapest_are_too_slow(tmp_path):
+    # 8×A100 (3000 tokens/s per GPU) is cheapest per token; 8×H100 (7500) is 2.5× as fast.
+    trace = write_trace(tmp_path / "t.csv", [row(0, "r1a", 8.0), row(0, "r1b", 30.0, it="a3", gpu="H100")])
+    kw = {"planner.tokens_per_s": "{A100: 3000, H100: 7500}", "train.token_budget": 4_000_000_000,
+          "world.max_replicas": 4}
+    loose = simulate(recipe(**kw), trace, ["elastic"])[0]          # four A100s: about 12 h
+    assert loose["status"] == "completed" and loose["wall_h"] > 11
+    tight = simulate(recipe(**kw, **{"budget.max_hours": 8}), trace, ["elastic"])[0]
+    assert tight["status"] == "completed" and tight["wall_h"] <= 8 * 0.9
+    assert tight["usd_per_mtok"] > loose["usd_per_mtok"]  # time bought at a price, within the deadline
 
 
 def test_every_replica_lost_restores_from_the_checkpoint(tmp_path):
