@@ -193,7 +193,12 @@ class Driver:
         held = self._held_quotes(now) if held is None else held
         q = choose_launch(self.market.quotes(offers, now), self.recipe, held, self._progress())
         if q is None:
+            if not self._capacity_logged:   # once per shortage: every offer is at its known capacity
+                self._capacity_logged = True
+                self.ledger.append("launch_held_back", reason="capacity", held=len(held),
+                                   message="every offer the recipe allows is at its known capacity")
             return None
+        self._capacity_logged = False
         spent = self._spent(now)
         self._budget_held_back = not launch_fits_budget(spent, sum(h.offer.usd_per_hour for h in held), q.offer,
                                                         self.recipe, horizon_s=self._last_step_s)
@@ -206,6 +211,7 @@ class Driver:
         return q.offer
 
     _spent_memo = (-1, 0.0, 0.0)   # (ledger events, unix time, USD)
+    _capacity_logged = False
 
     def _spent(self, now: float) -> float:
         """USD spent so far (the ledger priced up to `now`). Rebuilt only when the ledger grew or a
@@ -548,7 +554,7 @@ class Driver:
 
     def _write_metrics(self, res) -> None:
         """Training curves: one line per inner step (mean loss over the world)."""
-        first = self.world.inner_step - self.recipe.train.inner_steps
+        first = self.world.inner_step - len(res.losses)
         for i, loss in enumerate(res.losses):
             self._metrics.write(json.dumps({"inner_step": first + i + 1, "outer_step": res.outer_step,
                                             "loss": round(loss, 6), "replicas": len(res.replicas)}) + "\n")
@@ -667,8 +673,13 @@ class Driver:
         self.ledger.append("node_released", instance_id=exc.instance.instance_id, released_at=exc.released_at)
 
     def _capacity_message(self) -> str | None:
-        """One line on why capacity never came, when no node ever joined."""
+        """One line on why capacity never came: every offer at its known capacity, or (when no
+        node ever joined) join timeouts and refused launches."""
         events = self.ledger.events
+        held_back = [e for e in events if e["type"] == "launch_held_back" and e["reason"] == "capacity"]
+        if held_back:
+            return (f"no capacity: {held_back[-1]['message']} (room for {held_back[-1]['held']} replica(s); "
+                    f"world.min_replicas is {self.recipe.world.min_replicas})")
         if any(e["type"] == "replica_joined" for e in events):
             return None
         timeouts = [e for e in events if e["type"] == "node_join_timeout"]

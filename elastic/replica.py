@@ -92,9 +92,11 @@ class RankWorker:
     def __init__(self, spec: RankSpec):
         self._spec = spec
         self._ready = False
-        # Set by request_stop (a second actor thread) while inner_phase runs: unix time by which
-        # the inner phase must end, because the node has a preemption notice.
-        self._stop_at = float("inf")
+        # Set by request_stop (a second actor thread, possibly before inner_phase starts): the
+        # global inner step of the phase it is for, and the unix time that phase must end by,
+        # because a node of the world has a preemption notice.
+        self._stop: tuple[int | None, float] = (None, float("inf"))
+        self._phase_step: int | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -173,6 +175,7 @@ class RankWorker:
         import torch.nn.functional as F
 
         t0 = time.monotonic()
+        self._phase_step = inner_step
         spec, t = self._spec, self._recipe.train
         model, opt, batch, losses = self._model, self._opt, self._batch, self._losses
         vocab = self._recipe.model.vocab_size
@@ -205,16 +208,19 @@ class RankWorker:
         agree (one-element MAX all-reduce), since FSDP needs them in lockstep."""
         import torch.distributed as dist
 
-        stop = time.time() >= self._stop_at
+        phase, stop_at = self._stop
+        stop = phase == self._phase_step and time.time() >= stop_at
         if self._spec.ranks == 1:
             return stop
         self._stop_flag.fill_(1.0 if stop else 0.0)
         dist.all_reduce(self._stop_flag, op=dist.ReduceOp.MAX)
         return bool(self._stop_flag.item())
 
-    def request_stop(self, stop_at: float) -> None:
-        """End the current (or next) inner phase by unix time `stop_at` (called concurrently)."""
-        self._stop_at = min(self._stop_at, stop_at)
+    def request_stop(self, stop_at: float, inner_step: int) -> None:
+        """End the inner phase that starts at global inner step `inner_step` by unix time `stop_at`
+        (called concurrently; a request for a phase already over never touches a later one)."""
+        phase, earlier = self._stop
+        self._stop = (inner_step, min(earlier, stop_at) if phase == inner_step else stop_at)
 
     def outer_sync(self, epoch: int, index: int, size: int) -> dict:
         """Phase 1 of the outer step: average Δ over the `size` replicas of membership `epoch` (this
@@ -256,7 +262,7 @@ class RankWorker:
                 # Per-element state (exp_avg, exp_avg_sq) takes the parameter's layout; `step` stays scalar.
                 self._opt.state[p] = {k: _like_param(p, v) if v.dim() > 0 else v for k, v in st.items()}
         self._inner_step = state["inner_step"]
-        self._stop_at = float("inf")
+        self._stop = (None, float("inf"))
 
     # -- inspection and state -------------------------------------------------------------------
 

@@ -135,6 +135,8 @@ class World:
         self.cursor = 0  # next unleased sample index: the run's data position
         self.tokens = 0
         self.phase = "idle"   # "inner" or "sync" while a step is under way
+        self._phase_members: list[int] = []   # the replicas of the inner phase under way
+        self._stop_at: dict[int, float] = {}  # noticed replica -> unix time it must contribute by
         self._on_loss = on_loss or (lambda loss: None)
         self._on_tick = on_tick or (lambda: None)
         # Observers of the outer loop: on_phase(phase, members) as each phase is under way.
@@ -262,11 +264,20 @@ class World:
         return None
 
     def request_stop(self, replica_id: int, stop_at: float) -> None:
-        """A notice: the replica ends its inner phase by unix time `stop_at` and contributes."""
-        rep = self.replicas.get(replica_id) or self.joining.get(replica_id)
-        if rep is not None:
-            for a in rep.actors:
-                a.request_stop.remote(stop_at)
+        """A notice: `replica_id` must contribute by unix time `stop_at`. The inner phase under way
+        (or the next one) ends by then for every member, so the outer sync happens while the
+        noticed node is still alive: the others lose nothing, the step is only shorter. (Only the
+        noticed replica stopping would leave it waiting for the others' full phase, on real clouds
+        minutes against a notice of 30 s to 2 min.)"""
+        self._stop_at[replica_id] = min(stop_at, self._stop_at.get(replica_id, float("inf")))
+        if self.phase == "inner" and replica_id in self._phase_members:
+            self._send_stop(self._phase_members, self._stop_at[replica_id])
+
+    def _send_stop(self, members: list[int], stop_at: float) -> None:
+        for rid in members:
+            rep = self.replicas.get(rid)
+            for a in (rep.actors if rep else []):
+                a.request_stop.remote(stop_at, self.inner_step)
 
     def drop(self, replica_id: int, reason: str, phase: str = "idle", lost_inner_steps: int = 0) -> None:
         """Remove a replica (its node is gone or going): kill its actors, record the loss."""
@@ -349,13 +360,19 @@ class World:
         if self._identical:
             self.cursor += per_replica
 
-        self.phase = "inner"
+        self.phase, self._phase_members = "inner", members
         t0 = time.monotonic()
         calls = {(rid, r): a.inner_phase.remote(leases[rid], self.inner_step)
                  for rid in members for r, a in enumerate(self.replicas[rid].actors)}
+        noticed = {rid: at for rid, at in self._stop_at.items() if rid in members}
+        if noticed:   # a notice came between steps: this phase ends by its deadline
+            stop_at = min(noticed.values())
+            # Already too late to train anything: only the noticed replicas sit this step out.
+            self._send_stop(members if stop_at > time.time() else list(noticed), stop_at)
         self.on_phase("inner", members)
         results = self._gather(calls, "inner", t.inner_steps)
         inner_s = time.monotonic() - t0
+        self._stop_at.clear()   # served: the noticed replicas contribute at this sync (or are gone)
 
         # A replica whose notice came before its first inner step has Δ = 0: it sits this sync out
         # (averaging it in would shrink everyone's step).
@@ -399,7 +416,7 @@ class World:
             losses.append(sum(xs) / len(xs))
         tokens = sum(c["tokens"] for c in contrib)
         self.outer_step += 1
-        self.inner_step += t.inner_steps
+        self.inner_step += longest   # fewer than H when a notice ended the phase early
         self.tokens += tokens
         return StepResult(self.outer_step, members, losses, tokens, inner_s, sync_s,
                           max((s["bytes"] for s in sync_out.values()), default=0), attempts,

@@ -124,7 +124,9 @@ def test_fewer_than_min_replicas_waits_then_stops_with_a_clear_status(local_clus
     status, report, events = run_driver(recipe, local_cluster, tmp_path)
     assert status == "insufficient_capacity"
     assert report["outer_steps"] == 0
-    assert any(e["type"] == "capacity_error" for e in events)
+    # The market says how many it has: no launch is tried beyond it, and the ledger says why.
+    held_back = [e for e in events if e["type"] == "launch_held_back"]
+    assert held_back and held_back[0]["reason"] == "capacity" and held_back[0]["held"] == 1
     launched = {e["instance_id"] for e in events if e["type"] == "node_launched"}
     released = {e["instance_id"] for e in events if e["type"] == "node_released"}
     assert len(launched) == 1 and launched == released
@@ -153,3 +155,31 @@ def test_a_rank_lost_inside_a_two_rank_replica_drops_the_whole_replica(local_clu
     assert report["outer_steps"] == 5
     after = [e for e in events if e["type"] == "outer_step" and e["t"] > lost[0]["t"]]
     assert after and all(e["replicas"] != killed for e in after)
+
+
+def test_a_notice_early_in_a_long_phase_ends_every_replicas_phase_so_the_noticed_one_contributes(local_cluster,
+                                                                                                  tmp_path):
+    # Inner phases far longer than the 5 s notice (as on real clouds: minutes against AWS's 2 min
+    # and GCP's 30 s): waiting for the others' full phase, the noticed replica would die first.
+    h = 1500
+    recipe = elastic_recipe(**{"world.replicas": 2, "world.max_replicas": 2, "train.outer_steps": 2,
+                               "train.inner_steps": h, "checkpoint.every_outer_steps": 0,
+                               "world.step_timeout_s": 300})
+    noticed = []
+
+    def faults(driver, phase, members):
+        if driver.world.outer_step == 1 and phase == "inner" and not noticed:
+            noticed.append(members[0])
+            driver.provider.preempt(instance_of(driver, members[0]), notice=True)
+
+    status, report, events = run_driver(recipe, local_cluster, tmp_path, faults)
+    assert status == "completed" and noticed
+    step2 = next(e for e in events if e["type"] == "outer_step" and e["outer_step"] == 2)
+    done = {int(r): n for r, n in step2["steps_done"].items()}
+    # Both replicas stopped by the deadline and synced: the noticed one's partial phase counts.
+    assert len(done) == 2 and noticed[0] in done and all(0 < n < h for n in done.values()), done
+    assert any(e["type"] == "replica_drained" and e["replica"] == noticed[0] for e in events)
+    assert not any(e["type"] == "replica_lost" and e["replica"] == noticed[0] for e in events)
+    assert report["lost_inner_steps"] == 0
+    # The schedule counts the inner steps taken, not H, for a step cut short.
+    assert step2["inner_step"] == h + max(done.values())
