@@ -2,15 +2,19 @@
 
 No training runs: a replica trains `planner.tokens_per_s` (the recipe's figure), in inner phases of
 `train.inner_steps × batch_size × seq_len` tokens. Preemptions are drawn from the trace's
-`preempt_per_hour` with a seeded generator; capacity is the trace's. The `elastic` policy runs the
-same code the driver uses: the market (risks learnt from the preemptions it sees, capacity
-cool-downs, region cool-downs), the planner (`choose_launch`, `replan`) and the budget check before
-every launch and every outer step, so no run ends above `budget.max_usd`.
+`preempt_per_hour` with a seeded generator; capacity is the trace's; a spot VM on `aws` gets a
+120 s notice and on `gcp` 30 s (`NOTICE_S`). The `elastic` policy runs the same code the driver
+uses: the market (risks learnt from the preemptions it sees, capacity cool-downs, region
+cool-downs), the planner (`plan` for the world's size under budget.max_hours, `choose_launch`,
+`replan`) and the budget check before every launch and every outer step, so no run ends above
+`budget.max_usd`.
 
 Policies:
-- `elastic`: the planner's placement; DiLoCo survivors keep training through a preemption (the lost
-  replica loses its inner phase), replacements are rented where the planner says, replicas move
-  when a clearly cheaper offer appears.
+- `elastic`: the planner's placement; DiLoCo survivors keep training through a preemption. A
+  replica lost without notice loses its inner phase; with a notice longer than twice the sync, the
+  world ends that phase early and syncs, the noticed replica's partial phase included (as the
+  driver does). Replacements are rented where the planner says, replicas move when a clearly
+  cheaper offer appears.
 - `on-demand`: the cheapest single region, on-demand, never preempted.
 - `spot-static`: the cheapest spot offer at the start, never moves; a preemption stops the job,
   which restarts from its last checkpoint once the lost VM is replaced in the same place.
@@ -33,6 +37,9 @@ from elastic.planner import (Progress, allowed, choose_launch, evaluate, hours_t
 from providers.base import Offer
 
 POLICIES = ("elastic", "on-demand", "spot-static", "skypilot-like")
+# Notice before a spot VM is reclaimed, seconds: AWS's two-minute interruption notice; GCP Spot's
+# best-effort 30 s. Traces carry no notice column; other clouds count as none.
+NOTICE_S = {"aws": 120.0, "gcp": 30.0}
 WAIT_S = 300.0                 # simulated seconds between looks at the market while nothing runs
 DEFAULT_HORIZON_S = 60 * 86400  # without budget.max_hours, a run gives up after 60 simulated days
 
@@ -162,9 +169,9 @@ class _Run:
             return False
         return True
 
-    def advance(self, dt: float, stop_at_first_loss: bool) -> list[str]:
+    def advance(self, dt: float, stop_at_first_loss: bool) -> dict[str, _Node]:
         """Move time on by `dt` (or to the first preemption): bill every VM, draw preemptions.
-        Returns the preempted instance ids (their VMs are gone)."""
+        Returns the preempted VMs by instance id (gone from `nodes`)."""
         draws = {}
         for iid, n in self.nodes.items():
             rate = self.market.state(n.offer.zone, n.offer.instance_type, self.t).preempt_per_hour \
@@ -180,16 +187,18 @@ class _Run:
             held_s = draws.get(iid, dt)
             self.spent += self.price(n) * held_s / 3600
             self.rented_node_s += held_s
+        gone = {}
         for iid, at in sorted(draws.items(), key=lambda kv: kv[1]):
             self.events.append({"t": self.t + at, "type": "node_preempted", "instance_id": iid})
-            self.nodes.pop(iid)
+            gone[iid] = self.nodes.pop(iid)
             self.preemptions += 1
         self.t += dt
-        return list(draws)
+        return gone
 
-    def train_phase(self, members: list[_Node], dt: float) -> None:
-        """Credit one outer step to `members` (they all kept their work), checkpoint on schedule."""
-        self.tokens += self.tpp * len(members)
+    def train_phase(self, members: list[_Node], dt: float, share: float = 1.0) -> None:
+        """Credit one outer step to `members` (they all kept their work; `share` of a whole inner
+        phase each when a notice ended it early), checkpoint on schedule."""
+        self.tokens += round(self.tpp * len(members) * share)
         self.useful_node_s += dt * len(members)
         self.phases += 1
         every = self.recipe.checkpoint.every_outer_steps
@@ -287,16 +296,27 @@ def _elastic(run: _Run) -> None:
             run.advance(dt, stop_at_first_loss=False)
             continue
         short_since = None
-        dt = evaluate(run.quotes_of(members), recipe).phase_s
+        world = evaluate(run.quotes_of(members), recipe)
+        dt = world.phase_s
         if not run.affordable(dt):
             break
-        end, lost = run.t + dt, set()
+        start, end, lost, share = run.t, run.t + dt, set(), None
+        # As the driver does on a notice: the world's inner phase ends by the deadline less twice the
+        # sync, everyone syncs, the noticed replica with its partial phase, then it leaves.
+        margin_s = max(0.5, 2 * world.sync_penalty_s)
+        ids = {m.iid for m in members}
         while run.t < end - 1e-6:
             gone = run.advance(end - run.t, stop_at_first_loss=True)
             if not gone:
                 break
             lost.update(gone)
+            if any(iid in ids and NOTICE_S.get(n.offer.cloud, 0.0) > margin_s for iid, n in gone.items()):
+                share = min(1.0, max(0.0, run.t - margin_s - start) / max(dt - world.sync_penalty_s, 1e-9))
+                break
             top_up(end - run.t)               # the replacement is rented at once, not at the boundary
+        if share is not None:
+            run.train_phase(members, run.t - start, share)
+            continue
         kept = [m for m in members if m.iid not in lost]
         if kept:
             run.train_phase(kept, dt)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import random
+import statistics
 
 import pytest
 
@@ -103,6 +104,21 @@ def test_budget_max_hours_is_met_with_faster_gpus_when_the_cheapest_are_too_slow
     tight = simulate(recipe(**kw, **{"budget.max_hours": 8}), trace, ["elastic"])[0]
     assert tight["status"] == "completed" and tight["wall_h"] <= 8 * 0.9
     assert tight["usd_per_mtok"] > loose["usd_per_mtok"]  # time bought at a price, within the deadline
+
+
+def test_a_notice_saves_the_noticed_replicas_phase(tmp_path):
+    # The same market on AWS (a 2-minute notice: the world syncs early and the noticed replica's
+    # partial phase counts) and on a cloud without notices (that replica's phase is lost).
+    rows = lambda cloud: [row(0, "r1a", 9.0, rate=1.0, cloud=cloud)]
+    aws = write_trace(tmp_path / "aws.csv", rows("aws"))
+    bare = write_trace(tmp_path / "bare.csv", rows("other"))
+    r = recipe()
+    eff = {name: statistics.median(simulate(r, trace, ["elastic"], seed=s)[0]["effective_training_time"]
+                                   for s in range(5)) for name, trace in (("aws", aws), ("bare", bare))}
+    assert eff["aws"] > eff["bare"] + 0.03, eff
+    # A whole-job restart gains nothing from a notice.
+    sky = [simulate(r, t, ["skypilot-like"], seed=0)[0]["effective_training_time"] for t in (aws, bare)]
+    assert sky[0] == sky[1]
 
 
 def test_every_replica_lost_restores_from_the_checkpoint(tmp_path):
