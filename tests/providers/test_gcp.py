@@ -348,6 +348,29 @@ def test_cli_prices_without_cloud_ranks_aws_and_gcp_together(gcp_fake, aws_env):
                                                                                       "a2-highgpu-8g"))
 
 
+def test_cli_plan_places_the_world_over_aws_and_gcp(gcp_fake, aws_env):
+    """`elastic plan` on live offers of both clouds (moto for AWS, the fake for GCP)."""
+    from tests.providers.test_aws import spot_history
+
+    aws_rows = {"us-east-1": [("us-east-1a", "p4d.24xlarge", 12.0, "2026-01-01T10:00:00Z")],
+                "us-west-2": [("us-west-2b", "p4de.24xlarge", 9.0, "2026-01-01T10:00:00Z")]}
+    aws_env.rules.append(lambda action, region, params: spot_history(aws_rows[region])
+                         if action == "DescribeSpotPriceHistory" and region in aws_rows else None)
+    sets = ["resources.clouds=[aws, gcp]", "resources.accelerators=A100:8",
+            "resources.regions=[us-east-1, us-west-2, us-central1, us-east1, europe-west4]",
+            "planner.tokens_per_s={A100: 3000}", "planner.spread_min=2"]
+    r = _cli("plan", "recipes/multi-cloud.yaml", "--json", *[a for x in sets for a in ("--set", x)],
+             env=cli_env(**aws_env.env, **gcp_fake.env()))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["feasible"] and doc["replicas"] == 4 and len(doc["regions"]) >= 2
+    where = {(s["cloud"], s["zone"], s["instance_type"]): s["replicas"] for s in doc["placement"]}
+    # The cheapest per token (AWS p4de at $9/h) takes three; the spread puts one in another region,
+    # GCP's cheapest A100 VM (us-east1-b, $11.17/h) before AWS's p4d at $12/h.
+    assert where == {("aws", "us-west-2b", "p4de.24xlarge"): 3, ("gcp", "us-east1-b", "a2-highgpu-8g"): 1}
+    assert doc["sync_penalty_s"] == 2 * 20.0      # across clouds: twice planner.cross_region_sync_s
+
+
 def test_cluster_token_goes_to_secret_manager_not_metadata(gcp_fake, monkeypatch):
     monkeypatch.setenv("RAY_AUTH_TOKEN", "tok-secret-789")
     p, recipe = _provider(run="run-t", **{"resources.accelerators": "L4:1"})
