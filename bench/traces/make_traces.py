@@ -3,11 +3,11 @@ it again writes the same files.
 
     python bench/traces/make_traces.py
 
-Shipped traces (`bench/policies.py` holds our policy to its goals on these):
+Traces (`bench/policies.py` runs every policy over each; issue 7's goals apply to all):
 
 `scarce.csv` (48 h) — the 8-GPU spot market as published measurements describe it. Sources are
 listed in bench/traces/README.md; what no source pins down is marked "assumed".
-- Offers and prices: every zone of a real price snapshot (`catalog-snapshot.csv`: SkyPilot's
+- Offers and prices: every zone of a real price snapshot (`sources/catalog-snapshot.csv`: SkyPilot's
   public catalog, AWS p4d.24xlarge / p5.48xlarge in us-east-1, us-west-2, eu-west-1 by AZ id; GCP
   a2-highgpu-8g / a3-highgpu-8g in us-central1, us-east4, europe-west4, asia-east1), spot prices
   as they stand there. GCP on-demand: $29.39/h (a2) and $87.83/h (a3, us-east4) from the same
@@ -44,12 +44,10 @@ listed in bench/traces/README.md; what no source pins down is marked "assumed".
   preemption storm in its region (3 per node-hour); hours 20-26 a stock-out of its whole region;
   hours 30-34 every spot price +40 %.
 
-Control (`control/calm.csv`, 48 h; reported by `bench/policies.py` apart from the goals): the
-volatile trace's offers and price model with volatility 0.08 per sqrt(h), no events, capacity
-4-24 VMs in every zone at all times and hazards of 0.02-0.35 per node-hour. In that market a
-whole-job restart is cheap once it sits in a quiet zone, and no policy can reach the 0.8 goal:
-`bench/policies.py` prints the bound (every replica always on the cheapest capacity, nothing
-lost) next to the policies.
+`calm.csv` (48 h) — a benign market: the volatile trace's offers and price model with volatility
+0.08 per sqrt(h), no events, capacity 4-24 VMs in every zone at all times and hazards of 0.02-0.35
+per node-hour. A whole-job restart is cheap there once it sits in a quiet zone: it is the market
+where elasticity has least to win (`bench/policies.py` prints the least any policy could pay).
 """
 
 from __future__ import annotations
@@ -73,7 +71,7 @@ ZONES = [("aws", "us-east-1", "us-east-1a", 1.0), ("aws", "us-east-1", "us-east-
 
 
 def make(name: str, hours: float, volatility: float, seed: int, events: bool) -> Path:
-    """The volatile trace and the control (synthetic offers and prices)."""
+    """The volatile and calm traces (synthetic offers and prices)."""
     rng = random.Random(seed)
     series = []
     for cloud, region, zone, mult in ZONES:
@@ -114,7 +112,7 @@ REGION_MULT = {"europe": 1.08, "asia": 1.12}
 def make_scarce(name: str, hours: float, seed: int) -> Path:
     """The measured-market trace (see the module docstring for every figure and its source)."""
     rng = random.Random(seed)
-    with open(HERE / "catalog-snapshot.csv", newline="", encoding="utf-8") as f:
+    with open(HERE / "sources" / "catalog-snapshot.csv", newline="", encoding="utf-8") as f:
         snapshot = list(csv.DictReader(f))
     gpu = {"p4d.24xlarge": "A100", "p5.48xlarge": "H100", "a2-highgpu-8g": "A100", "a3-highgpu-8g": "H100"}
     zone_hazard: dict[str, float] = {}
@@ -169,4 +167,4 @@ def write(name: str, rows: list) -> Path:
 if __name__ == "__main__":
     print(make_scarce("scarce", 48, seed=3))
     print(make("volatile", 48, 0.25, seed=2, events=True))
-    print(make("control/calm", 48, 0.08, seed=1, events=False))
+    print(make("calm", 48, 0.08, seed=1, events=False))

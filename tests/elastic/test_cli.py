@@ -58,7 +58,7 @@ def test_light_commands_import_neither_torch_nor_ray(tmp_path):
         assert main(["report", {str(tmp_path)!r}]) == 0
         assert main(["plan", {str(REPO / "recipes/multi-cloud.yaml")!r}, "--json"]) == 0
         assert main(["simulate", {str(REPO / "recipes/multi-cloud.yaml")!r}, "--trace",
-                     {str(REPO / "bench/traces/control/calm.csv")!r}, "--policy", "elastic"]) == 0
+                     {str(REPO / "bench/traces/calm.csv")!r}, "--policy", "elastic"]) == 0
         print("HEAVY", heavy())
     """)
     assert proc.returncode == 0, proc.stderr
