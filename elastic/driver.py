@@ -121,19 +121,22 @@ class Driver:
     def _progress(self):
         from elastic.planner import Progress
 
-        w = self.world
+        w, resumed = self.world, self._resume_from
+        if resumed is not None and w.outer_step == 0:   # --resume: the world is restored at its first join
+            return Progress(resumed["tokens"], resumed["step"], (time.time() - self._t0) / 3600)
         return Progress(w.tokens, w.outer_step, (time.time() - self._t0) / 3600)
 
     def _retarget(self, quotes, held) -> None:
         """Grow the world's target size when the planner needs more replicas to finish within
         budget.max_hours (never shrinks it: replicas that joined keep training)."""
-        from elastic.planner import plan
+        from elastic.planner import hours_to_finish, plan
 
-        pl = plan(quotes, self.recipe, held, progress=self._progress())
+        progress = self._progress()
+        pl = plan(quotes, self.recipe, held, progress=progress)
         if len(pl.quotes) > self._target_replicas:
             self._target = len(pl.quotes)
             self.ledger.append("world_target", replicas=self._target, reason="budget.max_hours",
-                               expected_hours=round(pl.expected_hours, 4))
+                               hours_to_finish=round(hours_to_finish(pl, self.recipe, progress), 4))
 
     def _offers(self) -> list:
         """Every provider's offers, cheapest per GPU-hour first (per VM-hour for CPU-only VMs)."""
@@ -520,6 +523,9 @@ class Driver:
                 res = world.step()
                 if res is None:
                     continue   # every replica was lost during the step; capacity wait next
+                if not res.replicas:   # every member's notice deadline had passed: they leave now
+                    self._release_drained(res)
+                    continue
                 self._last_sync_s = res.sync_s
                 if res.sync_attempts > 1:
                     ledger.append("sync_retried", outer_step=res.outer_step, attempts=res.sync_attempts)
@@ -677,7 +683,7 @@ class Driver:
         node ever joined) join timeouts and refused launches."""
         events = self.ledger.events
         held_back = [e for e in events if e["type"] == "launch_held_back" and e["reason"] == "capacity"]
-        if held_back:
+        if held_back and self._capacity_logged:   # the shortage is still on
             return (f"no capacity: {held_back[-1]['message']} (room for {held_back[-1]['held']} replica(s); "
                     f"world.min_replicas is {self.recipe.world.min_replicas})")
         if any(e["type"] == "replica_joined" for e in events):

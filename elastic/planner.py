@@ -169,8 +169,9 @@ def _fill(ranked: list[Quote], held: list[Quote], n: int, k: int, planner) -> li
 
 
 class _Ranked:
-    """Quotes the recipe allows, best first by USD per useful token, and grouped by speed and by
-    region (computed once per decision; `_best` is called for several world sizes)."""
+    """Quotes the recipe allows, best first by USD per useful token, and grouped by throughput
+    class (GPU model and count; by speed for CPU-only VMs) and by region (computed once per
+    decision; `_best` is called for several world sizes)."""
 
     def __init__(self, quotes: list[Quote], recipe):
         p = recipe.planner
@@ -178,7 +179,9 @@ class _Ranked:
         self.by_speed: dict = {}
         self.by_region: dict = {}
         for q in self.all:
-            self.by_speed.setdefault(replica_tokens_per_s(q, p), []).append(q)
+            # Measured speeds of two VMs with the same GPUs differ a little: still one class.
+            speed_class = (q.offer.gpu, q.offer.gpus) if q.offer.gpu else replica_tokens_per_s(q, p)
+            self.by_speed.setdefault(speed_class, []).append(q)
             self.by_region.setdefault((q.offer.cloud, q.offer.region), []).append(q)
 
 
@@ -232,52 +235,64 @@ def hours_to_finish(pl: Placement, recipe, progress: Progress = Progress()) -> f
 
 def hours_left(recipe, progress: Progress = Progress()) -> float | None:
     """Hours the planner may plan the rest of the run into: what budget.max_hours leaves, less
-    `planner.deadline_slack` of it (preemptions make the finish uncertain); None without a limit."""
+    `planner.deadline_slack` of that (preemptions make the finish uncertain); None without a
+    limit."""
     b = recipe.budget
     if b.max_hours is None:
         return None
-    return max(0.0, b.max_hours * (1 - recipe.planner.deadline_slack) - progress.hours)
+    return max(0.0, b.max_hours - progress.hours) * (1 - recipe.planner.deadline_slack)
+
+
+def _finish_h(pl: Placement, recipe, held: list[Quote], progress: Progress) -> float:
+    """Hours until `pl` has trained the rest of the run, its new VMs' boot (`planner.recovery_s`)
+    included."""
+    boot_h = recipe.planner.recovery_s / 3600 if len(pl.quotes) > len(held) else 0.0
+    return boot_h + hours_to_finish(pl, recipe, progress)
 
 
 def _for_deadline(ranked: _Ranked, recipe, held: list[Quote], progress: Progress) -> Placement:
     """The cheapest world, from world.replicas up to world.max_replicas replicas and over the
     throughput classes and regions `_best` weighs, that finishes within `hours_left`; when none
-    does, the one that finishes first. A bigger world must be more than 1 % cheaper per token to win over a
-    smaller one (the recipe's world.replicas is the size asked for)."""
+    does, the one that finishes first. A bigger world must be more than 1 % cheaper per token to
+    win over a smaller one (the recipe's world.replicas is the size asked for)."""
     w = recipe.world
     target = min(w.replicas, w.max_replicas)
     limit = hours_left(recipe, progress)
     first = _best(ranked, recipe, held, max(target, len(held)))
-    if limit is None or (len(first.quotes) >= target and hours_to_finish(first, recipe, progress) <= limit):
+    if limit is None or (len(first.quotes) >= target and _finish_h(first, recipe, held, progress) <= limit):
         return first
     fits, fastest = None, None
     for n in range(max(target, len(held)), w.max_replicas + 1):
         for pl in _candidates(ranked, recipe, held, n):
             if len(pl.quotes) < n:
                 continue
-            if hours_to_finish(pl, recipe, progress) <= limit:
+            finish_h = _finish_h(pl, recipe, held, progress)
+            if finish_h <= limit:
                 bar = fits.usd_per_mtok * (0.99 if n > len(fits.quotes) else 1.0) if fits else float("inf")
                 if pl.usd_per_mtok < bar:
                     fits = pl
-            key = (hours_to_finish(pl, recipe, progress), pl.usd_per_mtok, n)
-            if fastest is None or key < fastest[0]:
-                fastest = (key, pl)
+            if fastest is None or (finish_h, pl.usd_per_mtok, n) < fastest[0]:
+                fastest = ((finish_h, pl.usd_per_mtok, n), pl)
     return fits or (fastest[1] if fastest else first)
 
 
 def plan(quotes: list[Quote], recipe, held: list[Quote] = (), n: int | None = None,
          progress: Progress = Progress()) -> Placement:
-    """The placement for the whole world (`held`: replicas already running, kept in place).
+    """The placement for the whole world (`held`: replicas already running, kept in place;
+    `progress`: how far the run is).
 
     Without `n`: the cheapest world per useful token of world.replicas replicas; when that would not
     finish within budget.max_hours (less `planner.deadline_slack`), the cheapest that does, with
     faster GPUs or more replicas (up to world.max_replicas); when none does, the fastest."""
+    return _plan(_Ranked(quotes, recipe), recipe, list(held), n, progress)
+
+
+def _plan(ranked: _Ranked, recipe, held: list[Quote], n: int | None, progress: Progress) -> Placement:
     w, b = recipe.world, recipe.budget
-    ranked = _Ranked(quotes, recipe)
     if n is not None:
-        best = _best(ranked, recipe, list(held), n)
+        best = _best(ranked, recipe, held, n)
     else:
-        best = _for_deadline(ranked, recipe, list(held), progress)
+        best = _for_deadline(ranked, recipe, held, progress)
         n = max(len(best.quotes), min(w.replicas, w.max_replicas))
     if len(best.quotes) < n:
         best.warnings.append(f"only {len(best.quotes)} of {n} replica(s) can be placed on the offers now")
@@ -286,18 +301,20 @@ def plan(quotes: list[Quote], recipe, held: list[Quote] = (), n: int | None = No
     if best.quotes and b.max_usd is not None and best.expected_usd > b.max_usd:
         best.warnings.append(f"budget.max_usd (${b.max_usd:,.2f}) covers about "
                              f"{b.max_usd / best.expected_usd:.0%} of the expected ${best.expected_usd:,.2f}")
-    if best.quotes and b.max_hours is not None and best.expected_hours > b.max_hours:
+    finish_h = _finish_h(best, recipe, held, progress) if best.quotes else 0.0
+    if best.quotes and b.max_hours is not None and progress.hours + finish_h > b.max_hours:
         best.warnings.append(f"budget.max_hours ({b.max_hours} h) is shorter than the expected "
-                             f"{best.expected_hours:.1f} h")
+                             f"{progress.hours + finish_h:.1f} h")
     return best
 
 
 def choose_launch(quotes: list[Quote], recipe, held: list[Quote], progress: Progress = Progress()) -> Quote | None:
     """The offer the next replica should be rented from, given the replicas held (or on their way):
-    the first one the plan for the whole world (`plan`) adds to them."""
-    pl = plan(quotes, recipe, held, progress=progress)
+    the first one the plan for the whole world (`plan`) adds to them, else the best one more."""
+    ranked = _Ranked(quotes, recipe)
+    pl = _plan(ranked, recipe, list(held), None, progress)
     if len(pl.quotes) <= len(held):
-        pl = _best(_Ranked(quotes, recipe), recipe, list(held), len(held) + 1)
+        pl = _best(ranked, recipe, list(held), len(held) + 1)
     return pl.quotes[len(held)] if len(pl.quotes) > len(held) else None
 
 

@@ -14,6 +14,7 @@ import datetime
 import logging
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +97,7 @@ class RankWorker:
         # global inner step of the phase it is for, and the unix time that phase must end by,
         # because a node of the world has a preemption notice.
         self._stop: tuple[int | None, float] = (None, float("inf"))
+        self._stop_lock = threading.Lock()
         self._phase_step: int | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -219,8 +221,9 @@ class RankWorker:
     def request_stop(self, stop_at: float, inner_step: int) -> None:
         """End the inner phase that starts at global inner step `inner_step` by unix time `stop_at`
         (called concurrently; a request for a phase already over never touches a later one)."""
-        phase, earlier = self._stop
-        self._stop = (inner_step, min(earlier, stop_at) if phase == inner_step else stop_at)
+        with self._stop_lock:
+            phase, earlier = self._stop
+            self._stop = (inner_step, min(earlier, stop_at) if phase == inner_step else stop_at)
 
     def outer_sync(self, epoch: int, index: int, size: int) -> dict:
         """Phase 1 of the outer step: average Δ over the `size` replicas of membership `epoch` (this

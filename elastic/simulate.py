@@ -314,8 +314,8 @@ def _elastic(run: _Run) -> None:
                 share = min(1.0, max(0.0, run.t - margin_s - start) / max(dt - world.sync_penalty_s, 1e-9))
                 break
             top_up(end - run.t)               # the replacement is rented at once, not at the boundary
-        if share is not None:
-            run.train_phase(members, run.t - start, share)
+        if share is not None:   # the noticed replica and every member still alive contributed
+            run.train_phase([m for m in members if m.iid not in lost or m.iid in gone], run.t - start, share)
             continue
         kept = [m for m in members if m.iid not in lost]
         if kept:

@@ -271,7 +271,16 @@ class World:
         minutes against a notice of 30 s to 2 min.)"""
         self._stop_at[replica_id] = min(stop_at, self._stop_at.get(replica_id, float("inf")))
         if self.phase == "inner" and replica_id in self._phase_members:
-            self._send_stop(self._phase_members, self._stop_at[replica_id])
+            self._end_phase_by(self._phase_members)
+
+    def _end_phase_by(self, members: list[int]) -> None:
+        """Send the earliest deadline of the noticed members to the phase under way: to every
+        member while there is time to sync, else (too late to train more) to the noticed ones
+        only: the rest of the world's phase is not given up for a node about to go."""
+        noticed = {rid: at for rid, at in self._stop_at.items() if rid in members}
+        if noticed:
+            stop_at = min(noticed.values())
+            self._send_stop(members if stop_at > time.time() else list(noticed), stop_at)
 
     def _send_stop(self, members: list[int], stop_at: float) -> None:
         for rid in members:
@@ -346,11 +355,16 @@ class World:
         return {k: v for k, v in results.items() if k[0] in self.replicas}
 
     def step(self) -> StepResult | None:
-        """One outer step over the live replicas. None if every replica was lost during it."""
+        """One outer step over the live replicas. None if every replica was lost during it. A
+        replica whose notice deadline has already passed sits the step out (in `idle`, nothing
+        to add); when every member does, the result has no `replicas` and no step was taken."""
         t = self._recipe.train
-        members = sorted(self.replicas)
+        now = time.time()
+        late = sorted(rid for rid, at in self._stop_at.items() if rid in self.replicas and at <= now)
+        members = sorted(rid for rid in self.replicas if rid not in late)
         if not members:
-            return None
+            self._stop_at.clear()
+            return StepResult(self.outer_step, [], [], 0, 0.0, 0.0, 0, idle=late) if late else None
         per_replica = t.inner_steps * t.batch_size
         leases = {}
         for rid in members:
@@ -364,11 +378,7 @@ class World:
         t0 = time.monotonic()
         calls = {(rid, r): a.inner_phase.remote(leases[rid], self.inner_step)
                  for rid in members for r, a in enumerate(self.replicas[rid].actors)}
-        noticed = {rid: at for rid, at in self._stop_at.items() if rid in members}
-        if noticed:   # a notice came between steps: this phase ends by its deadline
-            stop_at = min(noticed.values())
-            # Already too late to train anything: only the noticed replicas sit this step out.
-            self._send_stop(members if stop_at > time.time() else list(noticed), stop_at)
+        self._end_phase_by(members)   # a notice came between steps: this phase ends by its deadline
         self.on_phase("inner", members)
         results = self._gather(calls, "inner", t.inner_steps)
         inner_s = time.monotonic() - t0
@@ -376,7 +386,7 @@ class World:
 
         # A replica whose notice came before its first inner step has Δ = 0: it sits this sync out
         # (averaging it in would shrink everyone's step).
-        idle = sorted({rid for (rid, _), res in results.items() if res["steps"] == 0})
+        idle = sorted({rid for (rid, _), res in results.items() if res["steps"] == 0} | set(late))
         self.phase = "sync"
         t1 = time.monotonic()
         attempts, sync_out = 0, {}

@@ -61,7 +61,7 @@ def test_driver_grows_the_world_to_finish_within_max_hours(local_cluster, tmp_pa
     assert status == "completed"
     targets = [e for e in events if e["type"] == "world_target"]
     assert [e["replicas"] for e in targets] == [3] and targets[0]["reason"] == "budget.max_hours"
-    assert targets[0]["expected_hours"] == pytest.approx(0.59, abs=0.02)
+    assert targets[0]["hours_to_finish"] == pytest.approx(0.59, abs=0.02)
     # Rented at once, before any step, and every step trained by all three.
     order = [e["type"] for e in events]
     assert order.index("world_target") < order.index("node_launched")

@@ -138,3 +138,36 @@ def test_bfloat16_sync_stays_close_to_float32(nodes):
     # bf16 has ~3 significant digits; the pseudo-gradients are small, so θ stays close.
     assert_states_close(states[0], ref, atol=2e-3, rtol=2e-2)
     assert_states_close(states[0], states[1], atol=0, rtol=0)
+
+
+def test_notice_deadlines_end_the_phase_for_every_member_or_sit_the_late_out(nodes):
+    import time
+
+    recipe = tiny_recipe(**{"world.replicas": 2, "train.inner_steps": 400, "train.outer_steps": 3})
+    world = World(recipe)
+    try:
+        ids = nodes(2)
+        world.add_replicas([(f"vm{i}", node_id) for i, node_id in enumerate(ids)])
+        a, b = sorted(world.replicas)
+        # A deadline in the future ends the next phase for both (the noticed one contributes).
+        world.request_stop(a, time.time() + 0.3)
+        res = world.step()
+        assert res.replicas == [a, b] and all(0 < n < 400 for n in res.steps_done.values()), res.steps_done
+        assert world.inner_step == max(res.steps_done.values())
+        # A request meant for that phase never touches the next one.
+        res = world.step()
+        assert res.steps_done == {a: 400, b: 400}
+        # A deadline already passed: the noticed replica sits the step out, the other trains it whole.
+        cursor = world.cursor
+        world.request_stop(b, time.time() - 1)
+        res = world.step()
+        assert res.replicas == [a] and res.idle == [b] and res.steps_done == {a: 400}
+        assert world.cursor == cursor + 400 * recipe.train.batch_size      # no lease for the one sitting out
+        # Every member late: no step is taken, and the result says who leaves.
+        world.release(b)
+        world.request_stop(a, time.time() - 1)
+        step, inner = world.outer_step, world.inner_step
+        res = world.step()
+        assert res.replicas == [] and res.idle == [a] and (world.outer_step, world.inner_step) == (step, inner)
+    finally:
+        world.shutdown()
