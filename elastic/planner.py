@@ -2,12 +2,14 @@
 
 Objective: least expected USD per useful token. A replica's raw throughput is what the run measured
 on that instance type, else the recipe's figure (`planner.tokens_per_s`, scaled by how far the
-measured types came from theirs; see `Market.quote`); useful throughput discounts the work preemption is expected to cost
-(risk × (half an inner phase + `planner.recovery_s`)) and the outer sync a world spread over
-regions or clouds pays (`planner.cross_region_sync_s`). Replicas synchronise every inner phase, so
-the slowest one sets the world's pace. Constraints: regions, `resources.max_usd_per_hour`, spot or
-on-demand, known capacity, world min/target/max, `planner.spread_min` distinct zones or regions,
-and the budget (`launch_fits_budget`, checked before every launch).
+measured types came from theirs; see `Market.quote`); useful throughput discounts the work
+preemption is expected to cost (risk × (half an inner phase + `planner.recovery_s`)) and the outer
+sync a world spread over regions or clouds pays (`planner.cross_region_sync_s`). Replicas
+synchronise every inner phase, so the slowest one sets the world's pace. Constraints: regions,
+`resources.max_usd_per_hour`, spot or on-demand, known capacity, world min/target/max,
+`planner.spread_min` distinct zones or regions, and the budget: `budget.max_usd` through
+`launch_fits_budget` (checked before every launch), `budget.max_hours` through `plan` (a faster or
+bigger world when the cheapest one would finish too late).
 """
 
 from __future__ import annotations

@@ -266,9 +266,9 @@ class World:
     def request_stop(self, replica_id: int, stop_at: float) -> None:
         """A notice: `replica_id` must contribute by unix time `stop_at`. The inner phase under way
         (or the next one) ends by then for every member, so the outer sync happens while the
-        noticed node is still alive: the others lose nothing, the step is only shorter. (Only the
-        noticed replica stopping would leave it waiting for the others' full phase, on real clouds
-        minutes against a notice of 30 s to 2 min.)"""
+        noticed node is still alive: the others keep what they trained, their step is shorter.
+        (Only the noticed replica stopping would leave it waiting for the others' full phase, on
+        real clouds minutes against a notice of 30 s to 2 min.)"""
         self._stop_at[replica_id] = min(stop_at, self._stop_at.get(replica_id, float("inf")))
         if self.phase == "inner" and replica_id in self._phase_members:
             self._end_phase_by(self._phase_members)
