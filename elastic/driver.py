@@ -229,7 +229,7 @@ class Driver:
         """Every `planner.replan_every_s`: move the most expensive replica(s) when a clearly cheaper
         offer appears. The new replica is rented first; once it has joined, the old one drains at
         the next outer-step boundary."""
-        from elastic.planner import evaluate, hours_to_finish, replan_all
+        from elastic.planner import replan_all
 
         p, w = self.recipe.planner, self.world
         if time.monotonic() - self._replanned_at < p.replan_every_s:
@@ -254,11 +254,8 @@ class Driver:
         quotes = self.market.quotes(offers, now)
         held_quotes = [q for _, q in held]
         self._retarget(quotes, held_quotes)
-        progress = self._progress()
-        remaining_h = hours_to_finish(evaluate(held_quotes, self.recipe), self.recipe, progress)
-        remaining_h = remaining_h if 0 < remaining_h < float("inf") else 1.0
         room = self.recipe.world.max_replicas - len(w.replicas)
-        for move in replan_all(quotes, held, self.recipe, remaining_h, progress)[:max(0, room)]:
+        for move in replan_all(quotes, held, self.recipe, progress=self._progress())[:max(0, room)]:
             if self._choose([move.add.offer], held=held_quotes) is None:
                 break
             self._move_of[self._launch(move.add.offer)] = move.drain

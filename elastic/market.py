@@ -31,20 +31,18 @@ def offer_key(o) -> Key:
     return (o.cloud, o.region, o.zone, o.instance_type)
 
 
-def recipe_tokens_per_s(offer, planner) -> float:
-    """The recipe's training throughput of one replica on this offer's VM, tokens/s
-    (`planner.tokens_per_s` by instance type, else by GPU model times the GPU count)."""
+def recipe_tokens_per_s(o, planner) -> float:
+    """The recipe's training throughput of one replica on the VM of an Offer (or of a
+    `node_launched` event dict), tokens/s: `planner.tokens_per_s` by instance type, else by GPU
+    model times the GPU count."""
+    if isinstance(o, dict):
+        instance_type, gpu, gpus = o["instance_type"], o.get("gpu", ""), o.get("gpus", 0)
+    else:
+        instance_type, gpu, gpus = o.instance_type, o.gpu, o.gpus
     by = planner.tokens_per_s
-    if offer.instance_type in by:
-        return by[offer.instance_type]
-    return by.get(offer.gpu, planner.default_tokens_per_s) * max(1, offer.gpus)
-
-
-class _OfferLike:
-    """The instance type, GPU model and count of a `node_launched` event, read like an Offer's."""
-
-    def __init__(self, event: dict):
-        self.instance_type, self.gpu, self.gpus = event["instance_type"], event.get("gpu", ""), event.get("gpus", 0)
+    if instance_type in by:
+        return by[instance_type]
+    return by.get(gpu, planner.default_tokens_per_s) * max(1, gpus)
 
 
 @dataclass(frozen=True)
@@ -94,6 +92,8 @@ class Market:
         self._recipe_tps: dict[tuple[str, str], float] = {}      # (cloud, type) -> the recipe's tokens/s
         self._replica_vm: dict[int, str] = {}                     # replica id -> instance id
         self._trained: dict[tuple[str, str], list] = {}          # (cloud, type) -> [tokens, seconds]
+        self._measured: dict[tuple[str, str], float] = {}        # (cloud, type) -> tokens/s, from _trained
+        self._recipe_scale: float | None = None                  # measured / recipe, geometric mean
         self._seen = 0
 
     # -- what happened --------------------------------------------------------------------------
@@ -105,7 +105,7 @@ class Market:
             if kind == "node_launched":
                 typ = (e["cloud"], e["instance_type"])
                 self._vm_type[e["instance_id"]] = typ
-                self._recipe_tps[typ] = recipe_tokens_per_s(_OfferLike(e), self._p)
+                self._recipe_tps[typ] = recipe_tokens_per_s(e, self._p)
                 if e.get("spot", True):
                     self._open[e["instance_id"]] = (offer_key(e), e.get("launched_at", t))
             elif kind == "replica_starting":
@@ -141,9 +141,6 @@ class Market:
             self._measured = {typ: tokens / seconds for typ, (tokens, seconds) in self._trained.items()}
             logs = [math.log(tps / self._recipe_tps[typ]) for typ, tps in self._measured.items()]
             self._recipe_scale = math.exp(sum(logs) / len(logs))
-
-    _measured: dict[tuple[str, str], float] = {}
-    _recipe_scale: float | None = None
 
     def measured_tokens_per_s(self) -> dict[tuple[str, str], float]:
         """{(cloud, instance type): tokens/s one replica trained} over this run's outer steps."""

@@ -366,10 +366,14 @@ def replan(quotes: list[Quote], held: list[tuple[str, Quote]], recipe, remaining
     return Move(add, held[worst][0], now.usd_per_mtok, after.usd_per_mtok)
 
 
-def replan_all(quotes: list[Quote], held: list[tuple[str, Quote]], recipe, remaining_hours: float = 1.0,
+def replan_all(quotes: list[Quote], held: list[tuple[str, Quote]], recipe, remaining_hours: float | None = None,
                progress: Progress = Progress()) -> list[Move]:
     """Every move worth making now, most expensive replica first (each move's new replica counts
-    as held, in its new place, for the next decision)."""
+    as held, in its new place, for the next decision). `remaining_hours`: the payback horizon;
+    default, the rest of the run at the held world's expected pace from `progress`."""
+    if remaining_hours is None:   # what is left of the run at the held world's pace
+        left_h = hours_to_finish(evaluate([q for _, q in held], recipe), recipe, progress) if held else 0.0
+        remaining_hours = left_h if 0 < left_h < float("inf") else 1.0
     moves: list[Move] = []
     held = list(held)
     for _ in range(len(held)):

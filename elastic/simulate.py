@@ -32,8 +32,8 @@ import random
 
 from elastic.errors import UserError
 from elastic.market import Market, Quote, offer_key, recipe_tokens_per_s
-from elastic.planner import (Progress, allowed, choose_launch, evaluate, hours_to_finish, launch_fits_budget, plan,
-                             replan_all, tokens_per_phase)
+from elastic.planner import (Progress, allowed, choose_launch, evaluate, launch_fits_budget, plan, replan_all,
+                             tokens_per_phase)
 from providers.base import Offer
 
 POLICIES = ("elastic", "on-demand", "spot-static", "skypilot-like")
@@ -271,8 +271,7 @@ def _elastic(run: _Run) -> None:
             last_replan = run.t
             held = [(n.iid, market.quote(run.now_offer(n), run.t)) for n in ready]
             n_target = max(n_target, len(plan(quotes, recipe, [q for _, q in held], progress=progress()).quotes))
-            remaining_h = hours_to_finish(evaluate([q for _, q in held], recipe), recipe, progress())
-            for move in replan_all(quotes, held, recipe, remaining_h, progress()):
+            for move in replan_all(quotes, held, recipe, progress=progress()):
                 iid = run.launch(move.add.offer)
                 if iid is None:
                     break
