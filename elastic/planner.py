@@ -32,6 +32,13 @@ def tokens_per_phase(recipe) -> int:
     return t.inner_steps * t.batch_size * t.seq_len
 
 
+def run_tokens(recipe) -> int:
+    """Tokens the whole run trains: train.token_budget, else outer_steps phases of world.replicas."""
+    t, w = recipe.train, recipe.world
+    return t.token_budget if t.token_budget is not None else \
+        t.outer_steps * min(w.replicas, w.max_replicas) * tokens_per_phase(recipe)
+
+
 def allowed(offer, resources) -> bool:
     """The recipe lets this offer be rented (regions, price cap, spot or on-demand)."""
     return ((not resources.regions or offer.region in resources.regions)

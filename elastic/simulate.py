@@ -33,7 +33,7 @@ import random
 from elastic.errors import UserError
 from elastic.market import Market, Quote, offer_key, recipe_tokens_per_s
 from elastic.planner import (Progress, allowed, choose_launch, evaluate, launch_fits_budget, plan, replan_all,
-                             tokens_per_phase)
+                             run_tokens, tokens_per_phase)
 from providers.base import Offer
 
 POLICIES = ("elastic", "on-demand", "spot-static", "skypilot-like")
@@ -66,6 +66,10 @@ class TraceMarket:
             s[2].append(r.state)
         if not self._series:
             raise UserError("the trace has no row for resources.clouds / resources.regions")
+
+    def times(self) -> list[float]:
+        """Every time a row of the trace starts, in order."""
+        return sorted({t for _, times, _ in self._series.values() for t in times})
 
     def state(self, zone: str, instance_type: str, t: float):
         _, times, states = self._series[(zone, instance_type)]
@@ -112,9 +116,7 @@ class _Run:
         self.useful_node_s = 0.0
         self.rented_node_s = 0.0
         self.tpp = tokens_per_phase(recipe)
-        t, w = recipe.train, recipe.world
-        self.target_tokens = t.token_budget if t.token_budget is not None else \
-            t.outer_steps * min(w.replicas, w.max_replicas) * self.tpp
+        self.target_tokens = run_tokens(recipe)
         b = recipe.budget
         self.horizon_s = b.max_hours * 3600 if b.max_hours is not None else DEFAULT_HORIZON_S
         self._ids = itertools.count(1)

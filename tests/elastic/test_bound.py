@@ -1,0 +1,73 @@
+"""`elastic.bound`: the least any policy could pay on a trace, checked on markets whose answer is
+known by hand, and against the simulator's own policies."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic.bound import lower_bound_usd_per_mtok
+from elastic.simulate import TraceMarket, simulate
+from providers.simmarket import read_trace_rows
+from tests.elastic.test_simulate import recipe, row, write_trace
+
+TPS = 24_000          # tokens/s of an 8×A100 VM in these recipes (3000 per GPU)
+N = 2_000_000_000     # tokens the run trains
+
+
+def bound(r, trace, finish_h=None):
+    return lower_bound_usd_per_mtok(r, TraceMarket(read_trace_rows(trace), r), finish_h)
+
+
+def raw(usd_per_hour):
+    return usd_per_hour / (TPS * 3600) * 1e6
+
+
+def hourly(tmp_path, name, offers, hours=400):
+    """A trace of constant offers, one row per offer per hour."""
+    return write_trace(tmp_path / name, [row(h * 3600, *o[:2], **o[2]) for h in range(hours) for o in offers])
+
+
+def test_free_boots_and_no_preemption_give_the_cheapest_price(tmp_path):
+    trace = hourly(tmp_path, "t.csv", [("r1a", 9.0, {}), ("r2a", 12.0, {})])
+    assert bound(recipe(**{"planner.recovery_s": 0}), trace) == pytest.approx(raw(9.0), rel=1e-4)
+
+
+def test_boots_and_preemptions_raise_it_but_not_past_a_known_schedule(tmp_path):
+    calm = hourly(tmp_path, "calm.csv", [("r1a", 9.0, {})])
+    risky = hourly(tmp_path, "risky.csv", [("r1a", 9.0, {"rate": 0.5})])
+    r = recipe()
+    # One VM booted once and kept: 9 $/h for N/TPS + 600 s; no policy pays less, the bound no more.
+    one_vm = 9.0 * (N / TPS + 600) / 3600 / N * 1e6
+    assert raw(9.0) < bound(r, calm) <= one_vm
+    # Every preemption means paying another boot.
+    assert bound(r, risky) > bound(r, calm)
+
+
+def test_capacity_sends_the_rest_to_the_dearer_offer(tmp_path):
+    # The cheap offer holds one VM; the run needs more than one VM trains by the deadline, so the
+    # rest is trained at 15 $/h. Known optimum (no boots): the cheap VM all the time, the rest dear.
+    trace = hourly(tmp_path, "t.csv", [("r1a", 9.0, {"cap": 1}), ("r2a", 15.0, {})], hours=20)
+    hours = 10
+    r = recipe(**{"planner.recovery_s": 0, "budget.max_hours": hours})
+    cheap_tokens = TPS * hours * 3600
+    best = (9.0 * hours + 15.0 * (N - cheap_tokens) / TPS / 3600) / N * 1e6
+    assert raw(9.0) < bound(r, trace) <= best * (1 + 1e-9)
+    assert bound(r, trace) == pytest.approx(best, rel=0.02)
+
+
+def test_too_little_time_is_infinite(tmp_path):
+    trace = hourly(tmp_path, "t.csv", [("r1a", 9.0, {"cap": 1})], hours=10)
+    assert bound(recipe(), trace, finish_h=5) == float("inf")
+
+
+def test_no_policy_beats_it(tmp_path):
+    # No preemptions: the simulator's runs are not random, so each must cost at least the bound.
+    # Prices step up 30 % and 60 % every 3.5 h, by turns.
+    zones = (("r1a", 9.0), ("r2a", 10.5), ("r3a", 12.0))
+    trace = write_trace(tmp_path / "t.csv", [row(h * 1800, z, p * (1 + 0.3 * ((h // 7) % 3)), cap=4)
+                                             for h in range(400) for z, p in zones])
+    r = recipe()
+    least = bound(r, trace)
+    for res in simulate(r, trace):
+        assert res["status"] == "completed"
+        assert res["usd_per_mtok"] >= least * (1 - 1e-3), res
