@@ -65,6 +65,9 @@ class Driver:
         self._replanned_at = time.monotonic()
         self._budget_held_back = False                   # the last launch was held back by the budget
         self._budget_logged = False
+        self._capacity_logged = False                    # launch_held_back (capacity) written for this shortage
+        self._target = 0                                 # replicas budget.max_hours needs (`_retarget`)
+        self._planned = False                            # the first top_up sized the world for budget.max_hours
         self._restored = False   # the world was restored after losing every replica
         self._price: dict[str, float] = {}               # held instance id -> USD/h last recorded
         self._price_poll_at = 0.0
@@ -115,8 +118,6 @@ class Driver:
     def _target_replicas(self) -> int:
         """world.replicas, or more once budget.max_hours needed a bigger world (`_retarget`)."""
         return max(self._target, min(self.recipe.world.replicas, self.recipe.world.max_replicas))
-
-    _target = 0
 
     def _progress(self):
         from elastic.planner import Progress
@@ -169,8 +170,6 @@ class Driver:
                 return
             self._launch(offer)
 
-    _planned = False   # the first top_up sized the world for budget.max_hours
-
     def _launch(self, offer) -> Future:
         fut = self._pool.submit(self.providers[offer.cloud].launch, offer, self.run_name, "replica")
         self._launching[fut] = offer
@@ -214,7 +213,6 @@ class Driver:
         return q.offer
 
     _spent_memo = (-1, 0.0, 0.0)   # (ledger events, unix time, USD)
-    _capacity_logged = False
 
     def _spent(self, now: float) -> float:
         """USD spent so far (the ledger priced up to `now`). Rebuilt only when the ledger grew or a

@@ -35,11 +35,12 @@ from elastic.market import Market, Quote, offer_key, recipe_tokens_per_s
 from elastic.planner import (Progress, allowed, choose_launch, evaluate, launch_fits_budget, plan, replan_all,
                              run_tokens, tokens_per_phase)
 from providers.base import Offer
+from providers.gcp import PREEMPT_NOTICE_S as GCP_PREEMPT_NOTICE_S
 
 POLICIES = ("elastic", "on-demand", "spot-static", "skypilot-like")
 # Notice before a spot VM is reclaimed, seconds: AWS's two-minute interruption notice; GCP Spot's
 # best-effort 30 s. Traces carry no notice column; other clouds count as none.
-NOTICE_S = {"aws": 120.0, "gcp": 30.0}
+NOTICE_S = {"aws": 120.0, "gcp": GCP_PREEMPT_NOTICE_S}
 WAIT_S = 300.0                 # simulated seconds between looks at the market while nothing runs
 DEFAULT_HORIZON_S = 60 * 86400  # without budget.max_hours, a run gives up after 60 simulated days
 
