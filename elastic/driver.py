@@ -54,7 +54,7 @@ class Driver:
         self._t0 = time.time()
         c = recipe.checkpoint
         self.ckpt = ckpt.Checkpointer(ckpt.destination(c.uri, run_dir), ckpt.staging_root(c.local_dir, self.run_name),
-                                      c.keep_last, c.upload_threads, ledger)
+                                      c.keep_last, c.upload_threads, ledger, run=self.run_name)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="launch")
         self._launching: dict[Future, object] = {}
         self._cooldown: dict[tuple, float] = {}          # market.offer_key -> until (monotonic)
@@ -71,8 +71,8 @@ class Driver:
         self._restored = False   # the world was restored after losing every replica
         self._price: dict[str, float] = {}               # held instance id -> USD/h last recorded
         self._price_poll_at = 0.0
-        self._resume_from = self.ckpt.latest() if resume else None
-        if resume and self._resume_from is None:
+        self._resume_from = self.ckpt.candidates()[0][:1] if resume else []
+        if resume and not self._resume_from:
             raise UserError(f"--resume: no complete checkpoint at {self.ckpt.uri}")
 
     # -- setup -----------------------------------------------------------------------------------
@@ -122,8 +122,9 @@ class Driver:
     def _progress(self):
         from elastic.planner import Progress
 
-        w, resumed = self.world, self._resume_from
-        if resumed is not None and w.outer_step == 0:   # --resume: the world is restored at its first join
+        w = self.world
+        if self._resume_from and w.outer_step == 0:   # --resume: the world is restored at its first join
+            resumed = self._resume_from[0]
             return Progress(resumed["tokens"], resumed["step"], (time.time() - self._t0) / 3600)
         return Progress(w.tokens, w.outer_step, (time.time() - self._t0) / 3600)
 
@@ -375,22 +376,25 @@ class Driver:
     def admit_joiners(self) -> None:
         """At an outer-step boundary: bring every set-up joiner into the world."""
         for rep in self.world.ready_joiners():
-            if self._resume_from is not None and not self.world.replicas and self.world.outer_step == 0:
+            if self._resume_from and not self.world.replicas and self.world.outer_step == 0:
                 # --resume: the first replica loads the checkpoint (DCP reshards it to this world's
                 # ranks); the rest copy from it as usual.
-                manifest = self._resume_from
-                source = self._admit_from_checkpoint(rep, manifest)
+                source, manifest = self._admit_from_checkpoint(rep)
+                if source == "lost":
+                    continue   # the joiner died loading it; the next one tries
+                if manifest is None:
+                    raise UserError(f"--resume: no checkpoint at {self.ckpt.uri} could be loaded "
+                                    "(see checkpoint_skipped in the ledger)")
                 self.ledger.append("resumed", from_step=manifest["step"], uri=self.ckpt.uri,
                                    saved_replicas=manifest.get("replicas"), saved_ranks=manifest.get("ranks"))
-                self._resume_from = None
+                self._resume_from = []
             elif not self.world.replicas and self.world.outer_step == 0 and not self._restored:
                 self.world.admit_fresh(rep)
                 source = "initial state"
             elif not self.world.replicas:
                 self._restored = True
-                manifest = self.ckpt.latest()
-                if manifest:
-                    source = self._admit_from_checkpoint(rep, manifest)
+                source, manifest = self._admit_from_checkpoint(rep)
+                if manifest is not None:
                     self.ledger.append("world_restored", from_step=manifest["step"], uri=self.ckpt.uri)
                 else:
                     # Nothing was kept: start over from θ0 (fresh data; tokens count what is kept).
@@ -413,10 +417,23 @@ class Driver:
         if old is not None and old.replica_id in self.world.replicas:
             self._draining[old.replica_id] = time.time()
 
-    def _admit_from_checkpoint(self, rep, manifest: dict) -> str:
-        """The world takes the checkpoint's counters; `rep` loads its state from DCP."""
-        self.world.restore(manifest)
-        return self.world.admit(rep, checkpoint=(self.ckpt.uri, manifest["step"], self.ckpt.staging))
+    def _admit_from_checkpoint(self, rep) -> tuple[str | None, dict | None]:
+        """`rep` loads the newest usable checkpoint and the world takes its counters. One that is
+        malformed, incomplete or altered is passed over for the one before it (ledger:
+        `checkpoint_skipped`). Returns (where the state came from, the manifest loaded), both None
+        when no checkpoint could be loaded."""
+        found, skipped = self.ckpt.candidates()
+        for line in skipped:
+            self.ledger.append("checkpoint_skipped", step=None, message=line[:200])
+        for manifest in found:
+            self.world.restore(manifest)
+            try:
+                return self.world.admit(rep, checkpoint=(self.ckpt.uri, manifest, self.ckpt.staging)), manifest
+            except ckpt.CheckpointError as exc:
+                cause = getattr(exc, "cause", None) or exc   # a rank's error arrives wrapped by Ray
+                self.ledger.append("checkpoint_skipped", step=manifest["step"],
+                                   message=str(cause).splitlines()[0][:200])
+        return None, None
 
     def wait_for_capacity(self, view) -> bool:
         """Pause until at least `world.min_replicas` are alive (renting and admitting meanwhile);
@@ -584,7 +601,7 @@ class Driver:
         steady = [r for r in sorted(self.world.replicas) if r not in self._draining]
         lead = self.world.replicas[steady[0] if steady else min(self.world.replicas)]
         try:
-            self.ckpt.save(self.world, lead, self.recipe.digest())
+            self.ckpt.save(self.world, lead, self.recipe)
         except Exception as exc:  # the saving replica was lost mid-save: the partial one is ignored
             self.ledger.append("checkpoint_failed", step=self.world.outer_step, message=str(exc).splitlines()[0][:200])
 
