@@ -20,8 +20,23 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationErro
 from elastic.errors import RecipeError
 
 
+# No whole number in a recipe means anything beyond this (a token budget of 10^15 is already far past
+# any run); larger ones are typos that would overflow or hang what sizes itself by them.
+MAX_INT = 10**15
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=False)
+    # allow_inf_nan=False: a NaN or infinite budget, rate or timeout is refused at validation.
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=False,
+                              allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _sane_ints(self) -> "_Section":
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if type(value) is int and abs(value) > MAX_INT:
+                raise ValueError(f"@{name}: {value} is beyond any sane value (at most {MAX_INT:.0e})")
+        return self
 
 
 class ModelSection(_Section):
@@ -459,6 +474,12 @@ class Recipe(_Section):
                             f"resources.join_timeout_s ({self.resources.join_timeout_s:g}) for cloud runs: "
                             "a node gets that long to boot and join")
 
+        uri = self.checkpoint.uri
+        if clouds and self.resources.head == "controller" and (not uri or uri.startswith("file://") or "://" not in uri):
+            # The driver runs on the controller: its disk is neither durable nor visible to the nodes.
+            problems.append("checkpoint.uri: a cloud run with resources.head: controller needs an s3:// or gs:// "
+                            "destination (the controller's disk is not reachable from the nodes and goes with it)")
+
         missing = sorted(c for c in set(self.resources.clouds) if not available(c))
         if missing:
             problems.append(f"resources.clouds: provider(s) {', '.join(missing)} are not available in this version")
@@ -574,7 +595,43 @@ def _check_files(recipe: Recipe, source: str) -> list[str]:
             else:
                 if not callable(obj):
                     problems.append(f"{source}: model.factory: {mod} has no callable {fn}")
+                else:
+                    problems += _check_factory(obj, recipe, source)
     return problems
+
+
+def _check_factory(factory, recipe: Recipe, source: str) -> list[str]:
+    """Call `model.factory` as replicas will, on torch's meta device (no memory for weights): it must
+    return an `nn.Module`."""
+    import torch
+    from torch import nn
+
+    try:
+        with torch.device("meta"):
+            model = factory(recipe.model.model_dump())
+    except Exception as exc:  # the user's code: its failure is theirs to see, in one line
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        return [f"{source}: model.factory: {recipe.model.factory} failed: {type(exc).__name__}: {first}"[:300]]
+    if not isinstance(model, nn.Module):
+        return [f"{source}: model.factory: {recipe.model.factory} returned {type(model).__name__}, not an nn.Module"]
+    return []
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load that refuses a key given twice in one mapping (YAML would keep the last one
+    silently, so a recipe could say two things and mean one)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            try:
+                seen.add(key)
+            except TypeError:
+                pass   # an unhashable key: SafeLoader reports it below
+        return super().construct_mapping(node, deep=deep)
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
@@ -590,7 +647,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     except (OSError, UnicodeDecodeError) as exc:
         raise RecipeError([f"{source}: cannot read: {exc}"]) from None
     try:
-        doc = yaml.safe_load(text)
+        doc = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""

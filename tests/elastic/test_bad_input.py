@@ -1,0 +1,86 @@
+"""Bad input that used to get through: one line, exit 2, nothing written (CLI subprocesses, no Ray)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.elastic.test_recipe import TINY, error_lines, run_cli
+
+
+@pytest.mark.parametrize("text, names, says", [
+    ("name: a\nbudget: {max_usd: .nan}\n", "budget.max_usd", "finite"),
+    ("name: a\nbudget: {max_hours: .inf}\n", "budget.max_hours", "finite"),
+    ("name: a\ntrain: {inner_steps: 3}\ntrain: {inner_steps: 5}\n", "duplicate key 'train'", "line 3"),
+    ("name: a\ntrain: {inner_steps: 3, inner_steps: 5}\n", "duplicate key 'inner_steps'", "line 2"),
+    ("name: a\nworld: {replicas: 1000000000000000000000, max_replicas: 1000000000000000000000}\n",
+     "world.replicas", "beyond any sane value"),
+    ("name: a\ntrain: {token_budget: 99999999999999999999}\n", "train.token_budget", "beyond any sane value"),
+    ("name: a\nresources: {clouds: [aws], head: controller}\n", "checkpoint.uri", "s3:// or gs://"),
+    ("name: a\nresources: {clouds: [aws]}\ncheckpoint: {uri: 'file:///shared/ckpt'}\n", "checkpoint.uri",
+     "s3:// or gs://"),
+])
+def test_recipes_that_used_to_pass_are_one_line_errors(tmp_path, text, names, says):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text, encoding="utf-8")
+    [line] = error_lines(run_cli("validate", str(path)), names=names)
+    assert says in line, line
+
+
+@pytest.mark.parametrize("body, says", [
+    ("def build(section):\n    return 42\n", "returned int, not an nn.Module"),
+    ("def build(section):\n    raise ValueError('no such size')\n", "failed: ValueError: no such size"),
+    ("build = 'not callable'\n", "no callable build"),
+])
+def test_a_model_factory_must_return_an_nn_module(tmp_path, body, says):
+    (tmp_path / "usermodels.py").write_text(body, encoding="utf-8")
+    path = tmp_path / "recipe.yaml"
+    path.write_text("name: a\nmodel: {factory: 'usermodels:build'}\n", encoding="utf-8")
+    [line] = error_lines(run_cli("validate", str(path), cwd=tmp_path), names="model.factory")
+    assert says in line, line
+
+
+def test_a_factory_returning_a_module_validates_without_allocating(tmp_path):
+    # 10^12 parameters would need 4 TB; on the meta device the check costs nothing.
+    (tmp_path / "bigmodels.py").write_text(
+        "import torch\ndef build(section):\n    return torch.nn.Linear(1_000_000, 1_000_000)\n", encoding="utf-8")
+    path = tmp_path / "recipe.yaml"
+    path.write_text("name: a\nmodel: {factory: 'bigmodels:build'}\n", encoding="utf-8")
+    proc = run_cli("validate", str(path), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_trace_with_an_absurd_preemption_rate_is_refused(tmp_path):
+    trace = tmp_path / "t.csv"
+    trace.write_text("timestamp_s,cloud,region,zone,instance_type,gpu,gpus,spot_usd_per_hour,"
+                     "on_demand_usd_per_hour,preempt_per_hour,capacity\n"
+                     "0,local,local,local-a,cpu-small,,0,0.1,0.3,1e12,4\n", encoding="utf-8")
+    path = tmp_path / "recipe.yaml"
+    path.write_text(f"name: a\nlocal: {{market: {{trace: {trace}}}}}\n", encoding="utf-8")
+    [line] = error_lines(run_cli("validate", str(path)), names="local.market.trace")
+    assert "preempt_per_hour" in line and "beyond any real market" in line
+    error_lines(run_cli("simulate", str(TINY), "--trace", str(trace)), names="preempt_per_hour")
+
+
+@pytest.mark.parametrize("ledger", [
+    '[1, 2]\n',
+    '{"t": 1.0, "type": 7}\n',
+    '{"t": 1.0, "type": "run_started"}\n{"t": 2.0, "type": "node_launched", "instance_id": 5}\n',
+])
+def test_ledgers_of_the_wrong_shape_are_one_line(tmp_path, ledger):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "events.jsonl").write_text(ledger, encoding="utf-8")
+    for args in (("report", str(run)), ("status", str(run), "--once")):
+        [line] = error_lines(run_cli(*args), names="events.jsonl")
+        assert "not" in line and "elastic writes" in line
+    assert sorted(p.name for p in run.iterdir()) == ["events.jsonl"]
+
+
+def test_run_dir_dot_or_a_used_directory_is_refused_and_nothing_is_written(tmp_path):
+    (tmp_path / "recipe.yaml").write_text("the user's own file\n", encoding="utf-8")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    for run_dir in (".", str(tmp_path)):
+        [line] = error_lines(run_cli("launch", str(TINY), "--run-dir", run_dir, cwd=tmp_path), names="run-dir"
+                             if run_dir == "." else str(tmp_path))
+        assert "not empty" in line or "name a new directory" in line, line
+        assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
