@@ -380,6 +380,29 @@ class AWSSection(_Section):
     `pip install git+https://…@v0.1.0`, or nothing when the AMI has it)."""
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def endpoint_problem(url: str, domain: str) -> str | None:
+    """Why an API endpoint override may not be used, or None. Only https on the cloud's own
+    `domain` (the user's credentials go with every call), or loopback (local test endpoints,
+    called without credentials)."""
+    from urllib.parse import urlparse
+
+    try:
+        parts = urlparse(url)
+        host = parts.hostname
+    except ValueError:
+        return f"{url!r} is not a URL"
+    if parts.scheme not in ("http", "https") or not host:
+        return f"{url!r} is not an http(s) URL"
+    if host in LOOPBACK_HOSTS:
+        return None
+    if parts.scheme == "https" and (host == domain or host.endswith("." + domain)):
+        return None
+    return f"{url!r}: only https on {domain} or a loopback address (credentials are sent there)"
+
+
 class GCPSection(_Section):
     """The `gcp` provider: Compute Engine Spot (or on-demand) VMs with GPUs. Credentials come from
     Application Default Credentials (`gcloud auth application-default login`, a service account
@@ -389,13 +412,15 @@ class GCPSection(_Section):
     """Project id to rent in. Empty: `GOOGLE_CLOUD_PROJECT`, else the credentials' project."""
     compute_endpoint: str | None = None
     """Compute Engine API endpoint override (e.g. `http://127.0.0.1:8089` for a local test
-    endpoint). Empty: `ELASTIC_GCP_COMPUTE_ENDPOINT`, else Google's."""
-    billing_endpoint: str | None = None
-    """Cloud Billing Catalog API endpoint override (prices). Empty: `ELASTIC_GCP_BILLING_ENDPOINT`,
+    endpoint). Only https on googleapis.com, or loopback. Empty: `ELASTIC_GCP_COMPUTE_ENDPOINT`,
     else Google's."""
+    billing_endpoint: str | None = None
+    """Cloud Billing Catalog API endpoint override (prices). Only https on googleapis.com, or
+    loopback. Empty: `ELASTIC_GCP_BILLING_ENDPOINT`, else Google's."""
     secrets_endpoint: str | None = None
     """Secret Manager API endpoint override (where the run's Ray cluster token is kept for its
-    nodes). Empty: `ELASTIC_GCP_SECRETS_ENDPOINT`, else Google's."""
+    nodes). Only https on googleapis.com, or loopback. Empty: `ELASTIC_GCP_SECRETS_ENDPOINT`, else
+    Google's."""
     image: str = "projects/deeplearning-platform-release/global/images/family/common-cu124-debian-11-py310"
     """Boot image (a family or an image path). Default: Google's Deep Learning VM image with the
     NVIDIA driver and CUDA installed."""
@@ -417,6 +442,14 @@ class GCPSection(_Section):
     price_cache_ttl_s: float = Field(86400.0, ge=0)
     """How long prices and the machine-type catalog read from the APIs are reused from the disk
     cache, in seconds (GCP changes spot prices at most about monthly)."""
+
+    @model_validator(mode="after")
+    def _endpoints(self) -> "GCPSection":
+        for name in ("compute_endpoint", "billing_endpoint", "secrets_endpoint"):
+            url = getattr(self, name)
+            if url is not None and (why := endpoint_problem(url, "googleapis.com")):
+                raise ValueError(f"@{name}: {why}")
+        return self
     install: str = "pip install elastic"
     """Shell command the startup script runs to install this project on a node."""
     controller_machine_type: str = "e2-standard-2"

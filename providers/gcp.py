@@ -40,6 +40,8 @@ import uuid
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
+from elastic.errors import UserError
+from elastic.recipe import LOOPBACK_HOSTS, endpoint_problem
 from providers.base import CapacityError, Instance, Offer
 from providers.cloud import (CONTROLLER_TEMPLATE, CloudProvider, cached_json, head_address, labels_arg, quote,
                              render_bootstrap)
@@ -228,7 +230,18 @@ def _is_local(endpoint: str | None) -> bool:
     if not endpoint:
         return False
     host = urlparse(endpoint if "://" in endpoint else f"//{endpoint}").hostname
-    return host in ("127.0.0.1", "localhost", "::1")
+    return host in LOOPBACK_HOSTS
+
+
+def _endpoint(recipe_value: str | None, env: str) -> str | None:
+    """The endpoint override in use: the recipe's (checked when it was validated), else the
+    environment's, held to the same rule (UserError otherwise)."""
+    if recipe_value:
+        return recipe_value
+    url = os.environ.get(env) or None
+    if url is not None and (why := endpoint_problem(url, "googleapis.com")):
+        raise UserError(f"{env}: {why}")
+    return url
 
 
 def _credentials_or_line():
@@ -255,14 +268,14 @@ class GCPProvider(CloudProvider):
     def __init__(self, recipe, cluster, run_name: str):
         super().__init__(recipe, cluster, run_name)
         self.section = section = recipe.gcp
-        self.compute_endpoint = section.compute_endpoint or os.environ.get(COMPUTE_ENDPOINT_ENV) or None
-        self.billing_endpoint = section.billing_endpoint or os.environ.get(BILLING_ENDPOINT_ENV) or None
+        self.compute_endpoint = _endpoint(section.compute_endpoint, COMPUTE_ENDPOINT_ENV)
+        self.billing_endpoint = _endpoint(section.billing_endpoint, BILLING_ENDPOINT_ENV)
         self._project = section.project
         self._credentials = None
         self._clients: dict[str, object] = {}
         self._client_lock = threading.Lock()
         self._memo: tuple[float, tuple, list[Offer]] | None = None
-        self.secrets_endpoint = section.secrets_endpoint or os.environ.get(SECRETS_ENDPOINT_ENV) or None
+        self.secrets_endpoint = _endpoint(section.secrets_endpoint, SECRETS_ENDPOINT_ENV)
         self._tokens: set[str] = set()        # runs whose token secret this provider created
         self._token_lock = threading.Lock()
 
@@ -288,7 +301,6 @@ class GCPProvider(CloudProvider):
 
     def _default_credentials(self):
         if self._credentials is None:
-            from elastic.errors import UserError
             creds, project = _credentials_or_line()
             if creds is None:
                 raise UserError(project)
@@ -322,7 +334,6 @@ class GCPProvider(CloudProvider):
         if not self._project and not _is_local(self.compute_endpoint):
             self._default_credentials()   # Application Default Credentials may name the project
         if not self._project:
-            from elastic.errors import UserError
             raise UserError("gcp: no project: set gcp.project in the recipe, or GOOGLE_CLOUD_PROJECT")
         return self._project
 
@@ -340,7 +351,6 @@ class GCPProvider(CloudProvider):
         import requests
         from google.api_core import exceptions
 
-        from elastic.errors import UserError
         try:
             return fn()
         except (exceptions.Unauthorized, exceptions.Forbidden) as exc:
@@ -366,7 +376,6 @@ class GCPProvider(CloudProvider):
         """Every (machine type, zone) carrying GPUs: read from the API, the shipped table if the
         lists cannot be read (an identity without compute.machineTypes.list, say)."""
         def fetch():
-            from elastic.errors import UserError
             try:
                 return [s.__dict__ for s in self._read_catalog()]
             except UserError as exc:

@@ -84,3 +84,37 @@ def test_run_dir_dot_or_a_used_directory_is_refused_and_nothing_is_written(tmp_p
                              if run_dir == "." else str(tmp_path))
         assert "not empty" in line or "name a new directory" in line, line
         assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+@pytest.mark.parametrize("url, ok", [
+    ("https://cloudbilling.googleapis.com", True), ("http://127.0.0.1:8089", True), ("http://localhost:1", True),
+    ("http://cloudbilling.googleapis.com", False), ("https://googleapis.com.attacker.example", False),
+    ("https://attacker.example/googleapis.com", False), ("ftp://127.0.0.1", False), ("127.0.0.1:80", False),
+])
+def test_endpoint_overrides_only_on_the_clouds_domain_or_loopback(url, ok):
+    from elastic.recipe import endpoint_problem
+
+    assert (endpoint_problem(url, "googleapis.com") is None) is ok
+
+
+def test_a_foreign_endpoint_is_refused_before_any_call(tmp_path):
+    """The user's bearer token went to whatever `gcp.billing_endpoint` named: now `validate` and
+    `plan` refuse it, and the address is never contacted."""
+    import socket
+
+    listener = socket.socket()
+    try:
+        listener.bind(("127.0.0.2", 0))   # loopback, but not where local test endpoints live
+        listener.listen()
+        listener.setblocking(False)
+        url = f"http://127.0.0.2:{listener.getsockname()[1]}"
+        recipe = tmp_path / "r.yaml"
+        recipe.write_text(f"name: a\nresources: {{clouds: [gcp], head: local}}\ngcp: {{billing_endpoint: '{url}'}}\n",
+                          encoding="utf-8")
+        for command in ("validate", "plan"):
+            [line] = error_lines(run_cli(command, str(recipe)), names="gcp.billing_endpoint")
+            assert "only https on googleapis.com or a loopback address" in line
+        with pytest.raises(BlockingIOError):
+            listener.accept()   # nobody connected
+    finally:
+        listener.close()
