@@ -71,6 +71,8 @@ class Driver:
         self._restored = False   # the world was restored after losing every replica
         self._price: dict[str, float] = {}               # held instance id -> USD/h last recorded
         self._price_poll_at = 0.0
+        self._market_seen: set[str] = set()             # clouds whose offers answered at least once
+        self._market_down: set[str] = set()             # clouds whose offers fail now (market_unavailable)
         self._resume_from = self.ckpt.candidates()[0][:1] if resume else []
         if resume and not self._resume_from:
             raise UserError(f"--resume: no complete checkpoint at {self.ckpt.uri}")
@@ -141,8 +143,28 @@ class Driver:
                                hours_to_finish=round(hours_to_finish(pl, self.recipe, progress), 4))
 
     def _offers(self) -> list:
-        """Every provider's offers, cheapest per GPU-hour first (per VM-hour for CPU-only VMs)."""
-        every = [o for p in self.providers.values() for o in p.offers(self.recipe.resources)]
+        """Every provider's offers, cheapest per GPU-hour first (per VM-hour for CPU-only VMs). A
+        cloud that answered before but fails now (the SDK's retries spent, or an answer that does
+        not parse) offers nothing until it answers again: the run trains on what it holds, and the
+        ledger says `market_unavailable` once per outage."""
+        every = []
+        for name, p in self.providers.items():
+            try:
+                offers = p.offers(self.recipe.resources)
+            except Exception as exc:
+                if name not in self._market_seen:
+                    raise   # never answered: the setup is wrong, and the run says so
+                if name not in self._market_down:
+                    self._market_down.add(name)
+                    message = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                    log.warning("%s prices and capacity unavailable: %s", name, message)
+                    self.ledger.append("market_unavailable", cloud=name, message=message)
+                continue
+            self._market_seen.add(name)
+            if name in self._market_down:
+                self._market_down.discard(name)
+                self.ledger.append("market_available", cloud=name)
+            every += offers
         return sorted(every, key=lambda o: (o.usd_per_hour / max(1, o.gpus), o.usd_per_hour))
 
     def _held(self) -> list:
@@ -157,6 +179,8 @@ class Driver:
             return
         now = time.monotonic()
         every = self._offers()
+        if not every and self._market_down:
+            return   # a cloud is unreachable: train on what is held, rent once it answers
         if not every:
             raise UserError(f"resources: no offer from {', '.join(self.providers)} matches resources.accelerators / "
                             "resources.regions / resources.max_usd_per_hour")

@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 from elastic.errors import UserError
 from providers.base import CapacityError, Instance, Offer
 from providers.cloud import (CONTROLLER_TEMPLATE, CloudProvider, cached_json, head_address, labels_arg, quote,
-                             render_bootstrap)
+                             render_bootstrap, usable_price)
 
 log = logging.getLogger(__name__)
 
@@ -203,8 +203,9 @@ class AWSProvider(CloudProvider):
                 for h in page.get("SpotPriceHistory", []):
                     k = f"{h['AvailabilityZone']}|{h['InstanceType']}"
                     ts = h["Timestamp"].isoformat()
-                    if k not in latest or ts > latest[k][0]:
-                        latest[k] = (ts, float(h["SpotPrice"]))
+                    usd = usable_price(h.get("SpotPrice"), f"{h['InstanceType']} in {h['AvailabilityZone']}")
+                    if usd is not None and (k not in latest or ts > latest[k][0]):
+                        latest[k] = (ts, usd)
             return {k: v[1] for k, v in latest.items()}
 
         value, read_at = cached_json(f"aws-spot-{region}-{'_'.join(sorted(types))}", fetch)

@@ -44,7 +44,7 @@ from elastic.errors import UserError
 from elastic.recipe import LOOPBACK_HOSTS, endpoint_problem
 from providers.base import CapacityError, Instance, Offer
 from providers.cloud import (CONTROLLER_TEMPLATE, CloudProvider, cached_json, head_address, labels_arg, quote,
-                             render_bootstrap)
+                             render_bootstrap, usable_price)
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,9 @@ def parse_skus(skus) -> dict[str, float]:
         rates = sku.pricing_info[0].pricing_expression.tiered_rates
         if not rates:
             continue
-        usd = _usd(rates[-1].unit_price)
+        usd = usable_price(_usd(rates[-1].unit_price), f"SKU {desc!r}")
+        if usd is None:
+            continue
         for region in sku.service_regions:
             k = f"{key}|{region}|{'spot' if usage == 'Preemptible' else 'od'}"
             # Several SKUs of one kind in a region: keep the cheapest (they are variants of one price).
