@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 
 OFFER_COOLDOWN_S = 5.0   # real seconds an offer rests after a capacity error
 PRICE_POLL_S = 1.0       # real seconds between reads of the held VMs' current prices
+HEARTBEAT_S = 5.0        # real seconds between two driver heartbeats (the VMs' autodown watchers read them)
 
 
 class Driver:
@@ -71,6 +73,7 @@ class Driver:
         self._restored = False   # the world was restored after losing every replica
         self._price: dict[str, float] = {}               # held instance id -> USD/h last recorded
         self._price_poll_at = 0.0
+        self._beat_stop = threading.Event()             # ends the heartbeat thread (release_all)
         self._market_seen: set[str] = set()             # clouds whose offers answered at least once
         self._market_down: set[str] = set()             # clouds whose offers fail now (market_unavailable)
         self._resume_from = self.ckpt.candidates()[0][:1] if resume else []
@@ -104,6 +107,19 @@ class Driver:
         self.market = Market(self.recipe.planner, load_history(), capacity_cooldown_s=0.0,
                              tokens_per_inner_step=t.batch_size * t.seq_len)
         self.world = World(self.recipe, on_loss=self._record_loss, on_tick=self.tick)
+        threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
+
+    def _heartbeat(self) -> None:
+        """The heartbeat every cloud VM's watcher reads (`resources.autodown_after_s`), from its own
+        thread: a long blocking call of the main loop (a restore, a slow step) must not look like a
+        dead driver; a killed process stops it at once."""
+        from providers.watcher import beat
+
+        while not self._beat_stop.wait(HEARTBEAT_S):
+            try:
+                beat()
+            except Exception as exc:   # the head is gone: the VMs' watchers will notice too
+                log.warning("heartbeat: %s", exc)
 
     _owns_cluster = False
 
@@ -639,6 +655,7 @@ class Driver:
 
     def release_all(self) -> None:
         """Release every node the run holds and stop what it started; each part tolerates the others failing."""
+        self._beat_stop.set()
         if self.ckpt.uploading is not None:  # interrupted mid-upload: the last complete one stands
             self.ledger.append("checkpoint_upload_abandoned", step=self.ckpt.uploading)
         if self.world is not None:

@@ -182,6 +182,15 @@ class ResourcesSection(_Section):
     join_timeout_s: float = Field(600.0, gt=0)
     """Longest a rented VM may take to boot and join the Ray cluster, in seconds; after that it is
     terminated (billed for the seconds it ran) and its offer cools down."""
+    autodown_after_s: float = Field(600.0, gt=0, le=7 * 86400)
+    """Every cloud VM of the run (nodes and the controller) shuts itself down when the driver's
+    heartbeat has not changed for this many seconds (the driver was killed, its machine went
+    away): nothing bills long after its run is gone, whatever happened to the machine that
+    launched it."""
+    max_vm_hours: float = Field(72.0, gt=0, le=8760)
+    """Hard limit on each cloud VM's life, in hours: the VM shuts itself down then (AWS: an OS
+    shutdown, which terminates it; GCP: also the instance's max run duration, which deletes it),
+    whatever the driver does."""
 
     @model_validator(mode="after")
     def _check(self) -> "ResourcesSection":

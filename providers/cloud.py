@@ -138,6 +138,11 @@ class CloudProvider:
         self._stop = threading.Event()
         self._last_state_poll = time.monotonic()
 
+    def autodown_values(self) -> dict[str, str]:
+        """Bootstrap template values of `resources.autodown_after_s` / `max_vm_hours`."""
+        r = self.recipe.resources
+        return {"autodown_after_s": f"{r.autodown_after_s:g}", "max_vm_minutes": str(max(1, round(r.max_vm_hours * 60)))}
+
     # -- what each cloud implements ---------------------------------------------------------------
 
     def _create(self, offer: Offer, run: str, role: str) -> Instance:

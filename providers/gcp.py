@@ -462,8 +462,9 @@ class GCPProvider(CloudProvider):
             on_host_maintenance="TERMINATE" if offer.gpus or offer.spot else "MIGRATE",   # GPU VMs cannot migrate
             automatic_restart=not offer.spot,
             provisioning_model="SPOT" if offer.spot else "STANDARD")
-        if offer.spot:
-            scheduling.instance_termination_action = "DELETE"   # a preempted VM leaves nothing to pay for
+        # A preempted VM, and any VM at resources.max_vm_hours, is deleted: it leaves nothing to pay for.
+        scheduling.instance_termination_action = "DELETE"
+        scheduling.max_run_duration = compute_v1.Duration(seconds=round(self.recipe.resources.max_vm_hours * 3600))
         nic = compute_v1.NetworkInterface(network=s.network)
         if s.subnetwork:
             nic.subnetwork = s.subnetwork
@@ -506,7 +507,7 @@ class GCPProvider(CloudProvider):
             instance_id_cmd=f"curl -sf -H 'Metadata-Flavor: Google' {METADATA_URL}/instance/name",
             token_cmd=self._token_cmd(run), token_source="Secret Manager, with the VM's service account",
             head_address=quote(head_address(self.cluster)) if self.cluster is not None else "''",
-            gpus=str(offer.gpus), labels=labels_arg(labels))
+            gpus=str(offer.gpus), labels=labels_arg(labels), **self.autodown_values())
 
     def token_secret(self, run: str) -> str:
         """The Secret Manager secret holding the run's Ray cluster token."""
@@ -589,6 +590,8 @@ class GCPProvider(CloudProvider):
         script = render_bootstrap(
             CONTROLLER_TEMPLATE, run=run, install=s.install,
             private_ip_cmd=f"curl -sf -H 'Metadata-Flavor: Google' {METADATA_URL}/instance/network-interfaces/0/ip",
+            cloud="gcp", instance_id_cmd=f"curl -sf -H 'Metadata-Flavor: Google' {METADATA_URL}/instance/name",
+            **self.autodown_values(),
             instance_profile=f"service account {s.controller_service_account or 'none set: gcp.controller_service_account'}",
             recipe_b64=base64.b64encode(recipe_text.encode()).decode())
         return self._create(offer, run, "controller", script, service_account=s.controller_service_account)
