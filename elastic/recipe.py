@@ -516,12 +516,6 @@ class Recipe(_Section):
                             f"resources.join_timeout_s ({self.resources.join_timeout_s:g}) for cloud runs: "
                             "a node gets that long to boot and join")
 
-        uri = self.checkpoint.uri
-        if clouds and self.resources.head == "controller" and (not uri or uri.startswith("file://") or "://" not in uri):
-            # The driver runs on the controller: its disk is neither durable nor visible to the nodes.
-            problems.append("checkpoint.uri: a cloud run with resources.head: controller needs an s3:// or gs:// "
-                            "destination (the controller's disk is not reachable from the nodes and goes with it)")
-
         missing = sorted(c for c in set(self.resources.clouds) if not available(c))
         if missing:
             problems.append(f"resources.clouds: provider(s) {', '.join(missing)} are not available in this version")
@@ -640,6 +634,18 @@ def _check_files(recipe: Recipe, source: str) -> list[str]:
                 else:
                     problems += _check_factory(obj, recipe, source)
     return problems
+
+
+def launch_problems(recipe: Recipe, source: str) -> list[str]:
+    """What keeps a valid recipe from being launched as it is (`validate` and `launch` check it;
+    `plan`, `prices` and `simulate` need no more than a valid recipe)."""
+    uri = recipe.checkpoint.uri
+    clouds = set(recipe.resources.clouds) - {"local"}
+    if clouds and recipe.resources.head == "controller" and (not uri or uri.startswith("file://") or "://" not in uri):
+        # The driver runs on the controller: its disk is neither durable nor visible to the nodes.
+        return [f"{source}: checkpoint.uri: a cloud run with resources.head: controller needs an s3:// or gs:// "
+                "destination (the controller's disk is not reachable from the nodes and goes with it)"]
+    return []
 
 
 def _check_factory(factory, recipe: Recipe, source: str) -> list[str]:

@@ -143,10 +143,11 @@ def halt() -> None:
 
 
 def end_self(cloud: str, instance_id: str) -> None:
-    """End this VM now. AWS: TerminateInstances on itself with the VM's own role (node policy:
-    only its own instance), then the OS shutdown as well (InstanceInitiatedShutdownBehavior is
-    terminate) should that be refused. Elsewhere: the OS shutdown (a GCP VM stops: no GPU or vCPU
-    billing; `elastic down --orphans` deletes it, and its max run duration would)."""
+    """End this VM now. AWS: TerminateInstances on itself where the VM's role allows it, else the
+    OS shutdown, which terminates it (VMs are launched with InstanceInitiatedShutdownBehavior
+    terminate; `infra/aws/node-policy.json` grants no TerminateInstances, so shutdown is the path
+    there). Elsewhere: the OS shutdown (a GCP VM stops: no GPU or vCPU billing; `elastic down
+    --orphans` deletes it, and its max run duration would)."""
     if cloud == "aws":
         try:
             import boto3

@@ -128,7 +128,8 @@ def test_launch_request_spot_delete_labels_accelerators_no_secrets(gcp_fake, mon
     assert body["name"] == inst.instance_id
     assert body["machineType"].endswith("zones/us-east1-c/machineTypes/n1-standard-16")
     assert body["scheduling"] == {"provisioningModel": "SPOT", "instanceTerminationAction": "DELETE",
-                                  "onHostMaintenance": "TERMINATE", "automaticRestart": False}
+                                  "onHostMaintenance": "TERMINATE", "automaticRestart": False,
+                                  "maxRunDuration": {"seconds": "259200"}}   # resources.max_vm_hours: 72
     assert body["labels"] == {"elastic-run": "my-run_1", "elastic-role": "replica", "elastic-managed": "true"}
     assert body["guestAccelerators"] == [{"acceleratorType": "zones/us-east1-c/acceleratorTypes/nvidia-tesla-t4",
                                           "acceleratorCount": 2}]
