@@ -76,8 +76,8 @@ class Driver:
         self._beat_stop = threading.Event()             # ends the heartbeat thread (release_all)
         self._market_seen: set[str] = set()             # clouds whose offers answered at least once
         self._market_down: set[str] = set()             # clouds whose offers fail now (market_unavailable)
-        self._resume_from = self.ckpt.candidates()[0][:1] if resume else []
-        if resume and not self._resume_from:
+        self._resume_from = next(iter(self.ckpt.candidates()[0]), None) if resume else None
+        if resume and self._resume_from is None:
             raise UserError(f"--resume: no complete checkpoint at {self.ckpt.uri}")
 
     # -- setup -----------------------------------------------------------------------------------
@@ -140,9 +140,8 @@ class Driver:
     def _progress(self):
         from elastic.planner import Progress
 
-        w = self.world
-        if self._resume_from and w.outer_step == 0:   # --resume: the world is restored at its first join
-            resumed = self._resume_from[0]
+        w, resumed = self.world, self._resume_from
+        if resumed is not None and w.outer_step == 0:   # --resume: the world is restored at its first join
             return Progress(resumed["tokens"], resumed["step"], (time.time() - self._t0) / 3600)
         return Progress(w.tokens, w.outer_step, (time.time() - self._t0) / 3600)
 
@@ -416,7 +415,7 @@ class Driver:
     def admit_joiners(self) -> None:
         """At an outer-step boundary: bring every set-up joiner into the world."""
         for rep in self.world.ready_joiners():
-            if self._resume_from and not self.world.replicas and self.world.outer_step == 0:
+            if self._resume_from is not None and not self.world.replicas and self.world.outer_step == 0:
                 # --resume: the first replica loads the checkpoint (DCP reshards it to this world's
                 # ranks); the rest copy from it as usual.
                 source, manifest = self._admit_from_checkpoint(rep)
@@ -427,7 +426,7 @@ class Driver:
                                     "(see checkpoint_skipped in the ledger)")
                 self.ledger.append("resumed", from_step=manifest["step"], uri=self.ckpt.uri,
                                    saved_replicas=manifest.get("replicas"), saved_ranks=manifest.get("ranks"))
-                self._resume_from = []
+                self._resume_from = None
             elif not self.world.replicas and self.world.outer_step == 0 and not self._restored:
                 self.world.admit_fresh(rep)
                 source = "initial state"
