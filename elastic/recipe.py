@@ -188,9 +188,10 @@ class ResourcesSection(_Section):
     away): nothing bills long after its run is gone, whatever happened to the machine that
     launched it."""
     max_vm_hours: float = Field(72.0, gt=0, le=8760)
-    """Hard limit on each cloud VM's life, in hours: the VM shuts itself down then (AWS: an OS
+    """Hard limit on each GPU node's life, in hours: the node shuts itself down then (AWS: an OS
     shutdown, which terminates it; GCP: also the instance's max run duration, which deletes it),
-    whatever the driver does."""
+    whatever the driver does; to the run it is a preemption without notice, and a new node is
+    rented. The controller lives as long as its run (autodown ends it after the run)."""
 
     @model_validator(mode="after")
     def _check(self) -> "ResourcesSection":

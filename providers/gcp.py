@@ -462,9 +462,11 @@ class GCPProvider(CloudProvider):
             on_host_maintenance="TERMINATE" if offer.gpus or offer.spot else "MIGRATE",   # GPU VMs cannot migrate
             automatic_restart=not offer.spot,
             provisioning_model="SPOT" if offer.spot else "STANDARD")
-        # A preempted VM, and any VM at resources.max_vm_hours, is deleted: it leaves nothing to pay for.
+        # A preempted VM, and a node at resources.max_vm_hours, is deleted: it leaves nothing to pay
+        # for. (The controller lives as long as its run; its watcher ends it when the driver stops.)
         scheduling.instance_termination_action = "DELETE"
-        scheduling.max_run_duration = compute_v1.Duration(seconds=round(self.recipe.resources.max_vm_hours * 3600))
+        if role != "controller":
+            scheduling.max_run_duration = compute_v1.Duration(seconds=round(self.recipe.resources.max_vm_hours * 3600))
         nic = compute_v1.NetworkInterface(network=s.network)
         if s.subnetwork:
             nic.subnetwork = s.subnetwork
