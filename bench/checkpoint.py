@@ -59,7 +59,8 @@ def main() -> None:
     uri = f"s3://bench-{uuid.uuid4().hex[:8]}/run"
     ledger = Ledger(tmp / "events.jsonl")
     staging = ckpt.staging_root(args.local_dir, tmp.name)
-    saver = ckpt.Checkpointer(uri, staging, keep_last=args.checkpoints + 1, threads=args.threads, ledger=ledger)
+    saver = ckpt.Checkpointer(uri, staging, keep_last=args.checkpoints + 1, threads=args.threads, ledger=ledger,
+                              run="bench")
     world = World(recipe)
     try:
         node = cluster.add_node(cpus=1, gpus=0, labels={}, resources={}, object_store_bytes=200 * 1024 * 1024)
@@ -68,7 +69,7 @@ def main() -> None:
         rows = []
         for _ in range(args.checkpoints):
             t0 = time.monotonic()
-            saver.save(world, world.lead_replica(), recipe.digest())
+            saver.save(world, world.lead_replica(), recipe)
             steps = 0
             while saver.uploading is not None:   # training goes on while phase 2 runs
                 world.step()
@@ -77,7 +78,7 @@ def main() -> None:
             rows.append({"durable_s": time.monotonic() - t0, "steps_during_upload": steps})
             world.step()
         # Once more with training paused: phase 2 alone, for the throughput comparison.
-        saver.save(world, world.lead_replica(), recipe.digest())
+        saver.save(world, world.lead_replica(), recipe)
         saver.wait()
         events = read_events(tmp / "events.jsonl")
         stalls = [e["stall_s"] for e in events if e["type"] == "checkpoint_saved"][:args.checkpoints]

@@ -10,22 +10,38 @@ counters, data cursor, recipe digest, world layout, every file with size and sha
 exists only once its manifest does, so a node lost mid-upload leaves a partial directory that
 nothing loads and that retention deletes later.
 
-Layout at the URI: `step-00000010/{__0_0.distcp, .metadata, rng-0.pt, ..., elastic.json}`.
+Layout at the URI: `step-00000010/{__0_0.distcp, .metadata, rng-0.json, ..., elastic.json}`.
+
+Restoring trusts nothing it reads from storage: the manifest must have the expected shape and name
+only plain file names (no path can leave the staging directory), every file is hashed against it
+before use (`file://` too), and nothing is unpickled freely: RNG state is JSON, DCP's metadata is
+read by an unpickler that knows only DCP's own record types, and DCP's non-tensor values by
+`torch.load(weights_only=True)`. A checkpoint that fails any check is skipped for the one before.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import math
+import pickle
+import re
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from elastic.errors import UserError
-from elastic.storage import FileStorage, Storage, open_storage
+from elastic.storage import Storage, open_storage
 
 MANIFEST = "elastic.json"
+_FILE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+class CheckpointError(RuntimeError):
+    """A stored checkpoint that cannot be used: a malformed manifest, a missing or altered file."""
 
 
 def destination(uri: str | None, run_dir: Path) -> str:
@@ -70,28 +86,117 @@ def complete_steps(storage: Storage) -> list[int]:
     return sorted(s for s, files in _by_step(storage).items() if MANIFEST in files)
 
 
-def read_manifest(storage: Storage, step: int) -> dict | None:
-    data = storage.read_bytes(f"{step_name(step)}/{MANIFEST}")
+def parse_manifest(data: bytes, step: int) -> dict:
+    """The manifest of checkpoint `step`, checked for shape; CheckpointError (one line) otherwise.
+    File names must be plain names (a path, `..` or an empty name could write outside the node's
+    staging directory on restore)."""
+    where = f"{step_name(step)}/{MANIFEST}"
     try:
-        return json.loads(data) if data is not None else None
+        m = json.loads(data)
     except ValueError:
-        return None
+        raise CheckpointError(f"{where}: not JSON") from None
+    if not isinstance(m, dict):
+        raise CheckpointError(f"{where}: not a JSON object")
+    for key in ("step", "inner_step", "data_cursor", "tokens", "ranks", "replicas"):
+        if type(m.get(key)) is not int or m[key] < 0:
+            raise CheckpointError(f"{where}: {key} must be a whole number >= 0")
+    if m["step"] != step:
+        raise CheckpointError(f"{where}: names step {m['step']}, stored under step {step}")
+    if not isinstance(m.get("saved_at"), (int, float)) or not math.isfinite(m["saved_at"]):
+        raise CheckpointError(f"{where}: saved_at must be a unix time")
+    files = m.get("files")
+    if not isinstance(files, list) or not files:
+        raise CheckpointError(f"{where}: files must be a non-empty list")
+    seen = set()
+    for f in files:
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise CheckpointError(f"{where}: every file needs a name")
+        name = f["name"]
+        if not _FILE_NAME.fullmatch(name) or name in (".", "..") or name == MANIFEST or name in seen:
+            raise CheckpointError(f"{where}: file name {name[:80]!r} is not a plain, unique file name")
+        seen.add(name)
+        if type(f.get("bytes")) is not int or f["bytes"] < 0:
+            raise CheckpointError(f"{where}: {name}: bytes must be a whole number >= 0")
+        if not isinstance(f.get("sha256"), str) or not _SHA256.fullmatch(f["sha256"]):
+            raise CheckpointError(f"{where}: {name}: sha256 must be 64 lowercase hex digits")
+    return m
+
+
+def read_manifest(storage: Storage, step: int) -> dict | None:
+    """The checked manifest of checkpoint `step`, or None when it has none; CheckpointError when
+    it is malformed."""
+    data = storage.read_bytes(f"{step_name(step)}/{MANIFEST}")
+    return None if data is None else parse_manifest(data, step)
+
+
+def candidates(storage: Storage) -> tuple[list[dict], list[str]]:
+    """The manifests of the complete checkpoints whose files are all present at their recorded
+    sizes, newest first, and one line per checkpoint passed over (malformed or incomplete)."""
+    found, skipped = [], []
+    by_step = _by_step(storage)
+    for step in sorted((s for s, files in by_step.items() if MANIFEST in files), reverse=True):
+        try:
+            manifest = read_manifest(storage, step)
+        except CheckpointError as exc:
+            skipped.append(str(exc))
+            continue
+        if manifest is None:
+            continue
+        short = [f["name"] for f in manifest["files"] if by_step[step].get(f["name"]) != f["bytes"]]
+        if short:
+            skipped.append(f"{step_name(step)}: {short[0]} missing or not of its recorded size")
+            continue
+        found.append(manifest)
+    return found, skipped
 
 
 def latest(storage: Storage) -> dict | None:
     """The manifest of the newest complete checkpoint, or None."""
-    for step in reversed(complete_steps(storage)):
-        manifest = read_manifest(storage, step)
-        if manifest is not None:
-            return manifest
-    return None
+    found, _ = candidates(storage)
+    return found[0] if found else None
+
+
+def check_destination(uri: str | None, resume: bool, model_digest: str) -> None:
+    """Before a run starts: a new run refuses a `checkpoint.uri` that already holds checkpoints (two
+    runs would overwrite each other's shards, and a restore would load the other's); `--resume`
+    needs a complete checkpoint there of the same model. UserError (one line) otherwise."""
+    if not uri:
+        if resume:
+            raise UserError("--resume: set checkpoint.uri to where the checkpoints are "
+                            "(a run's default <run dir>/checkpoints is not shared with a new run)")
+        return
+    try:
+        storage = open_storage(uri)
+    except UserError as exc:
+        if resume:
+            raise UserError(f"--resume: no complete checkpoint ({exc})") from None
+        return   # a new destination: created when the run starts
+    try:
+        found, skipped = candidates(storage)
+        if not resume:
+            if _by_step(storage):
+                runs = sorted({str(m.get("run")) for m in found}) or ["an unknown run"]
+                raise UserError(f"checkpoint.uri {uri} already holds checkpoints (run {', '.join(runs)}): pass "
+                                "--resume to continue from them, or give this run a checkpoint.uri of its own")
+            return
+        if not found:
+            why = f" ({skipped[0]})" if skipped else ""
+            raise UserError(f"--resume: no complete checkpoint at {uri}{why}")
+        if found[0].get("model_digest") != model_digest:
+            raise UserError(f"--resume: the newest checkpoint at {uri} (step {found[0]['step']}, run "
+                            f"{found[0].get('run')}) was saved from a different model section than this recipe's")
+    finally:
+        storage.close()
 
 
 def listing(storage: Storage) -> list[dict]:
     """Every checkpoint at the storage, oldest first: step, saved_at, bytes, complete."""
     out = []
     for step, files in sorted(_by_step(storage).items()):
-        manifest = read_manifest(storage, step) if MANIFEST in files else None
+        try:
+            manifest = read_manifest(storage, step) if MANIFEST in files else None
+        except CheckpointError:
+            manifest = None
         if manifest is None:
             out.append({"step": step, "saved_at": None, "bytes": sum(files.values()), "complete": False})
         else:
@@ -118,6 +223,12 @@ def prune(storage: Storage, keep_last: int) -> list[int]:
     return sorted(s for s in doomed if s in complete)
 
 
+def model_digest(recipe) -> str:
+    """Hash of the recipe's model section: a checkpoint loads only into the same model."""
+    blob = json.dumps(recipe.model.model_dump(mode="json"), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
 def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -136,9 +247,10 @@ def verify(storage: Storage, step: int | None = None) -> tuple[int, list[str]]:
         step = steps[-1]
     elif step not in steps:
         raise UserError(f"{storage.uri}: no complete checkpoint at step {step} (complete: {steps})")
-    manifest = read_manifest(storage, step)
-    if manifest is None:
-        return step, [f"{step_name(step)}/{MANIFEST}: unreadable manifest"]
+    try:
+        manifest = read_manifest(storage, step)
+    except CheckpointError as exc:
+        return step, [str(exc)]
     present = _by_step(storage).get(step, {})
     problems = []
     for f in manifest["files"]:
@@ -168,7 +280,7 @@ def rank_files(local: Path, rank: int) -> list[str]:
 
 
 def _owner(name: str) -> int | None:
-    """The rank that wrote `name` (DCP's `__R_N.distcp`, our `rng-R.pt`), or None if shared."""
+    """The rank that wrote `name` (DCP's `__R_N.distcp`, our `rng-R.json`), or None if shared."""
     if name.startswith("__"):
         digits = name[2:].split("_", 1)[0]
     elif name.startswith("rng-"):
@@ -198,29 +310,112 @@ def upload(uri: str, local: Path, step: int, names: list[str], threads: int) -> 
         storage.close()
 
 
-def fetch(uri: str, step: int, staging: str) -> str:
-    """Make a complete checkpoint loadable by DCP on this node; returns the local directory. A
-    file:// checkpoint is read where it is; others are downloaded (each file checked against the
-    manifest's sha256) into the node's staging area."""
+def fetch(uri: str, manifest: dict, staging: str) -> str:
+    """Make the checkpoint `manifest` describes loadable by DCP on this node; returns the local
+    directory. Every file (from `file://` too) is copied into the node's staging area and checked
+    against the manifest's sha256 before anything reads it; CheckpointError (one line) when a file
+    is missing or altered."""
+    step = manifest["step"]
     storage = open_storage(uri)
-    manifest = read_manifest(storage, step)
-    if manifest is None:
-        raise RuntimeError(f"{uri}: checkpoint {step} has no manifest")
-    if isinstance(storage, FileStorage):
-        return str(storage.root / step_name(step))
-    dest = Path(staging) / f"restore-{step_name(step)}"
+    dest = (Path(staging) / f"restore-{step_name(step)}").resolve()
     dest.mkdir(parents=True, exist_ok=True)
 
     def one(f: dict) -> None:
         target = dest / f["name"]
+        if target.parent != dest:   # parse_manifest refuses such names; never write outside `dest`
+            raise CheckpointError(f"{step_name(step)}: file name {f['name']!r} leaves the staging directory")
         if target.exists() and target.stat().st_size == f["bytes"] and sha256_file(target) == f["sha256"]:
             return
-        if storage.read_file(f"{step_name(step)}/{f['name']}", target) != f["sha256"]:
-            raise RuntimeError(f"{uri}: {step_name(step)}/{f['name']} does not match its manifest")
+        try:
+            digest = storage.read_file(f"{step_name(step)}/{f['name']}", target)
+        except (OSError, *_missing_errors()) as exc:
+            raise CheckpointError(f"{uri}: {step_name(step)}/{f['name']}: {type(exc).__name__}") from None
+        if digest != f["sha256"]:
+            target.unlink(missing_ok=True)
+            raise CheckpointError(f"{uri}: {step_name(step)}/{f['name']} does not match its manifest")
 
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        list(pool.map(one, manifest["files"]))
+    try:
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            list(pool.map(one, manifest["files"]))
+    finally:
+        storage.close()
     return str(dest)
+
+
+def _missing_errors() -> tuple:
+    """The SDK errors a download of a vanished object raises (only those of SDKs already loaded)."""
+    import sys
+
+    out = []
+    if "botocore" in sys.modules:
+        from botocore.exceptions import BotoCoreError, ClientError
+        out += [ClientError, BotoCoreError]
+    if "google.api_core" in sys.modules:
+        from google.api_core.exceptions import GoogleAPIError
+        out.append(GoogleAPIError)
+    return tuple(out)
+
+
+# -- reading DCP without running code from storage ----------------------------------------------
+
+# What DCP's .metadata pickle may name: its own record types, torch's dtype/layout/Size, a path.
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
+     ("torch", "Size"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata, refusing every global outside `_METADATA_GLOBALS` and torch dtypes
+    (a pickle that names anything else, e.g. os.system, is refused before it can run)."""
+
+    def find_class(self, module: str, name: str):
+        import torch
+
+        if (module, name) in _METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                    torch.dtype)):
+            return super().find_class(module, name)
+        raise CheckpointError(f"DCP metadata names {module}.{name}: refused (not a checkpoint record type)")
+
+
+def dcp_load(state: dict, path: str) -> None:
+    """`torch.distributed.checkpoint.load(state, checkpoint_id=path)` (a collective over the
+    replica's ranks), with the metadata read by `_MetadataUnpickler` and non-tensor values by
+    `torch.load(weights_only=True)`, where DCP itself would unpickle both without restriction."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import StorageMeta
+    from torch.distributed.checkpoint.planner import ReadItem
+
+    class Reader(dcp.FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with open(Path(self.path) / ".metadata", "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+            loaded = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                from torch.distributed.checkpoint._traverse import set_element
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
+
+    try:
+        dcp.load(state, storage_reader=Reader(path), planner=Planner())
+    except CheckpointException as exc:   # DCP gathers every rank's error into one
+        cause = next((f[0] if isinstance(f, tuple) else f for f in exc.failures.values()), exc)
+        if isinstance(cause, pickle.UnpicklingError):
+            raise CheckpointError(f"{path}: a stored value needs code to unpickle: refused") from None
+        raise CheckpointError(f"{path}: {str(cause).splitlines()[0][:200]}") from None
 
 
 # -- what the driver runs --------------------------------------------------------------------------
@@ -235,10 +430,12 @@ class Checkpointer:
         keep_last: retention.
         threads: parallel uploads per rank.
         ledger: the run's ledger.
+        run: the run's name, recorded in every manifest (`check_destination` reads it).
     """
 
-    def __init__(self, uri: str, staging: str, keep_last: int, threads: int, ledger):
+    def __init__(self, uri: str, staging: str, keep_last: int, threads: int, ledger, run: str):
         self.uri = uri
+        self.run = run
         self.storage = open_storage(uri, create=True)
         self.staging = staging
         self.keep_last = keep_last
@@ -251,7 +448,7 @@ class Checkpointer:
         """The step whose phase 2 is under way, or None."""
         return self._pending["step"] if self._pending else None
 
-    def save(self, world, lead, recipe_digest: str) -> None:
+    def save(self, world, lead, recipe) -> None:
         """Phase 1 on `lead` (blocking), then start phase 2. Waits first for an upload still under way."""
         t0 = time.monotonic()
         self.wait()
@@ -259,10 +456,14 @@ class Checkpointer:
         local = f"{self.staging}/{step_name(step)}"
         write_s = max(r["seconds"] for r in world.call_replica(lead, "save_checkpoint", local))
         stall_s = time.monotonic() - t0
+        # A resumed run saves again at a step an older attempt completed: that manifest goes first,
+        # so it never vouches for files being overwritten.
+        self.storage.delete([f"{step_name(step)}/{MANIFEST}"])
         refs = [a.upload_checkpoint.remote(local, self.uri, step, self.threads) for a in lead.actors]
         self._pending = {"step": step, "refs": refs, "lead": lead, "local": local, "t0": time.monotonic(),
                          "manifest": {"step": step, "inner_step": world.inner_step, "data_cursor": world.cursor,
-                                      "tokens": world.tokens, "recipe_digest": recipe_digest,
+                                      "tokens": world.tokens, "run": self.run,
+                                      "recipe_digest": recipe.digest(), "model_digest": model_digest(recipe),
                                       "ranks": len(lead.actors), "replicas": len(world.replicas)}}
         self.ledger.append("checkpoint_saved", step=step, stall_s=round(stall_s, 3), write_s=round(write_s, 3), local=local,
                            replica=lead.replica_id)
@@ -310,8 +511,9 @@ class Checkpointer:
         except Exception:
             pass  # the lead is gone; its node's staging went with it
 
-    def latest(self) -> dict | None:
-        return latest(self.storage)
+    def candidates(self) -> tuple[list[dict], list[str]]:
+        """See `candidates`: usable manifests newest first, and the checkpoints passed over."""
+        return candidates(self.storage)
 
     def close(self) -> None:
         self.storage.close()

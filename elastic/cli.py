@@ -141,8 +141,11 @@ def _dispatch(args, err) -> int:
     if args.command == "validate":
         from rich.markup import escape
 
-        from elastic.recipe import load_recipe
+        from elastic.errors import UserError
+        from elastic.recipe import launch_problems, load_recipe
         recipe = load_recipe(args.recipe, args.overrides)
+        if problems := launch_problems(recipe, args.recipe):
+            raise UserError(problems)
         out.print(f"{escape(args.recipe)}: ok ({recipe.name}: {recipe.world.replicas} replica(s) × "
                   f"{recipe.world.ranks_per_replica} rank(s), H={recipe.train.inner_steps})", highlight=False)
         return 0
@@ -153,18 +156,11 @@ def _dispatch(args, err) -> int:
         if args.address is not None and not _is_host_port(args.address):
             raise UserError(f"--address {args.address!r}: expected HOST:PORT of a running Ray head")
         recipe = load_recipe(args.recipe, args.overrides)
-        if args.resume:
-            from elastic import checkpoint as ckpt
-            if not recipe.checkpoint.uri:
-                raise UserError("--resume: set checkpoint.uri to where the checkpoints are "
-                                "(a run's default <run dir>/checkpoints is not shared with a new run)")
-            from elastic.storage import open_storage
-            try:
-                store = open_storage(recipe.checkpoint.uri)
-            except UserError as exc:
-                raise UserError(f"--resume: no complete checkpoint ({exc})") from None
-            if not ckpt.complete_steps(store):
-                raise UserError(f"--resume: no complete checkpoint at {recipe.checkpoint.uri}")
+        from elastic.recipe import launch_problems
+        if problems := launch_problems(recipe, args.recipe):
+            raise UserError(problems)
+        from elastic import checkpoint as ckpt
+        ckpt.check_destination(recipe.checkpoint.uri, args.resume, ckpt.model_digest(recipe))
         from elastic.launch import launch_controller, uses_controller
         if uses_controller(recipe, args.address):
             if args.resume:

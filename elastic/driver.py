@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 
 OFFER_COOLDOWN_S = 5.0   # real seconds an offer rests after a capacity error
 PRICE_POLL_S = 1.0       # real seconds between reads of the held VMs' current prices
+HEARTBEAT_S = 5.0        # real seconds between two driver heartbeats (the VMs' autodown watchers read them)
 
 
 class Driver:
@@ -54,7 +56,7 @@ class Driver:
         self._t0 = time.time()
         c = recipe.checkpoint
         self.ckpt = ckpt.Checkpointer(ckpt.destination(c.uri, run_dir), ckpt.staging_root(c.local_dir, self.run_name),
-                                      c.keep_last, c.upload_threads, ledger)
+                                      c.keep_last, c.upload_threads, ledger, run=self.run_name)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="launch")
         self._launching: dict[Future, object] = {}
         self._cooldown: dict[tuple, float] = {}          # market.offer_key -> until (monotonic)
@@ -71,7 +73,10 @@ class Driver:
         self._restored = False   # the world was restored after losing every replica
         self._price: dict[str, float] = {}               # held instance id -> USD/h last recorded
         self._price_poll_at = 0.0
-        self._resume_from = self.ckpt.latest() if resume else None
+        self._beat_stop = threading.Event()             # ends the heartbeat thread (release_all)
+        self._market_seen: set[str] = set()             # clouds whose offers answered at least once
+        self._market_down: set[str] = set()             # clouds whose offers fail now (market_unavailable)
+        self._resume_from = next(iter(self.ckpt.candidates()[0]), None) if resume else None
         if resume and self._resume_from is None:
             raise UserError(f"--resume: no complete checkpoint at {self.ckpt.uri}")
 
@@ -102,6 +107,19 @@ class Driver:
         self.market = Market(self.recipe.planner, load_history(), capacity_cooldown_s=0.0,
                              tokens_per_inner_step=t.batch_size * t.seq_len)
         self.world = World(self.recipe, on_loss=self._record_loss, on_tick=self.tick)
+        threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
+
+    def _heartbeat(self) -> None:
+        """The heartbeat every cloud VM's watcher reads (`resources.autodown_after_s`), from its own
+        thread: a long blocking call of the main loop (a restore, a slow step) must not look like a
+        dead driver; a killed process stops it at once."""
+        from providers.watcher import beat
+
+        while not self._beat_stop.wait(HEARTBEAT_S):
+            try:
+                beat()
+            except Exception as exc:   # the head is gone: the VMs' watchers will notice too
+                log.warning("heartbeat: %s", exc)
 
     _owns_cluster = False
 
@@ -140,8 +158,28 @@ class Driver:
                                hours_to_finish=round(hours_to_finish(pl, self.recipe, progress), 4))
 
     def _offers(self) -> list:
-        """Every provider's offers, cheapest per GPU-hour first (per VM-hour for CPU-only VMs)."""
-        every = [o for p in self.providers.values() for o in p.offers(self.recipe.resources)]
+        """Every provider's offers, cheapest per GPU-hour first (per VM-hour for CPU-only VMs). A
+        cloud that answered before but fails now (the SDK's retries spent, or an answer that does
+        not parse) offers nothing until it answers again: the run trains on what it holds, and the
+        ledger says `market_unavailable` once per outage."""
+        every = []
+        for name, p in self.providers.items():
+            try:
+                offers = p.offers(self.recipe.resources)
+            except Exception as exc:
+                if name not in self._market_seen:
+                    raise   # never answered: the setup is wrong, and the run says so
+                if name not in self._market_down:
+                    self._market_down.add(name)
+                    message = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                    log.warning("%s prices and capacity unavailable: %s", name, message)
+                    self.ledger.append("market_unavailable", cloud=name, message=message)
+                continue
+            self._market_seen.add(name)
+            if name in self._market_down:
+                self._market_down.discard(name)
+                self.ledger.append("market_available", cloud=name)
+            every += offers
         return sorted(every, key=lambda o: (o.usd_per_hour / max(1, o.gpus), o.usd_per_hour))
 
     def _held(self) -> list:
@@ -156,6 +194,8 @@ class Driver:
             return
         now = time.monotonic()
         every = self._offers()
+        if not every and self._market_down:
+            return   # a cloud is unreachable: train on what is held, rent once it answers
         if not every:
             raise UserError(f"resources: no offer from {', '.join(self.providers)} matches resources.accelerators / "
                             "resources.regions / resources.max_usd_per_hour")
@@ -378,8 +418,12 @@ class Driver:
             if self._resume_from is not None and not self.world.replicas and self.world.outer_step == 0:
                 # --resume: the first replica loads the checkpoint (DCP reshards it to this world's
                 # ranks); the rest copy from it as usual.
-                manifest = self._resume_from
-                source = self._admit_from_checkpoint(rep, manifest)
+                source, manifest = self._admit_from_checkpoint(rep)
+                if source == "lost":
+                    continue   # the joiner died loading it; the next one tries
+                if manifest is None:
+                    raise UserError(f"--resume: no checkpoint at {self.ckpt.uri} could be loaded "
+                                    "(see checkpoint_skipped in the ledger)")
                 self.ledger.append("resumed", from_step=manifest["step"], uri=self.ckpt.uri,
                                    saved_replicas=manifest.get("replicas"), saved_ranks=manifest.get("ranks"))
                 self._resume_from = None
@@ -388,9 +432,8 @@ class Driver:
                 source = "initial state"
             elif not self.world.replicas:
                 self._restored = True
-                manifest = self.ckpt.latest()
-                if manifest:
-                    source = self._admit_from_checkpoint(rep, manifest)
+                source, manifest = self._admit_from_checkpoint(rep)
+                if manifest is not None:
                     self.ledger.append("world_restored", from_step=manifest["step"], uri=self.ckpt.uri)
                 else:
                     # Nothing was kept: start over from θ0 (fresh data; tokens count what is kept).
@@ -413,10 +456,23 @@ class Driver:
         if old is not None and old.replica_id in self.world.replicas:
             self._draining[old.replica_id] = time.time()
 
-    def _admit_from_checkpoint(self, rep, manifest: dict) -> str:
-        """The world takes the checkpoint's counters; `rep` loads its state from DCP."""
-        self.world.restore(manifest)
-        return self.world.admit(rep, checkpoint=(self.ckpt.uri, manifest["step"], self.ckpt.staging))
+    def _admit_from_checkpoint(self, rep) -> tuple[str | None, dict | None]:
+        """`rep` loads the newest usable checkpoint and the world takes its counters. One that is
+        malformed, incomplete or altered is passed over for the one before it (ledger:
+        `checkpoint_skipped`). Returns (where the state came from, the manifest loaded), both None
+        when no checkpoint could be loaded."""
+        found, skipped = self.ckpt.candidates()
+        for line in skipped:
+            self.ledger.append("checkpoint_skipped", step=None, message=line[:200])
+        for manifest in found:
+            self.world.restore(manifest)
+            try:
+                return self.world.admit(rep, checkpoint=(self.ckpt.uri, manifest, self.ckpt.staging)), manifest
+            except ckpt.CheckpointError as exc:
+                cause = getattr(exc, "cause", None) or exc   # a rank's error arrives wrapped by Ray
+                self.ledger.append("checkpoint_skipped", step=manifest["step"],
+                                   message=str(cause).splitlines()[0][:200])
+        return None, None
 
     def wait_for_capacity(self, view) -> bool:
         """Pause until at least `world.min_replicas` are alive (renting and admitting meanwhile);
@@ -584,7 +640,7 @@ class Driver:
         steady = [r for r in sorted(self.world.replicas) if r not in self._draining]
         lead = self.world.replicas[steady[0] if steady else min(self.world.replicas)]
         try:
-            self.ckpt.save(self.world, lead, self.recipe.digest())
+            self.ckpt.save(self.world, lead, self.recipe)
         except Exception as exc:  # the saving replica was lost mid-save: the partial one is ignored
             self.ledger.append("checkpoint_failed", step=self.world.outer_step, message=str(exc).splitlines()[0][:200])
 
@@ -598,6 +654,7 @@ class Driver:
 
     def release_all(self) -> None:
         """Release every node the run holds and stop what it started; each part tolerates the others failing."""
+        self._beat_stop.set()
         if self.ckpt.uploading is not None:  # interrupted mid-upload: the last complete one stands
             self.ledger.append("checkpoint_upload_abandoned", step=self.ckpt.uploading)
         if self.world is not None:

@@ -36,11 +36,16 @@ def default_run_dir(recipe: Recipe) -> Path:
 
 
 def prepare_run_dir(run_dir: Path) -> None:
-    """Refuse a directory that already holds a run: nothing already written gets overwritten."""
+    """Refuse a directory that already holds a run, or anything else: nothing already written gets
+    overwritten. Its last part names the run (VM tags, staging), so `.` or `..` are refused too."""
     if (run_dir / "events.jsonl").exists():
         raise UserError(f"{run_dir}: already holds a run (events.jsonl); choose another --run-dir")
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"{run_dir}: exists and is not a directory")
+    if run_dir.name in ("", ".", ".."):
+        raise UserError(f"--run-dir {run_dir}: name a new directory (its name becomes the run's name)")
+    if run_dir.is_dir() and any(run_dir.iterdir()):
+        raise UserError(f"{run_dir}: exists and is not empty; choose a new --run-dir")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -13,6 +13,8 @@ import threading
 import time
 from pathlib import Path
 
+from elastic.errors import UserError
+
 
 class Ledger:
     """Append-only JSONL event log.
@@ -58,14 +60,31 @@ class Ledger:
 
 
 def read_events(path: str | Path) -> list[dict]:
-    """All whole events of a ledger file (a torn last line is skipped)."""
+    """All whole events of a ledger file (a torn last line is skipped). A line that is JSON but
+    not an event (an object with a string `type` and a numeric time `t`) is a LedgerError."""
     p = Path(path)
     if not p.exists():
         return []
     events = []
-    for line in p.read_text(encoding="utf-8").splitlines():
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise LedgerError(f"{p}: cannot read: {exc}") from None
+    for n, line in enumerate(text.splitlines(), 1):
         try:
-            events.append(json.loads(line))
+            event = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if not (isinstance(event, dict) and isinstance(event.get("type"), str)
+                and type(event.get("t")) in (int, float)):
+            raise LedgerError(f"{p}: line {n} is not an event elastic writes")
+        events.append(event)
     return events
+
+
+# What reading an event of an unexpected shape raises in a view (report, status).
+SHAPE_ERRORS = (KeyError, TypeError, ValueError, AttributeError, IndexError)
+
+
+class LedgerError(UserError):
+    """A ledger that is not one elastic wrote (one line for the user)."""

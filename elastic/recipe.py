@@ -20,8 +20,23 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationErro
 from elastic.errors import RecipeError
 
 
+# No whole number in a recipe means anything beyond this (a token budget of 10^15 is already far past
+# any run); larger ones are typos that would overflow or hang what sizes itself by them.
+MAX_INT = 10**15
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=False)
+    # allow_inf_nan=False: a NaN or infinite budget, rate or timeout is refused at validation.
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=False,
+                              allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _sane_ints(self) -> "_Section":
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if type(value) is int and abs(value) > MAX_INT:
+                raise ValueError(f"@{name}: {value} is beyond any sane value (at most {MAX_INT:.0e})")
+        return self
 
 
 class ModelSection(_Section):
@@ -167,6 +182,16 @@ class ResourcesSection(_Section):
     join_timeout_s: float = Field(600.0, gt=0)
     """Longest a rented VM may take to boot and join the Ray cluster, in seconds; after that it is
     terminated (billed for the seconds it ran) and its offer cools down."""
+    autodown_after_s: float = Field(600.0, gt=0, le=7 * 86400)
+    """Every cloud VM of the run (nodes and the controller) shuts itself down when the driver's
+    heartbeat has not changed for this many seconds (the driver was killed, its machine went
+    away): nothing bills long after its run is gone, whatever happened to the machine that
+    launched it."""
+    max_vm_hours: float = Field(72.0, gt=0, le=8760)
+    """Hard limit on each GPU node's life, in hours: the node shuts itself down then (AWS: an OS
+    shutdown, which terminates it; GCP: also the instance's max run duration, which deletes it),
+    whatever the driver does; to the run it is a preemption without notice, and a new node is
+    rented. The controller lives as long as its run (autodown ends it after the run)."""
 
     @model_validator(mode="after")
     def _check(self) -> "ResourcesSection":
@@ -365,6 +390,29 @@ class AWSSection(_Section):
     `pip install git+https://…@v0.1.0`, or nothing when the AMI has it)."""
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def endpoint_problem(url: str, domain: str) -> str | None:
+    """Why an API endpoint override may not be used, or None. Only https on the cloud's own
+    `domain` (the user's credentials go with every call), or loopback (local test endpoints,
+    called without credentials)."""
+    from urllib.parse import urlparse
+
+    try:
+        parts = urlparse(url)
+        host = parts.hostname
+    except ValueError:
+        return f"{url!r} is not a URL"
+    if parts.scheme not in ("http", "https") or not host:
+        return f"{url!r} is not an http(s) URL"
+    if host in LOOPBACK_HOSTS:
+        return None
+    if parts.scheme == "https" and (host == domain or host.endswith("." + domain)):
+        return None
+    return f"{url!r}: only https on {domain} or a loopback address (credentials are sent there)"
+
+
 class GCPSection(_Section):
     """The `gcp` provider: Compute Engine Spot (or on-demand) VMs with GPUs. Credentials come from
     Application Default Credentials (`gcloud auth application-default login`, a service account
@@ -374,13 +422,15 @@ class GCPSection(_Section):
     """Project id to rent in. Empty: `GOOGLE_CLOUD_PROJECT`, else the credentials' project."""
     compute_endpoint: str | None = None
     """Compute Engine API endpoint override (e.g. `http://127.0.0.1:8089` for a local test
-    endpoint). Empty: `ELASTIC_GCP_COMPUTE_ENDPOINT`, else Google's."""
-    billing_endpoint: str | None = None
-    """Cloud Billing Catalog API endpoint override (prices). Empty: `ELASTIC_GCP_BILLING_ENDPOINT`,
+    endpoint). Only https on googleapis.com, or loopback. Empty: `ELASTIC_GCP_COMPUTE_ENDPOINT`,
     else Google's."""
+    billing_endpoint: str | None = None
+    """Cloud Billing Catalog API endpoint override (prices). Only https on googleapis.com, or
+    loopback. Empty: `ELASTIC_GCP_BILLING_ENDPOINT`, else Google's."""
     secrets_endpoint: str | None = None
     """Secret Manager API endpoint override (where the run's Ray cluster token is kept for its
-    nodes). Empty: `ELASTIC_GCP_SECRETS_ENDPOINT`, else Google's."""
+    nodes). Only https on googleapis.com, or loopback. Empty: `ELASTIC_GCP_SECRETS_ENDPOINT`, else
+    Google's."""
     image: str = "projects/deeplearning-platform-release/global/images/family/common-cu124-debian-11-py310"
     """Boot image (a family or an image path). Default: Google's Deep Learning VM image with the
     NVIDIA driver and CUDA installed."""
@@ -402,6 +452,14 @@ class GCPSection(_Section):
     price_cache_ttl_s: float = Field(86400.0, ge=0)
     """How long prices and the machine-type catalog read from the APIs are reused from the disk
     cache, in seconds (GCP changes spot prices at most about monthly)."""
+
+    @model_validator(mode="after")
+    def _endpoints(self) -> "GCPSection":
+        for name in ("compute_endpoint", "billing_endpoint", "secrets_endpoint"):
+            url = getattr(self, name)
+            if url is not None and (why := endpoint_problem(url, "googleapis.com")):
+                raise ValueError(f"@{name}: {why}")
+        return self
     install: str = "pip install elastic"
     """Shell command the startup script runs to install this project on a node."""
     controller_machine_type: str = "e2-standard-2"
@@ -574,7 +632,55 @@ def _check_files(recipe: Recipe, source: str) -> list[str]:
             else:
                 if not callable(obj):
                     problems.append(f"{source}: model.factory: {mod} has no callable {fn}")
+                else:
+                    problems += _check_factory(obj, recipe, source)
     return problems
+
+
+def launch_problems(recipe: Recipe, source: str) -> list[str]:
+    """What keeps a valid recipe from being launched as it is (`validate` and `launch` check it;
+    `plan`, `prices` and `simulate` need no more than a valid recipe)."""
+    uri = recipe.checkpoint.uri
+    clouds = set(recipe.resources.clouds) - {"local"}
+    if clouds and recipe.resources.head == "controller" and (not uri or uri.startswith("file://") or "://" not in uri):
+        # The driver runs on the controller: its disk is neither durable nor visible to the nodes.
+        return [f"{source}: checkpoint.uri: a cloud run with resources.head: controller needs an s3:// or gs:// "
+                "destination (the controller's disk is not reachable from the nodes and goes with it)"]
+    return []
+
+
+def _check_factory(factory, recipe: Recipe, source: str) -> list[str]:
+    """Call `model.factory` as replicas will, on torch's meta device (no memory for weights): it must
+    return an `nn.Module`."""
+    import torch
+    from torch import nn
+
+    try:
+        with torch.device("meta"):
+            model = factory(recipe.model.model_dump())
+    except Exception as exc:  # the user's code: its failure is theirs to see, in one line
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        return [f"{source}: model.factory: {recipe.model.factory} failed: {type(exc).__name__}: {first}"[:300]]
+    if not isinstance(model, nn.Module):
+        return [f"{source}: model.factory: {recipe.model.factory} returned {type(model).__name__}, not an nn.Module"]
+    return []
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load that refuses a key given twice in one mapping (YAML would keep the last one
+    silently, so a recipe could say two things and mean one)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            try:
+                seen.add(key)
+            except TypeError:
+                pass   # an unhashable key: SafeLoader reports it below
+        return super().construct_mapping(node, deep=deep)
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
@@ -590,7 +696,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     except (OSError, UnicodeDecodeError) as exc:
         raise RecipeError([f"{source}: cannot read: {exc}"]) from None
     try:
-        doc = yaml.safe_load(text)
+        doc = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""

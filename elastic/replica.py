@@ -11,6 +11,7 @@ This module is imported inside Ray worker processes; the driver only names `Rank
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import math
 import os
@@ -66,25 +67,35 @@ def _like_param(p, local):
 
 
 def _rng_state() -> dict:
+    """This rank's RNG state as JSON-able values (restored without unpickling anything)."""
+    import base64
     import random
 
     import torch
 
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    version, words, gauss = random.getstate()
+    state = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+             "python": [version, list(words), gauss]}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
     return state
 
 
 def _set_rng_state(state: dict) -> None:
+    """Restore `_rng_state()`'s output; ValueError/TypeError when it is not of that shape."""
+    import base64
     import random
 
     import torch
 
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
+    def tensor(text: str):
+        return torch.frombuffer(bytearray(base64.b64decode(text, validate=True)), dtype=torch.uint8)
+
+    version, words, gauss = state["python"]
+    torch.set_rng_state(tensor(state["torch"]))
+    random.setstate((int(version), tuple(int(w) for w in words), None if gauss is None else float(gauss)))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+        torch.cuda.set_rng_state(tensor(state["cuda"]))
 
 
 class RankWorker:
@@ -303,7 +314,7 @@ class RankWorker:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=False, thread_count=2))
         # RNG state is per rank (not sharded): a small file beside the shards, restored when the
         # loading world has a rank of the same number.
-        torch.save(_rng_state(), f"{path}/rng-{self._spec.rank}.pt")
+        Path(f"{path}/rng-{self._spec.rank}.json").write_text(json.dumps(_rng_state()))
         return {"seconds": time.monotonic() - t0}
 
     def upload_checkpoint(self, local: str, uri: str, step: int, threads: int) -> list[dict]:
@@ -313,11 +324,12 @@ class RankWorker:
         names = ckpt.rank_files(Path(local), self._spec.rank)
         return ckpt.upload(uri, Path(local), step, names, threads)
 
-    def fetch_checkpoint(self, uri: str, step: int, staging: str) -> str:
-        """Make checkpoint `step` at `uri` loadable on this node; returns its local directory."""
+    def fetch_checkpoint(self, uri: str, manifest: dict, staging: str) -> str:
+        """Make the checkpoint `manifest` describes loadable on this node (every file checked
+        against it); returns its local directory."""
         from elastic import checkpoint as ckpt
 
-        return ckpt.fetch(uri, step, staging)
+        return ckpt.fetch(uri, manifest, staging)
 
     def drop_staging(self, local: str) -> None:
         """Remove a phase-1 directory once it is durable at the destination."""
@@ -329,9 +341,9 @@ class RankWorker:
         """Load model, inner AdamW and outer momentum from a DCP checkpoint written by any world
         shape (DCP reshards to this replica's ranks). A collective over the replica's ranks."""
         import torch
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+        from elastic.checkpoint import CheckpointError, dcp_load
         from elastic.diloco import local_shard
 
         t0 = time.monotonic()
@@ -339,15 +351,18 @@ class RankWorker:
         outer = {name: _like_param(p, torch.zeros_like(local_shard(p))) for name, p in self._model.named_parameters()}
         state = {"model": model_sd, "optim": optim_sd, "outer_momentum": outer,
                  "inner_step": torch.tensor(0)}
-        dcp.load(state, checkpoint_id=path)
+        dcp_load(state, path)
         set_state_dict(self._model, self._opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         theta = torch.cat([local_shard(p).reshape(-1).cpu() for p in self._params])
         momentum = torch.cat([local_shard(v).reshape(-1).cpu() for v in outer.values()])
         self._outer.load({"theta": theta, "momentum": momentum})
         self._inner_step = int(state["inner_step"])
-        rng = Path(path) / f"rng-{self._spec.rank}.pt"
+        rng = Path(path) / f"rng-{self._spec.rank}.json"
         if rng.is_file():
-            _set_rng_state(torch.load(rng, weights_only=False))
+            try:
+                _set_rng_state(json.loads(rng.read_text()))
+            except (ValueError, TypeError, KeyError, RuntimeError) as exc:
+                raise CheckpointError(f"{rng.name}: not an RNG state ({type(exc).__name__})") from None
         return {"seconds": time.monotonic() - t0}
 
     def ping(self) -> bool:

@@ -18,7 +18,7 @@ import os
 import statistics
 from pathlib import Path
 
-from elastic.ledger import read_events
+from elastic.ledger import LedgerError, read_events, SHAPE_ERRORS
 
 MIN_BILLED_S = {"gcp": 60.0}   # per-second billing with a minimum, by cloud
 # Estimate rates (list prices, standard class, USD): object storage per GB-month by URI scheme
@@ -311,7 +311,11 @@ def write_report(run_dir: str | Path) -> dict:
 
     run_dir = Path(run_dir)
     events = read_events(run_dir / "events.jsonl")
-    report = build_report(events)
+    try:
+        report = build_report(events)
+    except SHAPE_ERRORS as exc:
+        raise LedgerError(f"{run_dir / 'events.jsonl'}: an event is not of the shape elastic writes "
+                          f"({type(exc).__name__}: {str(exc)[:80]})") from None
     for name, text in (("report.json", json.dumps(report, indent=2) + "\n"),
                        ("report.html", render_html(events, report))):
         tmp = run_dir / f"{name}.tmp"

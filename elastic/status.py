@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from elastic.errors import UserError
-from elastic.ledger import read_events
+from elastic.ledger import LedgerError, read_events, SHAPE_ERRORS
 from elastic.report import burn_usd_per_hour, cost_so_far
 
 REFRESH_S = 1.0     # how often the live view re-reads the ledger
@@ -138,7 +138,11 @@ def watch(run_dir: Path, console, once: bool = False) -> int:
     target = _target_outer_steps(run_dir)
 
     def render():
-        snap = snapshot(read_events(ledger), time.time(), target)
+        try:
+            snap = snapshot(read_events(ledger), time.time(), target)
+        except SHAPE_ERRORS as exc:
+            raise LedgerError(f"{ledger}: an event is not of the shape elastic writes "
+                              f"({type(exc).__name__}: {str(exc)[:80]})") from None
         return snap, status_table(snap, run_dir)
 
     snap, table = render()

@@ -213,7 +213,7 @@ class World:
 
     def admit(self, rep: Replica, checkpoint: tuple[str, int, str] | None = None) -> str:
         """Admit a set-up joiner at this outer-step boundary, with its state from a live peer (or,
-        when none is left, from `checkpoint` = (uri, step, node staging dir)). Returns where the
+        when none is left, from `checkpoint` = (uri, its manifest, node staging dir)). Returns where the
         state came from."""
         timeout = self._recipe.world.step_timeout_s
         source = None
@@ -234,7 +234,7 @@ class World:
             # The replica's ranks share a node: one fetch (a download unless file://), then all load.
             local = self._ray.get(rep.actors[0].fetch_checkpoint.remote(*checkpoint), timeout=None)
             self._ray.get([a.load_checkpoint.remote(local) for a in rep.actors], timeout=timeout)
-            source = f"checkpoint step {checkpoint[1]}"
+            source = f"checkpoint step {checkpoint[1]['step']}"
         self._enter(rep)
         return source
 

@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 from elastic.errors import UserError
 from providers.base import CapacityError, Instance, Offer
 from providers.cloud import (CONTROLLER_TEMPLATE, CloudProvider, cached_json, head_address, labels_arg, quote,
-                             render_bootstrap)
+                             render_bootstrap, usable_price)
 
 log = logging.getLogger(__name__)
 
@@ -203,8 +203,9 @@ class AWSProvider(CloudProvider):
                 for h in page.get("SpotPriceHistory", []):
                     k = f"{h['AvailabilityZone']}|{h['InstanceType']}"
                     ts = h["Timestamp"].isoformat()
-                    if k not in latest or ts > latest[k][0]:
-                        latest[k] = (ts, float(h["SpotPrice"]))
+                    usd = usable_price(h.get("SpotPrice"), f"{h['InstanceType']} in {h['AvailabilityZone']}")
+                    if usd is not None and (k not in latest or ts > latest[k][0]):
+                        latest[k] = (ts, usd)
             return {k: v[1] for k, v in latest.items()}
 
         value, read_at = cached_json(f"aws-spot-{region}-{'_'.join(sorted(types))}", fetch)
@@ -313,7 +314,7 @@ class AWSProvider(CloudProvider):
             run=run, cloud="aws", install=self.recipe.aws.install, instance_id_cmd=instance_id_cmd,
             token_source=f"SSM parameter {self.token_parameter(run)}", token_cmd=self._token_cmd(offer.region, run),
             head_address=quote(head_address(self.cluster)) if self.cluster is not None else "''",
-            gpus=str(offer.gpus), labels=labels_arg(labels))
+            gpus=str(offer.gpus), labels=labels_arg(labels), **self.autodown_values())
 
     def _tags(self, run: str, role: str) -> list[dict]:
         tags = {"elastic:run": run, "elastic:role": role, "elastic:recipe": self.recipe.name,
@@ -328,6 +329,8 @@ class AWSProvider(CloudProvider):
         req = {
             "ImageId": ami, "InstanceType": offer.instance_type, "MinCount": 1, "MaxCount": 1,
             "ClientToken": uuid.uuid4().hex,
+            # The VM's own shutdown (autodown, max_vm_hours in the bootstrap) terminates it.
+            "InstanceInitiatedShutdownBehavior": "terminate",
             "Placement": {"AvailabilityZone": offer.zone},
             "MetadataOptions": {"HttpTokens": "required", "HttpEndpoint": "enabled", "HttpPutResponseHopLimit": 2},
             "TagSpecifications": [{"ResourceType": "instance", "Tags": tags}, {"ResourceType": "volume", "Tags": tags}],
@@ -387,6 +390,7 @@ class AWSProvider(CloudProvider):
                       gpus=0, cpus=0, spot=False, usd_per_hour=usd, on_demand_usd_per_hour=usd, read_at=read_at)
         script = render_bootstrap(
             CONTROLLER_TEMPLATE, run=run, install=aws.install, private_ip_cmd=_imds_cmd("local-ipv4"),
+            cloud="aws", instance_id_cmd=_imds_cmd("instance-id"), **self.autodown_values(),
             instance_profile=aws.controller_instance_profile or "none set: aws.controller_instance_profile",
             recipe_b64=base64.b64encode(recipe_text.encode()).decode())
         req = self.run_request(offer, run, "controller", script)

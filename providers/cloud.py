@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import shlex
@@ -60,6 +61,19 @@ def cached_json(key: str, fetch: Callable[[], object], ttl_s: float = PRICE_TTL_
 
 
 CONTROLLER_TEMPLATE = BOOTSTRAP_TEMPLATE.with_name("controller.sh.tmpl")
+
+
+def usable_price(raw, what: str) -> float | None:
+    """A price read from a cloud as USD per hour, or None (logged as a warning) when it is not a
+    finite number >= 0: such a price would rank first and be cached."""
+    try:
+        usd = float(raw)
+    except (TypeError, ValueError):
+        usd = math.nan
+    if math.isfinite(usd) and usd >= 0:
+        return usd
+    log.warning("dropped the price %r of %s: not a finite number >= 0", raw, what)
+    return None
 
 
 def render_bootstrap(template: Path = BOOTSTRAP_TEMPLATE, /, **values: str) -> str:
@@ -123,6 +137,11 @@ class CloudProvider:
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._last_state_poll = time.monotonic()
+
+    def autodown_values(self) -> dict[str, str]:
+        """Bootstrap template values of `resources.autodown_after_s` / `max_vm_hours`."""
+        r = self.recipe.resources
+        return {"autodown_after_s": f"{r.autodown_after_s:g}", "max_vm_minutes": str(max(1, round(r.max_vm_hours * 60)))}
 
     # -- what each cloud implements ---------------------------------------------------------------
 

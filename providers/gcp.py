@@ -40,9 +40,11 @@ import uuid
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
+from elastic.errors import UserError
+from elastic.recipe import LOOPBACK_HOSTS, endpoint_problem
 from providers.base import CapacityError, Instance, Offer
 from providers.cloud import (CONTROLLER_TEMPLATE, CloudProvider, cached_json, head_address, labels_arg, quote,
-                             render_bootstrap)
+                             render_bootstrap, usable_price)
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +200,9 @@ def parse_skus(skus) -> dict[str, float]:
         rates = sku.pricing_info[0].pricing_expression.tiered_rates
         if not rates:
             continue
-        usd = _usd(rates[-1].unit_price)
+        usd = usable_price(_usd(rates[-1].unit_price), f"SKU {desc!r}")
+        if usd is None:
+            continue
         for region in sku.service_regions:
             k = f"{key}|{region}|{'spot' if usage == 'Preemptible' else 'od'}"
             # Several SKUs of one kind in a region: keep the cheapest (they are variants of one price).
@@ -228,7 +232,18 @@ def _is_local(endpoint: str | None) -> bool:
     if not endpoint:
         return False
     host = urlparse(endpoint if "://" in endpoint else f"//{endpoint}").hostname
-    return host in ("127.0.0.1", "localhost", "::1")
+    return host in LOOPBACK_HOSTS
+
+
+def _endpoint(recipe_value: str | None, env: str) -> str | None:
+    """The endpoint override in use: the recipe's (checked when it was validated), else the
+    environment's, held to the same rule (UserError otherwise)."""
+    if recipe_value:
+        return recipe_value
+    url = os.environ.get(env) or None
+    if url is not None and (why := endpoint_problem(url, "googleapis.com")):
+        raise UserError(f"{env}: {why}")
+    return url
 
 
 def _credentials_or_line():
@@ -255,14 +270,14 @@ class GCPProvider(CloudProvider):
     def __init__(self, recipe, cluster, run_name: str):
         super().__init__(recipe, cluster, run_name)
         self.section = section = recipe.gcp
-        self.compute_endpoint = section.compute_endpoint or os.environ.get(COMPUTE_ENDPOINT_ENV) or None
-        self.billing_endpoint = section.billing_endpoint or os.environ.get(BILLING_ENDPOINT_ENV) or None
+        self.compute_endpoint = _endpoint(section.compute_endpoint, COMPUTE_ENDPOINT_ENV)
+        self.billing_endpoint = _endpoint(section.billing_endpoint, BILLING_ENDPOINT_ENV)
         self._project = section.project
         self._credentials = None
         self._clients: dict[str, object] = {}
         self._client_lock = threading.Lock()
         self._memo: tuple[float, tuple, list[Offer]] | None = None
-        self.secrets_endpoint = section.secrets_endpoint or os.environ.get(SECRETS_ENDPOINT_ENV) or None
+        self.secrets_endpoint = _endpoint(section.secrets_endpoint, SECRETS_ENDPOINT_ENV)
         self._tokens: set[str] = set()        # runs whose token secret this provider created
         self._token_lock = threading.Lock()
 
@@ -288,7 +303,6 @@ class GCPProvider(CloudProvider):
 
     def _default_credentials(self):
         if self._credentials is None:
-            from elastic.errors import UserError
             creds, project = _credentials_or_line()
             if creds is None:
                 raise UserError(project)
@@ -322,7 +336,6 @@ class GCPProvider(CloudProvider):
         if not self._project and not _is_local(self.compute_endpoint):
             self._default_credentials()   # Application Default Credentials may name the project
         if not self._project:
-            from elastic.errors import UserError
             raise UserError("gcp: no project: set gcp.project in the recipe, or GOOGLE_CLOUD_PROJECT")
         return self._project
 
@@ -340,7 +353,6 @@ class GCPProvider(CloudProvider):
         import requests
         from google.api_core import exceptions
 
-        from elastic.errors import UserError
         try:
             return fn()
         except (exceptions.Unauthorized, exceptions.Forbidden) as exc:
@@ -366,7 +378,6 @@ class GCPProvider(CloudProvider):
         """Every (machine type, zone) carrying GPUs: read from the API, the shipped table if the
         lists cannot be read (an identity without compute.machineTypes.list, say)."""
         def fetch():
-            from elastic.errors import UserError
             try:
                 return [s.__dict__ for s in self._read_catalog()]
             except UserError as exc:
@@ -451,8 +462,11 @@ class GCPProvider(CloudProvider):
             on_host_maintenance="TERMINATE" if offer.gpus or offer.spot else "MIGRATE",   # GPU VMs cannot migrate
             automatic_restart=not offer.spot,
             provisioning_model="SPOT" if offer.spot else "STANDARD")
-        if offer.spot:
-            scheduling.instance_termination_action = "DELETE"   # a preempted VM leaves nothing to pay for
+        # A preempted VM, and a node at resources.max_vm_hours, is deleted: it leaves nothing to pay
+        # for. (The controller lives as long as its run; its watcher ends it when the driver stops.)
+        scheduling.instance_termination_action = "DELETE"
+        if role != "controller":
+            scheduling.max_run_duration = compute_v1.Duration(seconds=round(self.recipe.resources.max_vm_hours * 3600))
         nic = compute_v1.NetworkInterface(network=s.network)
         if s.subnetwork:
             nic.subnetwork = s.subnetwork
@@ -495,7 +509,7 @@ class GCPProvider(CloudProvider):
             instance_id_cmd=f"curl -sf -H 'Metadata-Flavor: Google' {METADATA_URL}/instance/name",
             token_cmd=self._token_cmd(run), token_source="Secret Manager, with the VM's service account",
             head_address=quote(head_address(self.cluster)) if self.cluster is not None else "''",
-            gpus=str(offer.gpus), labels=labels_arg(labels))
+            gpus=str(offer.gpus), labels=labels_arg(labels), **self.autodown_values())
 
     def token_secret(self, run: str) -> str:
         """The Secret Manager secret holding the run's Ray cluster token."""
@@ -578,6 +592,8 @@ class GCPProvider(CloudProvider):
         script = render_bootstrap(
             CONTROLLER_TEMPLATE, run=run, install=s.install,
             private_ip_cmd=f"curl -sf -H 'Metadata-Flavor: Google' {METADATA_URL}/instance/network-interfaces/0/ip",
+            cloud="gcp", instance_id_cmd=f"curl -sf -H 'Metadata-Flavor: Google' {METADATA_URL}/instance/name",
+            **self.autodown_values(),
             instance_profile=f"service account {s.controller_service_account or 'none set: gcp.controller_service_account'}",
             recipe_b64=base64.b64encode(recipe_text.encode()).decode())
         return self._create(offer, run, "controller", script, service_account=s.controller_service_account)

@@ -83,6 +83,12 @@ def read_trace_rows(path: str | Path) -> list[TraceRow]:
     return rows
 
 
+# Beyond these a row is a mistake, and replaying it would not end: 60 preemptions per hour leave no
+# VM time to join, a simulated clock past 10 years or a capacity of millions only loop longer.
+TRACE_MAX = {"timestamp_s": 10 * 365 * 86400.0, "spot_usd_per_hour": 10_000.0, "on_demand_usd_per_hour": 10_000.0,
+             "preempt_per_hour": 60.0, "capacity": 100_000, "gpus": 64}
+
+
 def _parse_row(row: dict, n: int, seen: dict) -> TraceRow:
     if None in row or any(row[c] is None for c in TRACE_COLUMNS):
         raise ValueError(f"row {n}: expected {len(TRACE_COLUMNS)} columns")
@@ -96,6 +102,8 @@ def _parse_row(row: dict, n: int, seen: dict) -> TraceRow:
                     ("preempt_per_hour", rate), ("capacity", cap), ("gpus", gpus)):
         if not math.isfinite(v) or v < 0:
             raise ValueError(f"row {n}: {name} must be a finite number >= 0, got {row[name]!r}")
+        if v > TRACE_MAX[name]:
+            raise ValueError(f"row {n}: {name} {row[name]} is beyond any real market (at most {TRACE_MAX[name]:g})")
     if not row["zone"] or not row["instance_type"] or not row["region"] or not row["cloud"]:
         raise ValueError(f"row {n}: cloud, region, zone and instance_type must not be empty")
     key, desc = (row["zone"], row["instance_type"]), (row["cloud"], row["region"], row["gpu"], gpus)

@@ -3,6 +3,12 @@ cloud's metadata server for an interruption notice every 5 s, and forwards the f
 driver through the Ray cluster (internal KV key `elastic/notice/<instance id>`; read by
 `providers.cloud.CloudProvider.events`).
 
+It also shuts its VM down when the driver's heartbeat (`beat`, a unix time the driver puts in the
+cluster's KV every few seconds) has not changed for `--autodown-after-s`: a driver killed with
+`kill -9`, an OOM kill or a closed SSH session releases nothing itself, so every VM ends itself
+(AWS launches VMs with InstanceInitiatedShutdownBehavior=terminate; a GCP VM stops, and its
+max run duration deletes it). The heartbeat being unreadable (the head gone) counts as no change.
+
 The metadata base URL comes from `ELASTIC_IMDS_URL` (default: the link-local address every cloud
 uses), so the watcher can be pointed at a test server. On GCP the poller long-polls the metadata
 server instead (`providers.gcp.MetadataWatch`, base URL `ELASTIC_GCP_METADATA_URL`), so the loop
@@ -15,6 +21,7 @@ import argparse
 import json
 import logging
 import os
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -23,6 +30,8 @@ from datetime import datetime
 log = logging.getLogger(__name__)
 
 POLL_S = 5.0
+HEARTBEAT_KV_KEY = "elastic/driver-heartbeat"
+HALT_CMD = ["shutdown", "-h", "now"]
 DEFAULT_IMDS_URL = "http://169.254.169.254"
 AWS_TOKEN_TTL_S = 21600
 
@@ -79,6 +88,82 @@ POLLERS = {"aws": poll_aws, "gcp": poll_gcp}
 BLOCKING_POLLERS = {"gcp"}
 
 
+def connect(address: str) -> None:
+    """Reach the cluster's KV through a bare GCS client, not `ray.init`: a Ray driver process is
+    ended by Ray when its head goes away, and this one must outlive the head to shut the VM down."""
+    import ray
+    from ray.experimental import internal_kv
+
+    internal_kv._initialize_internal_kv(ray._raylet.GcsClient(address=address))
+
+
+def beat(now: float | None = None) -> None:
+    """The driver's heartbeat: its unix time in the cluster's KV (the driver calls this often)."""
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_put(HEARTBEAT_KV_KEY, repr(time.time() if now is None else now), overwrite=True)
+
+
+def read_beat() -> str | None:
+    """The driver's last heartbeat as stored, or None when it cannot be read (the head is gone)."""
+    try:
+        from ray.experimental import internal_kv
+
+        value = internal_kv._internal_kv_get(HEARTBEAT_KV_KEY)
+    except Exception:   # any failure to reach the cluster is a missing heartbeat
+        return None
+    return value.decode() if value is not None else None
+
+
+class Autodown:
+    """When the driver is gone: the heartbeat unchanged (or unreadable) for `after_s` seconds.
+    Judged by this VM's own monotonic clock, never by comparing clocks across machines.
+
+    Args:
+        after_s: `resources.autodown_after_s`.
+        now_s: the monotonic time the watch starts (a driver that never beats counts from it).
+    """
+
+    def __init__(self, after_s: float, now_s: float):
+        self.after_s = after_s
+        self._beat: str | None = None
+        self._changed_s = now_s
+
+    def due(self, beat_value: str | None, now_s: float) -> bool:
+        """Record the heartbeat read at `now_s`; True once the driver counts as gone."""
+        if beat_value is not None and beat_value != self._beat:
+            self._beat, self._changed_s = beat_value, now_s
+        return now_s - self._changed_s >= self.after_s
+
+
+def halt() -> None:
+    """Shut this VM down: `ELASTIC_HALT_CMD` (whitespace-separated), default `shutdown -h now`."""
+    cmd = os.environ.get("ELASTIC_HALT_CMD", "").split() or HALT_CMD
+    subprocess.run(cmd, check=False)
+
+
+def end_self(cloud: str, instance_id: str) -> None:
+    """End this VM now. AWS: TerminateInstances on itself where the VM's role allows it, else the
+    OS shutdown, which terminates it (VMs are launched with InstanceInitiatedShutdownBehavior
+    terminate; `infra/aws/node-policy.json` grants no TerminateInstances, so shutdown is the path
+    there). Elsewhere: the OS shutdown (a GCP VM stops: no GPU or vCPU billing; `elastic down
+    --orphans` deletes it, and its max run duration would)."""
+    if cloud == "aws":
+        try:
+            import boto3
+
+            base = imds_url()
+            _, token = _http("PUT", f"{base}/latest/api/token",
+                             {"X-aws-ec2-metadata-token-ttl-seconds": str(AWS_TOKEN_TTL_S)})
+            _, region = _http("GET", f"{base}/latest/meta-data/placement/region", {"X-aws-ec2-metadata-token": token})
+            boto3.client("ec2", region_name=region).terminate_instances(InstanceIds=[instance_id])
+            log.warning("terminated %s (itself)", instance_id)
+            return
+        except Exception as exc:   # no boto3, no region, refused: the shutdown below ends it too
+            log.warning("could not terminate itself through the API (%s): shutting down", exc)
+    halt()
+
+
 def forward(instance_id: str, notice: dict) -> None:
     """Hand a notice to the driver: the run's Ray cluster KV (the node is connected to it)."""
     from ray.experimental import internal_kv
@@ -88,12 +173,20 @@ def forward(instance_id: str, notice: dict) -> None:
     internal_kv._internal_kv_put(NOTICE_KV_PREFIX + instance_id, json.dumps(notice), overwrite=True)
 
 
-def watch(cloud: str, instance_id: str, send=forward, poll_s: float = POLL_S, stop=None) -> None:
+def watch(cloud: str, instance_id: str, send=forward, poll_s: float = POLL_S, stop=None,
+          autodown_after_s: float | None = None, on_driver_gone=None) -> None:
     """Poll until a notice comes (forward it, keep watching for an interruption after a
-    rebalance) or `stop` is set. Metadata errors are logged and retried."""
+    rebalance) or `stop` is set. Metadata errors are logged and retried. With `autodown_after_s`,
+    also read the driver's heartbeat each round, and call `on_driver_gone` (shut the VM down) and
+    return once it has not changed for that long (default: `end_self`)."""
     poll = POLLERS[cloud]
     sent = set()
+    autodown = Autodown(autodown_after_s, time.monotonic()) if autodown_after_s else None
     while stop is None or not stop.is_set():
+        if autodown is not None and autodown.due(read_beat(), time.monotonic()):
+            log.warning("no heartbeat from the driver for %.0f s: shutting this VM down", autodown.after_s)
+            (on_driver_gone or (lambda: end_self(cloud, instance_id)))()
+            return
         try:
             notice = poll()
         except (OSError, ValueError, KeyError) as exc:
@@ -116,12 +209,13 @@ def main() -> None:
     p.add_argument("--cloud", required=True, choices=sorted(POLLERS))
     p.add_argument("--instance-id", required=True)
     p.add_argument("--address", required=True, help="the run's Ray head, HOST:PORT")
+    p.add_argument("--autodown-after-s", type=float, default=None,
+                   help="shut this VM down when the driver's heartbeat stops for this long")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    import ray
-
-    ray.init(address=args.address, log_to_driver=False)
-    watch(args.cloud, args.instance_id, poll_s=0.0 if args.cloud in BLOCKING_POLLERS else POLL_S)
+    connect(args.address)
+    watch(args.cloud, args.instance_id, poll_s=0.0 if args.cloud in BLOCKING_POLLERS else POLL_S,
+          autodown_after_s=args.autodown_after_s)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from elastic import checkpoint as ckpt
 from elastic.ledger import read_events
 from elastic.market import Market
 from elastic.recipe import load_recipe
+from elastic.storage import open_storage
 from tests.conftest import REPO, cli_env, run_cli
 
 pytestmark = pytest.mark.slow
@@ -224,12 +226,29 @@ def test_resume_continues_from_the_latest_checkpoint_in_another_world_shape(tmp_
     assert steps == [5, 6]
     first_losses = json.loads((tmp_path / "first" / "report.json").read_text())
     assert report["loss_last"] < first_losses["loss_first"]
-    # Resuming a run whose checkpoint is already at train.outer_steps trains nothing more.
+    # The newest checkpoint altered in storage (same size, one byte flipped): the node's hash check
+    # refuses it and the run resumes from the one before, saying so in the ledger.
+    store = open_storage(uri)
+    before = [c["step"] for c in ckpt.listing(store) if c["complete"]][-2]
+    shard = "step-00000006/__0_0.distcp"
+    data = bytearray(store.read_bytes(shard))
+    data[len(data) // 2] ^= 0xFF
+    store.write_bytes(shard, bytes(data))
     third = launch(tmp_path / "third", *SMALL, "--set", "train.outer_steps=6", "--set", f"checkpoint.uri={uri}",
                    "--resume")
     out, _ = third.communicate(timeout=300)
     assert third.returncode == 0, out
     events = read_events(tmp_path / "third" / "events.jsonl")
+    skipped = [e for e in events if e["type"] == "checkpoint_skipped"]
+    assert [e["step"] for e in skipped] == [6] and "does not match its manifest" in skipped[0]["message"]
+    assert [e["from_step"] for e in events if e["type"] == "resumed"] == [before]
+    assert [e["outer_step"] for e in events if e["type"] == "outer_step"] == list(range(before + 1, 7))
+    # Resuming a run whose checkpoint is already at train.outer_steps trains nothing more.
+    fourth = launch(tmp_path / "fourth", *SMALL, "--set", "train.outer_steps=6", "--set", f"checkpoint.uri={uri}",
+                    "--resume")
+    out, _ = fourth.communicate(timeout=300)
+    assert fourth.returncode == 0, out
+    events = read_events(tmp_path / "fourth" / "events.jsonl")
     assert [e["from_step"] for e in events if e["type"] == "resumed"] == [6]
     assert not [e for e in events if e["type"] in ("outer_step", "checkpoint_saved")]
 

@@ -85,7 +85,7 @@ BAD = [
     ("cloud-not-allowed", "name: a\nresources: {clouds: [azure]}\n",
      ["resources.clouds[0]", "'local', 'aws' or 'gcp'", "'azure'"]),
     ("cloud-join-longer-than-capacity-wait",
-     "name: a\nresources: {clouds: [aws], join_timeout_s: 300}\nworld: {capacity_timeout_s: 100}\n",
+     "name: a\nresources: {clouds: [aws], join_timeout_s: 300, head: local}\nworld: {capacity_timeout_s: 100}\n",
      ["world.capacity_timeout_s (100)", "resources.join_timeout_s (300)"]),
     ("no-clouds", "name: a\nresources: {clouds: []}\n", ["resources.clouds", "at least 1"]),
     ("object-store-too-small", "name: a\nlocal: {object_store_bytes: 1000}\n",

@@ -40,18 +40,21 @@ def test_objects_round_trip(uri, tmp_path):
     assert store.list() == {}
 
 
-def fake_checkpoint(uri: str, tmp_path, step: int, complete: bool = True) -> None:
-    """A checkpoint made the way ranks and driver make one: phase-2 upload, then the manifest."""
+def fake_checkpoint(uri: str, tmp_path, step: int, complete: bool = True, **fields) -> dict:
+    """A checkpoint made the way ranks and driver make one: phase-2 upload, then the manifest
+    (`fields` override its entries). Returns the manifest."""
     local = tmp_path / f"local-{step}"
     local.mkdir()
-    for name in ("__0_0.distcp", "__1_0.distcp", ".metadata", "rng-0.pt"):
+    for name in ("__0_0.distcp", "__1_0.distcp", ".metadata", "rng-0.json"):
         (local / name).write_bytes(os.urandom(1000 + step))
     files = []
     for rank in (0, 1):
         files += ckpt.upload(uri, local, step, ckpt.rank_files(local, rank), threads=2)
+    manifest = {"step": step, "inner_step": step * 4, "data_cursor": step * 8, "tokens": step * 1024, "ranks": 2,
+                "replicas": 1, "run": "run-a", "model_digest": "m", "saved_at": 1.0, "files": files, **fields}
     if complete:
-        open_storage(uri).write_bytes(f"{ckpt.step_name(step)}/{ckpt.MANIFEST}",
-                                      json.dumps({"step": step, "saved_at": 1.0, "files": files}).encode())
+        open_storage(uri).write_bytes(f"{ckpt.step_name(step)}/{ckpt.MANIFEST}", json.dumps(manifest).encode())
+    return manifest
 
 
 def test_listing_retention_and_verify(uri, tmp_path):
@@ -65,7 +68,7 @@ def test_listing_retention_and_verify(uri, tmp_path):
     assert ckpt.latest(store)["step"] == 6
     # every rank's file is there exactly once, shared ones from rank 0
     assert sorted(f["name"] for f in ckpt.read_manifest(store, 6)["files"]) == \
-        [".metadata", "__0_0.distcp", "__1_0.distcp", "rng-0.pt"]
+        [".metadata", "__0_0.distcp", "__1_0.distcp", "rng-0.json"]
 
     assert ckpt.prune(store, keep_last=2) == [2]
     assert {c["step"] for c in ckpt.listing(store)} == {4, 6, 8}   # partial 5 gone, 8 may still finish

@@ -313,7 +313,8 @@ def test_launch_smoke_recipe_no_node_joins_ends_clean_and_billed(aws_env, tmp_pa
 def test_head_controller_starts_an_on_demand_controller_vm_that_down_stops(aws_env, tmp_path):
     aws_env.rules.append(price_rule)
     run_dir = tmp_path / "ctl-run"
-    args = ["launch", "recipes/aws-smoke.yaml", "--set", "resources.head=controller",
+    ckpt_uri = "checkpoint.uri=s3://ckpt-ctl/run"   # a controller run checkpoints to a bucket
+    args = ["launch", "recipes/aws-smoke.yaml", "--set", "resources.head=controller", "--set", ckpt_uri,
             "--set", "aws.controller_instance_profile=elastic-driver"]
     missing = aws_cli(*args, "--run-dir", str(tmp_path / "no-profile"), env=aws_env.env)
     assert missing.returncode == 2 and "NoSuchEntity" in missing.stderr and "Traceback" not in missing.stderr
@@ -322,7 +323,7 @@ def test_head_controller_starts_an_on_demand_controller_vm_that_down_stops(aws_e
     iam.create_role(RoleName="elastic-driver", AssumeRolePolicyDocument="{}")
     iam.create_instance_profile(InstanceProfileName="elastic-driver")
     iam.add_role_to_instance_profile(InstanceProfileName="elastic-driver", RoleName="elastic-driver")
-    proc = aws_cli("launch", "recipes/aws-smoke.yaml", "--set", "resources.head=controller",
+    proc = aws_cli("launch", "recipes/aws-smoke.yaml", "--set", "resources.head=controller", "--set", ckpt_uri,
                    "--set", "aws.controller_instance_profile=elastic-driver", "--run-dir", str(run_dir),
                    env={**aws_env.env, "AWS_SECRET_ACCESS_KEY": "dont-leak-this-secret"})
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -128,7 +128,8 @@ def test_launch_request_spot_delete_labels_accelerators_no_secrets(gcp_fake, mon
     assert body["name"] == inst.instance_id
     assert body["machineType"].endswith("zones/us-east1-c/machineTypes/n1-standard-16")
     assert body["scheduling"] == {"provisioningModel": "SPOT", "instanceTerminationAction": "DELETE",
-                                  "onHostMaintenance": "TERMINATE", "automaticRestart": False}
+                                  "onHostMaintenance": "TERMINATE", "automaticRestart": False,
+                                  "maxRunDuration": {"seconds": "259200"}}   # resources.max_vm_hours: 72
     assert body["labels"] == {"elastic-run": "my-run_1", "elastic-role": "replica", "elastic-managed": "true"}
     assert body["guestAccelerators"] == [{"acceleratorType": "zones/us-east1-c/acceleratorTypes/nvidia-tesla-t4",
                                           "acceleratorCount": 2}]
@@ -388,11 +389,12 @@ def test_cluster_token_goes_to_secret_manager_not_metadata(gcp_fake, monkeypatch
     assert name not in gcp_fake.secrets
 
 
-def test_head_controller_starts_an_on_demand_controller_vm_that_down_stops(gcp_fake, tmp_path):
+def test_head_controller_starts_an_on_demand_controller_vm_that_down_stops(gcp_fake, gcs_server, tmp_path):
     run_dir = tmp_path / "ctl-run"
     sa = "elastic-driver@elastic-test.iam.gserviceaccount.com"
     r = _cli("launch", "recipes/gcp-smoke.yaml", "--set", "resources.head=controller", "--set",
              f"gcp.controller_service_account={sa}", "--run-dir", str(run_dir),
+             "--set", "checkpoint.uri=gs://ckpt-ctl/run",   # a controller run checkpoints to a bucket
              env=cli_env(**gcp_fake.env(), RAY_AUTH_TOKEN="dont-leak-this-token"))
     assert r.returncode == 0, r.stdout + r.stderr
     [(name, vm)] = gcp_fake.instances.items()

@@ -1,0 +1,97 @@
+"""Autodown: every cloud VM of a run ends itself when the driver is gone (kill -9 included), and at
+resources.max_vm_hours, whatever the machine that launched it does. The watcher runs for real as
+the bootstrap starts it, against the run's Ray cluster, an IMDSv2 server and moto (127.0.0.1)."""
+
+from __future__ import annotations
+
+import base64
+import signal
+import subprocess
+import sys
+import time
+
+import boto3
+
+from providers.watcher import HEARTBEAT_KV_KEY, Autodown
+from tests.conftest import REPO, cli_env
+from tests.providers.test_aws import aws_recipe, instances, price_rule, provider
+
+
+def test_autodown_counts_from_the_last_change_of_the_heartbeat():
+    a = Autodown(after_s=10, now_s=0)
+    assert not a.due(None, 9)            # no heartbeat yet: counted from the start
+    assert not a.due("1.0", 9.5)
+    assert not a.due("1.0", 19)          # the same value again is no news
+    assert a.due("1.0", 19.5)
+    b = Autodown(after_s=10, now_s=0)
+    assert not b.due("1.0", 5) and not b.due(None, 14)   # unreadable (head gone): the clock runs on
+    assert b.due(None, 15)
+    assert Autodown(after_s=10, now_s=0).due(None, 10)   # a driver that never beat
+
+
+def state(instance_id: str) -> str:
+    return next(vm["State"]["Name"] for vm in instances("us-west-2") if vm["InstanceId"] == instance_id)
+
+
+def test_a_driver_killed_with_sigkill_leaves_no_vm_billing(aws_env, imds, local_cluster):
+    aws_env.rules.append(price_rule)
+    p = provider(aws_recipe(**{"resources.regions": "[us-west-2]", "resources.autodown_after_s": 3}), run="run-kill")
+    offer = p.offers(p.recipe.resources)[0]
+    vm = p._create(offer, "run-kill", "replica").instance_id
+    ec2 = boto3.client("ec2", region_name="us-west-2")
+    assert ec2.describe_instance_attribute(InstanceId=vm, Attribute="instanceInitiatedShutdownBehavior")[
+        "InstanceInitiatedShutdownBehavior"]["Value"] == "terminate"
+    user_data = base64.b64decode(ec2.describe_instance_attribute(InstanceId=vm, Attribute="userData")[
+        "UserData"]["Value"]).decode()
+    assert "--autodown-after-s 3 " in user_data and "shutdown -h +4320" in user_data   # 72 h
+    imds.paths["/latest/meta-data/placement/region"] = "us-west-2"
+
+    env = cli_env(**aws_env.env, ELASTIC_IMDS_URL=imds.url, ELASTIC_HALT_CMD="true")
+    # The driver: beats as Driver._heartbeat does, in a process of its own that the test kills.
+    driver = subprocess.Popen([sys.executable, "-c", (
+        "import ray, time\nfrom providers.watcher import beat\n"
+        f"ray.init(address={local_cluster.address!r}, log_to_driver=False)\n"
+        "while True:\n    beat()\n    time.sleep(0.5)\n")], cwd=REPO, env=env)
+    # The VM's watcher, started as infra/bootstrap.sh.tmpl starts it.
+    watcher = subprocess.Popen([sys.executable, "-m", "providers.watcher", "--cloud", "aws", "--instance-id", vm,
+                                "--address", local_cluster.gcs_address, "--autodown-after-s", "3"],
+                               cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        from ray.experimental import internal_kv
+
+        beats, deadline = set(), time.monotonic() + 60
+        while len(beats) < 10 and time.monotonic() < deadline:   # ~5 s of a live driver: > autodown_after_s
+            value = internal_kv._internal_kv_get(HEARTBEAT_KV_KEY)
+            beats.add(value)
+            time.sleep(0.1)
+        assert len(beats) >= 10, "the driver never beat"
+        assert watcher.poll() is None and state(vm) == "running"   # a live driver's VM stays
+        driver.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        driver.wait(timeout=10)
+        while state(vm) not in ("shutting-down", "terminated") and time.monotonic() - killed_at < 3 + 60:
+            time.sleep(0.2)
+        took_s = time.monotonic() - killed_at
+        assert state(vm) in ("shutting-down", "terminated"), f"still {state(vm)} {took_s:.0f} s after the kill"
+        out, _ = watcher.communicate(timeout=30)
+        assert watcher.returncode == 0 and "terminated " + vm in out, out
+        print(f"VM terminated {took_s:.1f} s after kill -9 of the driver (autodown_after_s 3)")
+    finally:
+        for proc in (driver, watcher):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+        p.close()
+
+
+def test_gcp_vms_carry_the_hard_limit(gcp_fake):
+    from tests.providers.test_gcp import _offer, _provider
+
+    p, recipe = _provider(**{"resources.accelerators": "L4:1", "resources.max_vm_hours": 2,
+                             "resources.autodown_after_s": 90})
+    p._create(_offer(p, recipe), "run-cap", "replica")
+    [(_, vm)] = gcp_fake.instances.items()
+    assert vm["scheduling"]["maxRunDuration"]["seconds"] in (7200, "7200")
+    assert vm["scheduling"]["instanceTerminationAction"] == "DELETE"
+    script = {i["key"]: i["value"] for i in vm["metadata"]["items"]}["startup-script"]
+    assert "shutdown -h +120" in script and "--autodown-after-s 90 " in script
