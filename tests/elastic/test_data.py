@@ -4,7 +4,6 @@ that records every request."""
 
 from __future__ import annotations
 
-import urllib.parse
 import uuid
 
 import numpy as np
@@ -12,7 +11,7 @@ import pytest
 
 from elastic.data import SampleStream, ShardIndex, ShardSource, read_index, upload_shards
 from elastic.errors import UserError
-from tests.servers.object_stores import GateProxy
+from tests.servers.object_stores import RecordingProxy
 
 SEQ = 16
 SHARD_TOKENS = 8 * SEQ + 1          # 8 windows per shard
@@ -39,27 +38,9 @@ def make_shards(tmp_path, uri: str, n: int = 12) -> ShardIndex:
     return index
 
 
-class Recorder(GateProxy):
-    """A proxy in front of an object store that records the object each GET reads."""
-
-    def __init__(self, upstream: str):
-        super().__init__(upstream)
-        self.gets: list[str] = []
-        self.answer = self._record
-
-    def _record(self, method, path, headers, body):
-        if method == "GET":
-            self.gets.append(urllib.parse.unquote(path.split("?")[0]))
-        return None
-
-    def shards_read(self) -> dict[int, int]:
-        """train shard → GET requests for it."""
-        out: dict[int, int] = {}
-        for p in self.gets:
-            if "/train/" in p and p.endswith(".bin"):
-                i = int(p.rsplit("/", 1)[1][:-4])
-                out[i] = out.get(i, 0) + 1
-        return out
+def shards_read(requests: list[tuple[str, str]]) -> set[int]:
+    """The train shards these requests read."""
+    return {int(p.rsplit("/", 1)[1][:-4]) for m, p in requests if m == "GET" and "/train/" in p and p.endswith(".bin")}
 
 
 @pytest.fixture(params=["s3", "gs"])
@@ -71,7 +52,7 @@ def store(request, tmp_path, monkeypatch):
     else:
         upstream = request.getfixturevalue("gcs_server").url
         var = "STORAGE_EMULATOR_HOST"
-    proxy = Recorder(upstream)
+    proxy = RecordingProxy(upstream)
     monkeypatch.setenv(var, proxy.url)
     uri = f"{request.param}://shards-{uuid.uuid4().hex[:8]}/tokens"
     try:
@@ -87,30 +68,25 @@ def test_replicas_fetch_only_the_shards_their_leases_touch(store, tmp_path):
     lease = batch * inner
     streams = [SampleStream(ShardSource(uri, "train", 1e9, cache_root=tmp_path / f"cache{r}"), SEQ, seed=3)
                for r in range(replicas)]
-    proxy.gets.clear()
-    read = [set() for _ in range(replicas)]
-    requests = []
+    proxy.requests.clear()
+    read = [set() for _ in range(replicas)]       # shards whose tokens each replica trained on
+    fetched = [set() for _ in range(replicas)]    # shards each replica's requests downloaded
     cursor = 0
     for step in range(3):   # leases as the world hands them out: disjoint, in member order
         for r, stream in enumerate(streams):
             start = cursor + r * lease
-            before = len(proxy.gets)
+            before = len(proxy.requests)
             stream.fetch(start, lease)
             rows = stream.batch(start, lease)
+            got = shards_read(proxy.requests[before:])
+            assert not got & fetched[r], "a shard this replica has cached is not downloaded again"
+            fetched[r] |= got
             read[r] |= {int(x) // BASE for x in rows[:, 0]}
             # Each row is one window of one shard: consecutive ids, ids above 65,535 intact.
             assert (rows[:, 1:] - rows[:, :-1] == 1).all()
-            requests.append(proxy.gets[before:])
         cursor += replicas * lease
-    per_shard = proxy.shards_read()
-    fetched = set(per_shard)
-    assert fetched == read[0] | read[1]
-    # Each replica downloaded exactly the shards it read, each once per replica (cached after).
-    for r, stream in enumerate(streams):
-        assert set(stream._src.downloaded) == read[r]
-        assert len(stream._src.downloaded) == len(read[r])
-    assert sum(per_shard.values()) >= len(fetched)
-    assert len(fetched) < 12, "a lease reads a few shards, not the whole set"
+    assert fetched == read, "each replica fetched exactly the shards its leases touch"
+    assert len(read[0] | read[1]) < 12, "a lease reads a few shards, not the whole set"
 
 
 def test_prefetch_fetches_the_next_lease_in_the_background(store, tmp_path):
@@ -121,9 +97,9 @@ def test_prefetch_fetches_the_next_lease_in_the_background(store, tmp_path):
     stream.fetch(0, 8)
     stream.prefetch(8, 8)
     src._pool.shutdown(wait=True)   # the background fetch is done
-    n = len(proxy.gets)
+    n = len(proxy.requests)
     stream.batch(8, 8)
-    assert len(proxy.gets) == n, "the prefetched lease is read from the cache"
+    assert len(proxy.requests) == n, "the prefetched lease is read from the cache"
     assert set(src.downloaded) == stream.shards(0, 16)
 
 
