@@ -163,17 +163,23 @@ def test_hf_model_trains_validates_exports_and_continues(workspace, s3_server, t
 
 
 def test_bad_sources_fail_validate_in_one_line(workspace, tmp_path):
+    from elastic.errors import RecipeError
+    from elastic.prepare import prepare
+    from elastic.recipe import load_recipe
+
     empty = tmp_path / "empty"
     empty.mkdir()
-    from elastic.prepare import prepare
-
     shards = tmp_path / "shards"
     prepare([workspace / "docs.jsonl"], str(workspace / "tok"), str(shards), shard_tokens=3000)
-    cases = [({"data": {"uri": f"file://{empty}"}}, "no index.json"),
-             ({"model": {"hf": str(tmp_path / "no-such-model")}}, "model.hf"),
-             ({"model": {"vocab_size": 100}, "data": {"uri": f"file://{shards}"}}, "larger than model.vocab_size (100)")]
-    for sections, message in cases:
-        out = run_cli("validate", str(recipe_file(tmp_path / "bad.yaml", **sections)), HF_HUB_OFFLINE="1")
-        assert out.returncode == 2, out.stdout + out.stderr
-        lines = [x for x in out.stderr.splitlines() if x.strip()]
-        assert len(lines) == 1 and message in lines[0] and "Traceback" not in out.stderr, out.stderr
+    for sections, message in [({"data": {"uri": f"file://{empty}"}}, f"data.uri: file://{empty}: no index.json"),
+                              ({"model": {"vocab_size": 100}, "data": {"uri": f"file://{shards}"}},
+                               "vocabulary (300 ids, uint16) is larger than model.vocab_size (100)")]:
+        with pytest.raises(RecipeError) as err:
+            load_recipe(recipe_file(tmp_path / "bad.yaml", **sections))
+        assert len(err.value.lines) == 1 and message in err.value.lines[0], err.value.lines
+    # As the user sees it: one line, exit 2, no traceback.
+    out = run_cli("validate", str(recipe_file(tmp_path / "bad.yaml", model={"hf": str(tmp_path / "no-such-model")})),
+                  HF_HUB_OFFLINE="1")
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = [x for x in out.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "model.hf" in lines[0] and "does not resolve" in lines[0], out.stderr
