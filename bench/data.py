@@ -1,7 +1,7 @@
 """Data delivery: tokens/s one replica receives from token shards on an S3 server (moto, on
 127.0.0.1) against the same shards memory-mapped from local disk (`file://`), cold and warm cache.
 
-    python bench/data.py [--shards 16] [--shard-mtok 4] [--seq-len 2048] [--batch 16] [--inner-steps 50]
+    python bench/data.py [--shards 8] [--shard-mtok 4] [--seq-len 2048] [--batch 16] [--inner-steps 50]
 
 The replica's loop without the model: per inner phase `fetch` the lease's shards (downloading what
 the node cache lacks), prefetch the next lease's in the background, then read every batch of the
@@ -41,7 +41,7 @@ def deliver(stream, leases: list[int], lease: int, batch: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shards", type=int, default=16)
+    ap.add_argument("--shards", type=int, default=8)
     ap.add_argument("--shard-mtok", type=float, default=4.0, help="million tokens per shard")
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=16)

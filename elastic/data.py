@@ -244,8 +244,9 @@ class ShardSource:
         dest = self._path(shard)
         if self._local or dest.exists():
             return
-        # One download per node: the ranks of a replica share the cache and need the same shards.
-        with open(self._dir / ".lock", "a") as lockf:
+        # One download per shard per node: the ranks of a replica share the cache and need the same
+        # shards (a lock per shard, so different shards still download in parallel).
+        with open(dest.with_name(f".{dest.name}.lock"), "a") as lockf:
             fcntl.flock(lockf, fcntl.LOCK_EX)
             try:
                 if dest.exists():
