@@ -80,6 +80,23 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--runs-dir", default="runs", help="where local runs live, for --orphans (default runs/)")
     sp.add_argument("--yes", action="store_true", help="terminate without asking")
 
+    sp = sub.add_parser("prepare-data", help="tokenize text/JSONL/Parquet files into token shards at a URI (for data.uri)")
+    sp.add_argument("inputs", type=Path, nargs="+", metavar="INPUT",
+                    help="text files (one document each), .jsonl or .parquet files, directories of them, "
+                         "or a saved datasets dataset")
+    sp.add_argument("--tokenizer", required=True, help="Hugging Face tokenizer: a local directory or a hub name")
+    sp.add_argument("--to", required=True, metavar="URI", help="s3://, gs://, file:// or a path")
+    sp.add_argument("--val-fraction", type=float, default=0.01,
+                    help="share of documents held out for validation (default 0.01)")
+    sp.add_argument("--shard-tokens", type=int, default=1 << 24, help="tokens per shard (default 16,777,216)")
+    sp.add_argument("--text-field", default="text", help="field of a JSONL/Parquet row holding the text (default text)")
+
+    sp = sub.add_parser("export", help="write a run's final θ_outer as a model other tools load "
+                                       "(save_pretrained for model.hf, else safetensors)")
+    sp.add_argument("run_dir", type=Path, help="the run directory")
+    sp.add_argument("--to", type=Path, required=True, metavar="DIR", help="directory to write")
+    sp.add_argument("--step", type=int, help="the checkpoint to export (default: the newest complete one)")
+
     sp = sub.add_parser("schema", help="print the recipe's JSON schema (for editors) or its reference")
     sp.add_argument("--markdown", action="store_true", help="the recipe reference as Markdown")
     return p
@@ -198,6 +215,14 @@ def _dispatch(args, err) -> int:
     if args.command == "down":
         from elastic.fleet import down
         return down(args, out, err)
+    if args.command == "prepare-data":
+        return _prepare_data(args, out)
+    if args.command == "export":
+        from elastic.export import export
+        done = export(args.run_dir, args.to, args.step)
+        out.print(f"exported step {done['step']} of {args.run_dir} ({done['params']:,} parameters) to "
+                  f"{done['to']} ({done['format']})", highlight=False)
+        return 0
     if args.command == "schema":
         from elastic.schema import json_schema, markdown_reference
         sys.stdout.write(markdown_reference() if args.markdown else json_schema())
@@ -230,6 +255,31 @@ def _checkpoints(args, out, err) -> int:
     if problems:
         return 1
     out.print(f"step {step}: every file matches its manifest", highlight=False)
+    return 0
+
+
+def _prepare_data(args, out) -> int:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+    from rich.table import Table
+
+    from elastic.prepare import prepare
+
+    total = sum(f.stat().st_size for p in args.inputs if p.exists()
+                for f in ([p] if p.is_file() else p.rglob("*")) if f.is_file())
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                  TimeRemainingColumn(), console=out, transient=True) as bar:
+        task = bar.add_task("tokenizing", total=total or None)
+        s = prepare(args.inputs, args.tokenizer, args.to, args.val_fraction, args.shard_tokens, args.text_field,
+                    progress=lambda n: bar.advance(task, n))
+    table = Table(title=f"token shards at {args.to}", title_justify="left")
+    for col in ("split", "documents", "tokens", "shards", "bytes"):
+        table.add_column(col, justify="left" if col == "split" else "right")
+    for split in s.tokens:
+        table.add_row(split, f"{s.documents.get(split, 0):,}", f"{s.tokens[split]:,}", str(s.shards.get(split, 0)),
+                      f"{s.bytes.get(split, 0):,}")
+    out.print(table)
+    out.print("already prepared: inputs and settings unchanged, nothing uploaded" if s.skipped
+              else f"uploaded {len(s.uploaded)} shard(s)", highlight=False)
     return 0
 
 

@@ -541,6 +541,8 @@ class Driver:
     def _train(self, view) -> str:
         recipe, world, ledger = self.recipe, self.world, self.ledger
         self._metrics = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        from elastic.metrics import Metrics
+        scalars = Metrics(recipe, self.run_dir, ledger)
         every = recipe.checkpoint.every_outer_steps
         train_s, last_step_s = 0.0, 0.0
         view.phase(f"renting {recipe.world.replicas} node(s), starting replicas")
@@ -592,10 +594,14 @@ class Driver:
                 self._release_drained(res)
                 view.step(res, world, world.tokens / train_s if train_s else 0.0,
                           cost_so_far(ledger.events, time.time()))
+                evals = recipe.eval.every_outer_steps
+                if evals and (world.outer_step % evals == 0 or world.done()):
+                    self.validate(view)
                 if (every and world.outer_step % every == 0) or world.done():
                     self.checkpoint(view)
         finally:
             self._metrics.close()
+            scalars.close()
         return "completed"
 
     def _release_drained(self, res) -> None:
@@ -616,6 +622,28 @@ class Driver:
             self._metrics.write(json.dumps({"inner_step": first + i + 1, "outer_step": res.outer_step,
                                             "loss": round(loss, 6), "replicas": len(res.replicas)}) + "\n")
         self._metrics.flush()
+
+    def validate(self, view) -> None:
+        """Loss and perplexity of θ_outer on the validation windows (the lead replica's ranks share
+        them); a `validation` event. A replica lost meanwhile costs this validation only."""
+        import math
+
+        view.phase(f"validation at outer step {self.world.outer_step}")
+        try:
+            parts = self.world.call_replica(self.world.lead_replica(), "evaluate")
+        except Exception as exc:
+            self.ledger.append("validation_failed", outer_step=self.world.outer_step,
+                               message=str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+            return
+        tokens = sum(p["tokens"] for p in parts)
+        if not tokens:
+            return
+        loss = sum(p["loss_sum"] for p in parts) / tokens
+        ppl = math.exp(min(loss, 700.0))
+        self.ledger.append("validation", outer_step=self.world.outer_step, tokens_total=self.world.tokens,
+                           loss=round(loss, 6), perplexity=round(ppl, 4), tokens=tokens,
+                           seconds=round(max(p["seconds"] for p in parts), 4))
+        view.validation(self.world.outer_step, loss, ppl)
 
     def _over_budget(self, next_step_s: float) -> str | None:
         """Why the next outer step must not start (it would cross a hard limit), or None."""
@@ -760,6 +788,9 @@ class QuietView:
         pass
 
     def step(self, *args) -> None:
+        pass
+
+    def validation(self, *args) -> None:
         pass
 
 

@@ -118,9 +118,19 @@ class _View:
         else:
             self._console.print(f"[dim]{escape(text)}[/dim]", highlight=False)
 
+    def validation(self, outer_step: int, loss: float, perplexity: float) -> None:
+        """A validation result: a row of the live table, or a line."""
+        self._rows["val loss"] = f"{loss:.4f} (ppl {perplexity:,.2f}) at outer {outer_step}"
+        if self._live is not None:
+            self._live.update(self._render())
+        else:
+            self._console.print(f"validation at outer {outer_step}: loss {loss:.4f}  perplexity {perplexity:,.2f}",
+                                highlight=False)
+
     def step(self, res, world, tokens_per_s: float, usd: float) -> None:  # noqa: D102
         h = self._recipe.train.inner_steps
         loss = sum(res.losses) / len(res.losses) if res.losses else float("nan")
+        previous = self._rows
         self._rows = {
             "phase": "training",
             "outer step": f"{res.outer_step}/{self._total}",
@@ -131,6 +141,8 @@ class _View:
             "world": f"{len(res.replicas)} replica(s) × {self._recipe.world.ranks_per_replica} rank(s)",
             "$ so far": f"${usd:.4f}",
         }
+        if "val loss" in previous:
+            self._rows["val loss"] = previous["val loss"]
         if self._live is not None:
             self._live.update(self._render())
         else:

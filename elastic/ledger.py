@@ -8,12 +8,14 @@ tally. Each line is written whole and flushed, so a crash leaves at most one tor
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
 from pathlib import Path
 
 from elastic.errors import UserError
+log = logging.getLogger(__name__)
 
 
 class Ledger:
@@ -27,6 +29,8 @@ class Ledger:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        # Views that follow the run as it goes (elastic.metrics): called with each event appended.
+        self.listeners: list = []
         self._f = open(self.path, "a", encoding="utf-8")
         self.events: list[dict] = read_events(self.path)
         # A crash can leave a torn last line with no newline; end it, or the next event would be glued
@@ -43,6 +47,11 @@ class Ledger:
             self._f.write(line + "\n")
             self._f.flush()
             self.events.append(event)
+        for listener in self.listeners:
+            try:
+                listener(event)
+            except Exception:   # a metrics view must never stop the run
+                log.exception("ledger listener failed on %s", type_)
         return event
 
     def sync(self) -> None:

@@ -40,7 +40,18 @@ class _Section(BaseModel):
 
 
 class ModelSection(_Section):
-    """The network to train: our GPT-style decoder, or a user's own `nn.Module`."""
+    """The network to train: our GPT-style decoder, a Hugging Face causal LM (`hf`), or a user's
+    own `nn.Module` (`factory`)."""
+
+    hf: str | None = None
+    """A Hugging Face causal LM (`AutoModelForCausalLM`): a hub name (`Qwen/Qwen2.5-0.5B`), a local
+    directory, or a directory at `s3://`/`gs://` holding `config.json` (and, for `init:
+    pretrained`, `*.safetensors`). Needs the `hf` extra (`pip install 'elastic[hf]'`). When set,
+    `layers`/`width`/`heads`/`context`/`vocab_size` are not used: the model's config says them."""
+    init: Literal["scratch", "pretrained"] = "scratch"
+    """With `hf`: `scratch` builds the model from its config with seeded random weights;
+    `pretrained` loads its safetensors weights (continued pre-training). Every replica starts from
+    the same θ either way."""
 
     layers: int = Field(4, ge=1, le=256)
     """Number of transformer blocks."""
@@ -63,13 +74,35 @@ class ModelSection(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> "ModelSection":
-        if self.factory is None and self.width % self.heads:
+        if self.hf is not None and self.factory is not None:
+            raise ValueError("@hf: set model.hf or model.factory, not both")
+        if self.init == "pretrained" and self.hf is None:
+            raise ValueError("@init: pretrained needs model.hf")
+        if self.factory is None and self.hf is None and self.width % self.heads:
             raise ValueError(f"@heads: {self.heads} must divide width ({self.width})")
         return self
 
 
 class DataSection(_Section):
-    """Where tokens come from: bytes of text (ids 0..255), or a pre-tokenized `.bin`."""
+    """Where tokens come from: pre-tokenized shards in object storage (`uri`), bytes of text (ids
+    0..255), or a pre-tokenized `.bin` (`path`).
+
+    Shards are plain files of little-endian token ids with a small JSON index (`index.json`: token
+    dtype, vocabulary size, shards per split with their token counts), written by `elastic
+    prepare-data`. Plain files rather than a streaming format (MosaicML MDS, litdata): a window
+    of tokens is a byte range of one file that numpy memory-maps with no decoding, the lease model
+    needs only "which shards hold samples a..b" (a cumulative sum over the index), and the files
+    go through the same storage clients (`elastic/storage.py`) and the same node credentials as
+    checkpoints, with no second SDK on the nodes."""
+
+    uri: str | None = None
+    """A directory of token shards: `s3://bucket/prefix`, `gs://bucket/prefix` or `file:///abs/path`.
+    Each replica downloads only the shards its leases touch, prefetches the next lease's while it
+    trains and keeps them in a bounded cache (`cache_gb`). Nodes read it with the run's node role.
+    Set this or `path`."""
+    cache_gb: float = Field(20.0, gt=0)
+    """Bound of each node's local shard cache, GB (least recently used shards go first; the
+    current and the next lease's shards are always kept)."""
 
     path: str | None = None
     """A text file (its bytes are the tokens), or a pre-tokenized `.bin` of little-endian uint16 token
@@ -77,6 +110,51 @@ class DataSection(_Section):
     in. Empty: the default corpus built from this machine's Python standard library sources."""
     corpus_bytes: int = Field(8_000_000, ge=10_000)
     """Size cap of the default corpus, in bytes."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "DataSection":
+        if self.uri is not None and self.path is not None:
+            raise ValueError("@uri: set data.uri or data.path, not both")
+        if self.uri is not None:
+            scheme, sep, rest = self.uri.partition("://")
+            if not sep or scheme not in ("file", "s3", "gs"):
+                raise ValueError(f"@uri: {self.uri} is not an s3://, gs:// or file:// URI")
+            if scheme != "file" and not rest.split("/", 1)[0]:
+                raise ValueError(f"@uri: {self.uri} names no bucket")
+        return self
+
+
+class EvalSection(_Section):
+    """Validation: loss and perplexity of θ_outer on the held-out split (`val` in the shard index
+    of `data.uri`), on the same windows every time."""
+
+    every_outer_steps: int = Field(0, ge=0)
+    """Validate every N outer steps, and after the last one (0: never). Needs `data.uri` with a
+    `val` split."""
+    windows: int = Field(64, ge=1)
+    """Validation windows of `train.seq_len + 1` tokens: the first ones of the val split, in order."""
+
+
+class WandbSection(_Section):
+    """Weights & Biases."""
+
+    project: str | None = None
+    """Log the run's metrics to this W&B project (needs `pip install wandb`). Empty: no W&B."""
+    entity: str | None = None
+    """W&B entity (team or user). Empty: your default."""
+    mode: Literal["online", "offline"] = "online"
+    """`offline` writes the W&B run under the run directory for `wandb sync` later (no network)."""
+
+
+class LoggingSection(_Section):
+    """Where metrics go besides the ledger: TensorBoard event files in the run directory, and W&B."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files to `<run dir>/tensorboard` (loss, validation loss, tokens/s,
+    replicas, USD/hour, cumulative USD, preemptions). Needs the `tensorboard` package (in the `hf`
+    extra); without it, a warning in the log and no event files."""
+    wandb: WandbSection = Field(default_factory=WandbSection)
+    """Weights & Biases."""
 
 
 class TrainSection(_Section):
@@ -91,6 +169,10 @@ class TrainSection(_Section):
     """Stop after this many trained tokens, counted over all replicas."""
     batch_size: int = Field(16, ge=1)
     """Sequences per replica per inner step (split evenly over the replica's ranks)."""
+    micro_batch_size: int | None = Field(None, ge=1)
+    """Sequences per rank per forward/backward pass: a rank's share of `batch_size` is split into
+    micro-batches of this size whose gradients accumulate into one inner step (for batches that
+    do not fit in memory at once). Empty: the whole share at once."""
     seq_len: int = Field(128, ge=2)
     """Tokens per training sequence; at most `model.context`."""
     inner_lr: float = Field(1e-3, gt=0, le=10)
@@ -481,6 +563,10 @@ class Recipe(_Section):
     """The network."""
     data: DataSection = Field(default_factory=DataSection)
     """The token source."""
+    eval: EvalSection = Field(default_factory=EvalSection)
+    """Validation."""
+    logging: LoggingSection = Field(default_factory=LoggingSection)
+    """Metrics: TensorBoard and W&B."""
     train: TrainSection = Field(default_factory=TrainSection)
     """Optimizers and schedule."""
     world: WorldSection = Field(default_factory=WorldSection)
@@ -509,6 +595,13 @@ class Recipe(_Section):
             problems.append(
                 f"train.batch_size ({self.train.batch_size}) must be a multiple of "
                 f"world.ranks_per_replica ({self.world.ranks_per_replica})")
+        per_rank = self.train.batch_size // self.world.ranks_per_replica
+        mb = self.train.micro_batch_size
+        if mb is not None and per_rank % mb:
+            problems.append(f"train.micro_batch_size ({mb}) must divide the sequences each rank takes per step "
+                            f"(train.batch_size / world.ranks_per_replica = {per_rank})")
+        if self.eval.every_outer_steps and self.data.uri is None:
+            problems.append("eval.every_outer_steps: validation needs data.uri (a shard directory with a val split)")
         from providers import available
 
         clouds = set(self.resources.clouds) - {"local"}
@@ -683,6 +776,39 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def _check_sources(recipe: Recipe, source: str) -> list[str]:
+    """`model.hf` resolves and `data.uri` holds an index that fits the model (one line each)."""
+    from elastic.errors import UserError
+
+    problems, vocab, model_field = [], recipe.model.vocab_size, "model.vocab_size"
+    if recipe.model.hf is not None:
+        from elastic.models.hf import hf_config
+        try:
+            vocab, model_field = hf_config(recipe.model.hf).vocab_size, f"the vocabulary of {recipe.model.hf}"
+        except UserError as exc:
+            problems += [f"{source}: {line}" for line in exc.lines]
+            vocab = None
+    elif recipe.model.factory is not None:
+        vocab = None   # a user's module: its vocabulary is its own business
+    if recipe.data.uri is not None:
+        from elastic.data import read_index
+        try:
+            index = read_index(recipe.data.uri)
+        except UserError as exc:
+            return problems + [f"{source}: data.uri: {line}" for line in exc.lines]
+        if vocab is not None and index.vocab_size is not None and index.vocab_size > vocab:
+            problems.append(f"{source}: data.uri: the shards' vocabulary ({index.vocab_size} ids, {index.dtype}) is "
+                            f"larger than {model_field} ({vocab})")
+        if index.dtype == "uint16" and index.vocab_size is not None and index.vocab_size > 65536:
+            problems.append(f"{source}: data.uri: dtype uint16 cannot hold a vocabulary of {index.vocab_size}")
+        if max(t for _, t in index.splits["train"]) < recipe.train.seq_len + 1:
+            problems.append(f"{source}: data.uri: no train shard holds one window of train.seq_len + 1 "
+                            f"({recipe.train.seq_len + 1}) tokens")
+        if recipe.eval.every_outer_steps and not index.splits.get("val"):
+            problems.append(f"{source}: eval.every_outer_steps: {recipe.data.uri} has no val split")
+    return problems
+
+
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     """Read, override and validate a recipe file. Raises RecipeError with one line per problem."""
     source = str(path)
@@ -723,7 +849,7 @@ def validate_recipe(doc: dict, source: str = "<recipe>") -> Recipe:
         recipe = Recipe.model_validate(doc)
     except ValidationError as err:
         raise RecipeError(_format_errors(source, err)) from None
-    problems = _check_files(recipe, source)
+    problems = _check_files(recipe, source) + _check_sources(recipe, source)
     trace = recipe.local.market.trace
     if trace is not None:
         if not Path(trace).is_file():

@@ -120,7 +120,7 @@ class RankWorker:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        from elastic.data import SampleStream, load_tokens
+        from elastic.data import open_stream
         from elastic.diloco import OuterState
         from elastic.models import build_model, shard_units
         from elastic.recipe import Recipe
@@ -165,8 +165,10 @@ class RankWorker:
         sync_dtype = torch.bfloat16 if recipe.world.sync_dtype == "bfloat16" else torch.float32
         self._outer = OuterState(self._params, t.outer_lr, t.outer_momentum, t.outer_nesterov, sync_dtype)
 
-        self._data = SampleStream(load_tokens(recipe.data.path, recipe.data.corpus_bytes), t.seq_len, t.seed)
+        self._data = open_stream(recipe.data, t.seq_len, t.seed)
+        self._val = None   # the validation stream, opened at the first `evaluate`
         self._per_rank = t.batch_size // spec.ranks
+        self._micro = t.micro_batch_size or self._per_rank
         self._batch = torch.empty(self._per_rank, t.seq_len + 1, dtype=torch.int64)
         self._losses = torch.zeros(t.inner_steps, dtype=torch.float32, device=self._device)
         self._stop_flag = torch.zeros(1)
@@ -178,20 +180,24 @@ class RankWorker:
 
     # -- training --------------------------------------------------------------------------------
 
-    def inner_phase(self, lease_start: int, inner_step: int) -> dict:
+    def inner_phase(self, lease_start: int, inner_step: int, next_lease: int | None = None) -> dict:
         """H inner AdamW steps on samples `lease_start ..` (this rank takes its slice of each batch).
 
-        `inner_step` is the global inner step count at the start (drives the LR schedule). Ends by
-        forming the pseudo-gradient. Returns per-step losses of this rank, tokens and seconds.
+        `inner_step` is the global inner step count at the start (drives the LR schedule);
+        `next_lease`, the driver's guess of this replica's next lease, whose data is fetched in the
+        background meanwhile. Ends by forming the pseudo-gradient. Returns per-step losses of this
+        rank, tokens and seconds.
         """
         import torch
-        import torch.nn.functional as F
 
         t0 = time.monotonic()
         self._phase_step = inner_step
         spec, t = self._spec, self._recipe.train
-        model, opt, batch, losses = self._model, self._opt, self._batch, self._losses
-        vocab = self._recipe.model.vocab_size
+        opt, batch, losses = self._opt, self._batch, self._losses
+        lease = t.inner_steps * t.batch_size
+        self._data.fetch(lease_start, lease)   # a no-op once prefetched, or for local tokens
+        if next_lease is not None:
+            self._data.prefetch(next_lease, lease)
         steps = 0
         for h in range(t.inner_steps):
             if self._should_stop():
@@ -201,20 +207,64 @@ class RankWorker:
                 group["lr"] = lr
             first = lease_start + h * t.batch_size + spec.rank * self._per_rank
             self._data.batch(first, self._per_rank, out=batch)
-            tokens = batch.to(self._device, non_blocking=True)
-            logits = model(tokens[:, :-1])
-            loss = F.cross_entropy(logits.reshape(-1, vocab).float(), tokens[:, 1:].reshape(-1))
-            loss.backward()
+            losses[h] = self._accumulate(batch.to(self._device, non_blocking=True))
             if t.grad_clip is not None:
                 torch.nn.utils.clip_grad_norm_(self._params, t.grad_clip, foreach=True)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            losses[h] = loss.detach()
             steps += 1
         self._outer.form_pseudo_gradient()
         self._inner_step = inner_step + steps
         return {"losses": losses[:steps].tolist(), "steps": steps,
                 "tokens": steps * self._per_rank * t.seq_len, "seconds": time.monotonic() - t0}
+
+    def _accumulate(self, tokens):
+        """Forward and backward over this rank's batch in micro-batches of `train.micro_batch_size`
+        (gradients accumulate; FSDP reduces them once, after the last). Returns the mean loss."""
+        import torch.nn.functional as F
+
+        model, n = self._model, self._micro
+        chunks = tokens.split(n)
+        sync = getattr(model, "set_requires_gradient_sync", None)   # FSDP2-wrapped models only
+        total = 0.0
+        for i, chunk in enumerate(chunks):
+            if sync is not None and len(chunks) > 1:
+                sync(i == len(chunks) - 1)
+            logits = model(chunk[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), chunk[:, 1:].reshape(-1))
+            (loss / len(chunks)).backward()
+            total = total + loss.detach()
+        return total / len(chunks)
+
+    def evaluate(self) -> dict:
+        """Loss of the current θ (θ_outer between outer steps) on the first `eval.windows` windows
+        of the validation split, in order; this rank takes its share. A collective over the
+        replica's ranks. Returns the summed token loss and the token count of this rank."""
+        import torch
+        import torch.nn.functional as F
+
+        from elastic.data import open_stream
+
+        t0 = time.monotonic()
+        t, spec = self._recipe.train, self._spec
+        if self._val is None:
+            self._val = open_stream(self._recipe.data, t.seq_len, t.seed, split="val")
+        share = min(self._recipe.eval.windows, self._val.windows) // spec.ranks
+        first = spec.rank * share
+        self._val.fetch(first, share)
+        loss_sum, tokens = 0.0, 0
+        self._model.eval()
+        try:
+            with torch.no_grad():
+                for start in range(first, first + share, self._micro):
+                    chunk = self._val.batch(start, min(self._micro, first + share - start)).to(self._device)
+                    logits = self._model(chunk[:, :-1])
+                    loss_sum += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                                      chunk[:, 1:].reshape(-1), reduction="sum"))
+                    tokens += chunk[:, 1:].numel()
+        finally:
+            self._model.train()
+        return {"loss_sum": loss_sum, "tokens": tokens, "seconds": time.monotonic() - t0}
 
     def _should_stop(self) -> bool:
         """Whether the preemption deadline says: stop the inner phase now. The ranks of a replica

@@ -299,6 +299,9 @@ def build_report(events: list[dict], now: float | None = None) -> dict:
         "checkpoint_stall_s": round(sum(e["stall_s"] for e in events if e["type"] == "checkpoint_saved"), 3),
         "checkpoint_upload_s": round(sum(e["seconds"] for e in uploads), 3),
         "checkpoint_uploads_failed": sum(1 for e in events if e["type"] == "checkpoint_upload_failed"),
+        "validation": [{k: e[k] for k in ("outer_step", "tokens_total", "loss", "perplexity")}
+                       for e in events if e["type"] == "validation"],
+        "val_loss_last": next((e["loss"] for e in reversed(events) if e["type"] == "validation"), None),
         "budget_exhausted": next((e["reason"] for e in events if e["type"] == "budget_exhausted"), None),
         "errors": errors,
     }
@@ -332,7 +335,7 @@ def headline_rows(report: dict) -> list[tuple[str, str]]:
     """The headline figures as (label, text): the terminal summary and the top of report.html."""
     waste = report["wasted_usd"]
     causes = ", ".join(f"{k.replace('_', ' ')} ${waste[k]:.4f}" for k in WASTE_CAUSES if waste[k])
-    return [
+    rows = [
         ("status", report["status"]),
         ("outer steps", _fmt(report["outer_steps"])),
         ("tokens", _fmt(report["tokens"], ",")),
@@ -352,6 +355,10 @@ def headline_rows(report: dict) -> list[tuple[str, str]]:
         ("storage + egress (estimate)",
          f"${report['estimates']['checkpoint_storage_usd'] + report['estimates']['egress_usd']:.4f}"),
     ]
+    if report.get("val_loss_last") is not None:
+        rows.insert(4, ("validation loss (last)", f"{report['val_loss_last']:.3f} "
+                                                  f"(ppl {report['validation'][-1]['perplexity']:,.2f})"))
+    return rows
 
 
 def summary_table(report: dict):

@@ -253,6 +253,7 @@ def render_html(events: list[dict], report: dict) -> str:
     vms = _vms(events, end)
     x_max = max([end - t0] + [vm["stop"] - t0 for vm in vms.values()])
     loss, world, held, usd, od = _series(events, vms, t0, end)
+    val = [(e["t"] - t0, e["loss"]) for e in events if e["type"] == "validation"]
     prices = [(f"{iid} ({vm['instance_type']}, {vm['zone']})", COLORS[n % len(COLORS)],
                [(t - t0, p) for t, p in vm["segments"]] + [(vm["stop"] - t0, vm["segments"][-1][1])])
               for n, (iid, vm) in enumerate(vms.items())]
@@ -272,7 +273,8 @@ def render_html(events: list[dict], report: dict) -> str:
                 ("cross-region sync bytes", f"{est['cross_region_sync_bytes']:,}"),
                 ("egress", f"${est['egress_usd']:.6f}")], cls="figs est"),
         "<h2>Loss over time</h2>",
-        _chart([("mean loss of the outer step's inner steps", COLORS[0], loss)], x_max, "loss (nats/token)",
+        _chart([("mean loss of the outer step's inner steps", COLORS[0], loss)]
+               + [("validation loss (θ_outer)", COLORS[1], val)] * bool(val), x_max, "loss (nats/token)",
                y_zero=False),
         "<h2>World size over time</h2>",
         _chart([("replicas in the world", COLORS[2], world), ("VMs held", COLORS[7], held)], x_max, "count",

@@ -373,10 +373,12 @@ class World:
                 self.cursor += per_replica
         if self._identical:
             self.cursor += per_replica
+        # Each member's lease at the next step if the world stays as it is: its data is prefetched.
+        nexts = {rid: self.cursor + (0 if self._identical else i * per_replica) for i, rid in enumerate(members)}
 
         self.phase, self._phase_members = "inner", members
         t0 = time.monotonic()
-        calls = {(rid, r): a.inner_phase.remote(leases[rid], self.inner_step)
+        calls = {(rid, r): a.inner_phase.remote(leases[rid], self.inner_step, nexts[rid])
                  for rid in members for r, a in enumerate(self.replicas[rid].actors)}
         self._end_phase_by(members)   # a notice came between steps: this phase ends by its deadline
         self.on_phase("inner", members)

@@ -1,4 +1,5 @@
-"""Models elastic trains: our GPT-style decoder, or a user's own module via `model.factory`."""
+"""Models elastic trains: our GPT-style decoder, a Hugging Face causal LM via `model.hf`, or a
+user's own module via `model.factory`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from elastic.models.gpt import GPT, GPTConfig
 
 def build_model(section) -> nn.Module:
     """Build the model a recipe's `model` section describes (on the current default device)."""
+    if section.hf:
+        from elastic.models.hf import build_hf
+        return build_hf(section)
     if section.factory:
         mod, _, fn = section.factory.partition(":")
         model = getattr(importlib.import_module(mod), fn)(section.model_dump())
@@ -22,10 +26,16 @@ def build_model(section) -> nn.Module:
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
-    """Submodules FSDP2 wraps one by one (then the root): the transformer blocks when the model has
-    them (`model.blocks`), else none (the root alone is sharded)."""
-    blocks = getattr(model, "blocks", None)
-    return list(blocks) if isinstance(blocks, nn.ModuleList) else []
+    """Submodules FSDP2 wraps one by one (then the root): the model's repeated blocks, found
+    generically as the `nn.ModuleList` of same-class modules holding the most parameters (our
+    GPT's `blocks`, a Llama's or Qwen's `model.layers`), else none (the root alone is sharded)."""
+    best, best_numel = [], 0
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList) and len(m) and len({type(b) for b in m}) == 1:
+            numel = sum(p.numel() for p in m.parameters())
+            if numel > best_numel:
+                best, best_numel = list(m), numel
+    return best
 
 
 __all__ = ["GPT", "GPTConfig", "build_model", "shard_units"]

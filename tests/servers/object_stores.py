@@ -128,3 +128,19 @@ class GateProxy:
         self.release()
         self._httpd.shutdown()
         self._httpd.server_close()
+
+
+class RecordingProxy(GateProxy):
+    """A proxy in front of an object store that records each request as (method, object path):
+    the URL path, percent-decoded, without the query."""
+
+    def __init__(self, upstream: str):
+        from urllib.parse import unquote
+
+        super().__init__(upstream)
+        self.requests: list[tuple[str, str]] = []
+        self.answer = lambda method, path, headers, body: self.requests.append(
+            (method, unquote(path.split("?")[0]))) and None
+
+    def paths(self, method: str) -> list[str]:
+        return [p for m, p in self.requests if m == method]

@@ -1,0 +1,89 @@
+"""Hugging Face causal LMs (`model.hf`): built from their config (scratch) or their safetensors
+weights (pretrained), from a hub name, a local directory, or a directory in object storage.
+
+Needs the `hf` extra; nothing here is imported unless a recipe names `model.hf`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from torch import nn
+
+from elastic.errors import UserError
+
+EXTRA = "model.hf needs the hf extra: pip install 'elastic[hf]'"
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise UserError(EXTRA) from None
+    return transformers
+
+
+def local_dir(name: str, weights: bool) -> str:
+    """A hub name or local directory as it is; an `s3://`/`gs://`/`file://` directory downloaded
+    (once per node) into the cache: `config.json` and, with `weights`, everything else."""
+    if "://" not in name:
+        return str(Path(name).expanduser()) if Path(name).expanduser().exists() else name
+    from elastic.cache import cache_dir
+    from elastic.storage import FileStorage, open_storage
+
+    storage = open_storage(name)
+    if isinstance(storage, FileStorage):
+        return str(storage.root)
+    dest = cache_dir() / "models" / hashlib.sha256(name.rstrip("/").encode()).hexdigest()[:16]
+    dest.mkdir(parents=True, exist_ok=True)
+    files = storage.list()
+    if "config.json" not in files:
+        raise UserError(f"{name}: no config.json (not a Hugging Face model directory)")
+    for rel, size in files.items():
+        if "/" in rel or (not weights and rel != "config.json"):
+            continue
+        target = dest / rel
+        if not (target.exists() and target.stat().st_size == size):
+            storage.read_file(rel, target)
+    return str(dest)
+
+
+def hf_config(name: str):
+    """The model's config (UserError, one line, when it does not resolve)."""
+    transformers = _transformers()
+    try:
+        return transformers.AutoConfig.from_pretrained(local_dir(name, weights=False))
+    except UserError:
+        raise
+    except Exception as exc:   # hub errors, bad JSON, unknown model type: the user's to fix
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"model.hf: {name} does not resolve to a causal LM config: {first[:200]}") from None
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM whose `forward(tokens)` gives bare logits, as elastic's loop wants.
+
+    Args:
+        hf: the `PreTrainedModel` (its tied weights stay tied: they are one parameter).
+    """
+
+    def __init__(self, hf: nn.Module):
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, tokens):
+        return self.hf(input_ids=tokens, use_cache=False).logits
+
+
+def build_hf(section) -> HFCausalLM:
+    """The recipe's HF model, in float32 on the current default device: `init: scratch` from the
+    config with the current (seeded) RNG, `pretrained` from the safetensors weights."""
+    transformers = _transformers()
+    path = local_dir(section.hf, weights=section.init == "pretrained")
+    if section.init == "pretrained":
+        import torch
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(hf_config(section.hf))
+    return HFCausalLM(model)

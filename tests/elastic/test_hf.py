@@ -1,0 +1,185 @@
+"""Hugging Face causal LMs end to end, as a user runs them (no network: a tiny Llama-style config
+and a BPE tokenizer trained here): `prepare-data` onto the moto S3 server, `elastic launch` from
+scratch with validation and TensorBoard, `elastic export`, and a second run continuing from the
+exported weights."""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from elastic.ledger import read_events
+from tests.conftest import run_cli
+from tests.servers.object_stores import RecordingProxy
+
+transformers = pytest.importorskip("transformers", reason="the hf extra is not installed (pip install -e '.[hf]')")
+
+WORDS = "the cat dog sat on a mat ran far away big small red blue green tree house river".split()
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    """docs.jsonl, a trained byte-level BPE tokenizer (tok/) and a tiny Llama config (model/)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    d = tmp_path_factory.mktemp("hf")
+    rng = random.Random(0)
+    # A learnable language: each word is followed by one of two words.
+    nxt = {w: (WORDS[(i + 1) % len(WORDS)], WORDS[(i + 5) % len(WORDS)]) for i, w in enumerate(WORDS)}
+    docs = []
+    for _ in range(300):
+        w, words = rng.choice(WORDS), []
+        for _ in range(rng.randint(20, 60)):
+            words.append(w)
+            w = rng.choice(nxt[w])
+        docs.append(" ".join(words) + ".")
+    with open(d / "docs.jsonl", "w") as f:
+        for doc in docs:
+            f.write(json.dumps({"text": doc}) + "\n")
+    tk = Tokenizer(models.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(docs[:50], trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"],
+                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="</s>", unk_token="<unk>").save_pretrained(d / "tok")
+    LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=True).save_pretrained(d / "model")
+    return d
+
+
+def test_decoder_layers_are_the_fsdp_units(workspace):
+    from elastic.models import shard_units
+    from elastic.models.hf import HFCausalLM
+
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(workspace / "model"))
+    units = shard_units(HFCausalLM(hf))
+    assert units == list(hf.model.layers) and len(units) == 2
+
+
+def test_prepare_data_counts_tokens_and_is_idempotent(workspace, s3_server, tmp_path):
+    uri = f"s3://prep-{uuid.uuid4().hex[:8]}/tok"
+    args = ["prepare-data", str(workspace / "docs.jsonl"), "--tokenizer", str(workspace / "tok"), "--to", uri,
+            "--val-fraction", "0.1", "--shard-tokens", "3000"]
+    first = run_cli(*args, timeout=180)
+    assert first.returncode == 0, first.stderr
+    tok = transformers.AutoTokenizer.from_pretrained(workspace / "tok")
+    docs = [json.loads(line)["text"] for line in (workspace / "docs.jsonl").read_text().splitlines()]
+    want = {"train": 0, "val": 0}
+    for i, doc in enumerate(docs):
+        want["val" if i % 10 == 9 else "train"] += len(tok(doc, add_special_tokens=False)["input_ids"]) + 1
+    from elastic.data import read_index
+    index = read_index(uri)
+    assert {k: sum(t for _, t in v) for k, v in index.splits.items()} == want
+    assert index.dtype == "uint16" and index.vocab_size == len(tok)
+    assert f"{want['train']:,}" in first.stdout and "uploaded" in first.stdout
+    proxy = RecordingProxy(s3_server)
+    try:
+        again = run_cli(*args, timeout=180, AWS_ENDPOINT_URL=proxy.url)
+    finally:
+        proxy.stop()
+    assert again.returncode == 0, again.stderr
+    assert "nothing uploaded" in again.stdout
+    assert not proxy.paths("PUT") and not proxy.paths("POST"), proxy.requests
+
+
+def recipe_file(path: Path, **sections) -> Path:
+    doc = {"name": "hf-tiny",
+           "train": {"inner_steps": 5, "outer_steps": 4, "batch_size": 4, "seq_len": 32, "inner_lr": 3e-3,
+                     "warmup_steps": 2},
+           "world": {"min_replicas": 1, "replicas": 1, "max_replicas": 1, "ranks_per_replica": 1},
+           "checkpoint": {"every_outer_steps": 0}}
+    for k, v in sections.items():
+        doc[k] = {**doc.get(k, {}), **v}
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [x for e in read_events(run_dir / "events.jsonl") if e["type"] == "outer_step" for x in e["losses"]]
+
+
+@pytest.mark.slow
+def test_hf_model_trains_validates_exports_and_continues(workspace, s3_server, tmp_path):
+    from elastic.prepare import prepare
+
+    uri = f"s3://hf-{uuid.uuid4().hex[:8]}/tok"
+    prepare([workspace / "docs.jsonl"], str(workspace / "tok"), uri, val_fraction=0.1, shard_tokens=3000)
+
+    # From scratch: two ranks (FSDP2 over the decoder layers), micro-batches, validation every 2 steps.
+    run1 = tmp_path / "run1"
+    r1 = recipe_file(tmp_path / "scratch.yaml", model={"hf": str(workspace / "model"), "init": "scratch"},
+                     data={"uri": uri}, train={"micro_batch_size": 1}, world={"ranks_per_replica": 2},
+                     eval={"every_outer_steps": 2, "windows": 16})
+    out = run_cli("launch", str(r1), "--run-dir", str(run1), cwd=tmp_path, timeout=400)
+    assert out.returncode == 0, out.stdout + out.stderr
+    l1 = losses(run1)
+    assert len(l1) == 20 and sum(l1[-5:]) / 5 < l1[0] - 1.0, l1
+    events = read_events(run1 / "events.jsonl")
+    val = [e for e in events if e["type"] == "validation"]
+    assert [e["outer_step"] for e in val] == [2, 4]
+    assert val[-1]["loss"] < val[0]["loss"] and val[-1]["perplexity"] == pytest.approx(2.718281828 ** val[-1]["loss"], rel=1e-3)
+    report = json.loads((run1 / "report.json").read_text())
+    assert [v["loss"] for v in report["validation"]] == [e["loss"] for e in val]
+    assert "validation at outer 4" in out.stdout
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    tb = EventAccumulator(str(run1 / "tensorboard"))
+    tb.Reload()
+    assert [s.step for s in tb.Scalars("val/loss")] == [2, 4]
+    assert [round(s.value, 4) for s in tb.Scalars("val/loss")] == [round(e["loss"], 4) for e in val]
+    for tag in ("train/loss", "train/tokens_per_s", "world/replicas", "cost/usd", "cost/usd_per_hour"):
+        assert len(tb.Scalars(tag)) == 4, tag
+
+    # Export: save_pretrained that AutoModelForCausalLM loads, with the logits of θ_outer.
+    exported = tmp_path / "exported"
+    ex = run_cli("export", str(run1), "--to", str(exported), timeout=180)
+    assert ex.returncode == 0, ex.stderr
+    model = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight, "tied embeddings stay tied"
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save(run1 / "checkpoints" / "step-00000004", tmp_path / "theta.pt")
+    theta = {k.removeprefix("hf."): v for k, v in torch.load(tmp_path / "theta.pt")["model"].items()}
+    reference = transformers.AutoModelForCausalLM.from_config(model.config).eval()
+    reference.load_state_dict(theta)
+    tokens = torch.randint(0, 300, (2, 24))
+    with torch.no_grad():
+        assert torch.equal(model(tokens).logits, reference(tokens).logits)
+
+    # Continued pre-training from the exported weights: it starts where run 1 ended.
+    run2 = tmp_path / "run2"
+    r2 = recipe_file(tmp_path / "pretrained.yaml", model={"hf": str(exported), "init": "pretrained"},
+                     data={"uri": uri}, train={"outer_steps": 2, "warmup_steps": 1})
+    out = run_cli("launch", str(r2), "--run-dir", str(run2), cwd=tmp_path, timeout=400)
+    assert out.returncode == 0, out.stdout + out.stderr
+    l2 = losses(run2)
+    assert l2[0] < l1[0] - 1.0 and abs(l2[0] - sum(l1[-5:]) / 5) < 0.5, (l1, l2)
+    assert sum(l2[-3:]) / 3 < sum(l2[:3]) / 3, l2
+
+
+def test_bad_sources_fail_validate_in_one_line(workspace, tmp_path):
+    from elastic.errors import RecipeError
+    from elastic.prepare import prepare
+    from elastic.recipe import load_recipe
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    shards = tmp_path / "shards"
+    prepare([workspace / "docs.jsonl"], str(workspace / "tok"), str(shards), shard_tokens=3000)
+    for sections, message in [({"data": {"uri": f"file://{empty}"}}, f"data.uri: file://{empty}: no index.json"),
+                              ({"model": {"vocab_size": 100}, "data": {"uri": f"file://{shards}"}},
+                               "vocabulary (300 ids, uint16) is larger than model.vocab_size (100)")]:
+        with pytest.raises(RecipeError) as err:
+            load_recipe(recipe_file(tmp_path / "bad.yaml", **sections))
+        assert len(err.value.lines) == 1 and message in err.value.lines[0], err.value.lines
+    # As the user sees it: one line, exit 2, no traceback.
+    out = run_cli("validate", str(recipe_file(tmp_path / "bad.yaml", model={"hf": str(tmp_path / "no-such-model")})),
+                  HF_HUB_OFFLINE="1")
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = [x for x in out.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "model.hf" in lines[0] and "does not resolve" in lines[0], out.stderr
