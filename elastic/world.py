@@ -84,7 +84,9 @@ class StepResult:
         tokens: tokens trained in this step by those replicas.
         inner_s: slowest inner phase, seconds.
         sync_s: outer sync (all attempts), seconds.
-        bytes_sent: pseudo-gradient bytes each rank all-reduced.
+        bytes_sent: pseudo-gradient bytes each rank sent in the applied sync (the most of any rank).
+        network_s: seconds the slowest rank spent inside the applied sync's collectives (waited
+            on: nothing overlaps them yet).
         sync_attempts: all-reduce attempts (1 when nobody failed).
         steps_done: inner steps each contributing replica took (fewer when cut short by a notice).
         idle: replicas that took no inner step (a notice came before their first): nothing to add.
@@ -100,6 +102,7 @@ class StepResult:
     sync_s: float
     bytes_sent: int
     sync_attempts: int = 1
+    network_s: float = 0.0
     steps_done: dict = field(default_factory=dict)
     idle: list[int] = field(default_factory=list)
     inner_s_by_replica: dict = field(default_factory=dict)
@@ -430,6 +433,7 @@ class World:
         self.tokens += tokens
         return StepResult(self.outer_step, members, losses, tokens, inner_s, sync_s,
                           max((s["bytes"] for s in sync_out.values()), default=0), attempts,
+                          max((s["network_s"] for s in sync_out.values()), default=0.0),
                           {rid: results[(rid, 0)]["steps"] for rid in members}, idle,
                           {rid: max(results[(rid, r)]["seconds"] for r in range(len(self.replicas[rid].actors)))
                            for rid in members})
