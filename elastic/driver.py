@@ -513,7 +513,8 @@ class Driver:
                     return "budget_exhausted"
                 members = sorted(world.replicas)
                 if members != self._members:
-                    ledger.append("world_formed", epoch=world.epoch, replicas=members, outer_step=world.outer_step)
+                    ledger.append("world_formed", epoch=world.epoch, replicas=members, outer_step=world.outer_step,
+                                  params=world.params)
                     self._members = members
                 res = world.step()
                 if res is None:

@@ -137,6 +137,7 @@ class World:
         self.inner_step = 0
         self.cursor = 0  # next unleased sample index: the run's data position
         self.tokens = 0
+        self.params = 0   # the model's parameters, once a replica has set up
         self.phase = "idle"   # "inner" or "sync" while a step is under way
         self._phase_members: list[int] = []   # the replicas of the inner phase under way
         self._stop_at: dict[int, float] = {}  # noticed replica -> unix time it must contribute by
@@ -192,7 +193,8 @@ class World:
         """Start one replica per (instance_id, node_id), wait until all are set up, and admit them
         as the initial world (all start from the same seeded θ)."""
         new = [self.start_replica(i, n) for i, n in placements]
-        self._ray.get([r for rep in new for r in rep.setup_refs], timeout=self._recipe.world.step_timeout_s)
+        self._setup_done(self._ray.get([r for rep in new for r in rep.setup_refs],
+                                       timeout=self._recipe.world.step_timeout_s))
         for rep in new:
             self._enter(rep)
         return new
@@ -207,12 +209,16 @@ class World:
                     self._lose(rep, "setup timed out", 0, "setup")
                 continue
             try:
-                self._ray.get(done)
+                self._setup_done(self._ray.get(done))
             except Exception as exc:
                 self._lose(rep, f"setup failed: {_short(exc)}", 0, "setup")
                 continue
             ready.append(rep)
         return ready
+
+    def _setup_done(self, results: list[dict]) -> None:
+        """Note what a finished setup reports: the model's parameter count."""
+        self.params = results[0]["params"]
 
     def admit(self, rep: Replica, checkpoint: tuple[str, int, str] | None = None) -> str:
         """Admit a set-up joiner at this outer-step boundary, with its state from a live peer (or,
