@@ -19,14 +19,14 @@ def groups():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     made = [0]
 
-    def make(n: int) -> list:
+    def make(n: int, timeout_s: float = 20) -> list:
         made[0] += 1
         out = [None] * n
         prefix = f"g{made[0]}"
 
         def join(i):   # a client per member: one store connection cannot serve concurrent waits
             client = dist.TCPStore("127.0.0.1", store.port, is_master=False)
-            out[i] = dist.ProcessGroupGloo(dist.PrefixStore(prefix, client), i, n, datetime.timedelta(seconds=20))
+            out[i] = dist.ProcessGroupGloo(dist.PrefixStore(prefix, client), i, n, datetime.timedelta(seconds=timeout_s))
 
         threads = [threading.Thread(target=join, args=(i,)) for i in range(n)]
         [t.start() for t in threads]
@@ -36,13 +36,17 @@ def groups():
     return make
 
 
-def on_all(codecs, pgs, deltas):
-    """Each member's codec reduces its Δ at once (as the replicas do); results in member order."""
+def on_all(codecs, pgs, deltas, size: int | None = None):
+    """Each member's codec reduces its Δ at once (as the replicas do); results in member order
+    (an exception where the collective failed)."""
     out = [None] * len(codecs)
 
     def run(i):
-        avg, nbytes, _ = codecs[i].reduce(pgs[i], deltas[i], i, len(codecs))
-        out[i] = (avg.clone(), nbytes)
+        try:
+            avg, nbytes, _ = codecs[i].reduce(pgs[i], deltas[i], i, size or len(pgs))
+            out[i] = (avg.clone(), nbytes)
+        except Exception as exc:
+            out[i] = exc
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(codecs))]
     [t.start() for t in threads]
@@ -169,3 +173,21 @@ def test_sparse_sends_k_per_chunk_and_keeps_the_rest_in_the_accumulator(groups):
     # One all-gather of each member's payload: per chunk two float32 magnitudes, k int16 indices,
     # k 2-bit codes (padded to 8 bytes): 107 bytes per 4096 values, against 16,384 in float32.
     assert out[0][1] == (n - 1) * 432 and 4 * (8 + 2 * k + k // 4) == 428
+
+
+@pytest.mark.parametrize("make", [lambda n: Quantized(n, "int8"), lambda n: Sparse(n, 0.02, 0.95)],
+                         ids=["int8", "sparse"])
+def test_a_member_lost_mid_sync_fails_the_attempt_and_the_survivors_retry(groups, make):
+    """Member 2 of 3 dies as the sync starts (its connections close): the others' collective fails;
+    over a fresh group of the two survivors the same codecs give exactly what two fresh codecs give
+    (nothing of the failed attempt stayed behind)."""
+    numel = 3 * CHUNK
+    deltas = [heavy_tailed(numel, 20 + i) for i in range(2)]
+    codecs = [make(numel) for _ in range(2)]
+    pgs = groups(3)
+    pgs.pop()   # dropping the last reference closes its gloo pairs, as a dead process's would
+    failed = on_all(codecs, pgs, deltas, size=3)
+    assert all(isinstance(r, RuntimeError) for r in failed), failed
+    retried = on_all(codecs, groups(2), deltas)
+    fresh = on_all([make(numel) for _ in range(2)], groups(2), deltas)
+    assert torch.equal(retried[0][0], fresh[0][0]) and torch.equal(retried[1][0], retried[0][0])
