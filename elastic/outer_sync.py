@@ -73,16 +73,17 @@ class Dense:
         pass
 
 
-def quantize(x: torch.Tensor, fmt: str, q: torch.Tensor, scale: torch.Tensor) -> None:
+def quantize(x: torch.Tensor, fmt: str, q: torch.Tensor, scale: torch.Tensor, scratch: torch.Tensor) -> None:
     """Quantize `x` (float32, chunks along the last dim) into `q` (uint8 storage of int8 or float8
-    e4m3 values, same shape) with one absmax scale per chunk into `scale` (x's shape less the last dim)."""
+    e4m3 values, same shape) with one absmax scale per chunk into `scale` (x's shape less the last
+    dim); `scratch` (float32, x's shape) is overwritten."""
     top = 127.0 if fmt == "int8" else _FP8_MAX
-    scale.copy_(x.abs().amax(dim=-1)).div_(top).clamp_(min=torch.finfo(torch.float32).tiny)
-    y = x / scale[..., None]
+    scale.copy_(torch.abs(x, out=scratch).amax(dim=-1)).div_(top).clamp_(min=torch.finfo(torch.float32).tiny)
+    torch.div(x, scale[..., None], out=scratch)
     if fmt == "int8":
-        q.view(torch.int8).copy_(y.round_().clamp_(-127, 127))
+        q.view(torch.int8).copy_(scratch.round_().clamp_(-127, 127))
     else:
-        q.view(torch.float8_e4m3fn).copy_(y.clamp_(-_FP8_MAX, _FP8_MAX))
+        q.view(torch.float8_e4m3fn).copy_(scratch.clamp_(-_FP8_MAX, _FP8_MAX))
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, fmt: str, out: torch.Tensor) -> torch.Tensor:
@@ -147,7 +148,7 @@ class Quantized:
         if self.error is not None:
             flat[:n].add_(self.error)
         values, scales = self._fields(self._send)
-        quantize(self._v, self._fmt, values, scales)
+        quantize(self._v, self._fmt, values, scales, self._out)
         dequantize(values, scales, self._fmt, self._out)
         torch.sub(flat, self._out.view(-1), out=self._residual)   # what this rank's quantization dropped
         if size == 1:
@@ -163,7 +164,7 @@ class Quantized:
                 self._seg.add_(dequantize(rvalues[j], rscales[j], self._fmt, self._tmp))
             self._seg.div_(size)
             mvalues, mscales = self._fields(self._mine)
-            quantize(self._seg, self._fmt, mvalues[0], mscales[0])
+            quantize(self._seg, self._fmt, mvalues[0], mscales[0], self._tmp)
             # The second rounding is common to all; the owner carries it, × size since the next
             # average divides the members' residuals by size again.
             own = self._residual[index * self._per * CHUNK:(index + 1) * self._per * CHUNK].view(self._per, CHUNK)

@@ -65,7 +65,7 @@ def test_quantize_round_trip_error_is_bounded_per_chunk(fmt):
     x[3] = 0.0                                      # an all-zero chunk stays zero (no 0/0)
     q = torch.empty(8, CHUNK, dtype=torch.uint8)
     scale = torch.empty(8)
-    quantize(x, fmt, q, scale)
+    quantize(x, fmt, q, scale, torch.empty(8, CHUNK))
     back = dequantize(q, scale, fmt, torch.empty(8, CHUNK))
     err = (back - x).abs()
     absmax = x.abs().amax(dim=1, keepdim=True)
