@@ -8,8 +8,8 @@ after the other, on disjoint leases of the same data order; their outer sync is 
 starts from the same seed and sees the same tokens:
 
     float32, bfloat16, int8 + error feedback, int8 without, fp8 + error feedback,
-    sparse (SparseLoCo) at density 0.03 and 0.01, with SparseLoCo's outer step (lr 1, no
-    momentum) and with DiLoCo's outer Nesterov (`--only NAME ...` picks some).
+    sparse (SparseLoCo: outer lr 1, no momentum) at density 0.03 and 0.01
+    (`--only NAME ...` runs some of them).
 
 For each: the loss of θ_outer on held-out samples at the end (and the last inner phase's training
 loss), bytes each replica sent over the run, their ratio to float32, and the bytes a data-parallel
@@ -44,9 +44,6 @@ VARIANTS = {
                     "train.outer_lr": 1.0},
     "sparse 0.01": {"world.sync": "sparse", "world.sync_density": 0.01, "train.outer_momentum": 0.0,
                     "train.outer_lr": 1.0},
-    # The same codec under DiLoCo's outer Nesterov (lr 0.7, momentum 0.9) on the sparse average.
-    "sparse 0.03 + Nesterov": {"world.sync": "sparse", "world.sync_density": 0.03},
-    "sparse 0.01 + Nesterov": {"world.sync": "sparse", "world.sync_density": 0.01},
 }
 REPLICAS = 2
 
