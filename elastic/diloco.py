@@ -2,9 +2,10 @@
 
 Each rank of a replica holds the outer (global) parameters θ for *its own shard* of the model,
 as one flat fp32 CPU tensor. After H inner steps the pseudo-gradient Δ = θ − θ_local is formed in
-a preallocated flat buffer, averaged over the replicas alive at this outer step (one all-reduce per
-rank, shard r of every replica talking to shard r of every other), and an outer Nesterov SGD step
-updates θ; θ is then copied back into the model's local shards.
+a preallocated flat buffer, averaged over the replicas alive at this outer step (one outer group per
+rank, shard r of every replica talking to shard r of every other; how Δ travels is the codec's
+business, elastic/outer_sync.py), and an outer Nesterov SGD step updates θ; θ is then copied back
+into the model's local shards.
 
 The outer group is a standalone gloo process group over a prefix of a store the driver owns, keyed
 by the membership epoch: when replicas come or go the driver bumps the epoch and every survivor
@@ -16,10 +17,13 @@ from __future__ import annotations
 
 import datetime
 import logging
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from elastic.outer_sync import Dense
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +52,12 @@ class OuterState:
         lr: outer SGD learning rate.
         momentum: outer SGD momentum.
         nesterov: Nesterov momentum.
-        sync_dtype: dtype the pseudo-gradient travels in (float32 or bfloat16).
+        codec: how Δ crosses to the other replicas (`elastic.outer_sync.make_codec(numel, ...)`);
+            None: a float32 all-reduce.
     """
 
     def __init__(self, params: list[nn.Parameter], lr: float, momentum: float, nesterov: bool,
-                 sync_dtype: torch.dtype = torch.float32):
+                 codec: Callable[[int], object] | None = None):
         self._locals = [local_shard(p) for p in params]
         sizes = [t.numel() for t in self._locals]
         self.numel = sum(sizes)
@@ -60,21 +65,19 @@ class OuterState:
         self.delta = torch.zeros(self.numel, dtype=torch.float32)
         self._theta_views = [v.view(t.shape) for v, t in zip(self.theta.data.split(sizes), self._locals)]
         self._delta_views = [v.view(t.shape) for v, t in zip(self.delta.split(sizes), self._locals)]
-        # The all-reduce runs on its own buffer, never on Δ: an all-reduce that a member dies in
-        # leaves Δ intact for the retry over the survivors.
-        self._sync_dtype = sync_dtype
-        self._wire = torch.zeros(self.numel, dtype=sync_dtype)
+        # The codec reduces into its own buffers, never into Δ or its error feedback: an attempt
+        # that a member dies in leaves both intact for the retry over the survivors.
+        self.codec = codec(self.numel) if codec is not None else Dense(self.numel, torch.float32)
+        self._average: torch.Tensor | None = None
+        self.bytes_sent = 0     # by this rank in the last reduce
+        self.network_s = 0.0    # inside its collectives
         self.theta.grad = self.delta
         self.optimizer = torch.optim.SGD([self.theta], lr=lr, momentum=momentum, nesterov=nesterov)
         copy_all(self._theta_views, self._locals)
         self._pg: dist.ProcessGroup | None = None
         self._epoch = -1
         self.pending = False   # Δ is formed and not yet applied
-        self.reduced = False   # the wire holds the average of this epoch's Δs, ready to apply
-
-    @property
-    def bytes_per_sync(self) -> int:
-        return self._wire.numel() * self._wire.element_size()
+        self.reduced = False   # the codec holds the average of this epoch's Δs, ready to apply
 
     def form_pseudo_gradient(self) -> None:
         """Δ = θ_outer − θ_local, into the preallocated buffer (kept until an outer step applies it)."""
@@ -92,27 +95,24 @@ class OuterState:
         self._pg = dist.ProcessGroupGloo(prefix, index, size, datetime.timedelta(seconds=timeout_s))
         self._epoch = epoch
 
-    def all_reduce(self, size: int) -> None:
-        """Average Δ over the outer group into the wire buffer (phase 1: nothing is applied yet).
-        Raises if a member fails; the held Δ is untouched and the wire is replaced."""
-        self._wire.copy_(self.delta)
-        if size > 1:
-            try:
-                self._pg.allreduce([self._wire]).wait()
-            except Exception:
-                # The failed collective may still write into its buffer from gloo's threads.
-                self._wire = torch.zeros(self.numel, dtype=self._sync_dtype)
-                self._pg, self._epoch = None, -1
-                self.reduced = False
-                raise
-            self._wire.div_(size)
+    def all_reduce(self, index: int, size: int) -> None:
+        """Average Δ over the outer group (this rank is `index` of `size`) through the codec (phase
+        1: nothing is applied yet). Raises if a member fails; Δ and the error feedback are untouched."""
+        self.reduced = False
+        try:
+            self._average, self.bytes_sent, self.network_s = self.codec.reduce(self._pg, self.delta, index, size)
+        except Exception:
+            self._pg, self._epoch = None, -1
+            raise
         self.reduced = True
 
     def apply(self) -> None:
-        """Phase 2, once every member reduced: the outer step with the averaged Δ, θ back into the model."""
+        """Phase 2, once every member reduced: the outer step with the averaged Δ, θ back into the
+        model; what the codec did not send becomes this rank's error feedback."""
         if not self.reduced:
             raise RuntimeError("outer apply without a completed all-reduce")
-        self.delta.copy_(self._wire)
+        self.delta.copy_(self._average)
+        self.codec.commit()
         self.optimizer.step()
         copy_all(self._locals, self._theta_views)
         self.pending = self.reduced = False
@@ -126,14 +126,20 @@ class OuterState:
         return [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in self._locals]), self._locals)]
 
     def export(self) -> dict:
-        """θ_outer and the outer momentum of this shard (for a joining replica's same rank)."""
-        m = self.momentum()
-        return {"theta": self.theta.data.clone(), "momentum": None if m is None else m.clone()}
+        """θ_outer, the outer momentum and the codec's error feedback of this shard (for a joining
+        replica's same rank)."""
+        m, e = self.momentum(), self.codec.error
+        return {"theta": self.theta.data.clone(), "momentum": None if m is None else m.clone(),
+                "error": None if e is None else e.clone()}
 
     def load(self, state: dict) -> None:
-        """Take θ_outer and the outer momentum from a peer (or a checkpoint); θ goes into the model."""
+        """Take θ_outer, the outer momentum and the error feedback from a peer (or a checkpoint); θ
+        goes into the model. A joiner takes the peer's error feedback as its own: what is applied is
+        the members' mean residual, and a copy keeps that mean, where zeros would dilute it."""
         self.theta.data.copy_(state["theta"])
         if state.get("momentum") is not None:
             self.optimizer.state[self.theta]["momentum_buffer"] = state["momentum"].clone()
+        if self.codec.error is not None and state.get("error") is not None:
+            self.codec.error.copy_(state["error"])
         copy_all(self._locals, self._theta_views)
         self.pending = self.reduced = False

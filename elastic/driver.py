@@ -571,7 +571,8 @@ class Driver:
                     return "budget_exhausted"
                 members = sorted(world.replicas)
                 if members != self._members:
-                    ledger.append("world_formed", epoch=world.epoch, replicas=members, outer_step=world.outer_step)
+                    ledger.append("world_formed", epoch=world.epoch, replicas=members, outer_step=world.outer_step,
+                                  params=world.params)
                     self._members = members
                 res = world.step()
                 if res is None:
@@ -587,7 +588,8 @@ class Driver:
                 ledger.append("outer_step", outer_step=res.outer_step, inner_step=world.inner_step,
                               epoch=world.epoch, replicas=res.replicas, losses=[round(x, 6) for x in res.losses],
                               tokens=res.tokens, tokens_total=world.tokens, inner_s=round(res.inner_s, 4),
-                              sync_s=round(res.sync_s, 4), bytes_sent=res.bytes_sent, data_cursor=world.cursor,
+                              sync_s=round(res.sync_s, 4), bytes_sent=res.bytes_sent,
+                              network_s=round(res.network_s, 4), data_cursor=world.cursor,
                               steps_done=res.steps_done,
                               inner_s_by_replica={r: round(s, 4) for r, s in res.inner_s_by_replica.items()})
                 self._write_metrics(res)

@@ -216,8 +216,26 @@ class WorldSection(_Section):
     """Never run more replicas than this (upper bound for growing back)."""
     ranks_per_replica: int = Field(1, ge=1, le=1024)
     """Ranks (one per GPU, or one CPU process locally) in each replica; FSDP2 shards over them."""
-    sync_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype of the pseudo-gradient all-reduce across replicas (bfloat16 halves the bytes)."""
+    sync: Literal["dense", "sparse"] = "dense"
+    """How pseudo-gradients cross between replicas. `dense`: every value, in `sync_dtype`.
+    `sparse` (SparseLoCo): per chunk of 4096 values only the `sync_density` largest entries of an
+    error-feedback accumulator, as 2-bit values with two magnitudes per chunk; what is not sent
+    stays in the accumulator. With `sparse` the accumulator does the work of outer momentum: set
+    `train.outer_momentum: 0` (SparseLoCo's setting)."""
+    sync_dtype: Literal["float32", "bfloat16", "int8", "fp8"] = "float32"
+    """Dtype of the dense pseudo-gradient sync across replicas. float32 and bfloat16: one
+    all-reduce (bfloat16 halves the bytes). int8 and fp8 (float8 e4m3): a quarter of float32's
+    bytes, one absmax scale per 4096 values; summed in float32 (reduce-scatter, then all-gather of
+    the re-quantized average), with `error_feedback`."""
+    error_feedback: bool = True
+    """With `sync_dtype` int8 or fp8: what quantization dropped from this outer step's
+    pseudo-gradient is added to the next one's (per rank; joiners copy it, checkpoints keep it)."""
+    sync_density: float = Field(0.02, gt=0, le=0.5)
+    """With `sync: sparse`: share of values each replica sends per outer step (rounded up to a
+    multiple of 4 per chunk of 4096)."""
+    sync_decay: float = Field(0.95, gt=0, le=1)
+    """With `sync: sparse`: the error-feedback accumulator is multiplied by this before each outer
+    step's pseudo-gradient is added."""
     step_timeout_s: float = Field(600.0, gt=0)
     """Longest an inner phase or a replica's setup may take, in seconds; a replica that takes longer
     counts as lost (its node is released and replaced)."""
@@ -235,6 +253,9 @@ class WorldSection(_Section):
         if self.min_replicas > self.max_replicas:
             raise ValueError(
                 f"@min_replicas: {self.min_replicas} must be <= max_replicas ({self.max_replicas})")
+        if self.sync == "sparse" and self.sync_dtype != "float32":
+            raise ValueError(f"@sync_dtype: sync sparse sends 2-bit values; leave sync_dtype at float32, "
+                             f"not {self.sync_dtype}")
         if not self.min_replicas <= self.replicas <= self.max_replicas:
             raise ValueError(
                 f"@replicas: {self.replicas} must lie between min_replicas ({self.min_replicas}) "

@@ -122,6 +122,7 @@ class RankWorker:
 
         from elastic.data import open_stream
         from elastic.diloco import OuterState
+        from elastic.outer_sync import make_codec
         from elastic.models import build_model, shard_units
         from elastic.recipe import Recipe
 
@@ -162,8 +163,10 @@ class RankWorker:
         self._opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": t.inner_weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=t.inner_lr, betas=t.inner_betas, foreach=True)
-        sync_dtype = torch.bfloat16 if recipe.world.sync_dtype == "bfloat16" else torch.float32
-        self._outer = OuterState(self._params, t.outer_lr, t.outer_momentum, t.outer_nesterov, sync_dtype)
+        w = recipe.world
+        self._outer = OuterState(self._params, t.outer_lr, t.outer_momentum, t.outer_nesterov,
+                                 lambda numel: make_codec(numel, w.sync, w.sync_dtype, w.error_feedback,
+                                                          w.sync_density, w.sync_decay))
 
         self._data = open_stream(recipe.data, t.seq_len, t.seed)
         self._val = None   # the validation stream, opened at the first `evaluate`
@@ -295,11 +298,12 @@ class RankWorker:
             if size > 1:
                 self._outer.join_group(self._store, epoch, index, size, self._recipe.world.sync_timeout_s,
                                        shard=self._spec.rank)
-            self._outer.all_reduce(size)
+            self._outer.all_reduce(index, size)
         except Exception as exc:  # a peer died or timed out: the driver re-forms the group
             return {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:200]}",
-                    "seconds": time.monotonic() - t0, "bytes": 0}
-        return {"ok": True, "seconds": time.monotonic() - t0, "bytes": self._outer.bytes_per_sync if size > 1 else 0}
+                    "seconds": time.monotonic() - t0, "bytes": 0, "network_s": 0.0}
+        return {"ok": True, "seconds": time.monotonic() - t0, "bytes": self._outer.bytes_sent,
+                "network_s": self._outer.network_s}
 
     def outer_apply(self) -> None:
         """Phase 2: every member reduced, so take the outer step."""
@@ -345,8 +349,9 @@ class RankWorker:
                 for name, p in self._model.named_parameters()}
 
     def save_checkpoint(self, path: str) -> dict:
-        """Write this replica's model, inner optimizer and outer momentum with torch.distributed.checkpoint
-        (a collective over the replica's ranks). Call after an outer sync, when θ_local = θ_outer."""
+        """Write this replica's model, inner optimizer, outer momentum and the sync's error feedback
+        with torch.distributed.checkpoint (a collective over the replica's ranks). Call after an
+        outer sync, when θ_local = θ_outer."""
         import torch
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -356,16 +361,22 @@ class RankWorker:
         momentum = self._outer.momentum()
         if momentum is None:  # no momentum (outer_momentum 0, or before the first step): save zeros
             momentum = torch.zeros(self._outer.numel)
-        outer = {name: _like_param(p, view) for (name, p), view
-                 in zip(self._model.named_parameters(), self._outer.shard_views(momentum))}
-        state = {"model": model_sd, "optim": optim_sd, "outer_momentum": outer,
+        state = {"model": model_sd, "optim": optim_sd, "outer_momentum": self._per_param(momentum),
                  "inner_step": torch.tensor(self._inner_step)}
+        if self._outer.codec.error is not None:   # this rank's error feedback, resharded like momentum
+            state["outer_error"] = self._per_param(self._outer.codec.error)
         # Phase 1 only stages the shards for upload: no fsync (a node that dies loses them anyway).
         dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=False, thread_count=2))
         # RNG state is per rank (not sharded): a small file beside the shards, restored when the
         # loading world has a rank of the same number.
         Path(f"{path}/rng-{self._spec.rank}.json").write_text(json.dumps(_rng_state()))
         return {"seconds": time.monotonic() - t0}
+
+    def _per_param(self, flat) -> dict:
+        """A flat tensor over this rank's shard (outer momentum, error feedback) as one tensor per
+        parameter name, laid out like the parameter, so DCP reshards it to any world shape."""
+        return {name: _like_param(p, view) for (name, p), view
+                in zip(self._model.named_parameters(), self._outer.shard_views(flat))}
 
     def upload_checkpoint(self, local: str, uri: str, step: int, threads: int) -> list[dict]:
         """Phase 2: upload the files this rank wrote in phase 1 (runs beside training)."""
@@ -388,8 +399,9 @@ class RankWorker:
         shutil.rmtree(local, ignore_errors=True)
 
     def load_checkpoint(self, path: str) -> dict:
-        """Load model, inner AdamW and outer momentum from a DCP checkpoint written by any world
-        shape (DCP reshards to this replica's ranks). A collective over the replica's ranks."""
+        """Load model, inner AdamW, outer momentum and error feedback (when the sync has one) from a
+        DCP checkpoint written by any world shape (DCP reshards to this replica's ranks). A
+        collective over the replica's ranks."""
         import torch
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -398,14 +410,18 @@ class RankWorker:
 
         t0 = time.monotonic()
         model_sd, optim_sd = get_state_dict(self._model, self._opt)
-        outer = {name: _like_param(p, torch.zeros_like(local_shard(p))) for name, p in self._model.named_parameters()}
-        state = {"model": model_sd, "optim": optim_sd, "outer_momentum": outer,
+        state = {"model": model_sd, "optim": optim_sd, "outer_momentum": self._per_param(torch.zeros(self._outer.numel)),
                  "inner_step": torch.tensor(0)}
+        if self._outer.codec.error is not None:
+            state["outer_error"] = self._per_param(torch.zeros(self._outer.numel))
         dcp_load(state, path)
         set_state_dict(self._model, self._opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        theta = torch.cat([local_shard(p).reshape(-1).cpu() for p in self._params])
-        momentum = torch.cat([local_shard(v).reshape(-1).cpu() for v in outer.values()])
-        self._outer.load({"theta": theta, "momentum": momentum})
+
+        def flat(tensors) -> torch.Tensor:
+            return torch.cat([local_shard(v).reshape(-1).cpu() for v in tensors])
+
+        self._outer.load({"theta": flat(self._params), "momentum": flat(state["outer_momentum"].values()),
+                          "error": flat(state["outer_error"].values()) if "outer_error" in state else None})
         self._inner_step = int(state["inner_step"])
         rng = Path(path) / f"rng-{self._spec.rank}.json"
         if rng.is_file():

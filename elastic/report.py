@@ -195,6 +195,26 @@ def _estimates(events: list[dict], vms: dict[str, dict], end: float) -> dict:
             "storage_usd_per_gb_month": STORAGE_USD_PER_GB_MONTH, "egress_usd_per_gb": EGRESS_USD_PER_GB}
 
 
+def _sync_traffic(events: list[dict], steps: list[dict]) -> dict:
+    """Outer-sync bytes per trained token, against what data-parallel training would have sent for
+    the same tokens: DDP all-reduces the whole bfloat16 gradient every inner step (a ring: each of
+    n replicas sends 2(n-1)/n of it)."""
+    start = next((e for e in events if e["type"] == "run_started"), {})
+    ranks = start.get("ranks_per_replica") or 1
+    params = next((e["params"] for e in reversed(events) if e["type"] == "world_formed" and e.get("params")), 0)
+    sent = ddp = tokens = 0
+    for e in steps:
+        n = len(e["replicas"])
+        sent += e.get("bytes_sent", 0) * ranks * n
+        ddp += 4 * (n - 1) * max(e.get("steps_done", {}).values(), default=0) * params
+        tokens += e["tokens"]
+    return {"bytes_sent": sent,
+            "bytes_per_token": round(sent / tokens, 4) if tokens else None,
+            "ddp_bytes_per_token": round(ddp / tokens, 4) if tokens and params else None,
+            "vs_ddp": round(ddp / sent, 1) if sent and params else None,
+            "network_s": round(sum(e.get("network_s", 0.0) for e in steps), 3)}
+
+
 def _recovery_s(events: list[dict], steps: list[dict]) -> list[float]:
     """For each replica lost while training: seconds from the loss to the next outer step the
     re-formed world completed."""
@@ -270,6 +290,7 @@ def build_report(events: list[dict], now: float | None = None) -> dict:
         "gpu_hours": round(sum(i["billed_seconds"] * i["gpus"] for i in instances) / 3600, 6),
         "wasted_usd": _wasted(events, vms, now),
         "estimates": _estimates(events, vms, now),
+        "sync": _sync_traffic(events, steps),
         "by_cloud": _breakdown(instances, "cloud"),
         "by_region": _breakdown(instances, "region"),
         "by_instance_type": _breakdown(instances, "instance_type"),
@@ -352,6 +373,8 @@ def headline_rows(report: dict) -> list[tuple[str, str]]:
         ("preemptions / joins", f"{report['preemptions']} / {report['joins']}"),
         ("recovery (median)", f"{statistics.median(report['recovery_s']):.1f} s" if report["recovery_s"] else "-"),
         ("effective training time", _fmt(report["effective_training_time"], ".1%")),
+        ("sync bytes/token (data-parallel ÷ this)",
+         f"{_fmt(report['sync']['bytes_per_token'], ',.2f')} ({_fmt(report['sync']['vs_ddp'], ',.0f')}×)"),
         ("storage + egress (estimate)",
          f"${report['estimates']['checkpoint_storage_usd'] + report['estimates']['egress_usd']:.4f}"),
     ]

@@ -84,7 +84,9 @@ class StepResult:
         tokens: tokens trained in this step by those replicas.
         inner_s: slowest inner phase, seconds.
         sync_s: outer sync (all attempts), seconds.
-        bytes_sent: pseudo-gradient bytes each rank all-reduced.
+        bytes_sent: pseudo-gradient bytes each rank sent in the applied sync (the most of any rank).
+        network_s: seconds the slowest rank spent inside the applied sync's collectives (waited
+            on: nothing overlaps them yet).
         sync_attempts: all-reduce attempts (1 when nobody failed).
         steps_done: inner steps each contributing replica took (fewer when cut short by a notice).
         idle: replicas that took no inner step (a notice came before their first): nothing to add.
@@ -100,6 +102,7 @@ class StepResult:
     sync_s: float
     bytes_sent: int
     sync_attempts: int = 1
+    network_s: float = 0.0
     steps_done: dict = field(default_factory=dict)
     idle: list[int] = field(default_factory=list)
     inner_s_by_replica: dict = field(default_factory=dict)
@@ -134,6 +137,7 @@ class World:
         self.inner_step = 0
         self.cursor = 0  # next unleased sample index: the run's data position
         self.tokens = 0
+        self.params = 0   # the model's parameters, once a replica has set up
         self.phase = "idle"   # "inner" or "sync" while a step is under way
         self._phase_members: list[int] = []   # the replicas of the inner phase under way
         self._stop_at: dict[int, float] = {}  # noticed replica -> unix time it must contribute by
@@ -189,7 +193,8 @@ class World:
         """Start one replica per (instance_id, node_id), wait until all are set up, and admit them
         as the initial world (all start from the same seeded θ)."""
         new = [self.start_replica(i, n) for i, n in placements]
-        self._ray.get([r for rep in new for r in rep.setup_refs], timeout=self._recipe.world.step_timeout_s)
+        self._setup_done(self._ray.get([r for rep in new for r in rep.setup_refs],
+                                       timeout=self._recipe.world.step_timeout_s))
         for rep in new:
             self._enter(rep)
         return new
@@ -204,12 +209,16 @@ class World:
                     self._lose(rep, "setup timed out", 0, "setup")
                 continue
             try:
-                self._ray.get(done)
+                self._setup_done(self._ray.get(done))
             except Exception as exc:
                 self._lose(rep, f"setup failed: {_short(exc)}", 0, "setup")
                 continue
             ready.append(rep)
         return ready
+
+    def _setup_done(self, results: list[dict]) -> None:
+        """Note what a finished setup reports: the model's parameter count."""
+        self.params = results[0]["params"]
 
     def admit(self, rep: Replica, checkpoint: tuple[str, int, str] | None = None) -> str:
         """Admit a set-up joiner at this outer-step boundary, with its state from a live peer (or,
@@ -432,6 +441,7 @@ class World:
         self.tokens += tokens
         return StepResult(self.outer_step, members, losses, tokens, inner_s, sync_s,
                           max((s["bytes"] for s in sync_out.values()), default=0), attempts,
+                          max((s["network_s"] for s in sync_out.values()), default=0.0),
                           {rid: results[(rid, 0)]["steps"] for rid in members}, idle,
                           {rid: max(results[(rid, r)]["seconds"] for r in range(len(self.replicas[rid].actors)))
                            for rid in members})

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -115,3 +116,54 @@ def test_node_lost_during_upload_leaves_the_previous_checkpoint(nodes, local_clu
     got = load_into_new_world(recipe, nodes, uri, 2, str(tmp_path / "staging-new"))
     for k in at_two:
         assert torch.equal(got["after"][k], at_two[k]), k
+
+
+def error_feedback(rep) -> torch.Tensor:
+    return ray.get(rep.actors[0].export_state.remote())["outer"]["error"]
+
+
+def thetas_identical(world) -> None:
+    states = [world.call_replica(rep, "full_state")[0] for rep in world.replicas.values()]
+    for s in states[1:]:
+        assert all(torch.equal(s[k], states[0][k]) for k in s)
+
+
+def test_a_joiner_and_a_restore_carry_the_error_feedback(nodes, tmp_path):
+    """int8 sync: a joiner takes its peer's error feedback, a checkpoint keeps it, a world restored
+    from it has it back; after the next sync θ is identical on every replica."""
+    recipe = tiny_recipe(**{"world.replicas": 2, "world.sync_dtype": "int8", "train.outer_steps": 6})
+    uri = f"file://{tmp_path}/ckpt"
+    saver = ckpt.Checkpointer(uri, str(tmp_path / "staging"), keep_last=2, threads=2,
+                              ledger=Ledger(tmp_path / "events.jsonl"))
+    world = trained_world(recipe, nodes, steps=2)
+    try:
+        lead = world.lead_replica()
+        saver.save(world, lead, recipe.digest())
+        assert saver.wait(timeout_s=120)
+        saved = error_feedback(lead)
+        assert saved.abs().sum() > 0                  # int8 dropped something: there is state to carry
+        rep = world.start_replica("vm-join", nodes(1)[0])
+        deadline = time.monotonic() + 120
+        while rep not in world.ready_joiners():
+            assert time.monotonic() < deadline, "the joiner never finished its setup"
+            time.sleep(0.1)
+        assert world.admit(rep) == f"replica {lead.replica_id}"
+        assert torch.equal(error_feedback(rep), saved)
+        world.step()
+        assert len(world.replicas) == 3
+        thetas_identical(world)
+    finally:
+        world.shutdown()
+
+    restored = World(recipe)
+    try:
+        restored.add_replicas([(f"vm-r{i}", n) for i, n in enumerate(nodes(2))])
+        for rep in restored.replicas.values():
+            assert not error_feedback(rep).any()       # fresh: no error feedback yet
+            local = ray.get(rep.actors[0].fetch_checkpoint.remote(uri, 2, str(tmp_path / "staging-r")))
+            restored.call_replica(rep, "load_checkpoint", local)
+            assert torch.equal(error_feedback(rep), saved)
+        restored.step()
+        thetas_identical(restored)
+    finally:
+        restored.shutdown()

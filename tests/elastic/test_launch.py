@@ -86,6 +86,8 @@ def test_launch_trains_and_reports(tmp_path):
     assert len(report["instances"]) == 2 and all(i["cost_usd"] > 0 for i in report["instances"])
     assert report["cost_usd"] == pytest.approx(sum(i["cost_usd"] for i in report["instances"]), abs=1e-6)
     assert report["tokens"] == 8 * 2 * 20 * 8 * 128
+    # A float32 sync every H = 20 steps sends H / 2 = 10× less than DDP's bf16 gradient every step.
+    assert report["sync"]["vs_ddp"] == 10.0 and report["sync"]["bytes_sent"] > 0
     assert_outputs_of_any_ending(run_dir, out)
     # local-tiny's market does not move: every second at $0.40/h against $1.20/h on demand.
     assert report["on_demand_equivalent_usd"] == pytest.approx(3 * report["cost_usd"], rel=1e-3)

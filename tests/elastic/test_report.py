@@ -207,3 +207,22 @@ def test_summary_table_renders_missing_figures():
     console.print(summary_table(build_report([])))
     text = console.export_text()
     assert "running" in text and "- → -" in text
+
+
+def test_sync_bytes_per_token_against_data_parallel():
+    """Two steps of two replicas × one rank, 1,000,000 bytes each per step, 40,960 tokens per step,
+    H = 20, a model of 10⁶ parameters: DDP would send 4 (n−1) H P = 8·10⁷ bytes per step."""
+    events = run_events()
+    events.insert(3, {"t": T0 + 12, "type": "world_formed", "epoch": 2, "replicas": [0, 1], "outer_step": 0,
+                      "params": 1_000_000})
+    for e in events:
+        if e["type"] == "outer_step":
+            e["steps_done"] = {"0": 20, "1": 20}
+            e["network_s"] = 1.5
+    sync = build_report(events)["sync"]
+    assert sync["bytes_sent"] == 2 * 2 * 1_000_000
+    assert sync["bytes_per_token"] == round(4_000_000 / 81_920, 4)
+    assert sync["ddp_bytes_per_token"] == round(2 * 80_000_000 / 81_920, 4)
+    assert sync["vs_ddp"] == 40.0 and sync["network_s"] == 3.0
+    # A ledger from before the field (no params): no comparison, never a wrong one.
+    assert build_report(run_events())["sync"]["vs_ddp"] is None

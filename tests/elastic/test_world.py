@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -171,3 +172,31 @@ def test_notice_deadlines_end_the_phase_for_every_member_or_sit_the_late_out(nod
         assert res.replicas == [] and res.idle == [a] and (world.outer_step, world.inner_step) == (step, inner)
     finally:
         world.shutdown()
+
+
+def run_losses(recipe, nodes):
+    """Train a world to the end; (last outer step's mean loss, each replica's θ, the last StepResult)."""
+    world = World(recipe)
+    try:
+        ids = nodes(recipe.world.replicas, cpus=1)
+        world.add_replicas([(f"vm{i}", node_id) for i, node_id in enumerate(ids)])
+        while not world.done():
+            res = world.step()
+        states = {rid: world.call_replica(rep, "full_state")[0] for rid, rep in world.replicas.items()}
+        return sum(res.losses) / len(res.losses), states, res
+    finally:
+        world.shutdown()
+
+
+def test_int8_and_sparse_worlds_train_like_float32_with_far_fewer_bytes(nodes):
+    base = {"world.replicas": 2, "train.outer_steps": 6}
+    loss32, _, res32 = run_losses(tiny_recipe(**base), nodes)
+    loss8, s8, res8 = run_losses(tiny_recipe(**base, **{"world.sync_dtype": "int8"}), nodes)
+    sparse, ss, res_sp = run_losses(tiny_recipe(**base, **{"world.sync": "sparse", "world.sync_density": 0.03,
+                                                          "train.outer_momentum": 0.0, "train.outer_lr": 1.0}), nodes)
+    assert_states_close(s8[0], s8[1], atol=0, rtol=0)   # identical θ on every replica
+    assert_states_close(ss[0], ss[1], atol=0, rtol=0)
+    assert abs(loss8 - loss32) <= 0.02 * loss32, (loss8, loss32)
+    assert res32.bytes_sent / res8.bytes_sent > 3.5        # the tiny model's ragged last chunk costs a little
+    assert res32.bytes_sent / res_sp.bytes_sent > 20
+    assert sparse < math.log(256) - 0.3, (sparse, loss32)   # it trains (from uniform over bytes: ln 256)
