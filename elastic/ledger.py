@@ -8,10 +8,14 @@ tally. Each line is written whole and flushed, so a crash leaves at most one tor
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
 from pathlib import Path
+from typing import Callable
+
+log = logging.getLogger("elastic.events")
 
 
 class Ledger:
@@ -25,6 +29,9 @@ class Ledger:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        # Called with each event after it is written (the live terminal view); a listener that
+        # fails is logged, never the run's problem.
+        self.listeners: list[Callable[[dict], None]] = []
         self._f = open(self.path, "a", encoding="utf-8")
         self.events: list[dict] = read_events(self.path)
         # A crash can leave a torn last line with no newline; end it, or the next event would be glued
@@ -41,6 +48,12 @@ class Ledger:
             self._f.write(line + "\n")
             self._f.flush()
             self.events.append(event)
+        log.info("%s", type_, extra={"event": event})
+        for listener in list(self.listeners):
+            try:
+                listener(event)
+            except Exception:
+                log.exception("ledger listener")
         return event
 
     def sync(self) -> None:
