@@ -38,7 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     offline_arg(sp)
 
     sp = sub.add_parser("report", help="rebuild report.json and report.html of a run from its ledger and print the summary")
-    sp.add_argument("run_dir", type=Path)
+    sp.add_argument("run_dir", type=Path, nargs="?",
+                    help="the run directory (default: the run under runs/ whose ledger changed last)")
     sp.add_argument("--compare", type=Path, metavar="OTHER_RUN_DIR",
                     help="also read another run's ledger and print both side by side")
 
@@ -205,6 +206,9 @@ def _dispatch(args, err) -> int:
         from elastic.errors import UserError
         from elastic.ledger import read_events
         from elastic.report import build_report, compare_table, summary_table, write_report
+        from elastic.status import latest_run_dir
+        args.run_dir = args.run_dir or latest_run_dir()
+        out = plain_console(out)
         for d in filter(None, [args.run_dir, args.compare]):
             if not (d / "events.jsonl").is_file():
                 raise UserError(f"{d}: no events.jsonl (not a run directory)")
@@ -214,11 +218,12 @@ def _dispatch(args, err) -> int:
         else:
             other = build_report(read_events(args.compare / "events.jsonl"))
             out.print(compare_table(report, other, args.run_dir.name, args.compare.name))
-        out.print(f"report: {args.run_dir / 'report.json'}, {args.run_dir / 'report.html'}", highlight=False)
+        out.print(f"report: {args.run_dir / 'report.json'}, {args.run_dir / 'report.html'}", highlight=False,
+                  soft_wrap=True)
         return 0
     if args.command == "status":
         from elastic.status import latest_run_dir, watch
-        return watch(args.run_dir or latest_run_dir(), out, once=args.once)
+        return watch(args.run_dir or latest_run_dir(), plain_console(out), once=args.once)
     if args.command == "checkpoints":
         return _checkpoints(args, out, err)
     if args.command == "plan":

@@ -304,7 +304,8 @@ def launch(recipe: Recipe, run_dir: Path, address: str | None = None, console=No
                 _save_throughput(recipe, ledger.events)
                 report = write_report(run_dir)
                 log.info("run ended: %s; report %s", status, run_dir / "report.html")
-    console.print(summary_table(report))
+    from elastic.cli import plain_console
+    plain_console(console).print(summary_table(report))
     if message:
         console.print(f"[red]error:[/red] {escape(message)}" if status == "failed"
                       else f"[yellow]{escape(message)}[/yellow]", highlight=False, soft_wrap=True)
