@@ -117,6 +117,28 @@ def event_line(e: dict) -> str | None:
     return None
 
 
+def story_line(console, text: str, style: str = "") -> None:
+    """One timestamped line of the run's story (above the live panel while it shows)."""
+    from datetime import datetime
+
+    stamp = datetime.now().strftime("%H:%M:%S")
+    body = f"[{style}]{escape(text)}[/{style}]" if style else escape(text)
+    console.print(f"[dim]{stamp}[/dim] {body}", highlight=False, soft_wrap=True)
+
+
+def story_listener(console):
+    """A ledger listener printing `event_line` of each event that tells the story."""
+    bad = {"node_preempted", "replica_lost", "checkpoint_failed", "checkpoint_upload_failed", "budget_exhausted",
+           "world_restored"}
+
+    def on_event(e: dict) -> None:
+        text = event_line(e)
+        if text is not None:
+            story_line(console, text, "red" if e["type"] in bad else "yellow" if e["type"] == "node_notice" else "")
+
+    return on_event
+
+
 class _View:
     """Live terminal view while training: a rich panel when attached to a terminal (it stays on
     screen at the end), else one plain line per outer step; above it, one line per event that tells
@@ -152,19 +174,7 @@ class _View:
 
     def line(self, text: str, style: str = "") -> None:
         """One line above the panel (or in the plain output)."""
-        from datetime import datetime
-
-        stamp = datetime.now().strftime("%H:%M:%S")
-        body = f"[{style}]{escape(text)}[/{style}]" if style else escape(text)
-        self._console.print(f"[dim]{stamp}[/dim] {body}", highlight=False, soft_wrap=True)
-
-    def on_event(self, e: dict) -> None:
-        """Ledger listener: the story's lines."""
-        text = event_line(e)
-        if text is not None:
-            bad = e["type"] in ("node_preempted", "replica_lost", "checkpoint_failed", "checkpoint_upload_failed",
-                                "budget_exhausted", "world_restored")
-            self.line(text, "red" if bad else "yellow" if e["type"] == "node_notice" else "")
+        story_line(self._console, text, style)
 
     def phase(self, text: str) -> None:
         if text == self._rows.get("phase"):
@@ -265,6 +275,8 @@ def launch(recipe: Recipe, run_dir: Path, address: str | None = None, console=No
                       host=socket.gethostname(),
                       target_replicas=recipe.world.replicas, ranks_per_replica=recipe.world.ranks_per_replica)
         _record_plan(recipe, ledger)
+        # Every event of the story gets its line, also those of the start and of the teardown.
+        ledger.listeners.append(story_listener(console))
         status, message = "failed", None
         driver = None
         t_start = time.monotonic()
@@ -278,11 +290,7 @@ def launch(recipe: Recipe, run_dir: Path, address: str | None = None, console=No
                 with console.status("starting Ray cluster…"):
                     driver.start_cluster(address)
                 with _View(console, recipe, driver.world.total_outer_steps) as view:
-                    ledger.listeners.append(view.on_event)
-                    try:
-                        status = driver.run(view)
-                    finally:
-                        ledger.listeners.remove(view.on_event)
+                    status = driver.run(view)
                 message = driver.end_message
         except KeyboardInterrupt:
             status, message = "interrupted", "interrupted by signal"

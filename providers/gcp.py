@@ -351,7 +351,8 @@ class GCPProvider(CloudProvider):
             return ["gcp: resources.accelerators: the gcp provider needs a GPU, e.g. L4:1"]
         accel = next((a for a, name in GPU_NAMES.items() if gpu_matches(model, name)), None)
         if accel is None:
-            return [f"gcp: resources.accelerators: GCP offers no {model!r}; known: {', '.join(ACCELERATOR_TYPES)}"]
+            return [f"gcp: resources.accelerators: GCP offers no {model!r}; known: "
+                    f"{', '.join(sorted(set(GPU_NAMES.values())))}"]
         try:
             project, retry = self.project, self._retry()
             zones = self._call("zones", lambda: list(self._client("zones").list(project=project, retry=retry)))
@@ -488,6 +489,11 @@ class GCPProvider(CloudProvider):
         GPU-hour first. Without an accelerator, none: elastic rents GPU VMs on GCP."""
         if not resources.accelerators:
             return []
+        model = resources.accelerators.partition(":")[0]
+        if not any(gpu_matches(model, name) for name in GPU_NAMES.values()):
+            from elastic.errors import UserError
+            raise UserError(f"resources.accelerators: GCP offers no {model!r}; known: "
+                            f"{', '.join(sorted(set(GPU_NAMES.values())))}")
         key = (resources.accelerators, tuple(resources.regions), resources.spot, resources.max_usd_per_hour)
         if self._memo and self._memo[1] == key and time.monotonic() - self._memo[0] < OFFERS_MEMO_S:
             return list(self._memo[2])   # the driver asks often; the disk caches change rarely

@@ -105,3 +105,11 @@ def test_gcp_region_and_quota(gcp_fake, tmp_path):
     assert any("asia-south9 does not exist" in ln for ln in lines), lines
     assert any("PREEMPTIBLE_NVIDIA_L4_GPUS" in ln and "us-central1" in ln for ln in lines), lines
     assert len(lines) == 2
+
+
+@pytest.mark.parametrize("cloud", ["local", "aws", "gcp"])
+def test_unknown_accelerator_is_an_error_on_every_cloud(tmp_path, cloud):
+    env = _no_cloud_env(tmp_path)
+    r = run_cli("prices", "--cloud", cloud, "--accelerator", "NONSENSE", env=env)
+    assert r.returncode == 2 and "NONSENSE" in r.stderr and "Traceback" not in r.stderr, (r.stdout, r.stderr)
+    assert "offers" not in r.stdout
