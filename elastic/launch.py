@@ -328,8 +328,9 @@ def _record_plan(recipe: Recipe, ledger: Ledger) -> None:
 
     try:
         placement = plan_now(recipe)
-    except Exception:
-        log.warning("no plan recorded", exc_info=True)
+    except Exception as exc:
+        log.warning("no plan recorded: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                    exc_info=True)
         return
     if placement is None:
         return

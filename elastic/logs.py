@@ -32,18 +32,30 @@ class JsonLines(logging.Formatter):
         return json.dumps(doc, default=str)
 
 
+class OneLine(logging.Formatter):
+    """The terminal's form of a record: one line, never a traceback (that goes to driver.log)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(logging.makeLogRecord({**record.__dict__, "exc_info": None, "exc_text": None,
+                                                     "stack_info": None}))
+        first = text.splitlines()[0] if text else ""
+        return first + (" (traceback in driver.log)" if record.exc_info else "")
+
+
 @contextmanager
 def run_logging(log_path: Path, console):
     """While the block runs: `elastic.*` and `providers.*` at INFO to `log_path` as JSON lines, and
-    their warnings and errors to `console` (rich's handler on a terminal, plain lines otherwise)."""
+    their warnings and errors to `console` as one line each (rich's handler on a terminal, plain
+    lines otherwise), tracebacks to the file only."""
     file_handler = logging.FileHandler(log_path, encoding="utf-8")
     file_handler.setFormatter(JsonLines())
     if console.is_terminal:
         from rich.logging import RichHandler
         term: logging.Handler = RichHandler(console=console, show_path=False, markup=False, rich_tracebacks=False)
+        term.setFormatter(OneLine("%(message)s"))
     else:
         term = logging.StreamHandler(sys.stderr)
-        term.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        term.setFormatter(OneLine("%(levelname)s %(name)s: %(message)s"))
     term.setLevel(logging.WARNING)
     loggers = [logging.getLogger(n) for n in LOGGERS]
     levels = [lg.level for lg in loggers]
