@@ -19,6 +19,10 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD.PATH=VALUE",
                         help="override a recipe field (repeatable), e.g. --set train.outer_steps=5")
 
+    def offline_arg(sp):
+        sp.add_argument("--offline", action="store_true",
+                        help="skip the preflight calls to the clouds (credentials, regions, quota, checkpoint bucket)")
+
     sp = sub.add_parser("launch", help="run a recipe: rent nodes, train, checkpoint, report")
     recipe_args(sp)
     sp.add_argument("--run-dir", type=Path, help="where the run writes (default runs/<name>-<UTC time>/)")
@@ -26,12 +30,16 @@ def _parser() -> argparse.ArgumentParser:
                     help="continue from the latest complete checkpoint at the recipe's checkpoint.uri "
                          "(any world shape: replicas and ranks per replica may differ)")
     sp.add_argument("--address", help="HOST:PORT of a running Ray head on this machine to add the local nodes to (default: start a local cluster)")
+    offline_arg(sp)
 
-    sp = sub.add_parser("validate", help="check a recipe; print every problem, one line each")
+    sp = sub.add_parser("validate", help="check a recipe and what its clouds need (credentials, project, regions, "
+                                          "quota, checkpoint bucket); print every problem, one line each")
     recipe_args(sp)
+    offline_arg(sp)
 
     sp = sub.add_parser("report", help="rebuild report.json and report.html of a run from its ledger and print the summary")
-    sp.add_argument("run_dir", type=Path)
+    sp.add_argument("run_dir", type=Path, nargs="?",
+                    help="the run directory (default: the run under runs/ whose ledger changed last)")
     sp.add_argument("--compare", type=Path, metavar="OTHER_RUN_DIR",
                     help="also read another run's ledger and print both side by side")
 
@@ -51,6 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("plan", help="where the recipe would rent now: placement, USD/h, expected USD per 1M tokens and hours")
     recipe_args(sp)
     sp.add_argument("--json", action="store_true", help="print the placement as JSON")
+    sp.add_argument("--refresh", action="store_true", help="read prices now, bypassing the on-disk cache")
 
     sp = sub.add_parser("simulate", help="compare rental policies on a price/preemption trace, in simulated time")
     recipe_args(sp)
@@ -97,9 +106,24 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--to", type=Path, required=True, metavar="DIR", help="directory to write")
     sp.add_argument("--step", type=int, help="the checkpoint to export (default: the newest complete one)")
 
+    sp = sub.add_parser("cache", help="what elastic keeps between runs ($ELASTIC_CACHE, else ~/.cache/elastic)")
+    ca = sp.add_subparsers(dest="action", metavar="ACTION", required=True)
+    cc = ca.add_parser("clear", help="forget cached cloud answers (prices, catalogs, regions)")
+    cc.add_argument("--all", action="store_true",
+                    help="also forget what runs measured (preemption rates, tokens/s) that plans learn from")
+
     sp = sub.add_parser("schema", help="print the recipe's JSON schema (for editors) or its reference")
     sp.add_argument("--markdown", action="store_true", help="the recipe reference as Markdown")
     return p
+
+
+def plain_console(console):
+    """`console` on a terminal; piped, a wide console, so tables keep whole rows and words (a
+    table squeezed into 80 columns wraps `cloud:zone` cells letter by letter)."""
+    if console.is_terminal:
+        return console
+    from rich.console import Console
+    return Console(width=200, file=console.file, soft_wrap=True)
 
 
 def _is_host_port(address: str) -> bool:
@@ -163,6 +187,9 @@ def _dispatch(args, err) -> int:
         recipe = load_recipe(args.recipe, args.overrides)
         if problems := launch_problems(recipe, args.recipe):
             raise UserError(problems)
+        if not args.offline:
+            from elastic.preflight import check
+            check(recipe)
         out.print(f"{escape(args.recipe)}: ok ({recipe.name}: {recipe.world.replicas} replica(s) × "
                   f"{recipe.world.ranks_per_replica} rank(s), H={recipe.train.inner_steps})", highlight=False)
         return 0
@@ -176,6 +203,21 @@ def _dispatch(args, err) -> int:
         from elastic.recipe import launch_problems
         if problems := launch_problems(recipe, args.recipe):
             raise UserError(problems)
+        if not args.offline:   # before a run directory or Ray: a cloud mistake costs a second
+            from elastic.preflight import check
+            check(recipe)
+        if args.resume:
+            from elastic import checkpoint as ckpt
+            if not recipe.checkpoint.uri:
+                raise UserError("--resume: set checkpoint.uri to where the checkpoints are "
+                                "(a run's default <run dir>/checkpoints is not shared with a new run)")
+            from elastic.storage import open_storage
+            try:
+                store = open_storage(recipe.checkpoint.uri)
+            except UserError as exc:
+                raise UserError(f"--resume: no complete checkpoint ({exc})") from None
+            if not ckpt.complete_steps(store):
+                raise UserError(f"--resume: no complete checkpoint at {recipe.checkpoint.uri}")
         from elastic import checkpoint as ckpt
         ckpt.check_destination(recipe.checkpoint.uri, args.resume, ckpt.model_digest(recipe))
         from elastic.launch import launch_controller, uses_controller
@@ -189,6 +231,9 @@ def _dispatch(args, err) -> int:
         from elastic.errors import UserError
         from elastic.ledger import read_events
         from elastic.report import build_report, compare_table, summary_table, write_report
+        from elastic.status import latest_run_dir
+        args.run_dir = args.run_dir or latest_run_dir()
+        out = plain_console(out)
         for d in filter(None, [args.run_dir, args.compare]):
             if not (d / "events.jsonl").is_file():
                 raise UserError(f"{d}: no events.jsonl (not a run directory)")
@@ -198,11 +243,12 @@ def _dispatch(args, err) -> int:
         else:
             other = build_report(read_events(args.compare / "events.jsonl"))
             out.print(compare_table(report, other, args.run_dir.name, args.compare.name))
-        out.print(f"report: {args.run_dir / 'report.json'}, {args.run_dir / 'report.html'}", highlight=False)
+        out.print(f"report: {args.run_dir / 'report.json'}, {args.run_dir / 'report.html'}", highlight=False,
+                  soft_wrap=True)
         return 0
     if args.command == "status":
         from elastic.status import latest_run_dir, watch
-        return watch(args.run_dir or latest_run_dir(), out, once=args.once)
+        return watch(args.run_dir or latest_run_dir(), plain_console(out), once=args.once)
     if args.command == "checkpoints":
         return _checkpoints(args, out, err)
     if args.command == "plan":
@@ -223,11 +269,33 @@ def _dispatch(args, err) -> int:
         out.print(f"exported step {done['step']} of {args.run_dir} ({done['params']:,} parameters) to "
                   f"{done['to']} ({done['format']})", highlight=False)
         return 0
+    if args.command == "cache":
+        return _cache_clear(args, out)
     if args.command == "schema":
         from elastic.schema import json_schema, markdown_reference
         sys.stdout.write(markdown_reference() if args.markdown else json_schema())
         return 0
     raise AssertionError(args.command)
+
+
+def _cache_clear(args, out) -> int:
+    import shutil
+
+    from elastic.cache import cache_dir
+    from elastic.market import history_path, throughput_path
+    from providers.cloud import price_cache_dir
+
+    gone = []
+    if price_cache_dir().is_dir():
+        gone.append(f"{sum(1 for _ in price_cache_dir().iterdir())} cached cloud answer(s)")
+        shutil.rmtree(price_cache_dir())
+    if args.all:
+        for path in (history_path(), throughput_path()):
+            if path.exists():
+                path.unlink()
+                gone.append(path.name)
+    out.print(f"cleared {', '.join(gone) if gone else 'nothing'} in {cache_dir()}", highlight=False, soft_wrap=True)
+    return 0
 
 
 def _checkpoints(args, out, err) -> int:
@@ -285,39 +353,40 @@ def _prepare_data(args, out) -> int:
 
 def _plan(args, out) -> int:
     import json
-    import time
 
     from rich.table import Table
 
     from elastic.errors import UserError
-    from elastic.market import Market, live_offers, load_history
-    from elastic.planner import plan
+    from elastic.market import plan_now
     from elastic.recipe import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
-    offers = live_offers(recipe)
-    if not offers:
+    if args.refresh:
+        from providers import cloud as cloud_common
+        cloud_common.set_refresh(True)
+    placement = plan_now(recipe)
+    if placement is None:
         raise UserError("resources: no offer matches resources.clouds / regions / accelerators / max_usd_per_hour")
-    quotes = Market(recipe.planner, load_history()).quotes(offers, time.time())
-    placement = plan(quotes, recipe)
     doc = placement.to_dict(recipe)
     if args.json:
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
     else:
         table = Table(title=f"plan for {recipe.name}", title_justify="left")
-        numeric = ("n", "USD/h", "risk/h", "capacity", "USD/1M tok")
-        for col in ("n", "cloud:zone", "instance type", "GPUs", "USD/h", "risk/h", "capacity", "USD/1M tok"):
-            table.add_column(col, justify="right" if col in numeric else "left", no_wrap=col != "cloud:zone",
-                             overflow="fold")
+        numeric = ("n", "USD/h", "risk/h", "capacity", "tok/s", "USD/1M tok")
+        for col in ("n", "cloud:zone", "instance type", "GPUs", "USD/h", "risk/h", "capacity", "tok/s", "USD/1M tok"):
+            table.add_column(col, justify="right" if col in numeric else "left", no_wrap=True)
         for s in doc["placement"]:
             table.add_row(str(s["replicas"]), f"{s['cloud']}:{s['zone']}", s["instance_type"],
                           f"{s['gpus']}×{s['gpu']}" if s["gpus"] else "-", f"{s['usd_per_hour']:.2f}",
                           f"{s['preempt_per_hour']:.2f} {s['risk_source']}",
-                          "?" if s["capacity"] is None else str(s["capacity"]), f"{s['usd_per_mtok']:.4f}")
+                          "?" if s["capacity"] is None else str(s["capacity"]),
+                          f"{s['tokens_per_s']:,.0f} {s['tokens_per_s_source']}", f"{s['usd_per_mtok']:.4f}")
+        out = plain_console(out)
         out.print(table)
         if doc["usd_per_mtok"] is not None:
             out.print(f"world: {doc['replicas']} replica(s), ${doc['usd_per_hour']:.2f}/h, "
-                      f"{doc['useful_tokens_per_s']:,.0f} useful tokens/s, ${doc['usd_per_mtok']:.4f} per 1M tokens; "
+                      f"{doc['useful_tokens_per_s']:,.0f} useful tokens/s ({doc['tokens_per_s_source']}), "
+                      f"${doc['usd_per_mtok']:.4f} per 1M tokens; "
                       f"{doc['tokens_needed']:,} tokens in about {doc['expected_hours']:.1f} h for "
                       f"${doc['expected_usd']:,.2f}", highlight=False)
         for w in doc["warnings"]:

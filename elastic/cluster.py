@@ -78,13 +78,22 @@ def _kill_children(node) -> None:
                 pass
 
 
+def ray_messages_log() -> logging.Logger:
+    """The logger of Ray's cluster messages: outside `elastic.*` (so not in the run's driver.log),
+    written to `driver_messages.log` in the Ray session's log directory once the cluster runs."""
+    ray_log = logging.getLogger("ray_driver_messages")
+    ray_log.propagate = False
+    ray_log.setLevel(logging.INFO)
+    return ray_log
+
+
 def _route_ray_messages() -> None:
     """Ray's driver prints cluster messages (a node marked dead, a raylet's last log lines) straight
     to stdout. For elastic a dead node is the normal path, and the terminal shows our own view: send
-    them to the log (the run's driver.log) instead."""
+    them to Ray's own log directory instead (`ray_messages_log`)."""
     import ray._private.worker as ray_worker
 
-    ray_log = logging.getLogger("elastic.ray")
+    ray_log = ray_messages_log()
 
     def to_log(data, ignore_prefix=False):
         for line in data.get("lines", []):
@@ -144,6 +153,11 @@ class LocalCluster:
         self.gcs_address = ray.get_runtime_context().gcs_address
         # Every process of this cluster carries this directory on its command line.
         self.session_dir = ray._private.worker._global_node.get_session_dir_path()
+        ray_log = ray_messages_log()
+        for h in list(ray_log.handlers):   # an earlier cluster of this process: its session is over
+            ray_log.removeHandler(h)
+            h.close()
+        ray_log.addHandler(logging.FileHandler(os.path.join(self.session_dir, "logs", "driver_messages.log")))
 
     def add_node(self, cpus: int, gpus: int, labels: dict[str, str], resources: dict[str, float],
                  object_store_bytes: int, timeout_s: float = 60.0) -> str:

@@ -96,7 +96,7 @@ class Driver:
         from elastic.world import World
         from providers import build
 
-        from elastic.market import Market, load_history
+        from elastic.market import Market, load_history, load_throughput, workload_key
 
         self.cluster = cluster
         self.providers = {name: build(name, self.recipe, cluster, self.run_name)
@@ -105,7 +105,8 @@ class Driver:
         # The driver rests an offer that refused capacity OFFER_COOLDOWN_S itself (`_cooldown`).
         t = self.recipe.train
         self.market = Market(self.recipe.planner, load_history(), capacity_cooldown_s=0.0,
-                             tokens_per_inner_step=t.batch_size * t.seq_len)
+                             tokens_per_inner_step=t.batch_size * t.seq_len,
+                             measured_before=load_throughput(workload_key(self.recipe)))
         self.world = World(self.recipe, on_loss=self._record_loss, on_tick=self.tick)
         threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
 

@@ -94,10 +94,8 @@ def prices(args, out) -> int:
     for r in rows:
         t.add_row(r["cloud"], r["region"], r["zone"], r["instance_type"], f"{r['gpus']}×{r['gpu']}" if r["gpus"] else "-",
                   str(r["cpus"]), _usd(r["usd_per_hour"]), _usd(r["usd_per_gpu_hour"]), _usd(r["on_demand_usd_per_hour"]))
-    if not out.is_terminal:   # piped: whole rows, not a table squeezed into 80 columns
-        from rich.console import Console
-        out = Console(width=160)
-    out.print(t)
+    from elastic.cli import plain_console
+    plain_console(out).print(t)
     return 0
 
 

@@ -14,7 +14,6 @@ import os
 import signal
 import socket
 import time
-import traceback
 from contextlib import contextmanager
 
 from rich.markup import escape
@@ -78,9 +77,77 @@ def _signals_ignored():
             signal.signal(s, h)
 
 
+BUDGET_WARN_FRACTION = 0.8   # one line when the run has spent this share of budget.max_usd
+
+
+def event_line(e: dict) -> str | None:
+    """The terminal's one line for a ledger event that tells the run's story (a node rented, a
+    notice, a preemption, a join, a loss, a committed checkpoint, a move, the budget), or None for
+    the rest (outer steps are the panel's)."""
+    kind, iid = e["type"], e.get("instance_id", "")
+    replica = f"replica {e['replica']}" if e.get("replica") is not None else "no replica"
+    if kind == "node_launched":
+        kind_s = "spot" if e.get("spot") else "on-demand"
+        return (f"rented {iid}: {e['instance_type']} in {e['cloud']}:{e['zone']} ({kind_s}, "
+                f"${e['usd_per_hour']:.4f}/h)")
+    if kind == "node_notice":
+        return f"notice: {iid} ({replica}) will be reclaimed in {e.get('notice_s', 0):.0f} s"
+    if kind == "node_preempted":
+        return f"preempted: {iid} ({replica}, {'after a notice' if e.get('with_notice') else 'no notice'})"
+    if kind == "replica_joined":
+        return f"joined: replica {e['replica']} on {iid} after outer step {e['outer_step']} (state from {e['source']})"
+    if kind == "replica_lost":
+        return f"lost: replica {e['replica']} on {iid} ({e['reason']}, {e['lost_inner_steps']} inner step(s) lost)"
+    if kind == "replica_drained":
+        return f"drained: replica {e['replica']} on {iid} gave its last step"
+    if kind == "checkpoint_uploaded":
+        return f"checkpoint step {e['step']} committed to {e['uri']} ({e['bytes'] / 1e6:.1f} MB in {e['seconds']:.1f} s)"
+    if kind in ("checkpoint_failed", "checkpoint_upload_failed"):
+        return f"checkpoint step {e['step']} failed: {e['message']}"
+    if kind == "capacity_error":
+        return f"no capacity: {e['instance_type']} in {e['zone']}"
+    if kind == "node_join_timeout":
+        return f"never joined: {iid}"
+    if kind == "replica_move":
+        return (f"moving: {e['drain_instance_id']} to {e['instance_type']} in {e['zone']} "
+                f"(${e['usd_per_mtok_before']:.4f} → ${e['usd_per_mtok_after']:.4f} per 1M tokens)")
+    if kind == "world_target":
+        return f"world grows to {e['replicas']} replicas to finish within budget.max_hours"
+    if kind == "launch_held_back":
+        return f"launches held back ({e['reason']})"
+    if kind == "budget_exhausted":
+        return f"budget: stopping ({e['reason']})"
+    if kind == "world_restored":
+        return f"every replica lost: restarting from {'checkpoint step ' + str(e['from_step']) if e.get('uri') else 'the initial state'}"
+    return None
+
+
+def story_line(console, text: str, style: str = "") -> None:
+    """One timestamped line of the run's story (above the live panel while it shows)."""
+    from datetime import datetime
+
+    stamp = datetime.now().strftime("%H:%M:%S")
+    body = f"[{style}]{escape(text)}[/{style}]" if style else escape(text)
+    console.print(f"[dim]{stamp}[/dim] {body}", highlight=False, soft_wrap=True)
+
+
+def story_listener(console):
+    """A ledger listener printing `event_line` of each event that tells the story."""
+    bad = {"node_preempted", "replica_lost", "checkpoint_failed", "checkpoint_upload_failed", "budget_exhausted",
+           "world_restored"}
+
+    def on_event(e: dict) -> None:
+        text = event_line(e)
+        if text is not None:
+            story_line(console, text, "red" if e["type"] in bad else "yellow" if e["type"] == "node_notice" else "")
+
+    return on_event
+
+
 class _View:
-    """Live terminal view while training: a rich table when attached to a terminal, else one
-    plain line per outer step."""
+    """Live terminal view while training: a rich panel when attached to a terminal (it stays on
+    screen at the end), else one plain line per outer step; above it, one line per event that tells
+    the story (`event_line`) and a budget warning."""
 
     def __init__(self, console, recipe: Recipe, total_outer: int):
         self._console = console
@@ -88,6 +155,7 @@ class _View:
         self._total = total_outer
         self._live = None
         self._rows: dict[str, str] = {"phase": "starting"}
+        self._budget_warned = False
 
     def __enter__(self):
         if self._console.is_terminal:
@@ -109,6 +177,10 @@ class _View:
             t.add_row(k, v)
         return t
 
+    def line(self, text: str, style: str = "") -> None:
+        """One line above the panel (or in the plain output)."""
+        story_line(self._console, text, style)
+
     def phase(self, text: str) -> None:
         if text == self._rows.get("phase"):
             return   # plain output: each change once, not every tick
@@ -116,7 +188,7 @@ class _View:
         if self._live is not None:
             self._live.update(self._render())
         else:
-            self._console.print(f"[dim]{escape(text)}[/dim]", highlight=False)
+            self._console.print(f"[dim]{escape(text)}[/dim]", highlight=False, soft_wrap=True)
 
     def validation(self, outer_step: int, loss: float, perplexity: float) -> None:
         """A validation result: a row of the live table, or a line."""
@@ -131,6 +203,10 @@ class _View:
         h = self._recipe.train.inner_steps
         loss = sum(res.losses) / len(res.losses) if res.losses else float("nan")
         previous = self._rows
+        max_usd = self._recipe.budget.max_usd
+        if max_usd and usd >= BUDGET_WARN_FRACTION * max_usd and not self._budget_warned:
+            self._budget_warned = True
+            self.line(f"budget: ${usd:.4f} spent, {100 * usd / max_usd:.0f}% of budget.max_usd ${max_usd:g}", "yellow")
         self._rows = {
             "phase": "training",
             "outer step": f"{res.outer_step}/{self._total}",
@@ -149,7 +225,7 @@ class _View:
             self._console.print(
                 f"outer {res.outer_step}/{self._total}  inner {world.inner_step}  loss {loss:.4f}  "
                 f"tok/s {tokens_per_s:,.0f}  world {len(res.replicas)}×{self._recipe.world.ranks_per_replica}  "
-                f"${usd:.4f}", highlight=False)
+                f"${usd:.4f}", highlight=False, soft_wrap=True)
 
 
 def uses_controller(recipe: Recipe, address: str | None) -> bool:
@@ -203,61 +279,93 @@ def launch(recipe: Recipe, run_dir: Path, address: str | None = None, console=No
     """Run a recipe end to end; returns the process exit code."""
     from rich.console import Console
 
-    from rich.markup import escape
-
+    from elastic.logs import run_logging
     from elastic.report import summary_table, write_report
 
     console = console or Console()
     prepare_run_dir(run_dir)
     (run_dir / "recipe.yaml").write_text(dump_recipe(recipe), encoding="utf-8")
-    handler = logging.FileHandler(run_dir / "driver.log")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.getLogger("elastic").addHandler(handler)
-    logging.getLogger("elastic").setLevel(logging.INFO)
-    logging.getLogger("providers").addHandler(handler)
-
     run = run_dir.name
-    ledger = Ledger(run_dir / "events.jsonl")
-    ledger.append("run_started", run=run, recipe=recipe.name, recipe_digest=recipe.digest(), pid=os.getpid(),
-                  host=socket.gethostname(),
-                  target_replicas=recipe.world.replicas, ranks_per_replica=recipe.world.ranks_per_replica)
-    status, message = "failed", None
-    driver = None
-    t_start = time.monotonic()
-    try:
-        with _signals_raise_interrupt():
-            console.print(f"[bold]elastic[/bold] run [cyan]{escape(run)}[/cyan] → {escape(str(run_dir))}",
-                          highlight=False)
-            from elastic.driver import Driver
+    with run_logging(run_dir / "driver.log", console):
+        ledger = Ledger(run_dir / "events.jsonl")
+        ledger.append("run_started", run=run, recipe=recipe.name, recipe_digest=recipe.digest(), pid=os.getpid(),
+                      host=socket.gethostname(),
+                      target_replicas=recipe.world.replicas, ranks_per_replica=recipe.world.ranks_per_replica)
+        _record_plan(recipe, ledger)
+        # Every event of the story gets its line, also those of the start and of the teardown.
+        ledger.listeners.append(story_listener(console))
+        status, message = "failed", None
+        driver = None
+        t_start = time.monotonic()
+        try:
+            with _signals_raise_interrupt():
+                console.print(f"[bold]elastic[/bold] run [cyan]{escape(run)}[/cyan] → {escape(str(run_dir))}",
+                              highlight=False, soft_wrap=True)
+                from elastic.driver import Driver
 
-            driver = Driver(recipe, run_dir, ledger, resume=resume)
-            with console.status("starting Ray cluster…"):
-                driver.start_cluster(address)
-            with _View(console, recipe, driver.world.total_outer_steps) as view:
-                status = driver.run(view)
-            message = driver.end_message
-    except KeyboardInterrupt:
-        status, message = "interrupted", "interrupted by signal"
-    except UserError as exc:
-        status, message = "failed", "; ".join(exc.lines)
-    except Exception as exc:  # the run fails; the user gets one line, the log the traceback
-        status, message = "failed", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        log.error("run failed\n%s", traceback.format_exc())
-    finally:
-        with _signals_ignored():
-            if message:
-                ledger.append("error", message=message)
-            if driver is not None:
-                driver.release_all()
-            ledger.append("run_ended", status=status, wall_s=round(time.monotonic() - t_start, 3))
-            ledger.close()
-            report = write_report(run_dir)
-            logging.getLogger("elastic").removeHandler(handler)
-            logging.getLogger("providers").removeHandler(handler)
-            handler.close()
-    console.print(summary_table(report))
+                driver = Driver(recipe, run_dir, ledger, resume=resume)
+                with console.status("starting Ray cluster…"):
+                    driver.start_cluster(address)
+                with _View(console, recipe, driver.world.total_outer_steps) as view:
+                    status = driver.run(view)
+                message = driver.end_message
+        except KeyboardInterrupt:
+            status, message = "interrupted", "interrupted by signal"
+            log.warning("run interrupted")
+        except UserError as exc:
+            status, message = "failed", "; ".join(exc.lines)
+            log.error("run failed: %s", message, exc_info=True)
+        except Exception as exc:  # the run fails; the user gets one line, the log the traceback
+            status, message = "failed", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            log.error("run failed: %s", message, exc_info=True)
+        finally:
+            with _signals_ignored():
+                if message:
+                    ledger.append("error", message=message)
+                if driver is not None:
+                    driver.release_all()
+                ledger.append("run_ended", status=status, wall_s=round(time.monotonic() - t_start, 3))
+                ledger.close()
+                _save_throughput(recipe, ledger.events)
+                report = write_report(run_dir)
+                log.info("run ended: %s; report %s", status, run_dir / "report.html")
+    from elastic.cli import plain_console
+    plain_console(console).print(summary_table(report))
     if message:
         console.print(f"[red]error:[/red] {escape(message)}" if status == "failed"
                       else f"[yellow]{escape(message)}[/yellow]", highlight=False, soft_wrap=True)
-    console.print(f"report: {run_dir / 'report.json'}, {run_dir / 'report.html'}", highlight=False)
+    console.print(f"report: {run_dir / 'report.json'}, {run_dir / 'report.html'}", highlight=False, soft_wrap=True)
     return EXIT[status]
+
+
+def _record_plan(recipe: Recipe, ledger: Ledger) -> None:
+    """Record what `elastic plan` would say now (`run_planned`), for the report's plan-against-actual;
+    a plan that cannot be made (no offer yet, a cloud not answering) is logged, not fatal."""
+    from elastic.market import plan_now
+
+    try:
+        placement = plan_now(recipe)
+    except Exception as exc:
+        log.warning("no plan recorded: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                    exc_info=True)
+        return
+    if placement is None:
+        return
+    doc = placement.to_dict(recipe)
+    ledger.append("run_planned", replicas=doc["replicas"], useful_tokens_per_s=doc["useful_tokens_per_s"],
+                  tokens_per_s_source=doc["tokens_per_s_source"], usd_per_hour=doc["usd_per_hour"],
+                  expected_hours=doc["expected_hours"], expected_usd=doc["expected_usd"],
+                  tokens_needed=doc["tokens_needed"])
+
+
+def _save_throughput(recipe: Recipe, events: list[dict]) -> None:
+    """Add what this run measured (tokens/s per instance type) to the history `elastic plan` reads."""
+    from elastic.market import measure_throughput, save_throughput, workload_key
+
+    try:
+        measured = measure_throughput(events, recipe.train.batch_size * recipe.train.seq_len)
+        if measured:
+            save_throughput(measured, workload_key(recipe))
+            log.info("measured throughput saved: %s", {f"{c}:{t}": round(n / s, 1) for (c, t), (n, s) in measured.items()})
+    except Exception:
+        log.exception("saving the measured throughput")

@@ -13,6 +13,9 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Callable
+
+log = logging.getLogger("elastic.events")
 
 from elastic.errors import UserError
 log = logging.getLogger(__name__)
@@ -29,8 +32,9 @@ class Ledger:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        # Views that follow the run as it goes (elastic.metrics): called with each event appended.
-        self.listeners: list = []
+        # Called with each event after it is written (the live terminal view, elastic.metrics); a
+        # listener that fails is logged, never the run's problem.
+        self.listeners: list[Callable[[dict], None]] = []
         self._f = open(self.path, "a", encoding="utf-8")
         self.events: list[dict] = read_events(self.path)
         # A crash can leave a torn last line with no newline; end it, or the next event would be glued
@@ -47,11 +51,12 @@ class Ledger:
             self._f.write(line + "\n")
             self._f.flush()
             self.events.append(event)
-        for listener in self.listeners:
+        log.info("%s", type_, extra={"event": event})
+        for listener in list(self.listeners):
             try:
                 listener(event)
-            except Exception:   # a metrics view must never stop the run
-                log.exception("ledger listener failed on %s", type_)
+            except Exception:
+                log.exception("ledger listener")
         return event
 
     def sync(self) -> None:

@@ -54,8 +54,11 @@ class Quote:
         preempt_per_hour: estimated preemptions per node-hour (0 for on-demand).
         risk_source: `prior`, `observed` (this run or earlier ones) or `on-demand`.
         capacity: VMs of this offer that can be held at once, when known (the offer's); None: unknown.
-        tokens_per_s: one replica's throughput on this VM, tokens/s, as this run measured it (or the
-            recipe's figure rescaled by the measurements of other types); None: the recipe's figure.
+        tokens_per_s: one replica's throughput on this VM, tokens/s, as this run measured it (or
+            earlier runs of the same workload, or the recipe's figure rescaled by the measurements
+            of other types); None: the recipe's figure.
+        speed_source: `measured` (this run or an earlier run of the same workload on this instance
+            type) or `estimate` (the recipe's figure, rescaled or not).
     """
 
     offer: Offer
@@ -63,6 +66,7 @@ class Quote:
     risk_source: str
     capacity: int | None = None
     tokens_per_s: float | None = None
+    speed_source: str = "estimate"
 
     @property
     def key(self) -> Key:
@@ -76,8 +80,11 @@ class Market:
     """
 
     def __init__(self, planner, history: dict[Key, tuple[float, int]] | None = None,
-                 capacity_cooldown_s: float | None = None, tokens_per_inner_step: int | None = None):
+                 capacity_cooldown_s: float | None = None, tokens_per_inner_step: int | None = None,
+                 measured_before: dict[tuple[str, str], float] | None = None):
         self._p = planner
+        # (cloud, type) -> tokens/s earlier runs of this workload measured (see `load_throughput`).
+        self._before = dict(measured_before or {})
         self._tokens_per_inner_step = tokens_per_inner_step
         self._capacity_cooldown_s = planner.capacity_cooldown_s if capacity_cooldown_s is None else capacity_cooldown_s
         self._history = dict(history or {})
@@ -150,10 +157,21 @@ class Market:
         """A replica's throughput on this offer's VM: measured for its type; for a type not run yet,
         the recipe's figure times how far measured types came from their own (geometric mean);
         None before any measurement (the planner takes the recipe's figure)."""
-        mine = self._measured.get((offer.cloud, offer.instance_type))
-        if mine is not None or self._recipe_scale is None:
+        typ = (offer.cloud, offer.instance_type)
+        mine = self._measured.get(typ, self._before.get(typ))
+        if mine is not None:
             return mine
-        return recipe_tokens_per_s(offer, self._p) * self._recipe_scale
+        scale = self._recipe_scale
+        if scale is None and self._before:   # no measurement yet in this run: earlier runs' types
+            logs = [math.log(tps / recipe_tokens_per_s({"cloud": c, "instance_type": t}, self._p))
+                    for (c, t), tps in self._before.items()]
+            scale = math.exp(sum(logs) / len(logs))
+        return None if scale is None else recipe_tokens_per_s(offer, self._p) * scale
+
+    def speed_source(self, offer: Offer) -> str:
+        """`measured` when this run or an earlier one of the same workload trained on this type."""
+        typ = (offer.cloud, offer.instance_type)
+        return "measured" if typ in self._measured or typ in self._before else "estimate"
 
     def _close(self, instance_id: str, t: float) -> None:
         held = self._open.pop(instance_id, None)
@@ -192,7 +210,7 @@ class Market:
 
     def quote(self, offer: Offer, now: float) -> Quote:
         rate, source = self.risk(offer, now)
-        return Quote(offer, rate, source, offer.capacity, self.tokens_per_s(offer))
+        return Quote(offer, rate, source, offer.capacity, self.tokens_per_s(offer), self.speed_source(offer))
 
     def quotes(self, offers: list[Offer], now: float) -> list[Quote]:
         """Every offer not resting after a capacity error, with its risk, speed and capacity (when
@@ -239,6 +257,93 @@ def save_history(stats: dict[Key, tuple[float, int]], path: Path | None = None) 
         merged[key] = (h0 + hours, n0 + n)
     rows = [{"key": list(k), "node_hours": round(h, 6), "preemptions": n} for k, (h, n) in sorted(merged.items())]
     write_json_atomic(path, rows, indent=1)
+
+
+# -- measured throughput of earlier runs ----------------------------------------------------------
+
+def throughput_path() -> Path:
+    """Where measured tokens/s of earlier runs are kept ($ELASTIC_CACHE or ~/.cache/elastic)."""
+    return cache_dir() / "throughput.json"
+
+
+def workload_key(recipe) -> str:
+    """What a throughput figure holds for: the model's size and what one replica trains per step
+    (a figure measured for another model or batch says little about this one)."""
+    import hashlib
+
+    t = recipe.train
+    model = hashlib.sha256(json.dumps(recipe.model.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+    return f"model-{model[:12]}/b{t.batch_size}x{t.seq_len}/r{recipe.world.ranks_per_replica}"
+
+
+def measure_throughput(events: list[dict], tokens_per_inner_step: int) -> dict[tuple[str, str], tuple[int, float]]:
+    """{(cloud, instance type): (tokens, seconds)} one replica trained on that type over a run's
+    outer steps. A replica's seconds are the whole phase (its inner steps and the outer sync all
+    replicas wait for), so the figures sum to the run's training tokens/s."""
+    vm_type: dict[str, tuple[str, str]] = {}
+    replica_vm: dict[int, str] = {}
+    out: dict[tuple[str, str], list] = {}
+    for e in events:
+        if e["type"] == "node_launched":
+            vm_type[e["instance_id"]] = (e["cloud"], e["instance_type"])
+        elif e["type"] == "replica_starting":
+            replica_vm[int(e["replica"])] = e["instance_id"]
+        elif e["type"] == "outer_step":
+            phase_s = e.get("inner_s", 0.0) + e.get("sync_s", 0.0)
+            for rid, n in (e.get("steps_done") or {}).items():
+                typ = vm_type.get(replica_vm.get(int(rid), ""))
+                if typ is not None and n and phase_s > 0:
+                    acc = out.setdefault(typ, [0, 0.0])
+                    acc[0] += n * tokens_per_inner_step
+                    acc[1] += phase_s
+    return {typ: (tokens, seconds) for typ, (tokens, seconds) in out.items()}
+
+
+def load_throughput(workload: str, path: Path | None = None) -> dict[tuple[str, str], float]:
+    """{(cloud, instance type): tokens/s} earlier runs of `workload` measured; empty when none."""
+    path = path or throughput_path()
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+        return {(r["cloud"], r["instance_type"]): r["tokens"] / r["seconds"] for r in rows
+                if r["workload"] == workload and r["seconds"] > 0}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def save_throughput(measured: dict[tuple[str, str], tuple[int, float]], workload: str,
+                    path: Path | None = None) -> None:
+    """Add a run's measured (tokens, seconds) per instance type to the throughput history."""
+    path = path or throughput_path()
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+        merged = {(r["cloud"], r["instance_type"], r["workload"]): [int(r["tokens"]), float(r["seconds"])]
+                  for r in rows}
+    except (OSError, ValueError, KeyError, TypeError):
+        merged = {}
+    for (cloud, itype), (tokens, seconds) in measured.items():
+        acc = merged.setdefault((cloud, itype, workload), [0, 0.0])
+        acc[0] += tokens
+        acc[1] += seconds
+    rows = [{"cloud": c, "instance_type": t, "workload": w, "tokens": n, "seconds": round(sec, 3)}
+            for (c, t, w), (n, sec) in sorted(merged.items())]
+    write_json_atomic(path, rows, indent=1)
+
+
+def plan_now(recipe):
+    """The placement `elastic plan` shows: live offers, risk from the preemption history, speed
+    from the throughput history of this workload. Returns the planner's Placement (None when no
+    offer matches)."""
+    import time
+
+    from elastic.planner import plan
+
+    offers = live_offers(recipe)
+    if not offers:
+        return None
+    t = recipe.train
+    market = Market(recipe.planner, load_history(), tokens_per_inner_step=t.batch_size * t.seq_len,
+                    measured_before=load_throughput(workload_key(recipe)))
+    return plan(market.quotes(offers, time.time()), recipe)
 
 
 def live_offers(recipe) -> list[Offer]:

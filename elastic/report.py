@@ -272,8 +272,9 @@ def build_report(events: list[dict], now: float | None = None) -> dict:
         "tokens": tokens,
         "outer_steps": steps[-1]["outer_step"] if steps else 0,
         "inner_steps": steps[-1]["inner_step"] if steps else 0,
-        # First inner step's loss of the run; mean loss over the last inner phase.
-        "loss_first": steps[0]["losses"][0] if steps and steps[0]["losses"] else None,
+        # Mean loss over the first and the last inner phase: the first and last points of the loss
+        # chart, the figures of the first and last progress lines.
+        "loss_first": (sum(steps[0]["losses"]) / len(steps[0]["losses"])) if steps and steps[0]["losses"] else None,
         "loss_last": (sum(steps[-1]["losses"]) / len(steps[-1]["losses"])) if steps and steps[-1]["losses"] else None,
         "wall_s": round(now - start["t"], 3) if start else 0.0,
         "train_s": round(train_s, 3),
@@ -326,7 +327,21 @@ def build_report(events: list[dict], now: float | None = None) -> dict:
         "budget_exhausted": next((e["reason"] for e in events if e["type"] == "budget_exhausted"), None),
         "errors": errors,
     }
+    report["plan_vs_actual"] = _plan_vs_actual(events, report)
     return report
+
+
+def _plan_vs_actual(events: list[dict], report: dict) -> dict | None:
+    """What `elastic plan` predicted when the run started (`run_planned`) beside what the run did:
+    tokens/s, USD and hours. None when no plan was recorded."""
+    planned = next((e for e in events if e["type"] == "run_planned"), None)
+    if planned is None:
+        return None
+    return {"planned": {"tokens_per_s": planned["useful_tokens_per_s"], "source": planned["tokens_per_s_source"],
+                        "usd": planned["expected_usd"], "hours": planned["expected_hours"],
+                        "replicas": planned["replicas"]},
+            "actual": {"tokens_per_s": report["tokens_per_s"], "usd": report["cost_usd"],
+                       "hours": round(report["wall_s"] / 3600, 6), "replicas": report["max_replicas_seen"]}}
 
 
 def write_report(run_dir: str | Path) -> dict:
@@ -377,11 +392,24 @@ def headline_rows(report: dict) -> list[tuple[str, str]]:
          f"{_fmt(report['sync']['bytes_per_token'], ',.2f')} ({_fmt(report['sync']['vs_ddp'], ',.0f')}×)"),
         ("storage + egress (estimate)",
          f"${report['estimates']['checkpoint_storage_usd'] + report['estimates']['egress_usd']:.4f}"),
+        *_plan_rows(report.get("plan_vs_actual")),
     ]
     if report.get("val_loss_last") is not None:
         rows.insert(4, ("validation loss (last)", f"{report['val_loss_last']:.3f} "
                                                   f"(ppl {report['validation'][-1]['perplexity']:,.2f})"))
     return rows
+
+
+def _plan_rows(pva: dict | None) -> list[tuple[str, str]]:
+    if pva is None:
+        return []
+    p, a = pva["planned"], pva["actual"]
+    usd = (lambda x: "-" if x is None else f"${x:.4f}")
+    hours = (lambda x: "-" if x is None else f"{x:.3f} h")
+    return [("tokens/s: plan → actual", f"{_fmt(p['tokens_per_s'], ',.0f')} ({p['source']}) → "
+                                        f"{_fmt(a['tokens_per_s'], ',.0f')}"),
+            ("USD: plan → actual", f"{usd(p['usd'])} → {usd(a['usd'])}"),
+            ("hours: plan → actual", f"{hours(p['hours'])} → {hours(a['hours'])}")]
 
 
 def summary_table(report: dict):

@@ -1,8 +1,10 @@
 """report.html: the report as one self-contained page (inline CSS and SVG, no script, no network).
 
-A view of the same ledger as report.json: the headline figures and breakdowns, then charts of
-loss, world size, cumulative USD against the on-demand equivalent, each VM's price over its life,
-and a timeline of launches, joins, notices and preemptions. Deterministic: the same ledger gives
+A view of the same ledger as report.json: the headline figures (plan against actual among them),
+USD wasted by cause (a table and a bar chart), then charts of loss, world size, cumulative USD
+against the on-demand equivalent, each VM's price over its life, a timeline of launches, joins,
+notices and preemptions, and USD by cloud and region (billed against on demand) above the
+breakdown tables. Charts span the page's width. Deterministic: the same ledger gives
 the same bytes.
 """
 
@@ -13,18 +15,21 @@ from html import escape
 
 from elastic.report import _billed_s, _vms
 
-W, H = 880, 260                      # chart size, px
-ML, MR, MT, MB = 64, 16, 12, 36      # margins: left (y labels), right, top, bottom (x labels)
+W, H = 1200, 300                     # chart size in SVG units; drawn at the page's full width
+ML, MR, MT, MB = 72, 16, 14, 40      # margins: left (y labels), right, top, bottom (x labels)
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
           "#bcbd22", "#17becf"]
+WASTE_COLORS = {"preemption": "#d62728", "capacity_wait": "#ff7f0e", "checkpoint_stalls": "#8c564b",
+                "never_joined": "#7f7f7f"}
 MAX_POINTS = 600                     # samples per line, so a long run's page stays small
 CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;max-width:920px;color:#222}
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px 32px;color:#222}
+.cols{display:flex;flex-wrap:wrap;gap:8px 48px}.cols>div{flex:1 1 480px;min-width:0}
 h1{font-size:22px;margin:0 0 4px}h2{font-size:16px;margin:28px 0 6px}
 .sub{color:#666;margin:0 0 16px}table{border-collapse:collapse;font-size:13px;margin:6px 0}
 td,th{padding:3px 10px;border-bottom:1px solid #eee;text-align:right}td:first-child,th:first-child{text-align:left}
 .figs td:first-child{font-weight:600}.est{color:#666;font-style:italic}
-svg{display:block;background:#fafafa;border:1px solid #ddd}svg text{font-size:11px;fill:#444}
+svg{display:block;width:100%;height:auto;background:#fafafa;border:1px solid #ddd}svg text{font-size:13px;fill:#444}
 .legend span{display:inline-block;margin-right:14px;font-size:12px}.legend i{display:inline-block;width:12px;
 height:3px;vertical-align:middle;margin-right:4px}.empty{color:#888;font-style:italic}
 """
@@ -55,6 +60,13 @@ def _fmt(v: float) -> str:
     return f"{v:.4g}"
 
 
+def color(n: int) -> str:
+    """The n-th series colour: the ten of COLORS, then hues a golden angle apart (never a repeat)."""
+    if n < len(COLORS):
+        return COLORS[n]
+    return f"hsl({(n - len(COLORS)) * 137.508 % 360:.0f},70%,{38 + 12 * (n % 3)}%)"
+
+
 def _thin(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     if len(points) <= MAX_POINTS:
         return points
@@ -62,17 +74,23 @@ def _thin(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [points[int(i * every)] for i in range(MAX_POINTS)] + [points[-1]]
 
 
-def _chart(lines: list[tuple[str, str, list[tuple[float, float]]]], x_max: float, y_label: str,
-           step: bool = False, y_zero: bool = True) -> str:
-    """An SVG line chart: `lines` as (label, color, [(x seconds, y)]); step lines hold each value
-    until the next point."""
-    pts = [p for _, _, ps in lines for p in ps]
+def _chart(lines: list[tuple], x_max: float, y_label: str, step: bool = False, y_zero: bool = True) -> str:
+    """An SVG line chart: `lines` as (label, color, [(x seconds, y)]) or (label, color, points,
+    width px, dash) (a wide dashed series drawn first stays visible under one with equal values);
+    step lines hold each value until the next point. The y axis spans whole ticks around the data,
+    so no point sits on the frame."""
+    pts = [p for line in lines for p in line[2]]
     if not pts:
         return '<p class="empty">nothing recorded yet</p>'
     ys = [y for _, y in pts]
     y_lo, y_hi = (0.0 if y_zero else min(ys)), max(ys)
     if y_hi <= y_lo:
         y_hi = y_lo + (abs(y_lo) or 1.0)
+    ticks = _nice_ticks(y_lo, y_hi)
+    tick = ticks[1] - ticks[0] if len(ticks) > 1 else (y_hi - y_lo)
+    y_hi = (math.floor(y_hi / tick + 1e-9) + 1) * tick       # one tick of headroom above the highest point
+    if not y_zero:
+        y_lo = (math.ceil(y_lo / tick - 1e-9) - 1) * tick    # and below the lowest
     x_max = x_max or 1.0
     pw, ph = W - ML - MR, H - MT - MB
 
@@ -93,18 +111,55 @@ def _chart(lines: list[tuple[str, str, list[tuple[float, float]]]], x_max: float
                  f'<text x="12" y="{MT + ph / 2:.0f}" transform="rotate(-90 12 {MT + ph / 2:.0f})" '
                  f'text-anchor="middle">{escape(y_label)}</text>'
                  f'<rect x="{ML}" y="{MT}" width="{pw}" height="{ph}" fill="none" stroke="#bbb"/>')
-    for label, color, ps in lines:
+    for label, color_, ps, *style in lines:
+        width, dash = (style + [2, ""])[:2] if style else (2, "")
         ps = _thin(ps)
         if step:
             ps = [q for a, b in zip(ps, ps[1:] + [None]) for q in ([a, (b[0], a[1])] if b else [a])]
         d = " ".join(f"{'M' if i == 0 else 'L'}{sx(x):.1f},{sy(y):.1f}" for i, (x, y) in enumerate(ps))
-        parts.append(f'<path d="{d}" fill="none" stroke="{color}" stroke-width="2"><title>{escape(label)}</title></path>')
+        dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
+        parts.append(f'<path d="{d}" fill="none" stroke="{color_}" stroke-width="{width}"{dash_attr}>'
+                     f'<title>{escape(label)}</title></path>')
         if len(ps) == 1:
-            parts.append(f'<circle cx="{sx(ps[0][0]):.1f}" cy="{sy(ps[0][1]):.1f}" r="3" fill="{color}"/>')
+            parts.append(f'<circle cx="{sx(ps[0][0]):.1f}" cy="{sy(ps[0][1]):.1f}" r="3" fill="{color_}"/>')
     parts.append("</svg>")
-    legend = "".join(f'<span><i style="background:{c}"></i>{escape(label)}</span>' for label, c, _ in lines[:12])
+    legend = "".join(f'<span><i style="background:{line[1]}"></i>{escape(line[0])}</span>' for line in lines[:12])
     more = f"<span>… and {len(lines) - 12} more</span>" if len(lines) > 12 else ""
     return "".join(parts) + f'<div class="legend">{legend}{more}</div>'
+
+
+def _bars(groups: list[tuple[str, list[tuple[str, str, float]]]], unit: str = "USD", width: int = W) -> str:
+    """A horizontal bar chart `width` SVG units wide: `groups` as (label, [(series label, color,
+    value)]), one bar per series in each group, its value written beside it (a legend when groups
+    hold several series). Nothing to draw: an `empty` note."""
+    values = [v for _, bars in groups for _, _, v in bars]
+    if not values or max(values) <= 0:
+        return '<p class="empty">nothing to chart: every figure is 0</p>'
+    bar_h, gap = 16, 10
+    lw = 190                                   # label column, SVG units
+    h = MT + MB // 2 + sum(len(bars) * bar_h + gap for _, bars in groups)
+    pw = width - lw - 90
+    top = max(values)
+    parts = [f'<svg class="chart" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{h}" '
+             f'viewBox="0 0 {width} {h}" role="img" aria-label="{escape(unit)}">']
+    y = MT
+    for label, bars in groups:
+        parts.append(f'<text x="{lw - 8}" y="{y + len(bars) * bar_h / 2 + 5:.1f}" text-anchor="end">'
+                     f'{escape(label)}</text>')
+        for name, color_, v in bars:
+            w = pw * v / top
+            parts.append(f'<rect x="{lw}" y="{y + 1}" width="{max(w, 1.5 if v > 0 else 0):.1f}" height="{bar_h - 2}" '
+                         f'fill="{color_}"><title>{escape(name)}: {v:.6f} {escape(unit)}</title></rect>'
+                         f'<text x="{lw + w + 6:.1f}" y="{y + bar_h - 4}">{"$" if unit == "USD" else ""}'
+                         f'{v:.4f}</text>')
+            y += bar_h
+        y += gap
+    parts.append("</svg>")
+    names = {(name, c) for _, bars in groups for name, c, _ in bars}
+    several = any(len(bars) > 1 for _, bars in groups)
+    legend = "".join(f'<span><i style="background:{c}"></i>{escape(n)}</span>' for n, c in sorted(names)
+                     if several)
+    return "".join(parts) + (f'<div class="legend">{legend}</div>' if legend else "")
 
 
 def _timeline(events: list[dict], vms: dict, t0: float, x_max: float) -> str:
@@ -254,7 +309,7 @@ def render_html(events: list[dict], report: dict) -> str:
     x_max = max([end - t0] + [vm["stop"] - t0 for vm in vms.values()])
     loss, world, held, usd, od = _series(events, vms, t0, end)
     val = [(e["t"] - t0, e["loss"]) for e in events if e["type"] == "validation"]
-    prices = [(f"{iid} ({vm['instance_type']}, {vm['zone']})", COLORS[n % len(COLORS)],
+    prices = [(f"{iid} ({vm['instance_type']}, {vm['zone']})", color(n),
                [(t - t0, p) for t, p in vm["segments"]] + [(vm["stop"] - t0, vm["segments"][-1][1])])
               for n, (iid, vm) in enumerate(vms.items())]
     waste = report["wasted_usd"]
@@ -266,7 +321,12 @@ def render_html(events: list[dict], report: dict) -> str:
         f'{escape(str(report["recipe_digest"]))} · built from events.jsonl</p>',
         _table(headline_rows(report)),
         "<h2>USD wasted, by cause</h2>",
+        '<div class="cols"><div>',
         _table([(k.replace("_", " "), f"${waste[k]:.4f}") for k in waste]),
+        "</div><div>",
+        _bars([(k.replace("_", " "), [(k.replace("_", " "), WASTE_COLORS[k], waste[k])]) for k in WASTE_COLORS],
+              width=640),
+        "</div></div>",
         "<h2>Estimates (not billed by the VM figures above)</h2>",
         _table([("checkpoint bytes written", f"{est['checkpoint_bytes_written']:,}"),
                 ("checkpoint storage", f"${est['checkpoint_storage_usd']:.6f}"),
@@ -277,14 +337,19 @@ def render_html(events: list[dict], report: dict) -> str:
                + [("validation loss (θ_outer)", COLORS[1], val)] * bool(val), x_max, "loss (nats/token)",
                y_zero=False),
         "<h2>World size over time</h2>",
-        _chart([("replicas in the world", COLORS[2], world), ("VMs held", COLORS[7], held)], x_max, "count",
-               step=True),
+        _chart([("VMs held", COLORS[4], held, 6, "10 5"), ("replicas in the world", COLORS[2], world, 2, "")],
+               x_max, "count", step=True),
         "<h2>Cumulative USD against the on-demand equivalent</h2>",
         _chart([("billed", COLORS[0], usd), ("same VM-seconds on demand", COLORS[3], od)], x_max, "USD"),
         "<h2>Each VM's price over its life</h2>",
         _chart(prices, x_max, "USD per hour", step=True, y_zero=False),
         "<h2>Timeline: VMs, joins, notices and preemptions</h2>",
         _timeline(events, vms, t0, x_max),
+        "<h2>USD by cloud and region, billed against on demand</h2>",
+        _bars([(f"{kind} {k}", [("billed", COLORS[0], r["cost_usd"]),
+                                ("same VM-seconds on demand", COLORS[3], r["on_demand_equivalent_usd"])])
+               for kind, rows in (("cloud", report["by_cloud"]), ("region", report["by_region"]))
+               for k, r in rows.items()]),
         "<h2>By cloud</h2>", _breakdown_table("cloud", report["by_cloud"]),
         "<h2>By region</h2>", _breakdown_table("region", report["by_region"]),
         "<h2>By instance type</h2>", _breakdown_table("instance type", report["by_instance_type"]),

@@ -79,7 +79,9 @@ def snapshot(events: list[dict], now: float, target_outer_steps: int | None = No
         "elapsed_s": round(now - start["t"], 1) if start else 0.0,
         "outer_step": done,
         "target_outer_steps": target_outer_steps,
-        "world": len(steps[-1]["replicas"]) if steps else 0,
+        # Replicas training now: none once the run ended (the last step's count is `world_last`).
+        "world": 0 if end is not None else (len(steps[-1]["replicas"]) if steps else 0),
+        "world_last": len(steps[-1]["replicas"]) if steps else 0,
         "vms_held": sum(1 for e in events if e["type"] == "node_launched")
         - len({e["instance_id"] for e in events if e["type"] in ("node_released", "node_preempted")}),
         "loss": (sum(steps[-1]["losses"]) / len(steps[-1]["losses"])) if steps and steps[-1]["losses"] else None,
@@ -107,7 +109,8 @@ def status_table(snap: dict, run_dir: Path):
         ("status", snap["status"]),
         ("elapsed", f"{snap['elapsed_s']:.0f} s"),
         ("outer step", f"{snap['outer_step']}{target}"),
-        ("world", f"{snap['world']} replica(s), {snap['vms_held']} VM(s) held"),
+        ("world", f"{snap['world']} replica(s), {snap['vms_held']} VM(s) held"
+                  + (f" (run over; {snap['world_last']} in its last outer step)" if snap["ended"] else "")),
         ("loss", fmt(snap["loss"], ".4f")),
         ("tokens", f"{snap['tokens']:,}"),
         ("tokens/s (recent)", fmt(snap["tokens_per_s"], ",.0f")),

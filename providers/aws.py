@@ -65,6 +65,9 @@ _SETUP_CODES = {"NoSuchEntity", "InvalidParameterValue", "InvalidParameterCombin
                 "InvalidSubnetID.NotFound", "InvalidAMIID.NotFound", "InvalidAMIID.Malformed",
                 "InvalidKeyPair.NotFound", "InvalidInstanceType"}
 _GONE_STATES = {"shutting-down", "terminated", "stopping", "stopped"}
+# Service Quotas codes of EC2 vCPU limits: (instance family, spot) -> quota code.
+QUOTA_CODES = {("G", True): "L-3819A6DF", ("P", True): "L-7212CCBC", ("G", False): "L-DB2E81BA",
+               ("P", False): "L-417A185B"}
 MAX_ATTEMPTS = 8   # botocore adaptive retries (throttling, 5xx): the client waits, not our code
 
 _MISSING_CREDENTIALS = ("no AWS credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE "
@@ -123,10 +126,82 @@ class AWSProvider(CloudProvider):
     # -- clients and errors ----------------------------------------------------------------------
 
     @classmethod
+    def accelerator_models(cls) -> set[str]:
+        return set(CATALOG)
+
+    @classmethod
     def configured(cls) -> str | None:
         import boto3
 
         return None if boto3.session.Session().get_credentials() is not None else _MISSING_CREDENTIALS
+
+    def cache_origin(self) -> str:
+        """Where this provider's answers come from, for the price cache's key: the endpoint and
+        the identity of the credentials in use (a digest of the access key id, never the key)."""
+        import hashlib
+
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_EC2") or os.environ.get("AWS_ENDPOINT_URL") or "aws"
+        creds = self._session.get_credentials()
+        who = hashlib.sha256(creds.access_key.encode()).hexdigest()[:16] if creds is not None else "no-credentials"
+        return f"aws|{endpoint}|{who}"
+
+    def preflight(self, resources) -> list[str]:
+        """Credentials resolve and name an account (STS), every AWS region of the recipe exists and
+        is enabled, the accelerator is one AWS offers, and the account's spot (or on-demand) vCPU
+        quota for the instance family covers `world.min_replicas` VMs where Service Quotas answers."""
+        if self._session.get_credentials() is None:
+            return [f"aws: {_MISSING_CREDENTIALS}"]
+        try:
+            model, count = parse_accelerator(resources.accelerators) if resources.accelerators else (None, None)
+        except UserError as exc:
+            return [f"aws: {line}" for line in exc.lines]
+        if model is None:
+            return ["aws: resources.accelerators: the aws provider needs a GPU, e.g. A10G:1"]
+        try:
+            self._call("sts", HOME_REGION, "get_caller_identity")
+            listed = self._call("ec2", HOME_REGION, "describe_regions", AllRegions=True)["Regions"]
+        except UserError as exc:
+            return [f"aws: {line}" for line in exc.lines]
+        status = {r["RegionName"]: r.get("OptInStatus", "opt-in-not-required") for r in listed}
+        problems = []
+        if resources.regions and not self.regions(resources):
+            problems.append(f"aws: resources.regions names no AWS region ({', '.join(resources.regions)})")
+        for region in self.regions(resources):
+            if region not in status:
+                problems.append(f"aws: region {region} does not exist")
+            elif status[region] == "not-opted-in":
+                problems.append(f"aws: region {region} is not enabled for this account; enable it or drop it "
+                                "from resources.regions")
+        wanted = [r for r in self.regions(resources) if status.get(r) in ("opt-in-not-required", "opted-in")]
+        problems += self._quota_problems(wanted[:1] or [HOME_REGION], model, count, resources.spot)
+        return problems
+
+    def _quota_problems(self, regions: list[str], model: str, count: int | None, spot: bool) -> list[str]:
+        """One line per region whose vCPU quota for the accelerator's instance family is below what
+        `world.min_replicas` of its smallest VM need. Service Quotas not answering is no problem
+        (not every account or endpoint has it)."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        types = {t: v for t, v in CATALOG[model].items() if count is None or v[0] == count}
+        if not types:
+            return [f"aws: resources.accelerators: no {model} instance type has {count} GPU(s)"]
+        itype, spec = min(types.items(), key=lambda kv: kv[1][2])
+        family = "P" if itype.startswith("p") else "G"
+        code = QUOTA_CODES[(family, spot)]
+        need = spec[2] * self.recipe.world.min_replicas
+        out = []
+        for region in regions:
+            try:
+                value = self._call("service-quotas", region, "get_service_quota", ServiceCode="ec2",
+                                   QuotaCode=code)["Quota"]["Value"]
+            except (UserError, ClientError, BotoCoreError, KeyError) as exc:
+                log.info("service quota %s in %s not read: %s", code, region, exc)
+                continue
+            if value < need:
+                out.append(f"aws: quota {code} ({'spot' if spot else 'on-demand'} {family} instance vCPUs) in "
+                           f"{region} is {value:g}; {self.recipe.world.min_replicas} × {itype} need {need}: "
+                           "ask AWS for more, or lower world.min_replicas")
+        return out
 
     def client(self, service: str, region: str):
         """A boto3 client with adaptive retries (boto3 clients are thread-safe, sessions are not)."""
@@ -164,7 +239,7 @@ class AWSProvider(CloudProvider):
         resources = resources or self.recipe.resources
         if resources.regions:
             return [r for r in resources.regions if _REGION_RE.match(r)]
-        enabled, _ = cached_json("aws-regions", lambda: sorted(
+        enabled, _ = cached_json("aws-regions", origin=self.cache_origin(), fetch=lambda: sorted(
             r["RegionName"] for r in self._call("ec2", HOME_REGION, "describe_regions")["Regions"]
             if r.get("OptInStatus") in (None, "opt-in-not-required", "opted-in")), ttl_s=24 * 3600)
         return list(enabled)
@@ -188,7 +263,7 @@ class AWSProvider(CloudProvider):
                 out[it["InstanceType"]] = [gpus, it["VCpuInfo"]["DefaultVCpus"]]
             return out
 
-        answered, _ = cached_json(key, fetch, ttl_s=24 * 3600)
+        answered, _ = cached_json(key, fetch, ttl_s=24 * 3600, origin=self.cache_origin())
         return {t: tuple(answered.get(t) or (spec[0], spec[2])) for t, spec in table.items()}
 
     def _spot_prices(self, region: str, types: list[str]) -> tuple[dict[tuple[str, str], float], float]:
@@ -208,7 +283,8 @@ class AWSProvider(CloudProvider):
                         latest[k] = (ts, usd)
             return {k: v[1] for k, v in latest.items()}
 
-        value, read_at = cached_json(f"aws-spot-{region}-{'_'.join(sorted(types))}", fetch)
+        value, read_at = cached_json(f"aws-spot-{region}-{'_'.join(sorted(types))}", fetch,
+                                     origin=self.cache_origin())
         return {tuple(k.split("|")): usd for k, usd in value.items()}, read_at
 
     def offers(self, resources) -> list[Offer]:
@@ -239,7 +315,7 @@ class AWSProvider(CloudProvider):
                 if itype in types:
                     out.append(self._offer(region, zone, itype, model, types[itype], True, usd, read_at))
         else:
-            zones, read_at = cached_json(f"aws-zones-{region}", lambda: [
+            zones, read_at = cached_json(f"aws-zones-{region}", origin=self.cache_origin(), fetch=lambda: [
                 z["ZoneName"] for z in self._call("ec2", region, "describe_availability_zones")["AvailabilityZones"]
                 if z.get("State") == "available"], ttl_s=24 * 3600)
             for zone in zones:
@@ -382,7 +458,7 @@ class AWSProvider(CloudProvider):
 
         aws = self.recipe.aws
         region = self.controller_region()
-        zones, read_at = cached_json(f"aws-zones-{region}", lambda: [
+        zones, read_at = cached_json(f"aws-zones-{region}", origin=self.cache_origin(), fetch=lambda: [
             z["ZoneName"] for z in self._call("ec2", region, "describe_availability_zones")["AvailabilityZones"]
             if z.get("State") == "available"], ttl_s=24 * 3600)
         usd = CONTROLLER_USD_PER_HOUR.get(aws.controller_instance_type, 0.0)

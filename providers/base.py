@@ -100,6 +100,10 @@ class Provider(Protocol):
 
     name: str
 
+    @classmethod
+    def accelerator_models(cls) -> set[str]:
+        """GPU model names this cloud offers (what `resources.accelerators` may name before `:`)."""
+
     def offers(self, resources) -> list[Offer]:
         """Offers matching a recipe's `resources` section, cheapest first."""
 
@@ -114,6 +118,13 @@ class Provider(Protocol):
 
     def events(self) -> list[NodeEvent]:
         """Preemption notices and preemptions seen since the last call."""
+
+    def preflight(self, resources) -> list[str]:
+        """What would stop a run of `resources` on this cloud before it starts, one line each
+        (credentials that do not resolve, an unknown account or project, regions that do not exist
+        or are not enabled, an accelerator this cloud does not offer, quota below what the world
+        needs where the cloud's API says); [] when nothing is in the way. Read-only calls only:
+        it rents nothing and writes nothing."""
 
     # Optional: `prices(instance_ids) -> dict[str, float]`, the USD per hour in effect now for each
     # held VM (spot prices move during a VM's life). The driver polls it every PRICE_POLL_S and

@@ -42,22 +42,40 @@ def set_refresh(refresh: bool) -> None:
     _refresh = refresh
 
 
-def cached_json(key: str, fetch: Callable[[], object], ttl_s: float = PRICE_TTL_S) -> tuple[object, float]:
+def cached_json(key: str, fetch: Callable[[], object], ttl_s: float = PRICE_TTL_S, *,
+                origin: str) -> tuple[object, float]:
     """`fetch()`'s JSON-able result, reused from the disk cache while younger than `ttl_s`.
-    Returns (value, unix time it was fetched). Written to a temp file and renamed: a reader never
-    sees half a file."""
+    Returns (value, unix time it was fetched).
+
+    Args:
+        key: what is cached (e.g. `aws-spot-us-east-1-g5.xlarge`).
+        fetch: reads the value from the cloud.
+        ttl_s: how long a cached value is reused, seconds.
+        origin: where the value comes from: the endpoint and the account / project and credentials
+            identity (no secret). It is part of the file name and checked on read, so a value is
+            never served to a caller asking another endpoint or account.
+
+    Written to a temp file and renamed: a reader never sees half a file."""
+    import hashlib
+
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", key)
-    path = cache_dir() / "prices" / f"{safe}.json"
+    digest = hashlib.sha256(origin.encode()).hexdigest()[:16]
+    path = price_cache_dir() / f"{safe}-{digest}.json"
     if not _refresh:
         try:
             doc = json.loads(path.read_text(encoding="utf-8"))
-            if time.time() - doc["fetched_at"] < ttl_s:
+            if doc["origin"] == origin and time.time() - doc["fetched_at"] < ttl_s:
                 return doc["value"], doc["fetched_at"]
         except (OSError, ValueError, KeyError, TypeError):
             pass
     value, now = fetch(), time.time()
-    write_json_atomic(path, {"fetched_at": now, "value": value})
+    write_json_atomic(path, {"origin": origin, "fetched_at": now, "value": value})
     return value, now
+
+
+def price_cache_dir() -> Path:
+    """Where cloud answers (prices, catalogs, regions) are cached; `elastic cache clear` empties it."""
+    return cache_dir() / "prices"
 
 
 CONTROLLER_TEMPLATE = BOOTSTRAP_TEMPLATE.with_name("controller.sh.tmpl")

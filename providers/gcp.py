@@ -228,6 +228,9 @@ def vm_price(prices: dict[str, float], shape: VMShape, spot: bool) -> float | No
 
 # -- the provider --------------------------------------------------------------------------------
 
+_GCP_REGION_RE = re.compile(r"^[a-z]+-[a-z]+\d+$")
+
+
 def _is_local(endpoint: str | None) -> bool:
     if not endpoint:
         return False
@@ -282,6 +285,10 @@ class GCPProvider(CloudProvider):
         self._token_lock = threading.Lock()
 
     @classmethod
+    def accelerator_models(cls) -> set[str]:
+        return set(GPU_NAMES.values())
+
+    @classmethod
     def configured(cls) -> str | None:
         if _is_local(os.environ.get(COMPUTE_ENDPOINT_ENV)) and _is_local(os.environ.get(BILLING_ENDPOINT_ENV)):
             return None
@@ -329,6 +336,78 @@ class GCPProvider(CloudProvider):
                     self._clients[kind] = cls(**self._client_kwargs(self.compute_endpoint))
             return self._clients[kind]
 
+    def cache_origin(self, endpoint: str | None) -> str:
+        """Where answers from `endpoint` come from, for the price cache's key: the endpoint, the
+        project and the identity of the credentials (an account's email or client id, no secret)."""
+        if _is_local(endpoint):
+            who = "anonymous"
+        else:
+            creds = self._default_credentials()
+            who = (getattr(creds, "service_account_email", None) or getattr(creds, "client_id", None)
+                   or type(creds).__name__)
+        project = (self._project or os.environ.get("GOOGLE_CLOUD_PROJECT")
+                   or os.environ.get("CLOUDSDK_CORE_PROJECT") or "")
+        return f"gcp|{endpoint or 'google'}|{project}|{who}"
+
+    def preflight(self, resources) -> list[str]:
+        """Credentials resolve (unless every endpoint is a local one), the project is known and
+        answers, every GCP region of the recipe has zones that are up, the accelerator is one GCP
+        offers, and the region's GPU quota covers `world.min_replicas` VMs where the regions API
+        says."""
+        from elastic.errors import UserError
+
+        if not (_is_local(self.compute_endpoint) and _is_local(self.billing_endpoint)):
+            creds, why = _credentials_or_line()
+            if creds is None:
+                return [why]
+        model, _, count = (resources.accelerators or "").partition(":")
+        if not model:
+            return ["gcp: resources.accelerators: the gcp provider needs a GPU, e.g. L4:1"]
+        accel = next((a for a, name in GPU_NAMES.items() if gpu_matches(model, name)), None)
+        if accel is None:
+            return [f"gcp: resources.accelerators: GCP offers no {model!r}; known: "
+                    f"{', '.join(sorted(set(GPU_NAMES.values())))}"]
+        try:
+            project, retry = self.project, self._retry()
+            zones = self._call("zones", lambda: list(self._client("zones").list(project=project, retry=retry)))
+        except UserError as exc:
+            return [line if line.startswith("gcp:") else f"gcp: {line}" for line in exc.lines]
+        except Exception as exc:   # e.g. NotFound: the project does not exist or the API is off
+            return [f"gcp: project {self._project!r}: cannot list zones ({type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0][:160]})"]
+        up = {z.name.rsplit("-", 1)[0] for z in zones if z.status == "UP"}
+        known = {z.name.rsplit("-", 1)[0] for z in zones}
+        mine = [r for r in resources.regions if _GCP_REGION_RE.match(r)]
+        problems = []
+        if resources.regions and not mine:
+            problems.append(f"gcp: resources.regions names no GCP region ({', '.join(resources.regions)})")
+        for region in mine:
+            if region not in known:
+                problems.append(f"gcp: region {region} does not exist (project {project})")
+            elif region not in up:
+                problems.append(f"gcp: region {region} has no zone up")
+        gpus = int(count or 1) * self.recipe.world.min_replicas
+        for region in [r for r in mine if r in up]:
+            problems += self._quota_problems(project, region, accel, gpus, resources.spot)
+        return problems
+
+    def _quota_problems(self, project: str, region: str, accel: str, gpus: int, spot: bool) -> list[str]:
+        """One line when the region's quota for the accelerator (`PREEMPTIBLE_NVIDIA_L4_GPUS`, ...)
+        is below `gpus`. The regions API not answering is no problem (logged)."""
+        metric = ("PREEMPTIBLE_" if spot else "") + accel.upper().replace("-", "_").replace(
+            "NVIDIA_TESLA_", "NVIDIA_") + "_GPUS"
+        try:
+            from google.cloud import compute_v1
+            client = compute_v1.RegionsClient(**self._client_kwargs(self.compute_endpoint))
+            quotas = {q.metric: q.limit for q in client.get(project=project, region=region, retry=self._retry()).quotas}
+        except Exception as exc:
+            log.info("quota of %s in %s not read: %s", metric, region, exc)
+            return []
+        if metric in quotas and quotas[metric] < gpus:
+            return [f"gcp: quota {metric} in {region} is {quotas[metric]:g}; world.min_replicas needs {gpus}: "
+                    "ask for more in the console (IAM & Admin > Quotas), or lower world.min_replicas"]
+        return []
+
     @property
     def project(self) -> str:
         if not self._project:
@@ -372,7 +451,8 @@ class GCPProvider(CloudProvider):
             client = self._client("billing")
             return self._call("Cloud Billing Catalog", lambda: parse_skus(client.list_skus(
                 request={"parent": COMPUTE_SERVICE, "page_size": 5000}, retry=self._retry())))
-        return cached_json(f"gcp-skus-{self.billing_endpoint or 'google'}", fetch, self.section.price_cache_ttl_s)
+        return cached_json("gcp-skus", fetch, self.section.price_cache_ttl_s,
+                           origin=self.cache_origin(self.billing_endpoint))
 
     def catalog(self) -> list[VMShape]:
         """Every (machine type, zone) carrying GPUs: read from the API, the shipped table if the
@@ -385,8 +465,8 @@ class GCPProvider(CloudProvider):
                     raise
                 log.warning("%s; using the shipped machine-type table", exc)
                 return [s.__dict__ for s in fallback_catalog()]
-        rows, _ = cached_json(f"gcp-catalog-{self.compute_endpoint or 'google'}-{self.project}", fetch,
-                              self.section.price_cache_ttl_s)
+        rows, _ = cached_json("gcp-catalog", fetch, self.section.price_cache_ttl_s,
+                              origin=self.cache_origin(self.compute_endpoint))
         return [VMShape(**r) for r in rows]
 
     def _read_catalog(self) -> list[VMShape]:
@@ -420,6 +500,11 @@ class GCPProvider(CloudProvider):
         GPU-hour first. Without an accelerator, none: elastic rents GPU VMs on GCP."""
         if not resources.accelerators:
             return []
+        model = resources.accelerators.partition(":")[0]
+        if not any(gpu_matches(model, name) for name in GPU_NAMES.values()):
+            from elastic.errors import UserError
+            raise UserError(f"resources.accelerators: GCP offers no {model!r}; known: "
+                            f"{', '.join(sorted(set(GPU_NAMES.values())))}")
         key = (resources.accelerators, tuple(resources.regions), resources.spot, resources.max_usd_per_hour)
         if self._memo and self._memo[1] == key and time.monotonic() - self._memo[0] < OFFERS_MEMO_S:
             return list(self._memo[2])   # the driver asks often; the disk caches change rarely

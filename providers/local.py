@@ -21,6 +21,20 @@ log = logging.getLogger(__name__)
 TICK_S = 0.1
 
 
+def check_accelerator(resources) -> None:
+    """The simulated market stands in for the real clouds: `resources.accelerators` must name a GPU
+    one of them offers (UserError otherwise), though local nodes carry none."""
+    from elastic.errors import UserError
+    from providers import PROVIDERS, provider_class
+
+    if not resources.accelerators:
+        return
+    model = resources.accelerators.partition(":")[0]
+    known = sorted({m for name in PROVIDERS if name != "local" for m in provider_class(name).accelerator_models()})
+    if model.upper() not in {m.upper() for m in known}:
+        raise UserError(f"resources.accelerators: no cloud offers {model!r}; known: {', '.join(known)}")
+
+
 class LocalProvider:
     """Args:
         section: the recipe's `local` section.
@@ -29,6 +43,11 @@ class LocalProvider:
     """
 
     name = "local"
+
+    @classmethod
+    def accelerator_models(cls) -> set[str]:
+        """No GPUs: local nodes are CPU processes."""
+        return set()
 
     def __init__(self, section, cluster, ranks_per_replica: int = 1):
         self._section = section
@@ -48,6 +67,7 @@ class LocalProvider:
     # -- the provider interface ------------------------------------------------------------------
 
     def offers(self, resources) -> list[Offer]:
+        check_accelerator(resources)
         now = time.time()
         regions = set(resources.regions)
         out = []
@@ -64,6 +84,16 @@ class LocalProvider:
                                  on_demand_usd_per_hour=st.on_demand_usd_per_hour, read_at=now,
                                  capacity=st.capacity if resources.spot else None))
         return sorted(out, key=lambda o: o.usd_per_hour)
+
+    def preflight(self, resources) -> list[str]:
+        """Nothing to reach on this machine; an accelerator no cloud knows is still an error."""
+        from elastic.errors import UserError
+
+        try:
+            check_accelerator(resources)
+        except UserError as exc:
+            return exc.lines
+        return []
 
     def launch(self, offer: Offer, run: str, role: str) -> Instance:
         with self._lock:

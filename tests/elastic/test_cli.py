@@ -126,3 +126,14 @@ def test_docs_recipe_reference_is_generated():
     assert proc.stdout == markdown_reference()
     docs = (REPO / "docs" / "recipe.md").read_text(encoding="utf-8")
     assert docs == proc.stdout, "docs/recipe.md is stale: regenerate it with `elastic schema --markdown > docs/recipe.md`"
+
+
+def test_piped_tables_never_wrap_mid_word(tmp_path):
+    """At 80 columns, piped: `plan` keeps each `cloud:zone` cell whole and each row on one line."""
+    from tests.conftest import run_cli as cli
+
+    r = cli("plan", "recipes/multi-cloud.yaml", COLUMNS="80", ELASTIC_CACHE=str(tmp_path / "cache"))
+    assert r.returncode == 0, r.stderr
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("│")]
+    assert rows and all("local:" in ln and "estimate" in ln for ln in rows), r.stdout
+    assert any(ln.startswith("world: ") and "useful tokens/s" in ln and " h for $" in ln for ln in r.stdout.splitlines())

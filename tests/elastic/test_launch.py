@@ -41,9 +41,9 @@ def session_pids(run_dir: Path) -> set[int]:
     return pids
 
 
-def launch(run_dir: Path, *args: str, **kw) -> subprocess.Popen:
-    env = cli_env(PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-m", "elastic", "launch", str(REPO / "recipes/local-tiny.yaml"),
+def launch(run_dir: Path, *args: str, recipe: str = "recipes/local-tiny.yaml", **kw) -> subprocess.Popen:
+    env = cli_env(PYTHONUNBUFFERED="1", **kw.get("env", {}))
+    return subprocess.Popen([sys.executable, "-m", "elastic", "launch", str(REPO / recipe),
                              "--run-dir", str(run_dir), *args], cwd=kw.get("cwd", REPO), env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -64,8 +64,8 @@ def assert_outputs_of_any_ending(run_dir: Path, out: str) -> dict:
     assert all(k in report for k in REPORT_FIELDS), [k for k in REPORT_FIELDS if k not in report]
     assert set(report["wasted_usd"]) == {"preemption", "capacity_wait", "checkpoint_stalls", "never_joined", "total"}
     html = (run_dir / "report.html").read_text()
-    # Five charts, each drawn or, with nothing to draw (no VM ever rented), saying so.
-    assert html.count('<svg class="chart"') + html.count('class="empty"') == 5 and "<script" not in html
+    # Seven charts, each drawn or, with nothing to draw (no VM ever rented), saying so.
+    assert html.count('<svg class="chart"') + html.count('class="empty"') == 7 and "<script" not in html
     assert "on-demand equivalent" in out          # the summary table was printed
     written = (run_dir / "report.json").read_bytes()
     rebuilt = elastic_cli("report", str(run_dir))
@@ -76,7 +76,10 @@ def assert_outputs_of_any_ending(run_dir: Path, out: str) -> dict:
 
 def test_launch_trains_and_reports(tmp_path):
     run_dir = tmp_path / "run"
-    proc = launch(run_dir, *SMALL, "--set", "train.outer_steps=8", "--set", "checkpoint.every_outer_steps=4")
+    cache = {"ELASTIC_CACHE": str(tmp_path / "cache")}   # this run's throughput history only
+    args = [*SMALL, "--set", "train.outer_steps=8", "--set", "checkpoint.every_outer_steps=4"]
+    before = run_cli("plan", "recipes/local-tiny.yaml", *args, "--json", **cache)
+    proc = launch(run_dir, *args, env=cache)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
     report = json.loads((run_dir / "report.json").read_text())
@@ -111,7 +114,38 @@ def test_launch_trains_and_reports(tmp_path):
     assert "completed" in out and "Traceback" not in out
     # The run's own head and raylets are gone.
     assert not session_pids(run_dir)
+    check_driver_log(run_dir, events)
+    check_plans_learn(report, json.loads(before.stdout), args, cache)
     check_checkpoint_cli(run_dir / "checkpoints")
+
+
+def check_driver_log(run_dir: Path, events: list[dict]) -> None:
+    """driver.log is elastic's own: JSON lines at INFO, every ledger event among them, no Ray noise."""
+    from elastic.logs import read_log
+
+    records = read_log(run_dir / "driver.log")
+    assert records and all(r["logger"].startswith(("elastic", "providers")) for r in records)
+    logged = [r["event"]["type"] for r in records if r["logger"] == "elastic.events"]
+    assert logged == [e["type"] for e in events]                 # every event, in order
+    assert {r["level"] for r in records} == {"INFO"}
+    text = (run_dir / "driver.log").read_text()
+    assert "Raylet" not in text and "state-dump" not in text and "Traceback" not in text
+
+
+def check_plans_learn(report: dict, before: dict, args: list[str], cache: dict) -> None:
+    """The run recorded what it measured; `elastic plan` of the same recipe now predicts the run's
+    tokens/s within 30 % and says the figure is measured (before the run it was an estimate)."""
+    assert before["tokens_per_s_source"] == "estimate"
+    pva = report["plan_vs_actual"]
+    assert pva["planned"]["tokens_per_s"] == before["useful_tokens_per_s"] and pva["planned"]["source"] == "estimate"
+    assert pva["actual"]["tokens_per_s"] == report["tokens_per_s"]
+    after = run_cli("plan", "recipes/local-tiny.yaml", *args, "--json", **cache)
+    assert after.returncode == 0, after.stderr
+    doc = json.loads(after.stdout)
+    assert doc["tokens_per_s_source"] == "measured"
+    assert doc["useful_tokens_per_s"] == pytest.approx(report["tokens_per_s"], rel=0.30)
+    table = run_cli("plan", "recipes/local-tiny.yaml", *args, **cache)
+    assert "measured" in table.stdout and "useful tokens/s (measured)" in table.stdout
 
 
 elastic_cli = run_cli
@@ -270,5 +304,55 @@ def test_no_capacity_ends_insufficient_capacity_with_a_report(tmp_path):
     report = assert_outputs_of_any_ending(run_dir, out)
     assert report["status"] == "insufficient_capacity"
     assert report["instances"] == [] and report["cost_usd"] == 0 and report["savings_pct"] is None
-    assert (run_dir / "report.html").read_text().count('class="empty"') == 5
+    assert (run_dir / "report.html").read_text().count('class="empty"') == 7   # every chart, bars included, says so
     assert not session_pids(run_dir)
+
+
+def test_terminal_tells_the_story_of_preemptions_and_joins(tmp_path):
+    """local-preemptible, small and fast: the transcript has one line per node rented, notice,
+    preemption, join and committed checkpoint (as many as the ledger holds), then the summary and the
+    report path. Preemptions are drawn at random: a run that drew none is run again (at most 3)."""
+    for attempt in range(3):
+        run_dir = tmp_path / f"run{attempt}"
+        proc = launch(run_dir, *SMALL, "--set", "train.outer_steps=12", "--set", "train.inner_steps=5",
+                      "--set", "local.market.first_preemption_after_s=300", "--set", "checkpoint.every_outer_steps=6",
+                      recipe="recipes/local-preemptible.yaml",
+                      env={"ELASTIC_CACHE": str(tmp_path / "cache"), "COLUMNS": "80"})
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out
+        events = read_events(run_dir / "events.jsonl")
+        if any(e["type"] == "node_preempted" for e in events):
+            break
+    lines = out.splitlines()
+
+    def count(kind: str) -> int:
+        return sum(1 for e in events if e["type"] == kind)
+
+    assert count("node_preempted") >= 1, out
+    assert sum(" preempted: local-" in ln for ln in lines) == count("node_preempted")
+    assert sum(" notice: local-" in ln for ln in lines) == count("node_notice")
+    assert sum(" joined: replica " in ln for ln in lines) == count("replica_joined")
+    assert sum(" rented local-" in ln for ln in lines) == count("node_launched")
+    assert sum(" checkpoint step " in ln and "committed" in ln for ln in lines) == count("checkpoint_uploaded")
+    # Piped at 80 columns: the summary table keeps whole words, the report path is one line.
+    assert any(ln.startswith("report: ") and ln.endswith("report.html") for ln in lines), out
+    assert "Traceback" not in out
+
+
+def test_failed_run_logs_its_traceback(tmp_path):
+    """A cloud run that fails inside the driver (--offline skipped the preflight; there are no
+    credentials): one line at the user, the whole traceback in driver.log."""
+    from elastic.logs import read_log
+
+    run_dir = tmp_path / "run"
+    env = cli_env(AWS_EC2_METADATA_DISABLED="true", AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
+                  AWS_CONFIG_FILE=str(tmp_path / "none"), ELASTIC_CACHE=str(tmp_path / "cache"))
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_ENDPOINT_URL"):
+        env.pop(k, None)
+    r = run_cli("launch", "recipes/aws-smoke.yaml", "--offline", "--run-dir", str(run_dir), env=env, timeout=200)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr and "credentials" in r.stdout
+    failed = [rec for rec in read_log(run_dir / "driver.log") if rec["level"] == "ERROR"]
+    assert failed and "run failed" in failed[-1]["msg"]
+    tb = failed[-1]["traceback"]
+    assert tb.startswith("Traceback (most recent call last)") and "UserError" in tb and "credentials" in tb

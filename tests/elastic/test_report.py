@@ -70,7 +70,7 @@ def test_figures_of_a_completed_run():
     assert r["tokens"] == 81_920
     assert r["outer_steps"] == 2
     assert r["inner_steps"] == 40
-    assert r["loss_first"] == 5.5           # the first outer step's losses[0]
+    assert r["loss_first"] == 5.375         # the mean of the first outer step's losses (its progress line)
     assert r["loss_last"] == 2.5            # the mean of the last outer step's losses
     assert r["usd_per_mtok"] == pytest.approx(0.205 / 81_920 * 1e6, abs=1e-6)
     assert r["wall_s"] == 360

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from elastic.report import build_report, write_report
-from elastic.report_html import COLORS, render_html
+from elastic.report_html import COLORS, color, render_html
 from tests.elastic.test_report_costs import T0, wasteful_run
 
-CHARTS = 5   # loss, world size, cumulative USD, VM prices, timeline
+CHARTS = 7   # loss, world size, cumulative USD, VM prices, timeline; bars: waste by cause, USD by cloud and region
 
 
 def write_run(run_dir: Path, events: list[dict]) -> None:
@@ -62,14 +62,14 @@ def chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 
 
-def render(browser: str, page: Path, out: Path) -> tuple[list[str], "object"]:
+def render(browser: str, page: Path, out: Path, width_px: int = 1000) -> tuple[list[str], "object"]:
     """Open `page` in headless Chromium: its console messages and a screenshot (a PIL image)."""
     from PIL import Image
 
     shot = out / f"{page.stem}.png"
     proc = subprocess.run(
         [browser, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
-         f"--user-data-dir={out / 'profile'}", "--hide-scrollbars", "--window-size=1000,4200",
+         f"--user-data-dir={out / 'profile'}", "--hide-scrollbars", f"--window-size={width_px},4200",
          f"--screenshot={shot}", page.as_uri()],
         capture_output=True, text=True, timeout=120)
     assert shot.exists(), proc.stderr[-2000:]
@@ -107,6 +107,21 @@ def test_html_renders_its_charts_in_headless_chromium(tmp_path):
     # preempted VM (red), replicas in the world (green), notice (orange).
     for c in (COLORS[0], COLORS[3], COLORS[2], COLORS[1]):
         assert near(img, hex_rgb(c)) > 200, c
+
+    # In a 1400 px window the charts use the page's width: the charts' background spans it.
+    console, img = render(browser, run_dir / "report.html", tmp_path, width_px=1400)
+    chart_bg = hex_rgb("#fafafa")
+    columns = {x for x in range(0, img.width, 4) for y in range(0, img.height, 16)
+               if all(abs(a - b) <= 2 for a, b in zip(img.getpixel((x, y)), chart_bg))}
+    assert max(columns) - min(columns) > 0.9 * img.width, (min(columns), max(columns), img.width)
+    # No series hidden under another: "VMs held" (purple, wide and dashed, drawn first) shows beside
+    # "replicas in the world" (green, on top) though the two counts are often equal.
+    assert near(img, hex_rgb(COLORS[4]), tol=30) > 300
+    assert near(img, hex_rgb(COLORS[2]), tol=30) > 300
+
+
+def test_series_colours_never_repeat():
+    assert len({color(n) for n in range(60)}) == 60
 
 
 def test_cumulative_usd_curve_ends_at_the_report_totals():

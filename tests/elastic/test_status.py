@@ -59,6 +59,7 @@ def test_snapshot_of_an_ended_run_and_of_a_dead_driver():
     assert s["ended"] and s["status"] == "completed"
     assert s["usd_so_far"] == pytest.approx(110 * 1.08 / 3600) and s["projected_usd"] == s["usd_so_far"]
     assert s["burn_usd_per_hour"] == 0 and s["vms_held"] == 0
+    assert s["world"] == 0 and s["world_last"] == 2      # nothing trains once the run is over
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     gone = snapshot(live_run(pid=dead.pid), now=T0 + 120)
@@ -76,6 +77,8 @@ def test_status_once_and_default_run_dir(tmp_path):
     assert latest_run_dir(tmp_path / "runs") == new
     proc = cli("status", "--once", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
+    report = cli("report", cwd=tmp_path)     # `report` too defaults to the newest run
+    assert report.returncode == 0 and f"report: {Path('runs') / 'new' / 'report.json'}" in report.stdout, report
     assert "running" in proc.stdout and "5/20" in proc.stdout and "$1.0800/h" in proc.stdout
     proc = cli("status", str(old))          # an ended run: one snapshot, no waiting
     assert proc.returncode == 0 and "completed" in proc.stdout

@@ -156,6 +156,7 @@ class GCPFake:
         self.on_delete = None   # (name) -> None
         self.secrets: dict[str, dict] = {}            # Secret Manager: id -> labels, version payloads
         self.denied: list[str] = []                   # path patterns answered 403 (permission)
+        self.quotas: dict[str, dict[str, float]] = {}  # region -> {metric: limit} (regions.get)
         self._by_request_id: dict[str, dict] = {}
         self._rate_limited = 0
         self._ids = itertools.count(1000)
@@ -299,6 +300,11 @@ class GCPFake:
         if rest == "zones" and method == "GET":
             return 200, {"items": [{"name": z, "status": s, "region": f"{base}/regions/{z.rsplit('-', 1)[0]}"}
                                    for z, s in self.zones.items()]}
+        if m := re.fullmatch(r"regions/([^/]+)", rest):
+            if not any(z.rsplit("-", 1)[0] == m[1] for z in self.zones):
+                return 404, _error(404, f"The resource 'projects/{project}/regions/{m[1]}' was not found", "notFound")
+            return 200, {"name": m[1], "status": "UP", "quotas": [
+                {"metric": k, "limit": v, "usage": 0} for k, v in self.quotas.get(m[1], {}).items()]}
         if rest == "aggregated/machineTypes":
             items = {}
             for zone, names in ZONE_MACHINE_TYPES.items():
