@@ -71,6 +71,7 @@ class Driver:
         self._restored = False   # the world was restored after losing every replica
         self._price: dict[str, float] = {}               # held instance id -> USD/h last recorded
         self._price_poll_at = 0.0
+        self._view = None                                # the run's view, once `run` started
         self._resume_from = self.ckpt.latest() if resume else None
         if resume and self._resume_from is None:
             raise UserError(f"--resume: no complete checkpoint at {self.ckpt.uri}")
@@ -102,6 +103,7 @@ class Driver:
         self.market = Market(self.recipe.planner, load_history(), capacity_cooldown_s=0.0,
                              tokens_per_inner_step=t.batch_size * t.seq_len)
         self.world = World(self.recipe, on_loss=self._record_loss, on_tick=self.tick)
+        self.world.on_sync_failed = self._record_sync_failed
 
     _owns_cluster = False
 
@@ -309,7 +311,7 @@ class Driver:
                     continue
                 if rep.replica_id in self.world.joining:
                     # Not training yet: nothing to save, leave now and stop paying.
-                    self.world.drop(rep.replica_id, "notice while joining", phase="setup")
+                    self.world.drop(rep.replica_id, "notice while joining", phase="setup", rule="notice")
                     self._terminate(ev.instance_id)
                     continue
                 # End the inner phase early enough to contribute before the node goes.
@@ -356,13 +358,30 @@ class Driver:
 
     def _record_loss(self, loss) -> None:
         self.ledger.append("replica_lost", replica=loss.replica_id, instance_id=loss.instance_id,
-                           reason=loss.reason, phase=loss.phase, lost_inner_steps=loss.lost_inner_steps,
-                           outer_step=self.world.outer_step)
+                           reason=loss.reason, rule=loss.rule, phase=loss.phase,
+                           lost_inner_steps=loss.lost_inner_steps, outer_step=self.world.outer_step)
+        self._warn(f"replica {loss.replica_id} on {loss.instance_id} lost ({loss.rule}): {loss.reason}")
         self._draining.pop(loss.replica_id, None)
         # A replica lost for any reason other than its node going: release the node too.
         inst = next((i for i in self._held() if i.instance_id == loss.instance_id), None)
         if inst is not None and not loss.reason.startswith("preempted"):
             self._terminate(loss.instance_id)
+
+    def _record_sync_failed(self, outer_step: int, attempt: int, failures: dict) -> None:
+        """An outer all-reduce attempt failed: a ledger event and a console line, never a silent
+        shrink (a replica that cannot reach the others' outer group is a misconfigured network)."""
+        self.ledger.append("sync_failed", outer_step=outer_step, attempt=attempt,
+                           failures={str(rid): f for rid, f in failures.items()})
+        for rid, f in failures.items():
+            what = "could not join the outer group" if f.get("stage") == "connect" else "failed in the all-reduce"
+            self._warn(f"outer step {outer_step}, attempt {attempt}: replica {rid} ({f.get('addr')}) {what}: "
+                       f"{f.get('error')}")
+
+    def _warn(self, text: str) -> None:
+        """A line on the console (the run's view) and in driver.log."""
+        log.warning("%s", text)
+        if self._view is not None:
+            self._view.warn(text)
 
     def _terminate(self, instance_id: str) -> None:
         self._price.pop(instance_id, None)
@@ -478,6 +497,7 @@ class Driver:
     def run(self, view) -> str:
         """Train until done, out of budget or out of capacity; returns the run status once the
         last checkpoint is durable."""
+        self._view = view
         status = self._train(view)
         self.finish_checkpoints(view)
         return status
@@ -703,6 +723,9 @@ class QuietView:
         pass
 
     def step(self, *args) -> None:
+        pass
+
+    def warn(self, text: str) -> None:
         pass
 
 

@@ -21,6 +21,14 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+HEARTBEAT_S = 1.0   # a rank's heartbeat period; world.stall_timeout_s is many of these
+
+
+def heartbeat_key(replica_id: int, rank: int) -> str:
+    """Key of a rank's heartbeat in the driver's store: "BEAT PROGRESS", BEAT counting up every
+    HEARTBEAT_S, PROGRESS the rank's count of inner steps and outer syncs done."""
+    return f"hb/{replica_id}/{rank}"
+
 
 @dataclass
 class RankSpec:
@@ -33,7 +41,7 @@ class RankSpec:
         ranks: ranks per replica.
         store_host: host of the driver's TCPStore.
         store_port: port of the driver's TCPStore.
-        total_inner_steps: inner steps the LR schedule spans.
+        schedule: the inner learning-rate schedule (the same for every rank of the run).
     """
 
     recipe: dict
@@ -42,16 +50,68 @@ class RankSpec:
     ranks: int
     store_host: str
     store_port: int
-    total_inner_steps: int
+    schedule: "Schedule"
 
 
-def lr_at(step: int, peak: float, warmup: int, total: int) -> float:
-    """Inner LR at inner step `step` (0-based): linear warmup, then cosine decay to 10% of peak."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    span = max(1, total - warmup)
-    frac = min(1.0, (step - warmup) / span)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+@dataclass(frozen=True)
+class Schedule:
+    """The inner learning rate as a function of the tokens the world has trained: linear warm-up
+    over `warmup_tokens`, then cosine decay to 10% of the peak at `total_tokens`. Tokens, not
+    inner steps: a world that grows or shrinks reaches the end of warm-up and of the decay at the
+    same token counts, and every replica computes the same rate for the same count.
+
+    Args:
+        peak_lr: the rate at the end of warm-up.
+        warmup_tokens: tokens the warm-up spans.
+        total_tokens: tokens the whole schedule spans (`train.token_budget`, or what
+            `train.outer_steps` implies for `world.replicas` replicas).
+    """
+
+    peak_lr: float
+    warmup_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def for_recipe(cls, recipe) -> "Schedule":
+        """`train.warmup_steps` inner steps of a world of `world.replicas` replicas, in tokens."""
+        t = recipe.train
+        step_tokens = recipe.world.replicas * t.batch_size * t.seq_len
+        total = t.token_budget if t.token_budget is not None else t.outer_steps * t.inner_steps * step_tokens
+        return cls(t.inner_lr, t.warmup_steps * step_tokens, total)
+
+    def lr(self, tokens: int, step_tokens: int) -> float:
+        """Rate of an inner step the world starts with `tokens` trained and that trains
+        `step_tokens` (all replicas together). Warm-up counts the step's own tokens, so the first
+        step's rate is not 0."""
+        if tokens < self.warmup_tokens:
+            return self.peak_lr * min(1.0, (tokens + step_tokens) / self.warmup_tokens)
+        span = max(1, self.total_tokens - self.warmup_tokens)
+        frac = min(1.0, (tokens - self.warmup_tokens) / span)
+        return self.peak_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def rank_device():
+    """The device this rank trains on: the one GPU Ray assigned it, made current, or the CPU when
+    Ray assigned none (a CPU node). Ray names the assigned GPU in CUDA_VISIBLE_DEVICES, so this
+    process sees it alone, as cuda:0; where Ray was told not to set it, the id is the index.
+    Raises when Ray assigned a GPU that torch cannot use (a CPU-only torch on a GPU node)."""
+    import ray
+    import torch
+
+    if not ray.is_initialized():   # a rank outside Ray (bench/gpu_smoke.py's reference): its own view
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    ids = [str(i) for i in ray.get_gpu_ids()]
+    if not ids:
+        return torch.device("cpu")
+    if len(ids) != 1:
+        raise RuntimeError(f"a rank takes one GPU; Ray assigned {ids}")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"Ray assigned GPU {ids[0]} to this rank but torch sees no CUDA device "
+                           f"(torch {torch.__version__}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    index = visible.index(ids[0]) if ids[0] in visible else int(ids[0])
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def _like_param(p, local):
@@ -99,6 +159,9 @@ class RankWorker:
         self._stop: tuple[int | None, float] = (None, float("inf"))
         self._stop_lock = threading.Lock()
         self._phase_step: int | None = None
+        self._progress = 0   # inner steps and sync stages done: what the heartbeat reports
+        # Fault injection for tests (a slow VM): seconds added to every inner step.
+        self._step_delay_s = float(os.environ.get("ELASTIC_FAULT_STEP_DELAY_S", "0") or 0)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -118,11 +181,15 @@ class RankWorker:
         spec = self._spec
         recipe = Recipe.model_validate(spec.recipe)
         self._recipe = recipe
-        cuda = torch.cuda.is_available()
-        self._device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self._device = rank_device()
+        cuda = self._device.type == "cuda"
         if not cuda:
             torch.set_num_threads(recipe.world.cpu_threads_per_rank)
 
+        from elastic.netaddr import gloo_device, node_ip
+
+        self._node_ip = node_ip()
+        self._gloo_device = gloo_device(self._node_ip)   # the outer group's, made once
         timeout = datetime.timedelta(seconds=recipe.world.step_timeout_s)
         self._store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
         replica_store = dist.PrefixStore(f"replica/{spec.replica_id}", self._store)
@@ -159,7 +226,9 @@ class RankWorker:
         self._batch = torch.empty(self._per_rank, t.seq_len + 1, dtype=torch.int64)
         self._losses = torch.zeros(t.inner_steps, dtype=torch.float32, device=self._device)
         self._stop_flag = torch.zeros(1)
+        self._lrs = [0.0] * t.inner_steps
         self._inner_step = 0
+        self._start_heartbeat()
         self._ready = True
         return {"replica": spec.replica_id, "rank": spec.rank, "pid": os.getpid(), "device": str(self._device),
                 "params": sum(p.numel() for p in self._params), "local_numel": self._outer.numel,
@@ -167,11 +236,13 @@ class RankWorker:
 
     # -- training --------------------------------------------------------------------------------
 
-    def inner_phase(self, lease_start: int, inner_step: int) -> dict:
+    def inner_phase(self, lease_start: int, inner_step: int, tokens: int, step_tokens: int) -> dict:
         """H inner AdamW steps on samples `lease_start ..` (this rank takes its slice of each batch).
 
-        `inner_step` is the global inner step count at the start (drives the LR schedule). Ends by
-        forming the pseudo-gradient. Returns per-step losses of this rank, tokens and seconds.
+        `inner_step` is the global inner step count at the start (names the phase for
+        `request_stop`); `tokens` the world's trained tokens at the start and `step_tokens` what one
+        inner step of the world trains (they drive the LR schedule). Ends by forming the
+        pseudo-gradient. Returns per-step losses and rates of this rank, tokens and seconds.
         """
         import torch
         import torch.nn.functional as F
@@ -181,11 +252,13 @@ class RankWorker:
         spec, t = self._spec, self._recipe.train
         model, opt, batch, losses = self._model, self._opt, self._batch, self._losses
         vocab = self._recipe.model.vocab_size
+        lrs = self._lrs
         steps = 0
         for h in range(t.inner_steps):
             if self._should_stop():
                 break
-            lr = lr_at(inner_step + h, t.inner_lr, t.warmup_steps, spec.total_inner_steps)
+            lr = spec.schedule.lr(tokens + h * step_tokens, step_tokens)
+            lrs[h] = lr
             for group in opt.param_groups:
                 group["lr"] = lr
             first = lease_start + h * t.batch_size + spec.rank * self._per_rank
@@ -200,10 +273,38 @@ class RankWorker:
             opt.zero_grad(set_to_none=True)
             losses[h] = loss.detach()
             steps += 1
+            self._progress += 1
+            if self._step_delay_s:
+                time.sleep(self._step_delay_s)
         self._outer.form_pseudo_gradient()
         self._inner_step = inner_step + steps
-        return {"losses": losses[:steps].tolist(), "steps": steps,
+        return {"losses": losses[:steps].tolist(), "lrs": lrs[:steps], "steps": steps,
                 "tokens": steps * self._per_rank * t.seq_len, "seconds": time.monotonic() - t0}
+
+    def _start_heartbeat(self) -> None:
+        """Publish "BEAT PROGRESS" under `heartbeat_key` every HEARTBEAT_S from a thread of its own,
+        on a store connection of its own (gloo's rendezvous may hold the other one for long). The
+        first beat is written before setup returns, so the driver can read it from admission on.
+        A frozen or partitioned process stops beating; the driver then drops its replica."""
+        import torch.distributed as dist
+
+        spec = self._spec
+        store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False,
+                              timeout=datetime.timedelta(seconds=self._recipe.world.stall_timeout_s))
+        key = heartbeat_key(spec.replica_id, spec.rank)
+        store.set(key, f"0 {self._progress}")
+
+        def beat() -> None:
+            n = 0
+            while True:
+                time.sleep(HEARTBEAT_S)
+                n += 1
+                try:
+                    store.set(key, f"{n} {self._progress}")
+                except Exception:   # the driver's store is gone: the run ended
+                    return
+
+        threading.Thread(target=beat, name="heartbeat", daemon=True).start()
 
     def _should_stop(self) -> bool:
         """Whether the preemption deadline says: stop the inner phase now. The ranks of a replica
@@ -227,17 +328,22 @@ class RankWorker:
 
     def outer_sync(self, epoch: int, index: int, size: int) -> dict:
         """Phase 1 of the outer step: average Δ over the `size` replicas of membership `epoch` (this
-        replica is `index`). Failure is a value: {"ok": False} when a member died mid-way; Δ is kept
-        for a retry over the survivors."""
+        replica is `index`). Failure is a value: {"ok": False, "stage": "connect" (the group did not
+        form) or "all_reduce", "addr": this rank's advertised address, "error"}; Δ is kept for a
+        retry over the survivors."""
         t0 = time.monotonic()
+        stage = "connect"
         try:
             if size > 1:
                 self._outer.join_group(self._store, epoch, index, size, self._recipe.world.sync_timeout_s,
-                                       shard=self._spec.rank)
+                                       shard=self._spec.rank, device=self._gloo_device)
+            self._progress += 1
+            stage = "all_reduce"
             self._outer.all_reduce(size)
-        except Exception as exc:  # a peer died or timed out: the driver re-forms the group
-            return {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:200]}",
-                    "seconds": time.monotonic() - t0, "bytes": 0}
+            self._progress += 1
+        except Exception as exc:  # a peer died, timed out or was unreachable: the driver re-forms the group
+            return {"ok": False, "stage": stage, "addr": self._node_ip,
+                    "error": f"{type(exc).__name__}: {str(exc)[:200]}", "seconds": time.monotonic() - t0, "bytes": 0}
         return {"ok": True, "seconds": time.monotonic() - t0, "bytes": self._outer.bytes_per_sync if size > 1 else 0}
 
     def outer_apply(self) -> None:
@@ -352,3 +458,24 @@ class RankWorker:
 
     def ping(self) -> bool:
         return self._ready
+
+    def devices(self) -> dict:
+        """What Ray gave this rank: its GPU ids and the CUDA_VISIBLE_DEVICES its process sees
+        (answers before and without `setup`); once set up, also where its tensors live (the
+        model's local shards, the loss buffer) and, on CUDA, how many devices the process sees and
+        the UUID of its own."""
+        import ray
+
+        out = {"gpu_ids": [str(i) for i in ray.get_gpu_ids()], "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+               "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
+        if self._ready:
+            import torch
+
+            from elastic.diloco import local_shard
+
+            out["device"] = str(self._device)
+            out["tensor_devices"] = sorted({str(local_shard(p).device) for p in self._params} | {str(self._losses.device)})
+            if self._device.type == "cuda":
+                out["visible_gpus"] = torch.cuda.device_count()
+                out["gpu_uuid"] = str(torch.cuda.get_device_properties(self._device).uuid)
+        return out

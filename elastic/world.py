@@ -29,6 +29,7 @@ from elastic.recipe import Recipe
 log = logging.getLogger(__name__)
 
 MAX_SYNC_ATTEMPTS = 4
+HEARTBEAT_CHECK_S = 0.5   # how often a waiting driver reads the ranks' heartbeats
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Replica:
         joined_step: the outer step it first contributes to.
         setup_refs: pending `setup` calls (a replica starting up).
         started_at: unix time its actors were created.
+        error: why it cannot start (set instead of creating actors).
     """
 
     replica_id: int
@@ -52,6 +54,7 @@ class Replica:
     joined_step: int = 0
     setup_refs: list = field(default_factory=list)
     started_at: float = 0.0
+    error: str | None = None
 
 
 @dataclass
@@ -64,6 +67,11 @@ class Loss:
         reason: what happened.
         lost_inner_steps: inner steps of work it took with it.
         phase: `inner`, `sync`, `idle` or `setup`.
+        rule: which rule removed it: `actor_died` (a call of one of its ranks failed: the process
+            or its node died), `stalled` (no heartbeat for `world.stall_timeout_s`), `preempted`
+            (the provider saw its node go), `notice` (a notice while joining), `setup_failed`,
+            `safety_bound` (a call past `world.step_timeout_s`), `export_failed` (a donor failing
+            while giving its state away).
     """
 
     replica_id: int
@@ -71,6 +79,7 @@ class Loss:
     reason: str
     lost_inner_steps: int
     phase: str
+    rule: str = "actor_died"
 
 
 @dataclass
@@ -90,6 +99,9 @@ class StepResult:
         idle: replicas that took no inner step (a notice came before their first): nothing to add.
         inner_s_by_replica: each contributing replica's own inner phase (its slowest rank), seconds:
             with `steps_done`, the throughput this replica's VM measured for this model.
+        lrs: each contributing replica's inner learning rate at each step it took.
+        tokens_before: the world's trained tokens when the step began (the schedule's position).
+        step_tokens: tokens one inner step of this phase's members trains (the schedule's stride).
     """
 
     outer_step: int
@@ -103,23 +115,30 @@ class StepResult:
     steps_done: dict = field(default_factory=dict)
     idle: list[int] = field(default_factory=list)
     inner_s_by_replica: dict = field(default_factory=dict)
+    lrs: dict = field(default_factory=dict)
+    tokens_before: int = 0
+    step_tokens: int = 0
 
 
 class World:
     """Args:
         recipe: the resolved recipe.
-        store_host: address replicas reach the driver's store on.
+        store_host: address replicas reach the driver's store on (default: elastic/netaddr.py's
+            choice, the driver node's Ray node IP).
         identical_data: feed every replica the same samples (tests DiLoCo against one replica);
             normal runs lease disjoint ranges.
         on_loss: called with each `Loss` as it happens (the driver records it).
         on_tick: called while waiting on replicas (the driver polls provider notices).
     """
 
-    def __init__(self, recipe: Recipe, store_host: str = "127.0.0.1", identical_data: bool = False,
+    def __init__(self, recipe: Recipe, store_host: str | None = None, identical_data: bool = False,
                  on_loss: Callable[[Loss], None] | None = None, on_tick: Callable[[], None] | None = None):
         import ray
         import torch.distributed as dist
 
+        from elastic.netaddr import store_host as driver_store_host
+
+        store_host = store_host or driver_store_host()
         self._ray = ray
         self._recipe = recipe
         self._identical = identical_data
@@ -139,21 +158,25 @@ class World:
         self._stop_at: dict[int, float] = {}  # noticed replica -> unix time it must contribute by
         self._on_loss = on_loss or (lambda loss: None)
         self._on_tick = on_tick or (lambda: None)
-        # Observers of the outer loop: on_phase(phase, members) as each phase is under way.
+        # Observers of the outer loop: on_phase(phase, members) as each phase is under way;
+        # on_sync_failed(outer_step, attempt, failures) after an outer all-reduce attempt that did
+        # not complete, failures = {replica_id: {"stage", "addr", "error"}} (stage `connect`: the
+        # replica could not join the outer group).
         self.on_phase: Callable[[str, list[int]], None] = lambda phase, members: None
+        self.on_sync_failed: Callable[[int, int, dict], None] = lambda outer_step, attempt, failures: None
         self._actor_cls = ray.remote(_rank_worker_cls())
-        self.total_inner_steps = self._plan_inner_steps()
+        from elastic.replica import Schedule
 
-    def _plan_inner_steps(self) -> int:
-        t, w = self._recipe.train, self._recipe.world
-        if t.token_budget is not None:
-            per_outer = w.replicas * t.inner_steps * t.batch_size * t.seq_len
-            return max(1, -(-t.token_budget // per_outer)) * t.inner_steps
-        return t.outer_steps * t.inner_steps
+        self.schedule = Schedule.for_recipe(recipe)
 
     @property
     def total_outer_steps(self) -> int:
-        return self.total_inner_steps // self._recipe.train.inner_steps
+        """Outer steps the run takes: `train.outer_steps`, or what `train.token_budget` needs with
+        `world.replicas` replicas (an estimate: the world may grow or shrink)."""
+        t, w = self._recipe.train, self._recipe.world
+        if t.token_budget is not None:
+            return max(1, -(-t.token_budget // (w.replicas * t.inner_steps * t.batch_size * t.seq_len)))
+        return t.outer_steps
 
     def done(self) -> bool:
         t = self._recipe.train
@@ -173,22 +196,37 @@ class World:
         spec = self._recipe.model_dump(mode="json")
         rep = Replica(next(self._ids), instance_id, node_id, started_at=time.time())
         strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
+        # One GPU per rank when the node has GPUs: Ray then hands each rank its own device (and
+        # knows the node's GPUs are spoken for); a CPU node's ranks take a CPU each.
+        node_gpus = self.node_gpus(node_id)
+        gpus = 1 if node_gpus else 0
+        self.joining[rep.replica_id] = rep
+        if 0 < node_gpus < ranks:
+            # Ray would wait forever for GPUs the node does not have: the setup fails at once.
+            rep.error = f"node {instance_id} has {node_gpus:g} GPU(s) for {ranks} ranks (world.ranks_per_replica)"
+            return rep
         for rank in range(ranks):
             rs = RankSpec(recipe=spec, replica_id=rep.replica_id, rank=rank, ranks=ranks,
                           store_host=self._store_host, store_port=self._store.port,
-                          total_inner_steps=self.total_inner_steps)
+                          schedule=self.schedule)
             # Three threads: request_stop must reach a rank while inner_phase runs, and a
             # checkpoint upload (phase 2) runs beside both.
-            rep.actors.append(self._actor_cls.options(num_cpus=1, scheduling_strategy=strategy,
+            rep.actors.append(self._actor_cls.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=strategy,
                                                       max_concurrency=3).remote(rs))
         rep.setup_refs = [a.setup.remote() for a in rep.actors]
-        self.joining[rep.replica_id] = rep
         return rep
+
+    def node_gpus(self, node_id: str) -> float:
+        """GPUs the Ray node offers (0 for a CPU node, or a node no longer alive)."""
+        return next((n["Resources"].get("GPU", 0) for n in self._ray.nodes()
+                     if n["NodeID"] == node_id and n["Alive"]), 0)
 
     def add_replicas(self, placements: list[tuple[str, str]]) -> list[Replica]:
         """Start one replica per (instance_id, node_id), wait until all are set up, and admit them
         as the initial world (all start from the same seeded θ)."""
         new = [self.start_replica(i, n) for i, n in placements]
+        if errors := [rep.error for rep in new if rep.error]:
+            raise RuntimeError("; ".join(errors))
         self._ray.get([r for rep in new for r in rep.setup_refs], timeout=self._recipe.world.step_timeout_s)
         for rep in new:
             self._enter(rep)
@@ -198,15 +236,18 @@ class World:
         """Joining replicas whose setup has finished (failed ones are dropped as losses)."""
         ready = []
         for rep in list(self.joining.values()):
+            if rep.error:
+                self._lose(rep, f"setup failed: {rep.error}", 0, "setup", "setup_failed")
+                continue
             done, _ = self._ray.wait(rep.setup_refs, num_returns=len(rep.setup_refs), timeout=0)
             if len(done) < len(rep.setup_refs):
                 if time.time() - rep.started_at > self._recipe.world.step_timeout_s:
-                    self._lose(rep, "setup timed out", 0, "setup")
+                    self._lose(rep, "setup timed out", 0, "setup", "safety_bound")
                 continue
             try:
                 self._ray.get(done)
             except Exception as exc:
-                self._lose(rep, f"setup failed: {_short(exc)}", 0, "setup")
+                self._lose(rep, f"setup failed: {_short(exc)}", 0, "setup", "setup_failed")
                 continue
             ready.append(rep)
         return ready
@@ -224,10 +265,13 @@ class World:
                 source = f"replica {peer.replica_id}"
                 break
             except Exception as exc:
-                if self._is_dead(rep):
-                    self._lose(rep, f"died while joining: {_short(exc)}", 0, "setup")
+                # A copy that is only slow (or a joiner that died) costs the joiner, never the
+                # donor: the donor is dropped only when it is the one that died.
+                if not self._is_dead(peer):
+                    self._lose(rep, f"state copy from replica {peer.replica_id} failed: {_short(exc)}", 0, "setup",
+                               "safety_bound" if isinstance(exc, self._ray.exceptions.GetTimeoutError) else "actor_died")
                     return "lost"
-                self._lose(peer, f"lost while exporting state: {_short(exc)}", 0, "idle")
+                self._lose(peer, f"lost while exporting state: {_short(exc)}", 0, "idle", "export_failed")
         if source is None:
             if checkpoint is None:
                 raise RuntimeError("no live peer and no checkpoint to join from")
@@ -288,11 +332,12 @@ class World:
             for a in (rep.actors if rep else []):
                 a.request_stop.remote(stop_at, self.inner_step)
 
-    def drop(self, replica_id: int, reason: str, phase: str = "idle", lost_inner_steps: int = 0) -> None:
+    def drop(self, replica_id: int, reason: str, phase: str = "idle", lost_inner_steps: int = 0,
+             rule: str = "preempted") -> None:
         """Remove a replica (its node is gone or going): kill its actors, record the loss."""
         rep = self.replicas.get(replica_id) or self.joining.get(replica_id)
         if rep is not None:
-            self._lose(rep, reason, lost_inner_steps, phase)
+            self._lose(rep, reason, lost_inner_steps, phase, rule)
 
     def release(self, replica_id: int) -> None:
         """Remove a replica that left cleanly (drained after a notice): no loss."""
@@ -301,13 +346,13 @@ class World:
             self._kill(rep)
             self.epoch += 1
 
-    def _lose(self, rep: Replica, reason: str, lost_inner_steps: int, phase: str) -> None:
+    def _lose(self, rep: Replica, reason: str, lost_inner_steps: int, phase: str, rule: str = "actor_died") -> None:
         was_member = self.replicas.pop(rep.replica_id, None) is not None
         self.joining.pop(rep.replica_id, None)
         self._kill(rep)
         if was_member:
             self.epoch += 1
-        self._on_loss(Loss(rep.replica_id, rep.instance_id, reason, lost_inner_steps, phase))
+        self._on_loss(Loss(rep.replica_id, rep.instance_id, reason, lost_inner_steps, phase, rule))
 
     def _kill(self, rep: Replica) -> None:
         # A rank lost inside a multi-rank replica drops the whole replica: its other ranks would
@@ -328,14 +373,17 @@ class World:
     # -- training --------------------------------------------------------------------------------
 
     def _gather(self, calls: dict, phase: str, lost_steps: int) -> dict:
-        """Wait for {(replica_id, rank): ref}. A replica whose call fails, or whose node the
-        driver learns is gone (on_tick), is dropped. Returns {(replica_id, rank): result}."""
+        """Wait for {(replica_id, rank): ref}, however long it takes while the ranks keep beating.
+        A replica is dropped when a call of it fails (its process died), when the driver learns its
+        node is gone (on_tick), or when a rank's heartbeat stops for `world.stall_timeout_s`.
+        Returns {(replica_id, rank): result}."""
         ray = self._ray
-        deadline = time.monotonic() + (self._recipe.world.step_timeout_s if phase == "inner"
-                                       else self._recipe.world.sync_timeout_s + 30)
         owner = {ref: key for key, ref in calls.items()}
         pending = list(owner)
         results = {}
+        now = time.monotonic()
+        beats = {key: (None, now) for key in calls}   # (last heartbeat, when it last changed)
+        check_at = now
         while pending:
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.1)
             for ref in done:
@@ -347,12 +395,30 @@ class World:
                         self._lose(self.replicas[rid], f"{phase}: {_short(exc)}", lost_steps, phase)
             self._on_tick()   # may drop replicas whose nodes the provider saw go
             pending = [r for r in pending if owner[r][0] in self.replicas]
-            if pending and time.monotonic() > deadline:
-                for rid in {owner[r][0] for r in pending}:
-                    if rid in self.replicas:
-                        self._lose(self.replicas[rid], f"{phase}: timed out", lost_steps, phase)
-                pending = []
+            if pending and time.monotonic() >= check_at:
+                check_at = time.monotonic() + HEARTBEAT_CHECK_S
+                for rid, reason in self._stalled([owner[r] for r in pending], beats).items():
+                    self._lose(self.replicas[rid], f"{phase}: {reason}", lost_steps, phase, "stalled")
+                pending = [r for r in pending if owner[r][0] in self.replicas]
         return {k: v for k, v in results.items() if k[0] in self.replicas}
+
+    def _stalled(self, keys: list[tuple[int, int]], beats: dict) -> dict[int, str]:
+        """Replicas (of these (replica_id, rank) keys) with a rank whose heartbeat has not changed
+        for `world.stall_timeout_s`, with why. Updates `beats` {key: (heartbeat, when it changed)}."""
+        from elastic.replica import heartbeat_key
+
+        stall_s = self._recipe.world.stall_timeout_s
+        now = time.monotonic()
+        values = self._store.multi_get([heartbeat_key(*k) for k in keys])
+        out = {}
+        for key, raw in zip(keys, values):
+            last, since = beats[key]
+            if raw != last:
+                beats[key] = (raw, now)
+            elif now - since > stall_s and key[0] in self.replicas:
+                progress = raw.decode().split()[-1]
+                out[key[0]] = f"rank {key[1]} sent no heartbeat for {now - since:.1f} s (progress {progress})"
+        return out
 
     def step(self) -> StepResult | None:
         """One outer step over the live replicas. None if every replica was lost during it. A
@@ -376,7 +442,9 @@ class World:
 
         self.phase, self._phase_members = "inner", members
         t0 = time.monotonic()
-        calls = {(rid, r): a.inner_phase.remote(leases[rid], self.inner_step)
+        # The schedule's token count is the world's: every member trains its steps at the same rates.
+        step_tokens = len(members) * t.batch_size * t.seq_len
+        calls = {(rid, r): a.inner_phase.remote(leases[rid], self.inner_step, self.tokens, step_tokens)
                  for rid in members for r, a in enumerate(self.replicas[rid].actors)}
         self._end_phase_by(members)   # a notice came between steps: this phase ends by its deadline
         self.on_phase("inner", members)
@@ -408,6 +476,9 @@ class World:
                 sync_out.get((rid, r), {}).get("ok") for rid in members for r in range(len(self.replicas[rid].actors)))
             if ok:
                 break
+            failures = {rid: {k: out.get(k) for k in ("stage", "addr", "error")}
+                        for (rid, _), out in sorted(sync_out.items()) if not out.get("ok")}
+            self.on_sync_failed(self.outer_step + 1, attempts, failures)
             if attempts >= MAX_SYNC_ATTEMPTS:
                 errors = {v.get("error") for v in sync_out.values() if not v.get("ok")}
                 raise RuntimeError(f"outer all-reduce failed {attempts} times: {sorted(e for e in errors if e)[:2]}")
@@ -425,6 +496,7 @@ class World:
             xs = [c["losses"][h] for c in contrib if h < len(c["losses"])]
             losses.append(sum(xs) / len(xs))
         tokens = sum(c["tokens"] for c in contrib)
+        tokens_before = self.tokens
         self.outer_step += 1
         self.inner_step += longest   # fewer than H when a notice ended the phase early
         self.tokens += tokens
@@ -432,7 +504,8 @@ class World:
                           max((s["bytes"] for s in sync_out.values()), default=0), attempts,
                           {rid: results[(rid, 0)]["steps"] for rid in members}, idle,
                           {rid: max(results[(rid, r)]["seconds"] for r in range(len(self.replicas[rid].actors)))
-                           for rid in members})
+                           for rid in members},
+                          {rid: results[(rid, 0)]["lrs"] for rid in members}, tokens_before, step_tokens)
 
     def lead_replica(self) -> Replica:
         return self.replicas[min(self.replicas)]
@@ -450,6 +523,9 @@ class World:
 
 
 def _short(exc: BaseException) -> str:
+    cause = getattr(exc, "cause", None)   # a RayTaskError: say what the rank raised, not where
+    if isinstance(cause, BaseException):
+        exc = cause
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
 
