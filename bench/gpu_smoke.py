@@ -5,8 +5,8 @@ then through Ray as a run places it (one replica, one rank per GPU of this machi
 
 Part 1 runs `elastic.replica.RankWorker` in two processes exactly as the world drives it (NCCL
 inner group, FSDP2 with bf16 mixed precision on CUDA, θ_outer on the CPU, the DiLoCo all-reduce
-over a gloo group on the driver's store), then: a peer state export/import, and a DCP checkpoint
-saved by one replica and loaded by the other. Part 2 starts a local Ray node offering this
+over a gloo group on the driver's store), then: a joiner's copy of θ_outer and the outer momentum
+from a donor's snapshot, and a DCP checkpoint saved by one replica and loaded by the other. Part 2 starts a local Ray node offering this
 machine's GPUs and a `World` with one replica of one rank per GPU, trains a few outer steps and
 checks that each rank holds its own GPU from Ray, sees only it, and keeps its tensors on it.
 Prints losses and checks; exits non-zero when a check fails. (CI has no GPU; this is run by hand
@@ -68,7 +68,12 @@ def child(replica_id: int, port: int, workdir: str, recipe: dict, queue) -> None
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
         ckpt = os.path.join(workdir, "ckpt")
         if replica_id == 0:
-            torch.save(w.export_state(), os.path.join(workdir, "export.pt"))
+            # What a joiner pulls from a donor, chunk by chunk (here in one chunk, through a file).
+            momentum = w.snapshot_outer(1)
+            n = w._outer.numel
+            torch.save({"theta": w.outer_chunk(1, "theta", 0, n),
+                        "momentum": w.outer_chunk(1, "momentum", 0, n) if momentum else None},
+                       os.path.join(workdir, "export.pt"))
             w.save_checkpoint(ckpt)
             store.set("saved", "1")
         else:
@@ -83,7 +88,7 @@ def child(replica_id: int, port: int, workdir: str, recipe: dict, queue) -> None
             with torch.no_grad():
                 for p in w._params:
                     p.add_(1.0)
-            w.import_state(torch.load(os.path.join(workdir, "export.pt"), weights_only=False))
+            w._outer.load(torch.load(os.path.join(workdir, "export.pt"), weights_only=False))
             out["after_import_sum"] = float(torch.cat([(p.to_local() if hasattr(p, "to_local") else p).detach().reshape(-1).double().cpu()
                                                        for p in w._params]).sum())
             steps = t["outer_steps"] * t["inner_steps"]
@@ -142,7 +147,7 @@ def main() -> int:
     check(abs(b["after_ckpt_load_sum"] - a["theta_sum"]) < 1e-3 * max(1.0, abs(a["theta_sum"])),
           "a DCP checkpoint saved by one replica loads into the other")
     check(abs(b["after_import_sum"] - a["theta_sum"]) < 1e-3 * max(1.0, abs(a["theta_sum"])),
-          "peer state export/import restores θ")
+          "a donor's snapshot of θ_outer and momentum restores θ")
     check(b["loss_after_import"] < a["losses"][0], f"training continues after import (loss {b['loss_after_import']:.3f})")
 
     ranks = ray_placement(args.outer_steps, args.inner_steps)

@@ -118,6 +118,11 @@ class OuterState:
         if not self.reduced:
             raise RuntimeError("outer apply without a completed all-reduce")
         self.delta.copy_(self._wire)
+        self.step_with_delta()
+
+    def step_with_delta(self) -> None:
+        """An outer step with the averaged Δ already in `delta` (a joiner replaying a step the
+        world took): what `apply` does, without the all-reduce."""
         self.optimizer.step()
         copy_all(self._locals, self._theta_views)
         self.pending = self.reduced = False

@@ -392,7 +392,10 @@ class Driver:
                 return
 
     def admit_joiners(self) -> None:
-        """At an outer-step boundary: bring every set-up joiner into the world."""
+        """At an outer-step boundary: bring every set-up joiner into the world. One that copies its
+        state from a member does so in the background (`World.begin_copy`) and is admitted at a
+        later boundary, once the copy is complete (`World.admit_copied`); the world keeps stepping."""
+        joined = self.world.admit_copied()
         for rep in self.world.ready_joiners():
             if self._resume_from is not None and not self.world.replicas and self.world.outer_step == 0:
                 # --resume: the first replica loads the checkpoint (DCP reshards it to this world's
@@ -419,7 +422,12 @@ class Driver:
                     source = "initial state (no checkpoint yet)"
                     self.ledger.append("world_restored", from_step=0, uri=None)
             else:
-                source = self.world.admit(rep)
+                if self.world.begin_copy(rep):
+                    self.ledger.append("replica_copying", replica=rep.replica_id, instance_id=rep.instance_id,
+                                       donor=rep.copy.donor, outer_step=self.world.outer_step)
+                continue
+            joined.append((rep, source))
+        for rep, source in joined:
             if source != "lost":
                 self._drain_replaced(rep.instance_id)
                 self.ledger.append("replica_joined", replica=rep.replica_id, instance_id=rep.instance_id,

@@ -160,6 +160,8 @@ class RankWorker:
         self._stop_lock = threading.Lock()
         self._phase_step: int | None = None
         self._progress = 0   # inner steps and sync stages done: what the heartbeat reports
+        self._snapshots: dict[int, dict] = {}   # joiner replica id -> what it copies from this donor
+        self._pulled_momentum = None             # a joiner's copied outer momentum, until replayed
         # Fault injection for tests (a slow VM): seconds added to every inner step.
         self._step_delay_s = float(os.environ.get("ELASTIC_FAULT_STEP_DELAY_S", "0") or 0)
 
@@ -347,30 +349,69 @@ class RankWorker:
         return {"ok": True, "seconds": time.monotonic() - t0, "bytes": self._outer.bytes_per_sync if size > 1 else 0}
 
     def outer_apply(self) -> None:
-        """Phase 2: every member reduced, so take the outer step."""
+        """Phase 2: every member reduced, so take the outer step (and log the averaged Δ for the
+        joiners copying from this rank)."""
         self._outer.apply()
+        if self._snapshots:
+            applied = self._outer.delta.clone()
+            for snap in self._snapshots.values():
+                snap["log"].append(applied)
 
-    # -- joining: state from a live peer, or from a checkpoint ----------------------------------
+    # -- joining beside training: θ_outer and the outer momentum from a donor, in chunks ---------
 
-    def export_state(self) -> dict:
-        """This rank's θ_outer, outer momentum and inner AdamW state (local shards), for the same
-        rank of a joining replica. Call at an outer-step boundary (θ_local = θ_outer)."""
-        from elastic.diloco import local_shard
+    def snapshot_outer(self, joiner: int) -> bool:
+        """Donor, at an outer-step boundary: hold a copy of this shard's θ_outer and outer momentum
+        for replica `joiner` to pull, and log every averaged Δ applied from now on (the joiner
+        replays them). Returns whether there is a momentum buffer (none before the first step)."""
+        m = self._outer.momentum()
+        self._snapshots[joiner] = {"theta": self._outer.theta.data.clone(),
+                                   "momentum": None if m is None else m.clone(), "log": []}
+        return m is not None
 
-        inner = []
-        for p in self._params:
-            st = self._opt.state.get(p, {})
-            inner.append({k: local_shard(v).cpu().clone() for k, v in st.items()})
-        return {"outer": self._outer.export(), "inner": inner, "inner_step": self._inner_step}
+    def outer_chunk(self, joiner: int, what: str, start: int, end: int):
+        """Donor: elements start:end of the snapshot held for `joiner`: `theta`, `momentum`, or
+        `delta:I`, the I-th averaged Δ applied since the snapshot. Runs beside training."""
+        snap = self._snapshots[joiner]
+        src = snap["log"][int(what[6:])] if what.startswith("delta:") else snap[what]
+        return src[start:end].clone()
 
-    def import_state(self, state: dict) -> None:
-        """Take a peer's state (see export_state): the replica continues exactly where the peer is."""
-        self._outer.load(state["outer"])
-        for p, st in zip(self._params, state["inner"]):
-            if st:
-                # Per-element state (exp_avg, exp_avg_sq) takes the parameter's layout; `step` stays scalar.
-                self._opt.state[p] = {k: _like_param(p, v) if v.dim() > 0 else v for k, v in st.items()}
-        self._inner_step = state["inner_step"]
+    def drop_snapshot(self, joiner: int) -> None:
+        """Donor: the joiner is in (or gone): free its snapshot and log."""
+        self._snapshots.pop(joiner, None)
+
+    def pull_outer(self, donor, joiner: int, momentum: bool, chunk_numel: int) -> int:
+        """Joiner, while the world trains: copy the donor's snapshot (same rank) of θ_outer and the
+        outer momentum in chunks of `chunk_numel` elements, each a heartbeat of progress. Returns
+        the chunks copied. (The inner AdamW state is not copied: a joiner starts it afresh.)"""
+        import ray
+        import torch
+
+        outer = self._outer
+        self._pulled_momentum = torch.zeros(outer.numel) if momentum else None
+        chunks = 0
+        for what, dst in (("theta", outer.theta.data), ("momentum", self._pulled_momentum)):
+            for start in range(0, outer.numel, chunk_numel) if dst is not None else ():
+                end = min(outer.numel, start + chunk_numel)
+                dst[start:end].copy_(ray.get(donor.outer_chunk.remote(joiner, what, start, end)))
+                chunks += 1
+                self._progress += 1
+        return chunks
+
+    def replay_outer(self, donor, joiner: int, steps: int, inner_step: int, chunk_numel: int) -> None:
+        """Joiner, at its admission: take the pulled snapshot, then the `steps` outer steps the world
+        applied since, with the averaged Δs the donor logged: the same updates from the same
+        state, so θ_outer and the momentum end equal to every member's."""
+        import ray
+
+        outer = self._outer
+        outer.load({"theta": outer.theta.data, "momentum": self._pulled_momentum})
+        for i in range(steps):
+            for start in range(0, outer.numel, chunk_numel):
+                end = min(outer.numel, start + chunk_numel)
+                outer.delta[start:end].copy_(ray.get(donor.outer_chunk.remote(joiner, f"delta:{i}", start, end)))
+            outer.step_with_delta()
+        self._pulled_momentum = None
+        self._inner_step = inner_step
         self._stop = (None, float("inf"))
 
     # -- inspection and state -------------------------------------------------------------------

@@ -8,8 +8,9 @@ outer sync over the replicas that finished it. Failure is the normal path:
   all-reduce is formed over the survivors under a new membership epoch;
 - an all-reduce that a member dies in is retried over the survivors with the pseudo-gradients they
   still hold (the sync is two-phase: all-reduce, then apply once every member reduced);
-- a replica started later joins at an outer-step boundary with θ_outer, the outer momentum and the
-  inner optimizer state copied from a live peer (or from a checkpoint when no peer is left).
+- a replica started later copies θ_outer and the outer momentum from a live peer while the world
+  keeps stepping, replays the outer steps taken meanwhile, and joins at the next outer-step
+  boundary with a fresh inner optimizer (or loads a checkpoint when no peer is left).
 
 The driver owns the TCPStore every process group rendezvouses through, so a new epoch is just a
 new key prefix.
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 
 MAX_SYNC_ATTEMPTS = 4
 HEARTBEAT_CHECK_S = 0.5   # how often a waiting driver reads the ranks' heartbeats
+COPY_CHUNK_NUMEL = 1 << 22   # elements per chunk of a joiner's state copy (16 MiB of fp32)
 
 
 @dataclass
@@ -45,6 +47,7 @@ class Replica:
         setup_refs: pending `setup` calls (a replica starting up).
         started_at: unix time its actors were created.
         error: why it cannot start (set instead of creating actors).
+        copy: its state copy from a member, while under way.
     """
 
     replica_id: int
@@ -55,6 +58,24 @@ class Replica:
     setup_refs: list = field(default_factory=list)
     started_at: float = 0.0
     error: str | None = None
+    copy: Copy | None = None
+
+
+@dataclass
+class Copy:
+    """A joiner's state copy under way (`World.begin_copy`).
+
+    Args:
+        donor: the member it copies from.
+        outer_step: the world's outer steps when the donor took its snapshot.
+        refs: the joiner ranks' `pull_outer` calls.
+        beats: the joiner ranks' last heartbeats (`World._stalled`).
+    """
+
+    donor: int
+    outer_step: int
+    refs: list
+    beats: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -209,10 +230,10 @@ class World:
             rs = RankSpec(recipe=spec, replica_id=rep.replica_id, rank=rank, ranks=ranks,
                           store_host=self._store_host, store_port=self._store.port,
                           schedule=self.schedule)
-            # Three threads: request_stop must reach a rank while inner_phase runs, and a
-            # checkpoint upload (phase 2) runs beside both.
+            # Four threads: request_stop must reach a rank while inner_phase runs, and a
+            # checkpoint upload (phase 2) and a joiner's chunk requests run beside both.
             rep.actors.append(self._actor_cls.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=strategy,
-                                                      max_concurrency=3).remote(rs))
+                                                      max_concurrency=4).remote(rs))
         rep.setup_refs = [a.setup.remote() for a in rep.actors]
         return rep
 
@@ -239,6 +260,8 @@ class World:
             if rep.error:
                 self._lose(rep, f"setup failed: {rep.error}", 0, "setup", "setup_failed")
                 continue
+            if rep.copy is not None:   # set up, and copying its state (`admit_copied`)
+                continue
             done, _ = self._ray.wait(rep.setup_refs, num_returns=len(rep.setup_refs), timeout=0)
             if len(done) < len(rep.setup_refs):
                 if time.time() - rep.started_at > self._recipe.world.step_timeout_s:
@@ -252,35 +275,83 @@ class World:
             ready.append(rep)
         return ready
 
-    def admit(self, rep: Replica, checkpoint: tuple[str, int, str] | None = None) -> str:
-        """Admit a set-up joiner at this outer-step boundary, with its state from a live peer (or,
-        when none is left, from `checkpoint` = (uri, step, node staging dir)). Returns where the
-        state came from."""
-        timeout = self._recipe.world.step_timeout_s
-        source = None
+    def begin_copy(self, rep: Replica) -> bool:
+        """Start copying θ_outer and the outer momentum into set-up joiner `rep` from a member, in
+        the background: each rank of the joiner pulls the same rank of the donor's snapshot in
+        chunks while the world keeps stepping (`admit_copied` admits it later). Call at an
+        outer-step boundary. False when no member could give a snapshot."""
         for peer in [self.replicas[r] for r in sorted(self.replicas)]:
             try:
-                states = [peer.actors[r].export_state.remote() for r in range(len(rep.actors))]
-                self._ray.get([a.import_state.remote(s) for a, s in zip(rep.actors, states)], timeout=timeout)
-                source = f"replica {peer.replica_id}"
-                break
+                momentum = self._ray.get([peer.actors[r].snapshot_outer.remote(rep.replica_id)
+                                          for r in range(len(rep.actors))], timeout=self._recipe.world.step_timeout_s)
             except Exception as exc:
-                # A copy that is only slow (or a joiner that died) costs the joiner, never the
-                # donor: the donor is dropped only when it is the one that died.
-                if not self._is_dead(peer):
-                    self._lose(rep, f"state copy from replica {peer.replica_id} failed: {_short(exc)}", 0, "setup",
-                               "safety_bound" if isinstance(exc, self._ray.exceptions.GetTimeoutError) else "actor_died")
-                    return "lost"
-                self._lose(peer, f"lost while exporting state: {_short(exc)}", 0, "idle", "export_failed")
-        if source is None:
-            if checkpoint is None:
-                raise RuntimeError("no live peer and no checkpoint to join from")
-            # The replica's ranks share a node: one fetch (a download unless file://), then all load.
-            local = self._ray.get(rep.actors[0].fetch_checkpoint.remote(*checkpoint), timeout=None)
-            self._ray.get([a.load_checkpoint.remote(local) for a in rep.actors], timeout=timeout)
-            source = f"checkpoint step {checkpoint[1]}"
+                if self._is_dead(peer):
+                    self._lose(peer, f"lost while exporting state: {_short(exc)}", 0, "idle", "export_failed")
+                continue
+            rep.copy = Copy(peer.replica_id, self.outer_step, [
+                a.pull_outer.remote(peer.actors[r], rep.replica_id, momentum[r], COPY_CHUNK_NUMEL)
+                for r, a in enumerate(rep.actors)])
+            return True
+        return False
+
+    def admit_copied(self, wait: bool = False) -> list[tuple[Replica, str]]:
+        """At an outer-step boundary: admit every joiner whose copy is complete, after it replayed
+        the outer steps the world took since its snapshot (the averaged Δs its donor logged), so it
+        holds the world's θ_outer. `wait`: block until the copies under way are done. A joiner
+        whose copy fails, or whose heartbeat stops for `world.stall_timeout_s`, is dropped alone;
+        a slow copy never drops the donor (a donor that died is a loss of its own, and its joiners
+        copy again from another member). Returns [(replica, where its state came from)]."""
+        admitted = []
+        for rep in [r for r in list(self.joining.values()) if r.copy is not None]:
+            c = rep.copy
+            done, _ = self._ray.wait(c.refs, num_returns=len(c.refs), timeout=None if wait else 0)
+            if len(done) < len(c.refs):
+                if reason := self._stalled([(rep.replica_id, r) for r in range(len(rep.actors))], c.beats).get(rep.replica_id):
+                    self._lose(rep, f"copying state: {reason}", 0, "setup", "stalled")
+                continue
+            donor = self.replicas.get(c.donor)
+            try:
+                self._ray.get(c.refs)
+                if donor is None:
+                    raise RuntimeError(f"donor replica {c.donor} left")
+                self._ray.get([a.replay_outer.remote(donor.actors[r], rep.replica_id, self.outer_step - c.outer_step,
+                                                     self.inner_step, COPY_CHUNK_NUMEL)
+                               for r, a in enumerate(rep.actors)], timeout=self._recipe.world.step_timeout_s)
+            except Exception as exc:
+                rep.copy = None
+                if donor is None or self._is_dead(donor):
+                    if donor is not None:
+                        self._lose(donor, f"lost while exporting state: {_short(exc)}", 0, "idle", "export_failed")
+                    self.begin_copy(rep)   # from another member (or at the next boundary)
+                else:
+                    self._lose(rep, f"state copy from replica {c.donor} failed: {_short(exc)}", 0, "setup")
+                continue
+            for a in donor.actors:
+                a.drop_snapshot.remote(rep.replica_id)
+            rep.copy = None
+            self._enter(rep)
+            admitted.append((rep, f"replica {c.donor}"))
+        return admitted
+
+    def admit(self, rep: Replica, checkpoint: tuple[str, int, str] | None = None) -> str:
+        """Admit a set-up joiner now, waiting for its state: from a live peer (the copy of
+        `begin_copy`, waited for), or, when none is left, from `checkpoint` = (uri, step, node
+        staging dir). Returns where the state came from ("lost" if the joiner was dropped)."""
+        if self.replicas and checkpoint is None:
+            while rep.replica_id in self.joining:
+                if rep.copy is None and not self.begin_copy(rep):
+                    raise RuntimeError("no live peer to join from")
+                for joined, source in self.admit_copied(wait=True):
+                    if joined is rep:
+                        return source
+            return "lost"
+        if checkpoint is None:
+            raise RuntimeError("no live peer and no checkpoint to join from")
+        # The replica's ranks share a node: one fetch (a download unless file://), then all load.
+        local = self._ray.get(rep.actors[0].fetch_checkpoint.remote(*checkpoint), timeout=None)
+        self._ray.get([a.load_checkpoint.remote(local) for a in rep.actors], timeout=self._recipe.world.step_timeout_s)
         self._enter(rep)
-        return source
+        return f"checkpoint step {checkpoint[1]}"
 
     def _enter(self, rep: Replica) -> None:
         """A set-up joiner becomes a member: from this outer step on it trains and syncs."""
@@ -347,6 +418,9 @@ class World:
             self.epoch += 1
 
     def _lose(self, rep: Replica, reason: str, lost_inner_steps: int, phase: str, rule: str = "actor_died") -> None:
+        donor = self.replicas.get(rep.copy.donor) if rep.copy is not None else None
+        for a in donor.actors if donor is not None else []:
+            a.drop_snapshot.remote(rep.replica_id)   # nobody will pull it now
         was_member = self.replicas.pop(rep.replica_id, None) is not None
         self.joining.pop(rep.replica_id, None)
         self._kill(rep)
@@ -412,10 +486,10 @@ class World:
         values = self._store.multi_get([heartbeat_key(*k) for k in keys])
         out = {}
         for key, raw in zip(keys, values):
-            last, since = beats[key]
+            last, since = beats.get(key, (None, now))
             if raw != last:
                 beats[key] = (raw, now)
-            elif now - since > stall_s and key[0] in self.replicas:
+            elif now - since > stall_s and (key[0] in self.replicas or key[0] in self.joining):
                 progress = raw.decode().split()[-1]
                 out[key[0]] = f"rank {key[1]} sent no heartbeat for {now - since:.1f} s (progress {progress})"
         return out
