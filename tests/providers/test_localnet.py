@@ -1,0 +1,149 @@
+"""Regions as network namespaces behind NAT routers, joined only by the WireGuard overlay.
+
+Needs root, iproute2, nftables, wireguard-tools and wireguard-go (.ci/run installs them); every
+test removes the namespaces, interfaces and processes it made, also when it fails.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from elastic import overlay
+from providers import localnet
+
+REQUIRES = localnet.missing_requirements() or (
+    f"missing {', '.join(overlay.missing_tools())}" if overlay.missing_tools() else None)
+pytestmark = pytest.mark.skipif(REQUIRES is not None, reason=f"network lab unavailable: {REQUIRES}")
+
+PORT = 7000
+
+
+def _serve(ns: str, connections: int) -> subprocess.Popen:
+    """A TCP server in `ns` on every address, port PORT: answers `hello` to at most `connections`
+    connections, and exits after 60 s at the latest."""
+    code = ("import socket\ns = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+            f"s.bind(('0.0.0.0', {PORT})); s.listen(); s.settimeout(60)\nprint('up', flush=True)\n"
+            f"for _ in range({connections}):\n    c, _ = s.accept(); c.sendall(b'hello'); c.close()\n")
+    proc = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", code],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "up"
+    return proc
+
+
+def _reach(ns: str, host: str, timeout_s: float = 2.0) -> bool:
+    """Whether a TCP connection from `ns` to host:PORT gets the server's `hello`."""
+    code = (f"import socket\ns = socket.create_connection(('{host}', {PORT}), timeout={timeout_s})\n"
+            "s.settimeout(5); print(s.recv(5).decode())")
+    out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code],
+                         capture_output=True, text=True, timeout=30)
+    return out.returncode == 0 and out.stdout.strip() == "hello"
+
+
+@pytest.fixture
+def lab():
+    the_lab = localnet.Lab({"region-a": localnet.Link(), "region-b": localnet.Link(rate_mbit=500)})
+    try:
+        yield the_lab
+    finally:
+        the_lab.down()
+        assert the_lab.namespaces() == []
+
+
+@pytest.fixture
+def meshed(lab):
+    """Hosts a (region-a) and b (region-b), each with an overlay interface, peered both ways."""
+    a, b = lab.add_host("region-a"), lab.add_host("region-b")
+    ifaces = []
+    try:
+        for i, host in enumerate((a, b), start=1):
+            iface = overlay.Interface(host.netns)
+            ifaces.append(iface)
+            private, _public = overlay.keypair(host.netns)
+            iface.up(overlay.overlay_ip(i), private)
+        ifaces[0].set_peer(overlay.Peer(ifaces[1].public_key, overlay.overlay_ip(2), f"{b.public_ip}:{overlay.OVERLAY_PORT}"))
+        ifaces[1].set_peer(overlay.Peer(ifaces[0].public_key, overlay.overlay_ip(1), f"{a.public_ip}:{overlay.OVERLAY_PORT}"))
+        yield a, b, ifaces
+    finally:
+        for iface in ifaces:
+            iface.down()
+
+
+def test_without_the_overlay_a_host_cannot_reach_another_regions_private_or_public_address(lab):
+    a, b = lab.add_host("region-a"), lab.add_host("region-b")
+    server = _serve(a.netns, connections=1)
+    try:
+        assert not _reach(b.netns, a.private_ip)   # no route between private subnets
+        assert not _reach(b.netns, a.public_ip)    # the 1:1 NAT opens the overlay's UDP port only
+        assert _reach(a.netns, a.private_ip)       # control: the server does answer
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_the_overlay_joins_two_regions_and_only_its_udp_crosses_the_internet(lab, meshed):
+    a, b, ifaces = meshed
+    server = _serve(a.netns, connections=2)
+    before = lab.internet_counters()
+    try:
+        assert _reach(b.netns, overlay.overlay_ip(1), timeout_s=10)
+        assert _reach(b.netns, overlay.overlay_ip(1))
+    finally:
+        server.kill()
+        server.wait()
+    after = lab.internet_counters()
+    delta = {k: after[k]["packets"] - before[k]["packets"] for k in after}
+    assert delta["overlay"] > 0
+    assert delta["tcp"] == 0 and delta["other_udp"] == 0
+    # The peers shook hands at each other's public endpoints (mesh, no relay).
+    assert ifaces[1].peers()[ifaces[0].public_key]["latest_handshake"] > 0
+    assert ifaces[0].peers()[ifaces[1].public_key]["endpoint"] == f"{b.public_ip}:{overlay.OVERLAY_PORT}"
+
+
+def test_a_revoked_key_no_longer_reaches_its_peer(lab, meshed):
+    a, b, ifaces = meshed
+    server = _serve(a.netns, connections=2)
+    try:
+        assert _reach(b.netns, overlay.overlay_ip(1), timeout_s=10)
+        ifaces[0].remove_peer(ifaces[1].public_key)   # b was released: a forgets its key
+        assert ifaces[1].public_key not in ifaces[0].peers()
+        assert not _reach(b.netns, overlay.overlay_ip(1), timeout_s=3)
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_teardown_leaves_no_namespace_interface_or_wireguard_process():
+    lab = localnet.Lab({"region-a": localnet.Link()})
+    try:
+        host = lab.add_host("region-a")
+        iface = overlay.Interface(host.netns)
+        iface.up(overlay.overlay_ip(1), overlay.keypair(host.netns)[0])
+        assert iface.userspace == (subprocess.run(["ip", "link", "add", "elprobe0", "type", "wireguard"],
+                                                  capture_output=True).returncode != 0)
+        assert lab.namespaces()
+        # A run killed without its teardown: only the orphan sweep is left to clean up.
+        others = {n.split("-")[0] for n in localnet.list_namespaces()} - {lab.tag}
+        removed = localnet.cleanup_orphans(alive_tags=others)
+        assert set(removed) == {f"{lab.tag}-inet", f"{lab.tag}-r1", host.netns}
+    finally:
+        lab.down()
+        subprocess.run(["ip", "link", "del", "elprobe0"], capture_output=True)
+    assert lab.namespaces() == []
+    assert subprocess.run(["pgrep", "-f", f"wireguard-go {iface.ifname}"], capture_output=True).returncode == 1
+    assert subprocess.run(["ip", "link", "show", iface.ifname], capture_output=True).returncode != 0
+
+
+def test_link_delay_takes_netem_or_is_refused_with_a_clear_error_and_nothing_left():
+    before = set(localnet.list_namespaces())
+    if localnet.netem_available():
+        with localnet.Lab({"region-a": localnet.Link(delay_ms=20, rate_mbit=100)}) as lab:
+            qdisc = subprocess.run(["ip", "netns", "exec", lab.router_of("region-a").netns, "tc",
+                                    "qdisc", "show", "dev", "pub"], capture_output=True, text=True).stdout
+            assert "netem" in qdisc and "delay 20" in qdisc
+    else:
+        with pytest.raises(localnet.LabError, match="delay_ms/loss_pct need the netem qdisc"):
+            localnet.Lab({"region-a": localnet.Link(delay_ms=20)})
+    assert set(localnet.list_namespaces()) == before
