@@ -120,6 +120,11 @@ class OuterState:
         self.delta.copy_(self._wire)
         self.step_with_delta()
 
+    @property
+    def averaged(self) -> torch.Tensor:
+        """The averaged Δ of the last completed all-reduce, in the sync dtype: what `apply` applies."""
+        return self._wire
+
     def step_with_delta(self) -> None:
         """An outer step with the averaged Δ already in `delta` (a joiner replaying a step the
         world took): what `apply` does, without the all-reduce."""

@@ -351,11 +351,10 @@ class RankWorker:
     def outer_apply(self) -> None:
         """Phase 2: every member reduced, so take the outer step (and log the averaged Δ for the
         joiners copying from this rank)."""
+        applied = self._outer.averaged.clone() if self._snapshots else None
         self._outer.apply()
-        if self._snapshots:
-            applied = self._outer.delta.clone()
-            for snap in self._snapshots.values():
-                snap["log"].append(applied)
+        for snap in self._snapshots.values():
+            snap["log"].append(applied)
 
     # -- joining beside training: θ_outer and the outer momentum from a donor, in chunks ---------
 
@@ -363,10 +362,9 @@ class RankWorker:
         """Donor, at an outer-step boundary: hold a copy of this shard's θ_outer and outer momentum
         for replica `joiner` to pull, and log every averaged Δ applied from now on (the joiner
         replays them). Returns whether there is a momentum buffer (none before the first step)."""
-        m = self._outer.momentum()
-        self._snapshots[joiner] = {"theta": self._outer.theta.data.clone(),
-                                   "momentum": None if m is None else m.clone(), "log": []}
-        return m is not None
+        snap = self._outer.export()
+        self._snapshots[joiner] = {**snap, "log": []}
+        return snap["momentum"] is not None
 
     def outer_chunk(self, joiner: int, what: str, start: int, end: int):
         """Donor: elements start:end of the snapshot held for `joiner`: `theta`, `momentum`, or
