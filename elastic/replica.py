@@ -238,11 +238,11 @@ class RankWorker:
 
     # -- training --------------------------------------------------------------------------------
 
-    def inner_phase(self, lease_start: int, inner_step: int, tokens: int, step_tokens: int) -> dict:
+    def inner_phase(self, lease_start: int, inner_step: int, world_tokens: int, step_tokens: int) -> dict:
         """H inner AdamW steps on samples `lease_start ..` (this rank takes its slice of each batch).
 
         `inner_step` is the global inner step count at the start (names the phase for
-        `request_stop`); `tokens` the world's trained tokens at the start and `step_tokens` what one
+        `request_stop`); `world_tokens` the world's trained tokens at the start and `step_tokens` what one
         inner step of the world trains (they drive the LR schedule). Ends by forming the
         pseudo-gradient. Returns per-step losses and rates of this rank, tokens and seconds.
         """
@@ -259,7 +259,7 @@ class RankWorker:
         for h in range(t.inner_steps):
             if self._should_stop():
                 break
-            lr = spec.schedule.lr(tokens + h * step_tokens, step_tokens)
+            lr = spec.schedule.lr(world_tokens + h * step_tokens, step_tokens)
             lrs[h] = lr
             for group in opt.param_groups:
                 group["lr"] = lr
