@@ -16,9 +16,12 @@ pytestmark = pytest.mark.slow
 
 def test_replicas_on_two_hosts_train_together_every_outer_step(netns_host):
     overrides = {"train.outer_steps": 3, "world.step_timeout_s": 60, "world.sync_timeout_s": 20}
+    # A LocalCluster started earlier in this session keeps Ray single-host for this process
+    # (elastic/cluster.py); the two hosts need Ray's multi-node default.
+    env = {k: v for k, v in cli_env().items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
     proc = subprocess.run([sys.executable, "-m", "tests.servers.two_hosts_driver", netns_host.name,
                            netns_host.host_ip, netns_host.peer_ip, json.dumps(overrides)],
-                          capture_output=True, text=True, cwd=REPO, env=cli_env(), timeout=240)
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=240)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert lines, proc.stderr[-3000:]
     out = json.loads(lines[-1])
