@@ -1,12 +1,16 @@
-"""GPU check of the rank code path, without Ray: two replicas × one rank on one CUDA device.
+"""GPU check of the rank code path: first without Ray (two replicas × one rank on one CUDA device),
+then through Ray as a run places it (one replica, one rank per GPU of this machine).
 
     python bench/gpu_smoke.py [--outer-steps 6]
 
-Runs `elastic.replica.RankWorker` in two processes exactly as the world drives it (NCCL inner
-group, FSDP2 with bf16 mixed precision on CUDA, θ_outer on the CPU, the DiLoCo all-reduce over a
-gloo group on the driver's store), then: a peer state export/import, and a DCP checkpoint saved by
-one replica and loaded by the other. Prints losses and checks; exits non-zero when a check fails.
-(CI has no GPU; this is run by hand on a GPU machine. Ray itself is not needed for it.)
+Part 1 runs `elastic.replica.RankWorker` in two processes exactly as the world drives it (NCCL
+inner group, FSDP2 with bf16 mixed precision on CUDA, θ_outer on the CPU, the DiLoCo all-reduce
+over a gloo group on the driver's store), then: a joiner's copy of θ_outer and the outer momentum
+from a donor's snapshot, and a DCP checkpoint saved by one replica and loaded by the other. Part 2 starts a local Ray node offering this
+machine's GPUs and a `World` with one replica of one rank per GPU, trains a few outer steps and
+checks that each rank holds its own GPU from Ray, sees only it, and keeps its tensors on it.
+Prints losses and checks; exits non-zero when a check fails. (CI has no GPU; this is run by hand
+on a GPU machine.)
 """
 
 from __future__ import annotations
@@ -36,19 +40,23 @@ def child(replica_id: int, port: int, workdir: str, recipe: dict, queue) -> None
     import torch
     import torch.distributed as dist
 
-    from elastic.replica import RankSpec, RankWorker
+    from elastic.recipe import Recipe
+    from elastic.replica import RankSpec, RankWorker, Schedule
 
     out = {"replica": replica_id}
     try:
         t = recipe["train"]
+        schedule = Schedule.for_recipe(Recipe.model_validate(recipe))
         spec = RankSpec(recipe=recipe, replica_id=replica_id, rank=0, ranks=1, store_host="127.0.0.1",
-                        store_port=port, total_inner_steps=t["outer_steps"] * t["inner_steps"])
+                        store_port=port, schedule=schedule)
         w = RankWorker(spec)
         out["setup"] = w.setup()
         per = t["inner_steps"] * t["batch_size"]
+        step_tokens = 2 * t["batch_size"] * t["seq_len"]
         losses = []
         for s in range(t["outer_steps"]):
-            r = w.inner_phase((2 * s + replica_id) * per, s * t["inner_steps"])
+            r = w.inner_phase((2 * s + replica_id) * per, s * t["inner_steps"], s * t["inner_steps"] * step_tokens,
+                              step_tokens)
             o = w.outer_sync(1, replica_id, 2)
             assert o["ok"], o
             w.outer_apply()
@@ -60,7 +68,12 @@ def child(replica_id: int, port: int, workdir: str, recipe: dict, queue) -> None
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
         ckpt = os.path.join(workdir, "ckpt")
         if replica_id == 0:
-            torch.save(w.export_state(), os.path.join(workdir, "export.pt"))
+            # What a joiner pulls from a donor, chunk by chunk (here in one chunk, through a file).
+            momentum = w.snapshot_outer(1)
+            n = w._outer.numel
+            torch.save({"theta": w.outer_chunk(1, "theta", 0, n),
+                        "momentum": w.outer_chunk(1, "momentum", 0, n) if momentum else None},
+                       os.path.join(workdir, "export.pt"))
             w.save_checkpoint(ckpt)
             store.set("saved", "1")
         else:
@@ -75,10 +88,11 @@ def child(replica_id: int, port: int, workdir: str, recipe: dict, queue) -> None
             with torch.no_grad():
                 for p in w._params:
                     p.add_(1.0)
-            w.import_state(torch.load(os.path.join(workdir, "export.pt"), weights_only=False))
+            w._outer.load(torch.load(os.path.join(workdir, "export.pt"), weights_only=False))
             out["after_import_sum"] = float(torch.cat([(p.to_local() if hasattr(p, "to_local") else p).detach().reshape(-1).double().cpu()
                                                        for p in w._params]).sum())
-            r = w.inner_phase(10**6, t["outer_steps"] * t["inner_steps"])
+            steps = t["outer_steps"] * t["inner_steps"]
+            r = w.inner_phase(10**6, steps, steps * step_tokens, step_tokens)
             out["loss_after_import"] = sum(r["losses"]) / len(r["losses"])
     except Exception as exc:
         import traceback
@@ -133,9 +147,56 @@ def main() -> int:
     check(abs(b["after_ckpt_load_sum"] - a["theta_sum"]) < 1e-3 * max(1.0, abs(a["theta_sum"])),
           "a DCP checkpoint saved by one replica loads into the other")
     check(abs(b["after_import_sum"] - a["theta_sum"]) < 1e-3 * max(1.0, abs(a["theta_sum"])),
-          "peer state export/import restores θ")
+          "a donor's snapshot of θ_outer and momentum restores θ")
     check(b["loss_after_import"] < a["losses"][0], f"training continues after import (loss {b['loss_after_import']:.3f})")
+
+    ranks = ray_placement(args.outer_steps, args.inner_steps)
+    gpus = torch.cuda.device_count()
+    for r in ranks:
+        print(f"rank pid {r['pid']}: Ray GPU {r['gpu_ids']}, CUDA_VISIBLE_DEVICES={r['cuda_visible_devices']}, "
+              f"device {r.get('device')}, tensors on {r.get('tensor_devices')}, sees {r.get('visible_gpus')} GPU(s)")
+    ids = [i for r in ranks for i in r["gpu_ids"]]
+    check(len(ranks) == gpus, f"one rank per GPU of the node ({len(ranks)} ranks, {gpus} GPUs)")
+    check(all(len(r["gpu_ids"]) == 1 for r in ranks) and len(set(ids)) == len(ids), "each rank holds its own GPU from Ray")
+    check(all(r["cuda_visible_devices"] == r["gpu_ids"][0] and r.get("visible_gpus") == 1 for r in ranks),
+          "each rank sees exactly the GPU Ray assigned it")
+    check(all(r.get("tensor_devices") == [r.get("device")] and str(r.get("device")).startswith("cuda") for r in ranks),
+          "each rank's tensors live on that GPU")
+    check(len({r.get("gpu_uuid") for r in ranks}) == len(ranks), "the ranks' GPUs are distinct devices")
     return 0 if ok else 1
+
+
+def ray_placement(outer_steps: int, inner_steps: int) -> list[dict]:
+    """Part 2: a local Ray node offering every GPU here, one replica with a rank per GPU (as a
+    `local` run with `local.instance_types[].gpus` places it); a few outer steps, then what each
+    rank reports about its device and tensors."""
+    import ray
+    import torch
+
+    from elastic.cluster import LocalCluster
+    from elastic.recipe import validate_recipe
+    from elastic.world import World
+
+    gpus = torch.cuda.device_count()
+    recipe = validate_recipe({
+        "name": "gpu-smoke-ray", "model": {"layers": 4, "width": 256, "heads": 8, "context": 256},
+        "data": {"corpus_bytes": 2_000_000},
+        "train": {"inner_steps": inner_steps, "outer_steps": outer_steps, "batch_size": 8 * gpus, "seq_len": 256},
+        "world": {"replicas": 1, "max_replicas": 1},
+        "local": {"instance_types": [{"name": "gpu", "cpus": gpus, "gpus": gpus}]}})
+    cluster = LocalCluster()
+    world = None
+    try:
+        node = cluster.add_node(cpus=gpus, gpus=gpus, labels={}, resources={}, object_store_bytes=200 * 1024 * 1024)
+        world = World(recipe)
+        world.add_replicas([("gpu-node", node)])
+        while not world.done():
+            world.step()
+        return ray.get([a.devices.remote() for a in world.lead_replica().actors], timeout=60)
+    finally:
+        if world is not None:
+            world.shutdown()
+        cluster.shutdown()
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def plain_loop(r) -> float:
     """tokens/s of a plain single-process PyTorch loop over the same work."""
     from elastic.data import SampleStream, load_tokens
     from elastic.models import build_model
-    from elastic.replica import lr_at
+    from elastic.replica import Schedule
 
     torch.set_num_threads(r.world.cpu_threads_per_rank)
     t = r.train
@@ -53,10 +53,11 @@ def plain_loop(r) -> float:
     batch = torch.empty(t.batch_size, t.seq_len + 1, dtype=torch.int64)
     losses = torch.zeros(t.inner_steps)
     total = t.outer_steps * t.inner_steps
+    schedule, step_tokens = Schedule.for_recipe(r), t.batch_size * t.seq_len
     t0 = time.perf_counter()
     for step in range(total):
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, t.inner_lr, t.warmup_steps, total)
+            g["lr"] = schedule.lr(step * step_tokens, step_tokens)
         data.batch(step * t.batch_size, t.batch_size, out=batch)
         loss = F.cross_entropy(model(batch[:, :-1]).reshape(-1, r.model.vocab_size), batch[:, 1:].reshape(-1))
         loss.backward()

@@ -373,11 +373,13 @@ def _plan(args, out) -> int:
     else:
         table = Table(title=f"plan for {recipe.name}", title_justify="left")
         numeric = ("n", "USD/h", "risk/h", "capacity", "tok/s", "USD/1M tok")
-        for col in ("n", "cloud:zone", "instance type", "GPUs", "USD/h", "risk/h", "capacity", "tok/s", "USD/1M tok"):
+        for col in ("n", "cloud:zone", "instance type", "GPUs", "ranks", "USD/h", "risk/h", "capacity", "tok/s",
+                    "USD/1M tok"):
             table.add_column(col, justify="right" if col in numeric else "left", no_wrap=True)
         for s in doc["placement"]:
             table.add_row(str(s["replicas"]), f"{s['cloud']}:{s['zone']}", s["instance_type"],
-                          f"{s['gpus']}×{s['gpu']}" if s["gpus"] else "-", f"{s['usd_per_hour']:.2f}",
+                          f"{s['gpus']}×{s['gpu']}" if s["gpus"] else "-",
+                          f"{s['ranks']}×{'GPU' if s['gpus'] else 'CPU'}", f"{s['usd_per_hour']:.2f}",
                           f"{s['preempt_per_hour']:.2f} {s['risk_source']}",
                           "?" if s["capacity"] is None else str(s["capacity"]),
                           f"{s['tokens_per_s']:,.0f} {s['tokens_per_s_source']}", f"{s['usd_per_mtok']:.4f}")

@@ -86,13 +86,18 @@ class OuterState:
         self.pending = True
         self.reduced = False
 
-    def join_group(self, store: dist.Store, epoch: int, index: int, size: int, timeout_s: float, shard: int) -> None:
-        """Build (once per epoch) the outer group of shard `shard`: this rank is `index` of `size`."""
+    def join_group(self, store: dist.Store, epoch: int, index: int, size: int, timeout_s: float, shard: int,
+                   device) -> None:
+        """Build (once per epoch) the outer group of shard `shard`: this rank is `index` of `size`,
+        reachable at gloo `device` (elastic/netaddr.py decides its address)."""
         if epoch == self._epoch and self._pg is not None:
             return
         self._pg = None
         prefix = dist.PrefixStore(f"outer/e{epoch}/s{shard}", store)
-        self._pg = dist.ProcessGroupGloo(prefix, index, size, datetime.timedelta(seconds=timeout_s))
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [device]
+        opts._timeout = datetime.timedelta(seconds=timeout_s)
+        self._pg = dist.ProcessGroupGloo(prefix, index, size, opts)
         self._epoch = epoch
 
     def all_reduce(self, index: int, size: int) -> None:
@@ -113,6 +118,16 @@ class OuterState:
             raise RuntimeError("outer apply without a completed all-reduce")
         self.delta.copy_(self._average)
         self.codec.commit()
+        self.step_with_delta()
+
+    @property
+    def averaged(self) -> torch.Tensor:
+        """The averaged Δ of the last completed all-reduce: what `apply` applies."""
+        return self._average
+
+    def step_with_delta(self) -> None:
+        """An outer step with the averaged Δ already in `delta` (a joiner replaying a step the
+        world took): what `apply` does, without the all-reduce or the codec's commit."""
         self.optimizer.step()
         copy_all(self._locals, self._theta_views)
         self.pending = self.reduced = False

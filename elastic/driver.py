@@ -76,6 +76,7 @@ class Driver:
         self._beat_stop = threading.Event()             # ends the heartbeat thread (release_all)
         self._market_seen: set[str] = set()             # clouds whose offers answered at least once
         self._market_down: set[str] = set()             # clouds whose offers fail now (market_unavailable)
+        self._view = None                                # the run's view, once `run` started
         self._resume_from = next(iter(self.ckpt.candidates()[0]), None) if resume else None
         if resume and self._resume_from is None:
             raise UserError(f"--resume: no complete checkpoint at {self.ckpt.uri}")
@@ -108,6 +109,7 @@ class Driver:
                              tokens_per_inner_step=t.batch_size * t.seq_len,
                              measured_before=load_throughput(workload_key(self.recipe)))
         self.world = World(self.recipe, on_loss=self._record_loss, on_tick=self.tick)
+        self.world.on_sync_failed = self._record_sync_failed
         threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
 
     def _heartbeat(self) -> None:
@@ -350,7 +352,7 @@ class Driver:
                     continue
                 if rep.replica_id in self.world.joining:
                     # Not training yet: nothing to save, leave now and stop paying.
-                    self.world.drop(rep.replica_id, "notice while joining", phase="setup")
+                    self.world.drop(rep.replica_id, "notice while joining", phase="setup", rule="notice")
                     self._terminate(ev.instance_id)
                     continue
                 # End the inner phase early enough to contribute before the node goes.
@@ -397,13 +399,30 @@ class Driver:
 
     def _record_loss(self, loss) -> None:
         self.ledger.append("replica_lost", replica=loss.replica_id, instance_id=loss.instance_id,
-                           reason=loss.reason, phase=loss.phase, lost_inner_steps=loss.lost_inner_steps,
-                           outer_step=self.world.outer_step)
+                           reason=loss.reason, rule=loss.rule, phase=loss.phase,
+                           lost_inner_steps=loss.lost_inner_steps, outer_step=self.world.outer_step)
+        self._warn(f"replica {loss.replica_id} on {loss.instance_id} lost ({loss.rule}): {loss.reason}")
         self._draining.pop(loss.replica_id, None)
         # A replica lost for any reason other than its node going: release the node too.
         inst = next((i for i in self._held() if i.instance_id == loss.instance_id), None)
         if inst is not None and not loss.reason.startswith("preempted"):
             self._terminate(loss.instance_id)
+
+    def _record_sync_failed(self, outer_step: int, attempt: int, failures: dict) -> None:
+        """An outer all-reduce attempt failed: a ledger event and a console line, never a silent
+        shrink (a replica that cannot reach the others' outer group is a misconfigured network)."""
+        self.ledger.append("sync_failed", outer_step=outer_step, attempt=attempt,
+                           failures={str(rid): f for rid, f in failures.items()})
+        for rid, f in failures.items():
+            what = "could not join the outer group" if f.get("stage") == "connect" else "failed in the all-reduce"
+            self._warn(f"outer step {outer_step}, attempt {attempt}: replica {rid} ({f.get('addr')}) {what}: "
+                       f"{f.get('error')}")
+
+    def _warn(self, text: str) -> None:
+        """A line on the console (the run's view) and in driver.log."""
+        log.warning("%s", text)
+        if self._view is not None:
+            self._view.warn(text)
 
     def _terminate(self, instance_id: str) -> None:
         self._price.pop(instance_id, None)
@@ -414,7 +433,10 @@ class Driver:
                 return
 
     def admit_joiners(self) -> None:
-        """At an outer-step boundary: bring every set-up joiner into the world."""
+        """At an outer-step boundary: bring every set-up joiner into the world. One that copies its
+        state from a member does so in the background (`World.begin_copy`) and is admitted at a
+        later boundary, once the copy is complete (`World.admit_copied`); the world keeps stepping."""
+        joined = self.world.admit_copied()
         for rep in self.world.ready_joiners():
             if self._resume_from is not None and not self.world.replicas and self.world.outer_step == 0:
                 # --resume: the first replica loads the checkpoint (DCP reshards it to this world's
@@ -444,7 +466,12 @@ class Driver:
                     source = "initial state (no checkpoint yet)"
                     self.ledger.append("world_restored", from_step=0, uri=None)
             else:
-                source = self.world.admit(rep)
+                if self.world.begin_copy(rep):
+                    self.ledger.append("replica_copying", replica=rep.replica_id, instance_id=rep.instance_id,
+                                       donor=rep.copy.donor, outer_step=self.world.outer_step)
+                continue
+            joined.append((rep, source))
+        for rep, source in joined:
             if source != "lost":
                 self._drain_replaced(rep.instance_id)
                 self.ledger.append("replica_joined", replica=rep.replica_id, instance_id=rep.instance_id,
@@ -535,6 +562,7 @@ class Driver:
     def run(self, view) -> str:
         """Train until done, out of budget or out of capacity; returns the run status once the
         last checkpoint is durable."""
+        self._view = view
         status = self._train(view)
         self.finish_checkpoints(view)
         return status
@@ -794,6 +822,9 @@ class QuietView:
         pass
 
     def validation(self, *args) -> None:
+        pass
+
+    def warn(self, text: str) -> None:
         pass
 
 

@@ -199,6 +199,10 @@ class _View:
             self._console.print(f"validation at outer {outer_step}: loss {loss:.4f}  perplexity {perplexity:,.2f}",
                                 highlight=False)
 
+    def warn(self, text: str) -> None:
+        """Something the user must see (a replica lost, a sync that failed): one line, kept."""
+        self._console.print(f"[yellow]{escape(text)}[/yellow]", highlight=False, soft_wrap=True)
+
     def step(self, res, world, tokens_per_s: float, usd: float) -> None:  # noqa: D102
         h = self._recipe.train.inner_steps
         loss = sum(res.losses) / len(res.losses) if res.losses else float("nan")

@@ -110,7 +110,7 @@ class Placement:
             o = q.offer
             s = slots.setdefault(q.key, {"cloud": o.cloud, "region": o.region, "zone": o.zone,
                                          "instance_type": o.instance_type, "gpu": o.gpu, "gpus": o.gpus,
-                                         "spot": o.spot, "replicas": 0, "usd_per_hour": round(o.usd_per_hour, 6),
+                                         "ranks": recipe.world.ranks_per_replica, "spot": o.spot, "replicas": 0, "usd_per_hour": round(o.usd_per_hour, 6),
                                          "on_demand_usd_per_hour": round(o.on_demand_usd_per_hour, 6),
                                          "preempt_per_hour": round(q.preempt_per_hour, 4),
                                          "risk_source": q.risk_source, "capacity": q.capacity,
@@ -120,7 +120,8 @@ class Placement:
                                          "read_at": o.read_at})
             s["replicas"] += 1
         fin = (lambda x: round(x, 4) if x != float("inf") else None)
-        return {"feasible": self.feasible, "replicas": len(self.quotes), "placement": list(slots.values()),
+        return {"feasible": self.feasible, "replicas": len(self.quotes), "ranks_per_replica": recipe.world.ranks_per_replica,
+                "placement": list(slots.values()),
                 "regions": sorted({q.offer.region for q in self.quotes}),
                 "zones": sorted({q.offer.zone for q in self.quotes}),
                 "usd_per_hour": round(self.usd_per_hour, 4), "useful_tokens_per_s": round(self.useful_tokens_per_s, 1),

@@ -214,8 +214,10 @@ class WorldSection(_Section):
     """Target number of replicas: rented at start, and rented again when preemptions take some."""
     max_replicas: int = Field(4, ge=1)
     """Never run more replicas than this (upper bound for growing back)."""
-    ranks_per_replica: int = Field(1, ge=1, le=1024)
-    """Ranks (one per GPU, or one CPU process locally) in each replica; FSDP2 shards over them."""
+    ranks_per_replica: int | None = Field(None, ge=1, le=1024)
+    """Ranks in each replica; FSDP2 shards over them. Each rank takes one GPU of its node when the
+    node has GPUs (one CPU process otherwise). Empty: as many as a VM has GPUs (the count of
+    `resources.accelerators`, or the local instance types' `gpus`), 1 on CPU-only nodes."""
     sync: Literal["dense", "sparse"] = "dense"
     """How pseudo-gradients cross between replicas. `dense`: every value, in `sync_dtype`.
     `sparse` (SparseLoCo): per chunk of 4096 values only the `sync_density` largest entries of an
@@ -236,12 +238,20 @@ class WorldSection(_Section):
     sync_decay: float = Field(0.95, gt=0, le=1)
     """With `sync: sparse`: the error-feedback accumulator is multiplied by this before each outer
     step's pseudo-gradient is added."""
+    stall_timeout_s: float = Field(120.0, gt=0)
+    """A member is lost when no heartbeat of one of its ranks arrived for this long, in seconds
+    (every rank publishes one each second with its step counter, during inner phases and syncs
+    alike: a frozen process, a partitioned or vanished node). How long a phase or a sync takes
+    never counts: a slow world that keeps beating is healthy. A rank whose process dies is noticed
+    at once."""
     step_timeout_s: float = Field(600.0, gt=0)
-    """Longest an inner phase or a replica's setup may take, in seconds; a replica that takes longer
-    counts as lost (its node is released and replaced)."""
+    """Upper safety bound, in seconds, on a call that has no heartbeat of its own yet: a replica's
+    setup (a replica not set up by then is lost and its node released), the store connection, and
+    each collective inside a replica (the FSDP process group's timeout). Never a phase's length."""
     sync_timeout_s: float = Field(60.0, gt=0)
-    """Longest the outer all-reduce may wait on a silent member before it counts as lost, in
-    seconds. (A member whose process dies is noticed at once: its connections close.)"""
+    """Longest one collective of the outer group (forming it, each all-reduce) may wait on a
+    silent member, in seconds; the attempt then fails and is retried over the survivors. (A
+    member whose process dies is noticed at once: its connections close.)"""
     capacity_timeout_s: float = Field(600.0, gt=0)
     """With fewer than `min_replicas` alive, training pauses and waits for capacity this long, in
     seconds, then ends with status `insufficient_capacity`."""
@@ -407,6 +417,8 @@ class LocalInstanceType(_Section):
     """Simulated zone."""
     cpus: int = Field(1, ge=1)
     """Logical CPUs the node offers to Ray (one per rank)."""
+    gpus: int = Field(0, ge=0, le=64)
+    """GPUs the node offers to Ray: this machine's own (a rank takes one each; 0: CPU ranks)."""
     spot_usd_per_hour: float = Field(0.5, ge=0)
     """Simulated spot price, USD per hour."""
     on_demand_usd_per_hour: float = Field(1.5, ge=0)
@@ -607,9 +619,20 @@ class Recipe(_Section):
     gcp: GCPSection = Field(default_factory=GCPSection)
     """Settings of the `gcp` provider."""
 
+    def gpus_per_node(self) -> int:
+        """GPUs of each VM this recipe rents (0: CPU-only): `resources.accelerators`' count for the
+        clouds, the local instance types' `gpus` (the fewest, when they differ) for local runs."""
+        if any(c != "local" for c in self.resources.clouds) and self.resources.accelerators:
+            return int(self.resources.accelerators.partition(":")[2] or 1)
+        if "local" in self.resources.clouds:
+            return min(it.gpus for it in self.local.instance_types)
+        return 0
+
     @model_validator(mode="after")
     def _check(self) -> "Recipe":
         problems = []
+        if self.world.ranks_per_replica is None:
+            self.world.ranks_per_replica = self.gpus_per_node() or 1
         if self.train.seq_len > self.model.context:
             problems.append(f"train.seq_len ({self.train.seq_len}) must be <= model.context ({self.model.context})")
         if self.train.batch_size % self.world.ranks_per_replica:

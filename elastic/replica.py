@@ -22,6 +22,14 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+HEARTBEAT_S = 1.0   # a rank's heartbeat period; world.stall_timeout_s is many of these
+
+
+def heartbeat_key(replica_id: int, rank: int) -> str:
+    """Key of a rank's heartbeat in the driver's store: "BEAT PROGRESS", BEAT counting up every
+    HEARTBEAT_S, PROGRESS the rank's count of inner steps and outer syncs done."""
+    return f"hb/{replica_id}/{rank}"
+
 
 @dataclass
 class RankSpec:
@@ -34,7 +42,7 @@ class RankSpec:
         ranks: ranks per replica.
         store_host: host of the driver's TCPStore.
         store_port: port of the driver's TCPStore.
-        total_inner_steps: inner steps the LR schedule spans.
+        schedule: the inner learning-rate schedule (the same for every rank of the run).
     """
 
     recipe: dict
@@ -43,16 +51,68 @@ class RankSpec:
     ranks: int
     store_host: str
     store_port: int
-    total_inner_steps: int
+    schedule: "Schedule"
 
 
-def lr_at(step: int, peak: float, warmup: int, total: int) -> float:
-    """Inner LR at inner step `step` (0-based): linear warmup, then cosine decay to 10% of peak."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    span = max(1, total - warmup)
-    frac = min(1.0, (step - warmup) / span)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+@dataclass(frozen=True)
+class Schedule:
+    """The inner learning rate as a function of the tokens the world has trained: linear warm-up
+    over `warmup_tokens`, then cosine decay to 10% of the peak at `total_tokens`. Tokens, not
+    inner steps: a world that grows or shrinks reaches the end of warm-up and of the decay at the
+    same token counts, and every replica computes the same rate for the same count.
+
+    Args:
+        peak_lr: the rate at the end of warm-up.
+        warmup_tokens: tokens the warm-up spans.
+        total_tokens: tokens the whole schedule spans (`train.token_budget`, or what
+            `train.outer_steps` implies for `world.replicas` replicas).
+    """
+
+    peak_lr: float
+    warmup_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def for_recipe(cls, recipe) -> "Schedule":
+        """`train.warmup_steps` inner steps of a world of `world.replicas` replicas, in tokens."""
+        t = recipe.train
+        step_tokens = recipe.world.replicas * t.batch_size * t.seq_len
+        total = t.token_budget if t.token_budget is not None else t.outer_steps * t.inner_steps * step_tokens
+        return cls(t.inner_lr, t.warmup_steps * step_tokens, total)
+
+    def lr(self, tokens: int, step_tokens: int) -> float:
+        """Rate of an inner step the world starts with `tokens` trained and that trains
+        `step_tokens` (all replicas together). Warm-up counts the step's own tokens, so the first
+        step's rate is not 0."""
+        if tokens < self.warmup_tokens:
+            return self.peak_lr * min(1.0, (tokens + step_tokens) / self.warmup_tokens)
+        span = max(1, self.total_tokens - self.warmup_tokens)
+        frac = min(1.0, (tokens - self.warmup_tokens) / span)
+        return self.peak_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def rank_device():
+    """The device this rank trains on: the one GPU Ray assigned it, made current, or the CPU when
+    Ray assigned none (a CPU node). Ray names the assigned GPU in CUDA_VISIBLE_DEVICES, so this
+    process sees it alone, as cuda:0; where Ray was told not to set it, the id is the index.
+    Raises when Ray assigned a GPU that torch cannot use (a CPU-only torch on a GPU node)."""
+    import ray
+    import torch
+
+    if not ray.is_initialized():   # a rank outside Ray (bench/gpu_smoke.py's reference): its own view
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    ids = [str(i) for i in ray.get_gpu_ids()]
+    if not ids:
+        return torch.device("cpu")
+    if len(ids) != 1:
+        raise RuntimeError(f"a rank takes one GPU; Ray assigned {ids}")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"Ray assigned GPU {ids[0]} to this rank but torch sees no CUDA device "
+                           f"(torch {torch.__version__}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    index = visible.index(ids[0]) if ids[0] in visible else int(ids[0])
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def _like_param(p, local):
@@ -110,6 +170,11 @@ class RankWorker:
         self._stop: tuple[int | None, float] = (None, float("inf"))
         self._stop_lock = threading.Lock()
         self._phase_step: int | None = None
+        self._progress = 0   # inner steps and sync stages done: what the heartbeat reports
+        self._snapshots: dict[int, dict] = {}   # joiner replica id -> what it copies from this donor
+        self._pulled_momentum = None             # a joiner's copied outer momentum, until replayed
+        # Fault injection for tests (a slow VM): seconds added to every inner step.
+        self._step_delay_s = float(os.environ.get("ELASTIC_FAULT_STEP_DELAY_S", "0") or 0)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -130,11 +195,15 @@ class RankWorker:
         spec = self._spec
         recipe = Recipe.model_validate(spec.recipe)
         self._recipe = recipe
-        cuda = torch.cuda.is_available()
-        self._device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self._device = rank_device()
+        cuda = self._device.type == "cuda"
         if not cuda:
             torch.set_num_threads(recipe.world.cpu_threads_per_rank)
 
+        from elastic.netaddr import gloo_device, node_ip
+
+        self._node_ip = node_ip()
+        self._gloo_device = gloo_device(self._node_ip)   # the outer group's, made once
         timeout = datetime.timedelta(seconds=recipe.world.step_timeout_s)
         self._store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
         replica_store = dist.PrefixStore(f"replica/{spec.replica_id}", self._store)
@@ -175,7 +244,9 @@ class RankWorker:
         self._batch = torch.empty(self._per_rank, t.seq_len + 1, dtype=torch.int64)
         self._losses = torch.zeros(t.inner_steps, dtype=torch.float32, device=self._device)
         self._stop_flag = torch.zeros(1)
+        self._lrs = [0.0] * t.inner_steps
         self._inner_step = 0
+        self._start_heartbeat()
         self._ready = True
         return {"replica": spec.replica_id, "rank": spec.rank, "pid": os.getpid(), "device": str(self._device),
                 "params": sum(p.numel() for p in self._params), "local_numel": self._outer.numel,
@@ -183,12 +254,15 @@ class RankWorker:
 
     # -- training --------------------------------------------------------------------------------
 
-    def inner_phase(self, lease_start: int, inner_step: int, next_lease: int | None = None) -> dict:
+    def inner_phase(self, lease_start: int, inner_step: int, world_tokens: int, step_tokens: int,
+                    next_lease: int | None = None) -> dict:
         """H inner AdamW steps on samples `lease_start ..` (this rank takes its slice of each batch).
 
-        `inner_step` is the global inner step count at the start (drives the LR schedule);
-        `next_lease`, the driver's guess of this replica's next lease, whose data is fetched in the
-        background meanwhile. Ends by forming the pseudo-gradient. Returns per-step losses of this
+        `inner_step` is the global inner step count at the start (names the phase for
+        `request_stop`); `world_tokens` the world's trained tokens at the start and `step_tokens`
+        what one inner step of the world trains (they drive the LR schedule); `next_lease`, the
+        driver's guess of this replica's next lease, whose data is fetched in the background
+        meanwhile. Ends by forming the pseudo-gradient. Returns per-step losses and rates of this
         rank, tokens and seconds.
         """
         import torch
@@ -196,7 +270,7 @@ class RankWorker:
         t0 = time.monotonic()
         self._phase_step = inner_step
         spec, t = self._spec, self._recipe.train
-        opt, batch, losses = self._opt, self._batch, self._losses
+        opt, batch, losses, lrs = self._opt, self._batch, self._losses, self._lrs
         lease = t.inner_steps * t.batch_size
         self._data.fetch(lease_start, lease)   # a no-op once prefetched, or for local tokens
         if next_lease is not None:
@@ -205,7 +279,8 @@ class RankWorker:
         for h in range(t.inner_steps):
             if self._should_stop():
                 break
-            lr = lr_at(inner_step + h, t.inner_lr, t.warmup_steps, spec.total_inner_steps)
+            lr = spec.schedule.lr(world_tokens + h * step_tokens, step_tokens)
+            lrs[h] = lr
             for group in opt.param_groups:
                 group["lr"] = lr
             first = lease_start + h * t.batch_size + spec.rank * self._per_rank
@@ -216,9 +291,12 @@ class RankWorker:
             opt.step()
             opt.zero_grad(set_to_none=True)
             steps += 1
+            self._progress += 1
+            if self._step_delay_s:
+                time.sleep(self._step_delay_s)
         self._outer.form_pseudo_gradient()
         self._inner_step = inner_step + steps
-        return {"losses": losses[:steps].tolist(), "steps": steps,
+        return {"losses": losses[:steps].tolist(), "lrs": lrs[:steps], "steps": steps,
                 "tokens": steps * self._per_rank * t.seq_len, "seconds": time.monotonic() - t0}
 
     def _accumulate(self, tokens):
@@ -269,6 +347,31 @@ class RankWorker:
             self._model.train()
         return {"loss_sum": loss_sum, "tokens": tokens, "seconds": time.monotonic() - t0}
 
+    def _start_heartbeat(self) -> None:
+        """Publish "BEAT PROGRESS" under `heartbeat_key` every HEARTBEAT_S from a thread of its own,
+        on a store connection of its own (gloo's rendezvous may hold the other one for long). The
+        first beat is written before setup returns, so the driver can read it from admission on.
+        A frozen or partitioned process stops beating; the driver then drops its replica."""
+        import torch.distributed as dist
+
+        spec = self._spec
+        store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False,
+                              timeout=datetime.timedelta(seconds=self._recipe.world.stall_timeout_s))
+        key = heartbeat_key(spec.replica_id, spec.rank)
+        store.set(key, f"0 {self._progress}")
+
+        def beat() -> None:
+            n = 0
+            while True:
+                time.sleep(HEARTBEAT_S)
+                n += 1
+                try:
+                    store.set(key, f"{n} {self._progress}")
+                except Exception:   # the driver's store is gone: the run ended
+                    return
+
+        threading.Thread(target=beat, name="heartbeat", daemon=True).start()
+
     def _should_stop(self) -> bool:
         """Whether the preemption deadline says: stop the inner phase now. The ranks of a replica
         agree (one-element MAX all-reduce), since FSDP needs them in lockstep."""
@@ -291,45 +394,91 @@ class RankWorker:
 
     def outer_sync(self, epoch: int, index: int, size: int) -> dict:
         """Phase 1 of the outer step: average Δ over the `size` replicas of membership `epoch` (this
-        replica is `index`). Failure is a value: {"ok": False} when a member died mid-way; Δ is kept
-        for a retry over the survivors."""
+        replica is `index`). Failure is a value: {"ok": False, "stage": "connect" (the group did not
+        form) or "all_reduce", "addr": this rank's advertised address, "error"}; Δ is kept for a
+        retry over the survivors."""
         t0 = time.monotonic()
+        stage = "connect"
         try:
             if size > 1:
                 self._outer.join_group(self._store, epoch, index, size, self._recipe.world.sync_timeout_s,
-                                       shard=self._spec.rank)
+                                       shard=self._spec.rank, device=self._gloo_device)
+            self._progress += 1
+            stage = "all_reduce"
             self._outer.all_reduce(index, size)
-        except Exception as exc:  # a peer died or timed out: the driver re-forms the group
-            return {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:200]}",
-                    "seconds": time.monotonic() - t0, "bytes": 0, "network_s": 0.0}
+            self._progress += 1
+        except Exception as exc:  # a peer died, timed out or was unreachable: the driver re-forms the group
+            return {"ok": False, "stage": stage, "addr": self._node_ip,
+                    "error": f"{type(exc).__name__}: {str(exc)[:200]}", "seconds": time.monotonic() - t0,
+                    "bytes": 0, "network_s": 0.0}
         return {"ok": True, "seconds": time.monotonic() - t0, "bytes": self._outer.bytes_sent,
                 "network_s": self._outer.network_s}
 
     def outer_apply(self) -> None:
-        """Phase 2: every member reduced, so take the outer step."""
+        """Phase 2: every member reduced, so take the outer step (and log the averaged Δ for the
+        joiners copying from this rank)."""
+        applied = self._outer.averaged.clone() if self._snapshots else None
         self._outer.apply()
+        for snap in self._snapshots.values():
+            snap["log"].append(applied)
 
-    # -- joining: state from a live peer, or from a checkpoint ----------------------------------
+    # -- joining beside training: θ_outer and the outer momentum from a donor, in chunks ---------
 
-    def export_state(self) -> dict:
-        """This rank's θ_outer, outer momentum and inner AdamW state (local shards), for the same
-        rank of a joining replica. Call at an outer-step boundary (θ_local = θ_outer)."""
-        from elastic.diloco import local_shard
+    def snapshot_outer(self, joiner: int) -> bool:
+        """Donor, at an outer-step boundary: hold a copy of this shard's θ_outer and outer momentum
+        for replica `joiner` to pull, and log every averaged Δ applied from now on (the joiner
+        replays them). Returns whether there is a momentum buffer (none before the first step)."""
+        snap = self._outer.export()
+        self._snapshots[joiner] = {**snap, "log": []}
+        return snap["momentum"] is not None
 
-        inner = []
-        for p in self._params:
-            st = self._opt.state.get(p, {})
-            inner.append({k: local_shard(v).cpu().clone() for k, v in st.items()})
-        return {"outer": self._outer.export(), "inner": inner, "inner_step": self._inner_step}
+    def outer_chunk(self, joiner: int, what: str, start: int, end: int):
+        """Donor: elements start:end of the snapshot held for `joiner`: `theta`, `momentum`, or
+        `delta:I`, the I-th averaged Δ applied since the snapshot. Runs beside training."""
+        snap = self._snapshots[joiner]
+        src = snap["log"][int(what[6:])] if what.startswith("delta:") else snap[what]
+        return src[start:end].clone()
 
-    def import_state(self, state: dict) -> None:
-        """Take a peer's state (see export_state): the replica continues exactly where the peer is."""
-        self._outer.load(state["outer"])
-        for p, st in zip(self._params, state["inner"]):
-            if st:
-                # Per-element state (exp_avg, exp_avg_sq) takes the parameter's layout; `step` stays scalar.
-                self._opt.state[p] = {k: _like_param(p, v) if v.dim() > 0 else v for k, v in st.items()}
-        self._inner_step = state["inner_step"]
+    def drop_snapshot(self, joiner: int) -> None:
+        """Donor: the joiner is in (or gone): free its snapshot and log."""
+        self._snapshots.pop(joiner, None)
+
+    def pull_outer(self, donor, joiner: int, momentum: bool, chunk_numel: int) -> int:
+        """Joiner, while the world trains: copy the donor's snapshot (same rank) of θ_outer, the
+        outer momentum and the sync's error feedback (when it has one) in chunks of `chunk_numel`
+        elements, each a heartbeat of progress. Returns the chunks copied. (The inner AdamW state
+        is not copied: a joiner starts it afresh.)"""
+        import ray
+        import torch
+
+        outer = self._outer
+        self._pulled_momentum = torch.zeros(outer.numel) if momentum else None
+        self._pulled_error = torch.zeros(outer.numel) if outer.codec.error is not None else None
+        chunks = 0
+        for what, dst in (("theta", outer.theta.data), ("momentum", self._pulled_momentum),
+                          ("error", self._pulled_error)):
+            for start in range(0, outer.numel, chunk_numel) if dst is not None else ():
+                end = min(outer.numel, start + chunk_numel)
+                dst[start:end].copy_(ray.get(donor.outer_chunk.remote(joiner, what, start, end)))
+                chunks += 1
+                self._progress += 1
+        return chunks
+
+    def replay_outer(self, donor, joiner: int, steps: int, inner_step: int, chunk_numel: int) -> None:
+        """Joiner, at its admission: take the pulled snapshot, then the `steps` outer steps the world
+        applied since, with the averaged Δs the donor logged: the same updates from the same
+        state, so θ_outer and the momentum end equal to every member's."""
+        import ray
+
+        outer = self._outer
+        outer.load({"theta": outer.theta.data, "momentum": self._pulled_momentum, "error": self._pulled_error})
+        for i in range(steps):
+            for start in range(0, outer.numel, chunk_numel):
+                end = min(outer.numel, start + chunk_numel)
+                outer.delta[start:end].copy_(ray.get(donor.outer_chunk.remote(joiner, f"delta:{i}", start, end)))
+            outer.step_with_delta()
+        self._pulled_momentum = self._pulled_error = None
+        self._inner_step = inner_step
         self._stop = (None, float("inf"))
 
     # -- inspection and state -------------------------------------------------------------------
@@ -433,3 +582,24 @@ class RankWorker:
 
     def ping(self) -> bool:
         return self._ready
+
+    def devices(self) -> dict:
+        """What Ray gave this rank: its GPU ids and the CUDA_VISIBLE_DEVICES its process sees
+        (answers before and without `setup`); once set up, also where its tensors live (the
+        model's local shards, the loss buffer) and, on CUDA, how many devices the process sees and
+        the UUID of its own."""
+        import ray
+
+        out = {"gpu_ids": [str(i) for i in ray.get_gpu_ids()], "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+               "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
+        if self._ready:
+            import torch
+
+            from elastic.diloco import local_shard
+
+            out["device"] = str(self._device)
+            out["tensor_devices"] = sorted({str(local_shard(p).device) for p in self._params} | {str(self._losses.device)})
+            if self._device.type == "cuda":
+                out["visible_gpus"] = torch.cuda.device_count()
+                out["gpu_uuid"] = str(torch.cuda.get_device_properties(self._device).uuid)
+        return out

@@ -8,8 +8,9 @@ outer sync over the replicas that finished it. Failure is the normal path:
   all-reduce is formed over the survivors under a new membership epoch;
 - an all-reduce that a member dies in is retried over the survivors with the pseudo-gradients they
   still hold (the sync is two-phase: all-reduce, then apply once every member reduced);
-- a replica started later joins at an outer-step boundary with θ_outer, the outer momentum and the
-  inner optimizer state copied from a live peer (or from a checkpoint when no peer is left).
+- a replica started later copies θ_outer and the outer momentum from a live peer while the world
+  keeps stepping, replays the outer steps taken meanwhile, and joins at the next outer-step
+  boundary with a fresh inner optimizer (or loads a checkpoint when no peer is left).
 
 The driver owns the TCPStore every process group rendezvouses through, so a new epoch is just a
 new key prefix.
@@ -29,6 +30,8 @@ from elastic.recipe import Recipe
 log = logging.getLogger(__name__)
 
 MAX_SYNC_ATTEMPTS = 4
+HEARTBEAT_CHECK_S = 0.5   # how often a waiting driver reads the ranks' heartbeats
+COPY_CHUNK_NUMEL = 1 << 22   # elements per chunk of a joiner's state copy (16 MiB of fp32)
 
 
 @dataclass
@@ -43,6 +46,8 @@ class Replica:
         joined_step: the outer step it first contributes to.
         setup_refs: pending `setup` calls (a replica starting up).
         started_at: unix time its actors were created.
+        error: why it cannot start (set instead of creating actors).
+        copy: its state copy from a member, while under way.
     """
 
     replica_id: int
@@ -52,6 +57,25 @@ class Replica:
     joined_step: int = 0
     setup_refs: list = field(default_factory=list)
     started_at: float = 0.0
+    error: str | None = None
+    copy: Copy | None = None
+
+
+@dataclass
+class Copy:
+    """A joiner's state copy under way (`World.begin_copy`).
+
+    Args:
+        donor: the member it copies from.
+        outer_step: the world's outer steps when the donor took its snapshot.
+        refs: the joiner ranks' `pull_outer` calls.
+        beats: the joiner ranks' last heartbeats (`World._stalled`).
+    """
+
+    donor: int
+    outer_step: int
+    refs: list
+    beats: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -64,6 +88,11 @@ class Loss:
         reason: what happened.
         lost_inner_steps: inner steps of work it took with it.
         phase: `inner`, `sync`, `idle` or `setup`.
+        rule: which rule removed it: `actor_died` (a call of one of its ranks failed: the process
+            or its node died), `stalled` (no heartbeat for `world.stall_timeout_s`), `preempted`
+            (the provider saw its node go), `notice` (a notice while joining), `setup_failed`,
+            `safety_bound` (a call past `world.step_timeout_s`), `export_failed` (a donor failing
+            while giving its state away).
     """
 
     replica_id: int
@@ -71,6 +100,7 @@ class Loss:
     reason: str
     lost_inner_steps: int
     phase: str
+    rule: str = "actor_died"
 
 
 @dataclass
@@ -92,6 +122,9 @@ class StepResult:
         idle: replicas that took no inner step (a notice came before their first): nothing to add.
         inner_s_by_replica: each contributing replica's own inner phase (its slowest rank), seconds:
             with `steps_done`, the throughput this replica's VM measured for this model.
+        lrs: each contributing replica's inner learning rate at each step it took.
+        tokens_before: the world's trained tokens when the step began (the schedule's position).
+        step_tokens: tokens one inner step of this phase's members trains (the schedule's stride).
     """
 
     outer_step: int
@@ -106,23 +139,30 @@ class StepResult:
     steps_done: dict = field(default_factory=dict)
     idle: list[int] = field(default_factory=list)
     inner_s_by_replica: dict = field(default_factory=dict)
+    lrs: dict = field(default_factory=dict)
+    tokens_before: int = 0
+    step_tokens: int = 0
 
 
 class World:
     """Args:
         recipe: the resolved recipe.
-        store_host: address replicas reach the driver's store on.
+        store_host: address replicas reach the driver's store on (default: elastic/netaddr.py's
+            choice, the driver node's Ray node IP).
         identical_data: feed every replica the same samples (tests DiLoCo against one replica);
             normal runs lease disjoint ranges.
         on_loss: called with each `Loss` as it happens (the driver records it).
         on_tick: called while waiting on replicas (the driver polls provider notices).
     """
 
-    def __init__(self, recipe: Recipe, store_host: str = "127.0.0.1", identical_data: bool = False,
+    def __init__(self, recipe: Recipe, store_host: str | None = None, identical_data: bool = False,
                  on_loss: Callable[[Loss], None] | None = None, on_tick: Callable[[], None] | None = None):
         import ray
         import torch.distributed as dist
 
+        from elastic.netaddr import store_host as driver_store_host
+
+        store_host = store_host or driver_store_host()
         self._ray = ray
         self._recipe = recipe
         self._identical = identical_data
@@ -143,21 +183,25 @@ class World:
         self._stop_at: dict[int, float] = {}  # noticed replica -> unix time it must contribute by
         self._on_loss = on_loss or (lambda loss: None)
         self._on_tick = on_tick or (lambda: None)
-        # Observers of the outer loop: on_phase(phase, members) as each phase is under way.
+        # Observers of the outer loop: on_phase(phase, members) as each phase is under way;
+        # on_sync_failed(outer_step, attempt, failures) after an outer all-reduce attempt that did
+        # not complete, failures = {replica_id: {"stage", "addr", "error"}} (stage `connect`: the
+        # replica could not join the outer group).
         self.on_phase: Callable[[str, list[int]], None] = lambda phase, members: None
+        self.on_sync_failed: Callable[[int, int, dict], None] = lambda outer_step, attempt, failures: None
         self._actor_cls = ray.remote(_rank_worker_cls())
-        self.total_inner_steps = self._plan_inner_steps()
+        from elastic.replica import Schedule
 
-    def _plan_inner_steps(self) -> int:
-        t, w = self._recipe.train, self._recipe.world
-        if t.token_budget is not None:
-            per_outer = w.replicas * t.inner_steps * t.batch_size * t.seq_len
-            return max(1, -(-t.token_budget // per_outer)) * t.inner_steps
-        return t.outer_steps * t.inner_steps
+        self.schedule = Schedule.for_recipe(recipe)
 
     @property
     def total_outer_steps(self) -> int:
-        return self.total_inner_steps // self._recipe.train.inner_steps
+        """Outer steps the run takes: `train.outer_steps`, or what `train.token_budget` needs with
+        `world.replicas` replicas (an estimate: the world may grow or shrink)."""
+        t, w = self._recipe.train, self._recipe.world
+        if t.token_budget is not None:
+            return max(1, -(-t.token_budget // (w.replicas * t.inner_steps * t.batch_size * t.seq_len)))
+        return t.outer_steps
 
     def done(self) -> bool:
         t = self._recipe.train
@@ -177,22 +221,37 @@ class World:
         spec = self._recipe.model_dump(mode="json")
         rep = Replica(next(self._ids), instance_id, node_id, started_at=time.time())
         strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
+        # One GPU per rank when the node has GPUs: Ray then hands each rank its own device (and
+        # knows the node's GPUs are spoken for); a CPU node's ranks take a CPU each.
+        node_gpus = self.node_gpus(node_id)
+        gpus = 1 if node_gpus else 0
+        self.joining[rep.replica_id] = rep
+        if 0 < node_gpus < ranks:
+            # Ray would wait forever for GPUs the node does not have: the setup fails at once.
+            rep.error = f"node {instance_id} has {node_gpus:g} GPU(s) for {ranks} ranks (world.ranks_per_replica)"
+            return rep
         for rank in range(ranks):
             rs = RankSpec(recipe=spec, replica_id=rep.replica_id, rank=rank, ranks=ranks,
                           store_host=self._store_host, store_port=self._store.port,
-                          total_inner_steps=self.total_inner_steps)
-            # Three threads: request_stop must reach a rank while inner_phase runs, and a
-            # checkpoint upload (phase 2) runs beside both.
-            rep.actors.append(self._actor_cls.options(num_cpus=1, scheduling_strategy=strategy,
-                                                      max_concurrency=3).remote(rs))
+                          schedule=self.schedule)
+            # Four threads: request_stop must reach a rank while inner_phase runs, and a
+            # checkpoint upload (phase 2) and a joiner's chunk requests run beside both.
+            rep.actors.append(self._actor_cls.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=strategy,
+                                                      max_concurrency=4).remote(rs))
         rep.setup_refs = [a.setup.remote() for a in rep.actors]
-        self.joining[rep.replica_id] = rep
         return rep
+
+    def node_gpus(self, node_id: str) -> float:
+        """GPUs the Ray node offers (0 for a CPU node, or a node no longer alive)."""
+        return next((n["Resources"].get("GPU", 0) for n in self._ray.nodes()
+                     if n["NodeID"] == node_id and n["Alive"]), 0)
 
     def add_replicas(self, placements: list[tuple[str, str]]) -> list[Replica]:
         """Start one replica per (instance_id, node_id), wait until all are set up, and admit them
         as the initial world (all start from the same seeded θ)."""
         new = [self.start_replica(i, n) for i, n in placements]
+        if errors := [rep.error for rep in new if rep.error]:
+            raise RuntimeError("; ".join(errors))
         self._setup_done(self._ray.get([r for rep in new for r in rep.setup_refs],
                                        timeout=self._recipe.world.step_timeout_s))
         for rep in new:
@@ -203,15 +262,20 @@ class World:
         """Joining replicas whose setup has finished (failed ones are dropped as losses)."""
         ready = []
         for rep in list(self.joining.values()):
+            if rep.error:
+                self._lose(rep, f"setup failed: {rep.error}", 0, "setup", "setup_failed")
+                continue
+            if rep.copy is not None:   # set up, and copying its state (`admit_copied`)
+                continue
             done, _ = self._ray.wait(rep.setup_refs, num_returns=len(rep.setup_refs), timeout=0)
             if len(done) < len(rep.setup_refs):
                 if time.time() - rep.started_at > self._recipe.world.step_timeout_s:
-                    self._lose(rep, "setup timed out", 0, "setup")
+                    self._lose(rep, "setup timed out", 0, "setup", "safety_bound")
                 continue
             try:
                 self._setup_done(self._ray.get(done))
             except Exception as exc:
-                self._lose(rep, f"setup failed: {_short(exc)}", 0, "setup")
+                self._lose(rep, f"setup failed: {_short(exc)}", 0, "setup", "setup_failed")
                 continue
             ready.append(rep)
         return ready
@@ -220,32 +284,83 @@ class World:
         """Note what a finished setup reports: the model's parameter count."""
         self.params = results[0]["params"]
 
-    def admit(self, rep: Replica, checkpoint: tuple[str, int, str] | None = None) -> str:
-        """Admit a set-up joiner at this outer-step boundary, with its state from a live peer (or,
-        when none is left, from `checkpoint` = (uri, its manifest, node staging dir)). Returns where the
-        state came from."""
-        timeout = self._recipe.world.step_timeout_s
-        source = None
+    def begin_copy(self, rep: Replica) -> bool:
+        """Start copying θ_outer and the outer momentum into set-up joiner `rep` from a member, in
+        the background: each rank of the joiner pulls the same rank of the donor's snapshot in
+        chunks while the world keeps stepping (`admit_copied` admits it later). Call at an
+        outer-step boundary. False when no member could give a snapshot."""
         for peer in [self.replicas[r] for r in sorted(self.replicas)]:
             try:
-                states = [peer.actors[r].export_state.remote() for r in range(len(rep.actors))]
-                self._ray.get([a.import_state.remote(s) for a, s in zip(rep.actors, states)], timeout=timeout)
-                source = f"replica {peer.replica_id}"
-                break
+                momentum = self._ray.get([peer.actors[r].snapshot_outer.remote(rep.replica_id)
+                                          for r in range(len(rep.actors))], timeout=self._recipe.world.step_timeout_s)
             except Exception as exc:
-                if self._is_dead(rep):
-                    self._lose(rep, f"died while joining: {_short(exc)}", 0, "setup")
-                    return "lost"
-                self._lose(peer, f"lost while exporting state: {_short(exc)}", 0, "idle")
-        if source is None:
-            if checkpoint is None:
-                raise RuntimeError("no live peer and no checkpoint to join from")
-            # The replica's ranks share a node: one fetch (a download unless file://), then all load.
-            local = self._ray.get(rep.actors[0].fetch_checkpoint.remote(*checkpoint), timeout=None)
-            self._ray.get([a.load_checkpoint.remote(local) for a in rep.actors], timeout=timeout)
-            source = f"checkpoint step {checkpoint[1]['step']}"
+                if self._is_dead(peer):
+                    self._lose(peer, f"lost while exporting state: {_short(exc)}", 0, "idle", "export_failed")
+                continue
+            rep.copy = Copy(peer.replica_id, self.outer_step, [
+                a.pull_outer.remote(peer.actors[r], rep.replica_id, momentum[r], COPY_CHUNK_NUMEL)
+                for r, a in enumerate(rep.actors)])
+            return True
+        return False
+
+    def admit_copied(self, wait: bool = False) -> list[tuple[Replica, str]]:
+        """At an outer-step boundary: admit every joiner whose copy is complete, after it replayed
+        the outer steps the world took since its snapshot (the averaged Δs its donor logged), so it
+        holds the world's θ_outer. `wait`: block until the copies under way are done. A joiner
+        whose copy fails, or whose heartbeat stops for `world.stall_timeout_s`, is dropped alone;
+        a slow copy never drops the donor (a donor that died is a loss of its own, and its joiners
+        copy again from another member). Returns [(replica, where its state came from)]."""
+        admitted = []
+        for rep in [r for r in list(self.joining.values()) if r.copy is not None]:
+            c = rep.copy
+            done, _ = self._ray.wait(c.refs, num_returns=len(c.refs), timeout=None if wait else 0)
+            if len(done) < len(c.refs):
+                if reason := self._stalled([(rep.replica_id, r) for r in range(len(rep.actors))], c.beats).get(rep.replica_id):
+                    self._lose(rep, f"copying state: {reason}", 0, "setup", "stalled")
+                continue
+            donor = self.replicas.get(c.donor)
+            try:
+                self._ray.get(c.refs)
+                if donor is None:
+                    raise RuntimeError(f"donor replica {c.donor} left")
+                self._ray.get([a.replay_outer.remote(donor.actors[r], rep.replica_id, self.outer_step - c.outer_step,
+                                                     self.inner_step, COPY_CHUNK_NUMEL)
+                               for r, a in enumerate(rep.actors)], timeout=self._recipe.world.step_timeout_s)
+            except Exception as exc:
+                rep.copy = None
+                if donor is None or self._is_dead(donor):
+                    if donor is not None:
+                        self._lose(donor, f"lost while exporting state: {_short(exc)}", 0, "idle", "export_failed")
+                    self.begin_copy(rep)   # from another member (or at the next boundary)
+                else:
+                    self._lose(rep, f"state copy from replica {c.donor} failed: {_short(exc)}", 0, "setup")
+                continue
+            for a in donor.actors:
+                a.drop_snapshot.remote(rep.replica_id)
+            rep.copy = None
+            self._enter(rep)
+            admitted.append((rep, f"replica {c.donor}"))
+        return admitted
+
+    def admit(self, rep: Replica, checkpoint: tuple[str, int, str] | None = None) -> str:
+        """Admit a set-up joiner now, waiting for its state: from a live peer (the copy of
+        `begin_copy`, waited for), or, when none is left, from `checkpoint` = (uri, its manifest,
+        node staging dir). Returns where the state came from ("lost" if the joiner was dropped)."""
+        if self.replicas and checkpoint is None:
+            while rep.replica_id in self.joining:
+                if rep.copy is None and not self.begin_copy(rep):
+                    raise RuntimeError("no live peer to join from")
+                for joined, source in self.admit_copied(wait=True):
+                    if joined is rep:
+                        return source
+            return "lost"
+        if checkpoint is None:
+            raise RuntimeError("no live peer and no checkpoint to join from")
+        # The replica's ranks share a node: one fetch (a download unless file://), then all load.
+        local = self._ray.get(rep.actors[0].fetch_checkpoint.remote(*checkpoint), timeout=None)
+        self._ray.get([a.load_checkpoint.remote(local) for a in rep.actors], timeout=self._recipe.world.step_timeout_s)
         self._enter(rep)
-        return source
+        return f"checkpoint step {checkpoint[1]['step']}"
 
     def _enter(self, rep: Replica) -> None:
         """A set-up joiner becomes a member: from this outer step on it trains and syncs."""
@@ -297,11 +412,12 @@ class World:
             for a in (rep.actors if rep else []):
                 a.request_stop.remote(stop_at, self.inner_step)
 
-    def drop(self, replica_id: int, reason: str, phase: str = "idle", lost_inner_steps: int = 0) -> None:
+    def drop(self, replica_id: int, reason: str, phase: str = "idle", lost_inner_steps: int = 0,
+             rule: str = "preempted") -> None:
         """Remove a replica (its node is gone or going): kill its actors, record the loss."""
         rep = self.replicas.get(replica_id) or self.joining.get(replica_id)
         if rep is not None:
-            self._lose(rep, reason, lost_inner_steps, phase)
+            self._lose(rep, reason, lost_inner_steps, phase, rule)
 
     def release(self, replica_id: int) -> None:
         """Remove a replica that left cleanly (drained after a notice): no loss."""
@@ -310,13 +426,16 @@ class World:
             self._kill(rep)
             self.epoch += 1
 
-    def _lose(self, rep: Replica, reason: str, lost_inner_steps: int, phase: str) -> None:
+    def _lose(self, rep: Replica, reason: str, lost_inner_steps: int, phase: str, rule: str = "actor_died") -> None:
+        donor = self.replicas.get(rep.copy.donor) if rep.copy is not None else None
+        for a in donor.actors if donor is not None else []:
+            a.drop_snapshot.remote(rep.replica_id)   # nobody will pull it now
         was_member = self.replicas.pop(rep.replica_id, None) is not None
         self.joining.pop(rep.replica_id, None)
         self._kill(rep)
         if was_member:
             self.epoch += 1
-        self._on_loss(Loss(rep.replica_id, rep.instance_id, reason, lost_inner_steps, phase))
+        self._on_loss(Loss(rep.replica_id, rep.instance_id, reason, lost_inner_steps, phase, rule))
 
     def _kill(self, rep: Replica) -> None:
         # A rank lost inside a multi-rank replica drops the whole replica: its other ranks would
@@ -337,14 +456,17 @@ class World:
     # -- training --------------------------------------------------------------------------------
 
     def _gather(self, calls: dict, phase: str, lost_steps: int) -> dict:
-        """Wait for {(replica_id, rank): ref}. A replica whose call fails, or whose node the
-        driver learns is gone (on_tick), is dropped. Returns {(replica_id, rank): result}."""
+        """Wait for {(replica_id, rank): ref}, however long it takes while the ranks keep beating.
+        A replica is dropped when a call of it fails (its process died), when the driver learns its
+        node is gone (on_tick), or when a rank's heartbeat stops for `world.stall_timeout_s`.
+        Returns {(replica_id, rank): result}."""
         ray = self._ray
-        deadline = time.monotonic() + (self._recipe.world.step_timeout_s if phase == "inner"
-                                       else self._recipe.world.sync_timeout_s + 30)
         owner = {ref: key for key, ref in calls.items()}
         pending = list(owner)
         results = {}
+        now = time.monotonic()
+        beats = {key: (None, now) for key in calls}   # (last heartbeat, when it last changed)
+        check_at = now
         while pending:
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.1)
             for ref in done:
@@ -356,12 +478,30 @@ class World:
                         self._lose(self.replicas[rid], f"{phase}: {_short(exc)}", lost_steps, phase)
             self._on_tick()   # may drop replicas whose nodes the provider saw go
             pending = [r for r in pending if owner[r][0] in self.replicas]
-            if pending and time.monotonic() > deadline:
-                for rid in {owner[r][0] for r in pending}:
-                    if rid in self.replicas:
-                        self._lose(self.replicas[rid], f"{phase}: timed out", lost_steps, phase)
-                pending = []
+            if pending and time.monotonic() >= check_at:
+                check_at = time.monotonic() + HEARTBEAT_CHECK_S
+                for rid, reason in self._stalled([owner[r] for r in pending], beats).items():
+                    self._lose(self.replicas[rid], f"{phase}: {reason}", lost_steps, phase, "stalled")
+                pending = [r for r in pending if owner[r][0] in self.replicas]
         return {k: v for k, v in results.items() if k[0] in self.replicas}
+
+    def _stalled(self, keys: list[tuple[int, int]], beats: dict) -> dict[int, str]:
+        """Replicas (of these (replica_id, rank) keys) with a rank whose heartbeat has not changed
+        for `world.stall_timeout_s`, with why. Updates `beats` {key: (heartbeat, when it changed)}."""
+        from elastic.replica import heartbeat_key
+
+        stall_s = self._recipe.world.stall_timeout_s
+        now = time.monotonic()
+        values = self._store.multi_get([heartbeat_key(*k) for k in keys])
+        out = {}
+        for key, raw in zip(keys, values):
+            last, since = beats.get(key, (None, now))
+            if raw != last:
+                beats[key] = (raw, now)
+            elif now - since > stall_s and (key[0] in self.replicas or key[0] in self.joining):
+                progress = raw.decode().split()[-1]
+                out[key[0]] = f"rank {key[1]} sent no heartbeat for {now - since:.1f} s (progress {progress})"
+        return out
 
     def step(self) -> StepResult | None:
         """One outer step over the live replicas. None if every replica was lost during it. A
@@ -387,7 +527,9 @@ class World:
 
         self.phase, self._phase_members = "inner", members
         t0 = time.monotonic()
-        calls = {(rid, r): a.inner_phase.remote(leases[rid], self.inner_step, nexts[rid])
+        # The schedule's token count is the world's: every member trains its steps at the same rates.
+        step_tokens = len(members) * t.batch_size * t.seq_len
+        calls = {(rid, r): a.inner_phase.remote(leases[rid], self.inner_step, self.tokens, step_tokens, nexts[rid])
                  for rid in members for r, a in enumerate(self.replicas[rid].actors)}
         self._end_phase_by(members)   # a notice came between steps: this phase ends by its deadline
         self.on_phase("inner", members)
@@ -419,6 +561,9 @@ class World:
                 sync_out.get((rid, r), {}).get("ok") for rid in members for r in range(len(self.replicas[rid].actors)))
             if ok:
                 break
+            failures = {rid: {k: out.get(k) for k in ("stage", "addr", "error")}
+                        for (rid, _), out in sorted(sync_out.items()) if not out.get("ok")}
+            self.on_sync_failed(self.outer_step + 1, attempts, failures)
             if attempts >= MAX_SYNC_ATTEMPTS:
                 errors = {v.get("error") for v in sync_out.values() if not v.get("ok")}
                 raise RuntimeError(f"outer all-reduce failed {attempts} times: {sorted(e for e in errors if e)[:2]}")
@@ -436,6 +581,7 @@ class World:
             xs = [c["losses"][h] for c in contrib if h < len(c["losses"])]
             losses.append(sum(xs) / len(xs))
         tokens = sum(c["tokens"] for c in contrib)
+        tokens_before = self.tokens
         self.outer_step += 1
         self.inner_step += longest   # fewer than H when a notice ended the phase early
         self.tokens += tokens
@@ -444,7 +590,8 @@ class World:
                           max((s["network_s"] for s in sync_out.values()), default=0.0),
                           {rid: results[(rid, 0)]["steps"] for rid in members}, idle,
                           {rid: max(results[(rid, r)]["seconds"] for r in range(len(self.replicas[rid].actors)))
-                           for rid in members})
+                           for rid in members},
+                          {rid: results[(rid, 0)]["lrs"] for rid in members}, tokens_before, step_tokens)
 
     def lead_replica(self) -> Replica:
         return self.replicas[min(self.replicas)]
@@ -462,6 +609,9 @@ class World:
 
 
 def _short(exc: BaseException) -> str:
+    cause = getattr(exc, "cause", None)   # a RayTaskError: say what the rank raised, not where
+    if isinstance(cause, BaseException):
+        exc = cause
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
 

@@ -79,8 +79,8 @@ class LocalProvider:
                 usd = st.spot_usd_per_hour if resources.spot else st.on_demand_usd_per_hour
                 if resources.max_usd_per_hour is not None and usd > resources.max_usd_per_hour:
                     continue
-                out.append(Offer(cloud="local", region=it.region, zone=it.zone, instance_type=it.name, gpu="",
-                                 gpus=0, cpus=max(it.cpus, self._ranks), spot=resources.spot, usd_per_hour=usd,
+                out.append(Offer(cloud="local", region=it.region, zone=it.zone, instance_type=it.name,
+                                 gpu="local" if it.gpus else "", gpus=it.gpus, cpus=max(it.cpus, self._ranks), spot=resources.spot, usd_per_hour=usd,
                                  on_demand_usd_per_hour=st.on_demand_usd_per_hour, read_at=now,
                                  capacity=st.capacity if resources.spot else None))
         return sorted(out, key=lambda o: o.usd_per_hour)
@@ -110,7 +110,7 @@ class LocalProvider:
                   "elastic.instance_type": offer.instance_type, "elastic.instance_id": instance_id,
                   "elastic.run": run, "elastic.role": role}
         try:
-            node_id = self._cluster.add_node(cpus=offer.cpus, gpus=0, labels=labels, resources={},
+            node_id = self._cluster.add_node(cpus=offer.cpus, gpus=offer.gpus, labels=labels, resources={},
                                              object_store_bytes=self._section.object_store_bytes)
             inst = Instance(instance_id=instance_id, offer=offer, run=run, role=role, launched_at=time.time(),
                             ray_node_id=node_id, labels=labels)

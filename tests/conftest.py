@@ -75,11 +75,12 @@ def local_cluster():
 
 @pytest.fixture
 def nodes(local_cluster):
-    """`nodes(n, cpus)` starts n local nodes for this test; all are removed afterwards."""
+    """`nodes(n, cpus, gpus)` starts n local nodes for this test (gpus: Ray's count, fake on a CPU
+    machine); all are removed afterwards."""
     started = []
 
-    def start(n: int, cpus: int = 1) -> list[str]:
-        ids = [local_cluster.add_node(cpus=cpus, gpus=0, labels={"elastic.cloud": "local"}, resources={},
+    def start(n: int, cpus: int = 1, gpus: int = 0) -> list[str]:
+        ids = [local_cluster.add_node(cpus=cpus, gpus=gpus, labels={"elastic.cloud": "local"}, resources={},
                                       object_store_bytes=80 * 1024 * 1024) for _ in range(n)]
         started.extend(ids)
         return ids
@@ -87,6 +88,24 @@ def nodes(local_cluster):
     yield start
     for node_id in started:
         local_cluster.remove_node(node_id)
+
+
+
+@pytest.fixture
+def netns_host():
+    """A second host: a network namespace behind a veth pair (tests/servers/netns.py). Every
+    process inside it, the namespace and the link are removed afterwards, however the test ends."""
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 (CI has both) to create a network namespace")
+    from tests.servers.netns import NetnsHost
+
+    host = NetnsHost()
+    try:
+        yield host
+    finally:
+        host.close()
 
 
 def tiny_recipe(**overrides):

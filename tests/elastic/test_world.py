@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from elastic.data import SampleStream, load_tokens
 from elastic.models import build_model
-from elastic.replica import lr_at
+from elastic.replica import Schedule
 from elastic.world import World
 from tests.conftest import tiny_recipe
 
@@ -49,7 +49,7 @@ def reference_diloco(recipe, replicas: int):
     outer_params = [torch.nn.Parameter(x.clone()) for x in theta]
     outer_opt = torch.optim.SGD(outer_params, lr=t.outer_lr, momentum=t.outer_momentum, nesterov=t.outer_nesterov)
     data = SampleStream(load_tokens(recipe.data.path, recipe.data.corpus_bytes), t.seq_len, t.seed)
-    total = t.outer_steps * t.inner_steps
+    schedule, step_tokens = Schedule.for_recipe(recipe), replicas * t.batch_size * t.seq_len
     cursor, step = 0, 0
     for _ in range(t.outer_steps):
         deltas = []
@@ -57,7 +57,7 @@ def reference_diloco(recipe, replicas: int):
             lease, cursor = cursor, cursor + t.inner_steps * t.batch_size
             for h in range(t.inner_steps):
                 for g in opt.param_groups:
-                    g["lr"] = lr_at(step + h, t.inner_lr, t.warmup_steps, total)
+                    g["lr"] = schedule.lr((step + h) * step_tokens, step_tokens)
                 batch = data.batch(lease + h * t.batch_size, t.batch_size)
                 loss = F.cross_entropy(m(batch[:, :-1]).reshape(-1, recipe.model.vocab_size), batch[:, 1:].reshape(-1))
                 loss.backward()

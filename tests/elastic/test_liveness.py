@@ -1,0 +1,80 @@
+"""Liveness by progress: a slow world keeps training, a frozen rank is dropped by its heartbeat."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from elastic.world import World
+from tests.conftest import tiny_recipe
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_phase_longer_than_the_old_fixed_deadline_completes(nodes, monkeypatch):
+    # Every inner step takes 2.5 s more (a slow VM): the phase lasts longer than step_timeout_s,
+    # the inner phase's fixed deadline before heartbeats; the ranks keep beating, so nobody is lost.
+    monkeypatch.setenv("ELASTIC_FAULT_STEP_DELAY_S", "2.5")
+    recipe = tiny_recipe(**{"train.outer_steps": 1, "world.step_timeout_s": 8, "world.stall_timeout_s": 4})
+    lost = []
+    world = World(recipe, on_loss=lost.append)
+    try:
+        world.add_replicas([("vm0", nodes(1)[0])])
+        res = world.step()
+        assert lost == []
+        assert res.replicas == [0] and res.steps_done == {0: recipe.train.inner_steps}
+        assert res.inner_s > recipe.world.step_timeout_s
+        assert world.done()
+    finally:
+        world.shutdown()
+
+
+def test_a_frozen_rank_is_dropped_within_the_stall_timeout_and_the_others_go_on(nodes, monkeypatch):
+    import ray
+
+    monkeypatch.setenv("ELASTIC_FAULT_STEP_DELAY_S", "0.2")
+    stall_s = 3.0
+    recipe = tiny_recipe(**{"world.replicas": 2, "train.inner_steps": 30, "train.outer_steps": 1,
+                            "world.stall_timeout_s": stall_s})
+    lost = []
+    world = World(recipe, on_loss=lambda loss: lost.append((loss, time.monotonic())))
+    frozen = {}
+    try:
+        world.add_replicas([(f"vm{i}", n) for i, n in enumerate(nodes(2))])
+        pid = ray.get(world.replicas[1].actors[0].devices.remote(), timeout=30)["pid"]
+
+        def freeze(phase, members):
+            if phase == "inner" and not frozen:
+                os.kill(pid, signal.SIGSTOP)   # the process is alive but makes no progress
+                frozen[pid] = time.monotonic()
+
+        world.on_phase = freeze
+        res = world.step()
+        assert frozen
+        assert [(x.replica_id, x.rule, x.phase) for x, _ in lost] == [(1, "stalled", "inner")]
+        assert "no heartbeat" in lost[0][0].reason
+        waited_s = lost[0][1] - frozen[pid]
+        assert stall_s <= waited_s <= stall_s + 3, waited_s
+        assert res.replicas == [0] and res.steps_done == {0: 30}   # the other replica went on
+        # The frozen rank was killed with its replica.
+        deadline = time.monotonic() + 30
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)   # polling the process table with a deadline
+        assert not _alive(pid)
+    finally:
+        world.shutdown()
+        for p in frozen:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` is a live process (not gone, not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
