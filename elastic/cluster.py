@@ -218,21 +218,23 @@ class LocalCluster:
                "--disable-usage-stats", "--include-log-monitor=false"]
         env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
         log_path = os.path.join(self.session_dir, "logs", f"ray-start-{netns}.log")
-        with open(log_path, "ab") as out:
+        # One node starts at a time until it has joined: nodes on one machine share the session
+        # directory, and two starting at once pick the same socket and log names.
+        with self._start_lock, open(log_path, "ab") as out:
             proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                                     start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            node_id = next((n["NodeID"] for n in self._ray.nodes()
-                            if n["Alive"] and n["NodeManagerAddress"] == node_ip), None)
-            if node_id is not None:
-                break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                _kill_group(proc)
-                raise TimeoutError(f"node in {netns} did not join the cluster within {timeout_s:.0f} s"
-                                   + (f" (ray start exited {proc.returncode}: {_last_line(log_path)})"
-                                      if proc.returncode else ""))
-            time.sleep(0.1)   # polling the GCS for the new node, bounded by timeout_s
+            deadline = time.monotonic() + timeout_s
+            while True:
+                node_id = next((n["NodeID"] for n in self._ray.nodes()
+                                if n["Alive"] and n["NodeManagerAddress"] == node_ip), None)
+                if node_id is not None:
+                    break
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    _kill_group(proc)
+                    raise TimeoutError(f"node in {netns} did not join the cluster within {timeout_s:.0f} s"
+                                       + (f" (ray start exited {proc.returncode}: {_last_line(log_path)})"
+                                          if proc.returncode else ""))
+                time.sleep(0.1)   # polling the GCS for the new node, bounded by timeout_s
         with self._lock:
             self._nodes[node_id] = proc
         return node_id
