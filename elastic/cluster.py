@@ -12,11 +12,14 @@ import atexit
 import logging
 import os
 import signal
+import subprocess
 import threading
 import time
 from contextlib import contextmanager
 
 log = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
 
 # No phoning home, no dashboard, quiet workers: set before ray is imported anywhere.
 _RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
@@ -87,6 +90,29 @@ def ray_messages_log() -> logging.Logger:
     return ray_log
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL a `ray start` process, everything below it and its process group; reap it."""
+    for pid in [*_descendants(proc.pid), proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _last_line(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            lines = [line.strip() for line in f if line.strip()]
+    except OSError:
+        return "no log"
+    return lines[-1][:300] if lines else "no output"
+
+
 def _route_ray_messages() -> None:
     """Ray's driver prints cluster messages (a node marked dead, a raylet's last log lines) straight
     to stdout. For elastic a dead node is the normal path, and the terminal shows our own view: send
@@ -108,11 +134,15 @@ class LocalCluster:
     Args:
         address: GCS address of an existing cluster to join; None starts a head here.
         head_cpus: CPUs the head offers (0: the head runs only the driver).
+        node_ip: the head's address (loopback, or its overlay address in a network lab).
+        network: the run's `providers.localnet.LocalNetwork`, if any: stopped with the cluster.
     """
 
-    def __init__(self, address: str | None = None, head_cpus: int = 0):
+    def __init__(self, address: str | None = None, head_cpus: int = 0, node_ip: str = LOOPBACK,
+                 network=None):
         quiet_ray_env()
-        if address is None:
+        self.network = network
+        if address is None and node_ip == LOOPBACK:
             # Keep a local cluster on loopback: otherwise Ray rewrites 127.0.0.1 to the address
             # this machine would use to reach the internet. Despite its name, this switch only
             # changes how Ray picks the local IP (multi-node clusters on one machine still work);
@@ -122,11 +152,12 @@ class LocalCluster:
         from ray._private import ray_constants
         from ray.cluster_utils import Cluster
 
-        if address is None:
+        if address is None and node_ip == LOOPBACK:
             ray_constants.ENABLE_RAY_CLUSTER = False
 
         self._ray = ray
         self._cluster = None
+        self.node_ip = node_ip
         self._nodes: dict[str, object] = {}
         self._lock = threading.Lock()
         self._start_lock = threading.Lock()
@@ -142,14 +173,14 @@ class LocalCluster:
         if address is None:
             self._cluster = Cluster(initialize_head=True, shutdown_at_exit=True, head_node_args={
                 "num_cpus": head_cpus, "num_gpus": 0, "include_dashboard": False,
-                "node_ip_address": "127.0.0.1", "object_store_memory": 100 * 1024 * 1024,
+                "node_ip_address": self.node_ip, "object_store_memory": 100 * 1024 * 1024,
                 # Notice a node that died without a word within ~1.5 s, not Ray's default ~15 s.
                 "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3}})
             self.address = self._cluster.address
         else:
             self.address = address
         ray.init(address=self.address, logging_level=logging.ERROR, log_to_driver=False,
-                 _node_ip_address="127.0.0.1" if address is None else None)
+                 _node_ip_address=self.node_ip if address is None else None)
         self.gcs_address = ray.get_runtime_context().gcs_address
         # Every process of this cluster carries this directory on its command line.
         self.session_dir = ray._private.worker._global_node.get_session_dir_path()
@@ -160,14 +191,20 @@ class LocalCluster:
         ray_log.addHandler(logging.FileHandler(os.path.join(self.session_dir, "logs", "driver_messages.log")))
 
     def add_node(self, cpus: int, gpus: int, labels: dict[str, str], resources: dict[str, float],
-                 object_store_bytes: int, timeout_s: float = 60.0) -> str:
-        """Start a raylet with these resources and labels; returns its Ray node id once alive."""
+                 object_store_bytes: int, timeout_s: float = 60.0, netns: str | None = None,
+                 node_ip: str | None = None) -> str:
+        """Start a raylet with these resources and labels; returns its Ray node id once alive.
+        With `netns`, the raylet runs inside that network namespace at `node_ip` (a host of a
+        network lab, reaching the head over the overlay)."""
+        if netns is not None:
+            return self._add_node_in(netns, node_ip, cpus, gpus, labels, resources, object_store_bytes,
+                                     timeout_s)
         from ray._private.node import Node
         from ray._private.parameter import RayParams
 
         params = RayParams(num_cpus=cpus, num_gpus=gpus, resources=resources, labels=labels,
                            object_store_memory=object_store_bytes, gcs_address=self.gcs_address,
-                           node_ip_address="127.0.0.1", include_log_monitor=False, node_manager_port=0,
+                           node_ip_address=LOOPBACK, include_log_monitor=False, node_manager_port=0,
                            min_worker_port=0, max_worker_port=0)
         params.dashboard_agent_listen_port = None
         # shutdown_at_exit=False: Ray would install a SIGTERM handler (main thread only, and it
@@ -178,13 +215,51 @@ class LocalCluster:
         node_id = node.node_id
         with self._lock:
             self._nodes[node_id] = node
+        self._wait_alive(node_id, timeout_s)
+        return node_id
+
+    def _add_node_in(self, netns: str, node_ip: str, cpus: int, gpus: int, labels: dict[str, str],
+                     resources: dict[str, float], object_store_bytes: int, timeout_s: float) -> str:
+        """`ray start --block` inside `netns`, as a VM's bootstrap runs it; the process group is
+        this node's handle (removing the node kills it; the lab then clears the namespace)."""
+        import json
+        import subprocess
+
+        cmd = ["ip", "netns", "exec", netns, "ray", "start", "--block", f"--address={self.gcs_address}",
+               f"--node-ip-address={node_ip}", f"--num-cpus={cpus}", f"--num-gpus={gpus}",
+               f"--resources={json.dumps(resources)}", f"--object-store-memory={object_store_bytes}",
+               "--labels=" + ",".join(f"{k}={v}" for k, v in labels.items()),
+               "--disable-usage-stats", "--include-log-monitor=false"]
+        env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+        log_path = os.path.join(self.session_dir, "logs", f"ray-start-{netns}.log")
+        # One node starts at a time until it has joined: nodes on one machine share the session
+        # directory, and two starting at once pick the same socket and log names.
+        with self._start_lock, open(log_path, "ab") as out:
+            proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                    start_new_session=True)
+            deadline = time.monotonic() + timeout_s
+            while True:
+                node_id = next((n["NodeID"] for n in self._ray.nodes()
+                                if n["Alive"] and n["NodeManagerAddress"] == node_ip), None)
+                if node_id is not None:
+                    break
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    _kill_group(proc)
+                    raise TimeoutError(f"node in {netns} did not join the cluster within {timeout_s:.0f} s"
+                                       + (f" (ray start exited {proc.returncode}: {_last_line(log_path)})"
+                                          if proc.returncode else ""))
+                time.sleep(0.1)   # polling the GCS for the new node, bounded by timeout_s
+        with self._lock:
+            self._nodes[node_id] = proc
+        return node_id
+
+    def _wait_alive(self, node_id: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while not self.is_alive(node_id):
             if time.monotonic() > deadline:
                 self.remove_node(node_id)
                 raise TimeoutError(f"local node did not join the cluster within {timeout_s:.0f} s")
             time.sleep(0.05)
-        return node_id
 
     def is_alive(self, node_id: str) -> bool:
         return any(n["NodeID"] == node_id and n["Alive"] for n in self._ray.nodes())
@@ -199,12 +274,17 @@ class LocalCluster:
         # Everything the raylet started goes first: a reclaimed VM's workers (actors) die with it
         # rather than answering on, and the node's agents cannot report the raylet's end as a
         # crash into the driver's terminal. Actors on a node being released were killed already.
+        if isinstance(node, subprocess.Popen):
+            _kill_group(node)   # `ray start` in a namespace: its session holds every process
+            return
         _kill_children(node)
         node.kill_all_processes(check_alive=False, allow_graceful=graceful, wait=True)
 
     def _kill_nodes(self) -> None:
         for node_id in list(self._nodes):
             self.remove_node(node_id, graceful=False)
+        if self.network is not None:
+            self.network.down()
 
     def shutdown(self) -> None:
         """Remove every node this object started, disconnect, and stop the head if we started it."""
@@ -214,3 +294,5 @@ class LocalCluster:
         if self._cluster is not None:
             self._cluster.shutdown()
             self._cluster = None
+        if self.network is not None:
+            self.network.down()

@@ -85,9 +85,19 @@ class Driver:
 
     def start_cluster(self, address: str | None) -> None:
         """Start (or join) the Ray cluster, then attach to it."""
-        from elastic.cluster import LocalCluster
+        from elastic.cluster import LOOPBACK, LocalCluster
+        from providers.local import start_network
 
-        cluster = LocalCluster(address=address)
+        network = start_network(self.recipe.local) if "local" in self.recipe.resources.clouds else None
+        if network is not None:
+            self.ledger.append("network_started", tag=network.tag, head_ip=network.head_ip)
+        try:
+            cluster = LocalCluster(address=address, node_ip=network.head_ip if network else LOOPBACK,
+                                   network=network)
+        except BaseException:
+            if network is not None:
+                network.down()
+            raise
         self.ledger.append("cluster_started", address=cluster.address, session_dir=cluster.session_dir)
         self.attach(cluster)
         self._owns_cluster = True

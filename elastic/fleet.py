@@ -150,6 +150,9 @@ def down(args, out, err) -> int:
         raise UserError("elastic down: give a RUN (name or run directory) or --orphans, not both")
     if args.orphans:
         run, clouds, regions = None, None, []
+        from providers import localnet
+        if removed := localnet.cleanup_orphans():
+            out.print(f"removed {len(removed)} network namespace(s) of dead local runs", highlight=False)
     else:
         run, clouds, regions = _run_target(args.run)
         if clouds == []:

@@ -455,6 +455,30 @@ class MarketSection(_Section):
     instance type; capacity 0 = stock-out)."""
 
 
+class LinkSection(_Section):
+    """A local region's uplink to the simulated internet, shaping what leaves the region."""
+
+    rate_mbit: float | None = Field(None, gt=0, le=100_000)
+    """Bandwidth, Mbit/s (empty: unlimited)."""
+    delay_ms: float = Field(0.0, ge=0, le=10_000)
+    """One-way delay added, milliseconds (needs the kernel's `netem` qdisc)."""
+    loss_pct: float = Field(0.0, ge=0, le=100)
+    """Packets dropped, percent (needs the kernel's `netem` qdisc)."""
+
+
+class LocalNetworkSection(_Section):
+    """Separate networks for the local regions: each region a private subnet in a Linux network
+    namespace behind its own NAT router, the routers joined by one simulated internet, and the
+    run's WireGuard overlay the only way between regions, as on clouds. The driver's host (the
+    Ray head) sits on the private network of `head_region`. Needs root, iproute2, nftables,
+    wireguard-tools and wireguard-go."""
+
+    head_region: str | None = None
+    """Region whose private network the driver's host joins. Empty: the first instance type's."""
+    links: dict[str, LinkSection] = Field(default_factory=dict)
+    """Uplink of each region, by region name (a region not named: unlimited)."""
+
+
 class LocalSection(_Section):
     """The `local` provider: Ray nodes on this machine and a simulated spot market."""
 
@@ -467,6 +491,19 @@ class LocalSection(_Section):
     """Most local nodes of one instance type that can be held at once (empty: no limit)."""
     market: MarketSection = Field(default_factory=MarketSection)
     """The simulated spot market."""
+    network: LocalNetworkSection | None = None
+    """Separate networks per region joined only by the overlay (empty: every node on this
+    machine's loopback)."""
+
+    @model_validator(mode="after")
+    def _check_network(self) -> "LocalSection":
+        if self.network is not None:
+            regions = [it.region for it in self.instance_types]
+            for name in [self.network.head_region, *self.network.links]:
+                if name is not None and name not in regions:
+                    raise ValueError(f"@network: region {name!r} has no instance type "
+                                     f"(regions: {', '.join(dict.fromkeys(regions))})")
+        return self
 
 
 class AWSSection(_Section):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import types
+import typing
 
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
@@ -26,6 +28,23 @@ def _default(field) -> str:
     return f"`{json.dumps(to_jsonable_python(value))}`"
 
 
+def _nested(ann) -> tuple[type[BaseModel], str, str] | None:
+    """(section model, path suffix, how it appears) when a field holds a section: itself, optional,
+    a list of them or a mapping of names to them."""
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return ann, "", "section"
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if origin in (typing.Union, types.UnionType) and type(None) in args:
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1 and (found := _nested(inner[0])) and found[2] == "section":
+            return found[0], "", "section, optional (empty: off)"
+    if origin is list and args and (found := _nested(args[0])) and found[2] == "section":
+        return found[0], "[]", "list of sections"
+    if origin is dict and len(args) == 2 and (found := _nested(args[1])) and found[2] == "section":
+        return found[0], ".<name>", "sections by name"
+    return None
+
+
 def markdown_reference() -> str:
     """Every recipe field, its type, default and description, section by section."""
     lines = ["# Recipe reference", "",
@@ -42,9 +61,11 @@ def markdown_reference() -> str:
         for name, f in model.model_fields.items():
             ann = f.annotation
             path = f"{prefix}.{name}" if prefix else name
-            if isinstance(ann, type) and issubclass(ann, BaseModel):
-                nested.append((ann, path))
-                lines.append(f"| `{path}` | section | | {(f.description or '').strip()} |")
+            if found := _nested(ann):
+                model_, suffix, kind = found
+                nested.append((model_, path + suffix))
+                desc = " ".join((f.description or "").split()).replace("|", "\\|")
+                lines.append(f"| `{path}` | {kind} | | {desc} |")
                 continue
             tname = getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
             desc = " ".join((f.description or "").split()).replace("|", "\\|")

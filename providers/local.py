@@ -35,6 +35,27 @@ def check_accelerator(resources) -> None:
         raise UserError(f"resources.accelerators: no cloud offers {model!r}; known: {', '.join(known)}")
 
 
+def start_network(section):
+    """The run's network lab and overlay when `local.network` is set (None otherwise): each
+    region behind its own NAT router, the driver's host on `head_region`'s private network."""
+    if section.network is None:
+        return None
+    from elastic.errors import UserError
+    from providers import localnet
+
+    reason = localnet.missing_requirements() or (
+        "missing " + ", ".join(localnet.overlay.missing_tools()) if localnet.overlay.missing_tools() else None)
+    if reason:
+        raise UserError(f"local.network: {reason}")
+    regions = dict.fromkeys(it.region for it in section.instance_types)
+    links = {r: localnet.Link(**(section.network.links[r].model_dump() if r in section.network.links else {}))
+             for r in regions}
+    try:
+        return localnet.LocalNetwork(links, section.network.head_region or next(iter(regions)))
+    except localnet.LabError as e:
+        raise UserError(f"local.network: {e}") from None
+
+
 class LocalProvider:
     """Args:
         section: the recipe's `local` section.
@@ -54,6 +75,7 @@ class LocalProvider:
         self._cluster = cluster
         self._ranks = ranks_per_replica
         self._instances: dict[str, Instance] = {}
+        self._hosts: dict[str, object] = {}   # instance id -> its localnet.Member (local.network)
         self._kill_at: dict[str, float] = {}   # instance id -> unix time of a noticed kill
         self._starting: dict[tuple, int] = {}   # (zone, instance type) -> launches under way
         self._events: list[NodeEvent] = []
@@ -109,14 +131,25 @@ class LocalProvider:
         labels = {"elastic.cloud": "local", "elastic.region": offer.region, "elastic.zone": offer.zone,
                   "elastic.instance_type": offer.instance_type, "elastic.instance_id": instance_id,
                   "elastic.run": run, "elastic.role": role}
+        network, member = self._cluster.network, None
         try:
+            if network is not None:
+                member = network.add_host(offer.region)
             node_id = self._cluster.add_node(cpus=offer.cpus, gpus=offer.gpus, labels=labels, resources={},
-                                             object_store_bytes=self._section.object_store_bytes)
+                                             object_store_bytes=self._section.object_store_bytes,
+                                             netns=member and member.host.netns,
+                                             node_ip=member and member.overlay_ip)
             inst = Instance(instance_id=instance_id, offer=offer, run=run, role=role, launched_at=time.time(),
                             ray_node_id=node_id, labels=labels)
             with self._lock:
                 self._instances[instance_id] = inst
+                if member is not None:
+                    self._hosts[instance_id] = member
             return inst
+        except BaseException:
+            if member is not None:
+                network.remove_host(member)
+            raise
         finally:
             with self._lock:
                 self._starting[key] -= 1
@@ -127,6 +160,19 @@ class LocalProvider:
             self._kill_at.pop(instance_id, None)
         if inst is not None:
             self._cluster.remove_node(inst.ray_node_id)
+            self._drop_host(instance_id)
+
+    def overlay_member(self, instance_id: str):
+        """The `localnet.Member` a held node sits on in the network lab (None without `local.network`)."""
+        with self._lock:
+            return self._hosts.get(instance_id)
+
+    def _drop_host(self, instance_id: str) -> None:
+        """A released or preempted node's host leaves the network; its key is revoked everywhere."""
+        with self._lock:
+            member = self._hosts.pop(instance_id, None)
+        if member is not None:
+            self._cluster.network.remove_host(member)
 
     def list_instances(self, run: str) -> list[Instance]:
         with self._lock:
@@ -175,6 +221,7 @@ class LocalProvider:
         if inst is None:
             return
         self._cluster.remove_node(inst.ray_node_id, graceful=False)
+        self._drop_host(instance_id)
         with self._lock:
             self._events.append(NodeEvent(instance_id, "preempted", time.time(), with_notice=with_notice))
         log.info("preempted %s (%s notice)", instance_id, "with" if with_notice else "without")

@@ -17,6 +17,7 @@ Every name carries the lab's tag (`el` + 4 hex digits), so two labs never collid
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
@@ -24,14 +25,21 @@ import secrets
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from elastic import overlay
+from elastic.overlay import OVERLAY_PORT
 
 log = logging.getLogger(__name__)
 
 PREFIX = "el"
 INTERNET = "198.18.0.0/16"
-OVERLAY_PORT = 51820   # elastic.overlay.OVERLAY_PORT; providers/ does not import elastic's core
+HANDSHAKE_TIMEOUT_S = 20.0
+OWNERS = Path("/run/elastic/labs")
+"""One file per live lab, named by its tag, holding the pid of the process that owns it."""
 
 
 class LabError(RuntimeError):
@@ -92,13 +100,14 @@ class Host:
     """A "VM": a namespace on its region's private subnet.
 
     Args:
-        netns: its namespace (run a process there with `ip netns exec`).
+        netns: its namespace (run a process there with `ip netns exec`); None for this machine's
+            own namespace (`Lab.attach_root`).
         region: region name.
         private_ip: address on the region's subnet (what the cloud calls the private IP).
         public_ip: its 1:1 NAT address on the internet bridge (overlay UDP port only).
     """
 
-    netns: str
+    netns: str | None
     region: str
     private_ip: str
     public_ip: str
@@ -136,6 +145,9 @@ class Lab:
         self._regions = {name: _Region(name, i + 1, f"{self.tag}-r{i + 1}", link)
                          for i, (name, link) in enumerate(regions.items())}
         self._veths = 0
+        self.root: Host | None = None
+        OWNERS.mkdir(parents=True, exist_ok=True)
+        (OWNERS / self.tag).write_text(str(os.getpid()))
         try:
             self._make_internet()
             for region in self._regions.values():
@@ -254,11 +266,44 @@ table ip nat {{
         region = self._regions[host.region]
         if region.hosts.pop(host.netns, None) is None:
             return
-        subprocess.run(["ip", "netns", "del", host.netns], capture_output=True)
+        _stop_and_delete([host.netns])
         for args in (["nft", "delete", "element", "ip", "nat", "inbound", f"{{ {host.public_ip} }}"],
                      ["nft", "delete", "element", "ip", "nat", "outbound", f"{{ {host.private_ip} }}"],
                      ["ip", "address", "del", f"{host.public_ip}/32", "dev", "pub"]):
             subprocess.run(["ip", "netns", "exec", region.router, *args], capture_output=True)
+
+    def attach_root(self, region_name: str, listen_port: int) -> Host:
+        """Put this machine's own namespace (the driver's host) on `region_name`'s private network,
+        with a public 1:1 NAT address whose overlay port leads to `listen_port` here. Only the
+        region's subnet and the lab's internet are routed there; nothing else changes."""
+        region = self._regions[region_name]
+        i = region.index
+        subnet, internet = f"10.{100 + i}.0.0/24", INTERNET
+        routes = json.loads(_run("ip", "-j", "route", "show"))
+        lab_nets = [ipaddress.ip_network(subnet), ipaddress.ip_network(internet)]
+        taken = [r["dst"] for r in routes if r.get("dst", "default") != "default"
+                 and any(ipaddress.ip_network(r["dst"], strict=False).overlaps(n) for n in lab_nets)]
+        if taken:
+            raise LabError(f"this machine already routes {', '.join(taken)}: another network lab is "
+                           "running, or the machine's own network overlaps the lab's")
+        host = Host(None, region_name, f"10.{100 + i}.0.2", f"198.18.{i}.2")
+        self._veths += 1
+        outside = f"{self.tag}h0"
+        _run("ip", "link", "add", outside, "type", "veth", "peer", "name", f"{self.tag}x0")
+        _run("ip", "link", "set", f"{self.tag}x0", "netns", region.router)
+        _run("ip", "-n", region.router, "link", "set", f"{self.tag}x0", "name", "h0")
+        _run("ip", "-n", region.router, "link", "set", "h0", "master", "lan")
+        _run("ip", "-n", region.router, "link", "set", "h0", "up")
+        _run("ip", "address", "add", f"{host.private_ip}/24", "dev", outside)
+        _run("ip", "link", "set", outside, "up")
+        _run("ip", "route", "add", internet, "via", f"10.{100 + i}.0.1", "dev", outside)
+        _run("ip", "-n", region.router, "address", "add", f"{host.public_ip}/32", "dev", "pub")
+        _in(region.router, "nft", "add", "rule", "ip", "nat", "pre", "iifname", "pub", "ip", "daddr",
+            host.public_ip, "udp", "dport", str(OVERLAY_PORT), "dnat", "to", f"{host.private_ip}:{listen_port}")
+        _in(region.router, "nft", "add", "element", "ip", "nat", "outbound",
+            f"{{ {host.private_ip} : {host.public_ip} }}")
+        self.root = host
+        return host
 
     def router_of(self, region_name: str) -> Host:
         """The region's router as a host on the internet (for measuring the bare link)."""
@@ -291,6 +336,7 @@ table ip nat {{
         """Remove every namespace of the lab (and the veths, addresses and rules in them), and
         stop every process still running in one. Safe to call twice."""
         remove_namespaces(self.tag)
+        (OWNERS / self.tag).unlink(missing_ok=True)
 
 
 def list_namespaces() -> list[str]:
@@ -312,28 +358,168 @@ def _signal(pids: list[int], sig: int) -> None:
             pass
 
 
-def remove_namespaces(tag: str, grace_s: float = 2.0) -> list[str]:
-    """Stop every process in, then delete, each namespace named `<tag>-…`; returns their names.
-    Processes get SIGTERM (wireguard-go then removes its control socket) and `grace_s` seconds
-    before SIGKILL."""
+def remove_namespaces(tag: str) -> list[str]:
+    """Stop every process in, then delete, each namespace named `<tag>-…`; returns their names."""
     gone = [n for n in list_namespaces() if n.startswith(tag + "-")]
-    pids = [pid for ns in gone for pid in _pids_in(ns)]
+    _stop_and_delete(gone)
+    # This machine's side: the head's overlay interface (its wireguard-go runs here) and the veth
+    # into the lab (gone with its peer already, unless the namespace was not there).
+    root_wg = f"{tag}wg"
+    out = subprocess.run(["pgrep", "-f", f"wireguard-go {root_wg}$"], capture_output=True, text=True).stdout
+    _signal([int(p) for p in out.split()], signal.SIGKILL)
+    for ifname in (root_wg, f"{tag}h0"):
+        subprocess.run(["ip", "link", "del", ifname], capture_output=True)
+    return gone
+
+
+def _stop_and_delete(namespaces: list[str], grace_s: float = 2.0) -> None:
+    """Stop every process in the namespaces, then delete them. Processes get SIGTERM (wireguard-go
+    then removes its control socket) and `grace_s` seconds before SIGKILL."""
+    pids = [pid for ns in namespaces for pid in _pids_in(ns)]
     _signal(pids, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while pids and time.monotonic() < deadline:
         pids = [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
         time.sleep(0.05)   # waiting for processes to exit, bounded by grace_s
     _signal(pids, signal.SIGKILL)
-    for ns in gone:
+    for ns in namespaces:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-    return gone
 
 
-def cleanup_orphans(alive_tags: set[str] = frozenset()) -> list[str]:
-    """Remove the namespaces of labs whose tag is not in `alive_tags` (what a killed run left)."""
+def _owner_alive(tag: str) -> bool:
+    try:
+        pid = int((OWNERS / tag).read_text())
+    except (OSError, ValueError):
+        return False
+    return os.path.exists(f"/proc/{pid}")
+
+
+def cleanup_orphans() -> list[str]:
+    """Remove every lab whose owning process is gone (a run killed before its teardown): its
+    namespaces, processes and this machine's side of it. Returns the namespaces removed."""
     tags = {n.split("-")[0] for n in list_namespaces()
-            if n.startswith(PREFIX) and "-" in n and len(n.split("-")[0]) == len(PREFIX) + 4}
+            if n.startswith(PREFIX) and len(n.split("-")[0]) == len(PREFIX) + 4}
     removed = []
-    for tag in sorted(tags - set(alive_tags)):
-        removed += remove_namespaces(tag)
+    for tag in sorted(tags):
+        if not _owner_alive(tag):
+            removed += remove_namespaces(tag)
+            (OWNERS / tag).unlink(missing_ok=True)
     return removed
+
+
+@dataclass
+class Member:
+    """A node of the local overlay.
+
+    Args:
+        host: where it sits in the lab.
+        iface: its WireGuard interface.
+        overlay_ip: its overlay address (what Ray and every service of the run use).
+        listen_port: its WireGuard UDP port on its private address.
+    """
+
+    host: Host
+    iface: overlay.Interface
+    overlay_ip: str
+    listen_port: int
+
+
+class LocalNetwork:
+    """A run's overlay over a network lab: the driver's host and every local node, as WireGuard
+    peers of each other (a full mesh; every lab host has a public endpoint).
+
+    Args:
+        links: region name -> its uplink.
+        head_region: region whose private network the driver's host joins.
+
+    The head's overlay address is `head_ip`. `add_host` gives a region a new host on the overlay
+    and makes it a peer of every member; `remove_host` revokes its key everywhere and removes it.
+    """
+
+    def __init__(self, links: dict[str, Link], head_region: str):
+        self.lab = Lab(links)
+        self._lock = threading.Lock()   # launches run in parallel threads
+        self._members: dict[str, Member] = {}
+        self._next_ip = 1
+        try:
+            port = OVERLAY_PORT + 1 + int(self.lab.tag[len(PREFIX):], 16) % 10_000
+            root = self.lab.attach_root(head_region, port)
+            self.head = self._join(root, overlay.Interface(None, ifname=f"{self.lab.tag}wg"), port)
+        except BaseException:
+            self.lab.down()
+            raise
+        self.head_ip = self.head.overlay_ip
+
+    @property
+    def tag(self) -> str:
+        return self.lab.tag
+
+    def _join(self, host: Host, iface: overlay.Interface, port: int) -> Member:
+        member = Member(host, iface, overlay.overlay_ip(self._next_ip), port)
+        self._next_ip += 1
+        iface.up(member.overlay_ip, overlay.keypair(host.netns)[0], listen_port=port)
+        for other in self._members.values():
+            other.iface.set_peer(self._peer(member, seen_from=other))
+            iface.set_peer(self._peer(other, seen_from=member))
+        self._members[member.overlay_ip] = member
+        return member
+
+    @staticmethod
+    def _peer(member: Member, seen_from: Member) -> overlay.Peer:
+        """`member` as a peer of `seen_from`: reached at its private address inside one region (as
+        within a VPC), at its public address across regions."""
+        if member.host.region == seen_from.host.region:
+            endpoint = f"{member.host.private_ip}:{member.listen_port}"
+        else:
+            endpoint = f"{member.host.public_ip}:{OVERLAY_PORT}"
+        return overlay.Peer(member.iface.public_key, member.overlay_ip, endpoint)
+
+    def add_host(self, region: str) -> Member:
+        """A new host ("VM") in `region`, on the overlay and peered with every member."""
+        with self._lock:
+            host = self.lab.add_host(region)
+            iface = overlay.Interface(host.netns)
+            try:
+                member = self._join(host, iface, OVERLAY_PORT)
+                self._await_handshake(member)
+                return member
+            except BaseException:
+                iface.down()
+                self.lab.remove_host(host)
+                raise
+
+    def _await_handshake(self, member: Member, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
+        """Wait until the head and `member` completed a WireGuard handshake (their persistent
+        keepalives start one at once): a node starts its raylet only once the overlay carries it,
+        or its first connections to the head sit in TCP's retry back-off."""
+        deadline = time.monotonic() + timeout_s
+        while self.head.iface.peers().get(member.iface.public_key, {}).get("latest_handshake", 0) == 0:
+            if time.monotonic() > deadline:
+                raise overlay.OverlayError(f"{member.host.netns}: no WireGuard handshake with the head "
+                                           f"within {timeout_s:.0f} s")
+            time.sleep(0.05)   # polling WireGuard's handshake time, bounded by timeout_s
+
+    def remove_host(self, member: Member) -> None:
+        """Revoke `member`'s key on every other member, then take its host off the lab."""
+        with self._lock:
+            if self._members.pop(member.overlay_ip, None) is None:
+                return
+            for other in self._members.values():
+                try:
+                    other.iface.remove_peer(member.iface.public_key)
+                except overlay.OverlayError:
+                    log.warning("could not revoke %s on %s", member.overlay_ip, other.overlay_ip)
+            member.iface.down()
+            self.lab.remove_host(member.host)
+
+    def members(self) -> list[Member]:
+        with self._lock:
+            return list(self._members.values())
+
+    def down(self) -> None:
+        """Remove every interface, namespace and process of the network; safe to call twice."""
+        with self._lock:
+            for member in list(self._members.values()):
+                member.iface.down()
+            self._members.clear()
+            self.lab.down()

@@ -124,9 +124,12 @@ def test_teardown_leaves_no_namespace_interface_or_wireguard_process():
         assert iface.userspace == (subprocess.run(["ip", "link", "add", "elprobe0", "type", "wireguard"],
                                                   capture_output=True).returncode != 0)
         assert lab.namespaces()
-        # A run killed without its teardown: only the orphan sweep is left to clean up.
-        others = {n.split("-")[0] for n in localnet.list_namespaces()} - {lab.tag}
-        removed = localnet.cleanup_orphans(alive_tags=others)
+        assert localnet.cleanup_orphans() == []   # its owner (this process) is alive
+        # A run killed without its teardown: its owner is gone, only the orphan sweep is left.
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True).stdout.strip()
+        (localnet.OWNERS / lab.tag).write_text(dead)
+        removed = localnet.cleanup_orphans()
         assert set(removed) == {f"{lab.tag}-inet", f"{lab.tag}-r1", host.netns}
     finally:
         lab.down()
