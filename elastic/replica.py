@@ -483,6 +483,10 @@ class RankWorker:
 
     # -- inspection and state -------------------------------------------------------------------
 
+    def outer_state(self) -> dict:
+        """This shard's θ_outer, outer momentum and the sync's error feedback (copies)."""
+        return self._outer.export()
+
     def full_state(self) -> dict | None:
         """Full (unsharded) parameters, on rank 0 only (a collective: call on every rank)."""
         out = {}

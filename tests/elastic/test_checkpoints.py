@@ -119,7 +119,7 @@ def test_node_lost_during_upload_leaves_the_previous_checkpoint(nodes, local_clu
 
 
 def error_feedback(rep) -> torch.Tensor:
-    return ray.get(rep.actors[0].export_state.remote())["outer"]["error"]
+    return ray.get(rep.actors[0].outer_state.remote())["error"]
 
 
 def thetas_identical(world) -> None:
@@ -134,11 +134,11 @@ def test_a_joiner_and_a_restore_carry_the_error_feedback(nodes, tmp_path):
     recipe = tiny_recipe(**{"world.replicas": 2, "world.sync_dtype": "int8", "train.outer_steps": 6})
     uri = f"file://{tmp_path}/ckpt"
     saver = ckpt.Checkpointer(uri, str(tmp_path / "staging"), keep_last=2, threads=2,
-                              ledger=Ledger(tmp_path / "events.jsonl"))
+                              ledger=Ledger(tmp_path / "events.jsonl"), run="test")
     world = trained_world(recipe, nodes, steps=2)
     try:
         lead = world.lead_replica()
-        saver.save(world, lead, recipe.digest())
+        saver.save(world, lead, recipe)
         assert saver.wait(timeout_s=120)
         saved = error_feedback(lead)
         assert saved.abs().sum() > 0                  # int8 dropped something: there is state to carry
@@ -160,7 +160,8 @@ def test_a_joiner_and_a_restore_carry_the_error_feedback(nodes, tmp_path):
         restored.add_replicas([(f"vm-r{i}", n) for i, n in enumerate(nodes(2))])
         for rep in restored.replicas.values():
             assert not error_feedback(rep).any()       # fresh: no error feedback yet
-            local = ray.get(rep.actors[0].fetch_checkpoint.remote(uri, 2, str(tmp_path / "staging-r")))
+            manifest = ckpt.read_manifest(open_storage(uri), 2)
+            local = ray.get(rep.actors[0].fetch_checkpoint.remote(uri, manifest, str(tmp_path / "staging-r")))
             restored.call_replica(rep, "load_checkpoint", local)
             assert torch.equal(error_feedback(rep), saved)
         restored.step()
