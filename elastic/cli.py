@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--orphans", action="store_true",
                     help="instances tagged by elastic whose run's driver heartbeat (a tag / label on its VMs) is stale")
     sp.add_argument("--stale-after-s", type=float, default=600.0, metavar="S",
-                    help="with --orphans: a run whose newest heartbeat is older than this is dead (default 600)")
+                    help="with --orphans: a run whose newest heartbeat is older than this is dead (default 600, at least 120)")
     sp.add_argument("--yes", action="store_true", help="terminate without asking")
 
     sp = sub.add_parser("schema", help="print the recipe's JSON schema (for editors) or its reference")

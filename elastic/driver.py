@@ -31,7 +31,6 @@ log = logging.getLogger(__name__)
 OFFER_COOLDOWN_S = 5.0   # real seconds an offer rests after a capacity error
 PRICE_POLL_S = 1.0       # real seconds between reads of the held VMs' current prices
 HEARTBEAT_S = 5.0        # real seconds between two driver heartbeats (the VMs' autodown watchers read them)
-HEARTBEAT_TAG_S = 60.0   # real seconds between two heartbeats written on the run's VMs in the cloud (down --orphans)
 
 
 class Driver:
@@ -115,6 +114,7 @@ class Driver:
         thread: a long blocking call of the main loop (a restore, a slow step) must not look like a
         dead driver; a killed process stops it at once. Every HEARTBEAT_TAG_S it is also written on
         the run's VMs in the cloud, where `elastic down --orphans` reads it from any machine."""
+        from elastic.fleet import HEARTBEAT_TAG_S
         from providers.watcher import beat
 
         tagged_at = -HEARTBEAT_TAG_S

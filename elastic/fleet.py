@@ -122,6 +122,9 @@ def _run_target(run: str) -> tuple[str, list[str] | None, list[str]]:
     return run, None, []
 
 
+HEARTBEAT_TAG_S = 60.0   # real seconds between two heartbeats the driver writes on its run's VMs in the cloud
+
+
 def live_runs(instances, now_s: float, stale_after_s: float) -> set[str]:
     """Runs alive by the heartbeat their driver writes on their VMs in the cloud: the newest
     heartbeat on any of its VMs (a VM that never got one counts from its launch, so a run just
@@ -148,8 +151,9 @@ def down(args, out, err) -> int:
 
     if args.orphans == bool(args.run):
         raise UserError("elastic down: give a RUN (name or run directory) or --orphans, not both")
-    if not args.stale_after_s > 0:
-        raise UserError(f"elastic down: --stale-after-s must be a number of seconds > 0, not {args.stale_after_s}")
+    if not args.stale_after_s >= 2 * HEARTBEAT_TAG_S:   # NaN too; shorter would end runs between two beats
+        raise UserError(f"elastic down: --stale-after-s must be at least {2 * HEARTBEAT_TAG_S:g} s (drivers "
+                        f"write their heartbeat every {HEARTBEAT_TAG_S:g} s), not {args.stale_after_s:g}")
     if args.orphans:
         run, clouds, regions = None, None, []
     else:
