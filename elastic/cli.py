@@ -85,8 +85,9 @@ def _parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("down", help="terminate every VM of a run, or of runs no longer alive (--orphans)")
     sp.add_argument("run", nargs="?", help="run name or run directory")
     sp.add_argument("--orphans", action="store_true",
-                    help="instances tagged by elastic whose run is no longer alive")
-    sp.add_argument("--runs-dir", default="runs", help="where local runs live, for --orphans (default runs/)")
+                    help="instances tagged by elastic whose run's driver heartbeat (a tag / label on its VMs) is stale")
+    sp.add_argument("--stale-after-s", type=float, default=600.0, metavar="S",
+                    help="with --orphans: a run whose newest heartbeat is older than this is dead (default 600, at least 120)")
     sp.add_argument("--yes", action="store_true", help="terminate without asking")
 
     sp = sub.add_parser("prepare-data", help="tokenize text/JSONL/Parquet files into token shards at a URI (for data.uri)")

@@ -125,14 +125,30 @@ class Driver:
     def _heartbeat(self) -> None:
         """The heartbeat every cloud VM's watcher reads (`resources.autodown_after_s`), from its own
         thread: a long blocking call of the main loop (a restore, a slow step) must not look like a
-        dead driver; a killed process stops it at once."""
+        dead driver; a killed process stops it at once. Every HEARTBEAT_TAG_S it is also written on
+        the run's VMs in the cloud, where `elastic down --orphans` reads it from any machine."""
+        from elastic.fleet import HEARTBEAT_TAG_S
         from providers.watcher import beat
 
+        tagged_at = -HEARTBEAT_TAG_S
         while not self._beat_stop.wait(HEARTBEAT_S):
             try:
                 beat()
             except Exception as exc:   # the head is gone: the VMs' watchers will notice too
                 log.warning("heartbeat: %s", exc)
+            if time.monotonic() - tagged_at >= HEARTBEAT_TAG_S:
+                tagged_at = time.monotonic()
+                self.beat_in_clouds()
+
+    def beat_in_clouds(self) -> None:
+        """Write the heartbeat (now) on every VM of the run in every cloud; a cloud that fails is
+        tried again at the next beat."""
+        now_s = time.time()
+        for name, p in self.providers.items():
+            try:
+                p.heartbeat(self.run_name, now_s)
+            except Exception as exc:
+                log.warning("heartbeat tag on %s: %s", name, exc)
 
     _owns_cluster = False
 
@@ -746,6 +762,7 @@ class Driver:
                         self.ledger.append("node_released", instance_id=inst.instance_id)
                     except Exception as exc:
                         self.ledger.append("error", message=f"could not release {inst.instance_id}: {exc}")
+                self._release_leftovers(p)
                 close = getattr(p, "close", None)
                 if close:
                     close()
@@ -756,6 +773,22 @@ class Driver:
                 self.cluster.shutdown()
             except Exception:
                 log.exception("cluster shutdown")
+
+    def _release_leftovers(self, provider) -> None:
+        """Terminate what the cloud still holds for this run that the run did not rent itself: the
+        controller VM the driver runs on (`resources.head: controller`; last, so the rest goes
+        first), and any VM whose launch this process lost track of."""
+        try:
+            left = provider.find_instances(self.run_name)
+        except Exception as exc:
+            self.ledger.append("error", message=f"could not list the run's VMs on {provider.name}: {exc}")
+            return
+        for inst in sorted(left, key=lambda i: i.role == "controller"):
+            try:
+                provider.terminate(inst.instance_id)
+                log.info("released %s (%s) of run %s", inst.instance_id, inst.role, self.run_name)
+            except Exception as exc:
+                self.ledger.append("error", message=f"could not release {inst.instance_id}: {exc}")
 
     def _save_preemption_history(self) -> None:
         """Add this run's preemptions per node-hour to the history later runs' risk estimates start

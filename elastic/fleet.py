@@ -120,34 +120,38 @@ def _run_target(run: str) -> tuple[str, list[str] | None, list[str]]:
     return run, None, []
 
 
-def _alive_local_runs(runs_dir: Path) -> set[str]:
-    """Runs under `runs_dir` whose ledger has not ended and whose driver may still run (unknown,
-    or on another host, counts as alive: never terminate a live run's VMs)."""
-    from elastic.ledger import read_events
-    from elastic.status import driver_alive
+HEARTBEAT_TAG_S = 60.0   # real seconds between two heartbeats the driver writes on its run's VMs in the cloud
 
-    alive = set()
-    if not runs_dir.is_dir():
-        return alive
-    for ledger in runs_dir.glob("*/events.jsonl"):
-        events = read_events(ledger)
-        if any(e["type"] == "run_ended" for e in events):
-            continue
-        start = next((e for e in events if e["type"] == "run_started"), {})
-        if driver_alive(start.get("pid"), start.get("host")):
-            alive.add(ledger.parent.name)
-    return alive
+
+def live_runs(instances, now_s: float, stale_after_s: float) -> set[str]:
+    """Runs alive by the heartbeat their driver writes on their VMs in the cloud: the newest
+    heartbeat on any of its VMs (a VM that never got one counts from its launch, so a run just
+    starting is alive) is younger than `stale_after_s`.
+
+    Args:
+        instances: the VMs found in the clouds (`Instance.heartbeat_at`, `launched_at`).
+        now_s: unix time now.
+        stale_after_s: seconds without a heartbeat after which a run is dead.
+    """
+    newest: dict[str, float] = {}
+    for i in instances:
+        at = i.heartbeat_at if i.heartbeat_at is not None else i.launched_at
+        newest[i.run] = max(newest.get(i.run, at), at)
+    return {run for run, at in newest.items() if now_s - at < stale_after_s}
 
 
 def down(args, out, err) -> int:
-    """Terminate every VM tagged with a run (or, with --orphans, every elastic VM whose run is no
-    longer alive) in every region of every cloud."""
+    """Terminate every VM tagged with a run (or, with --orphans, every elastic VM of a run whose
+    newest heartbeat in the cloud is older than --stale-after-s) in every region of every cloud."""
     from rich.table import Table
 
     from providers import build
 
     if args.orphans == bool(args.run):
         raise UserError("elastic down: give a RUN (name or run directory) or --orphans, not both")
+    if not args.stale_after_s >= 2 * HEARTBEAT_TAG_S:   # NaN too; shorter would end runs between two beats
+        raise UserError(f"elastic down: --stale-after-s must be at least {2 * HEARTBEAT_TAG_S:g} s (drivers "
+                        f"write their heartbeat every {HEARTBEAT_TAG_S:g} s), not {args.stale_after_s:g}")
     if args.orphans:
         run, clouds, regions = None, None, []
         from providers import localnet
@@ -169,8 +173,9 @@ def down(args, out, err) -> int:
         for inst in (provider.list_instances(run) if run else provider.find_instances(None)):
             found.append((provider, inst))
     if args.orphans:
-        live = _alive_local_runs(Path(args.runs_dir))
-        live |= {i.run for _, i in found if i.role == "controller"}   # a controller VM is its run alive
+        import time
+
+        live = live_runs([i for _, i in found], time.time(), args.stale_after_s)
         found = [(p, i) for p, i in found if i.run not in live]
     what = f"run {run}" if run else "orphaned runs"
     if not found:

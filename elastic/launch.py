@@ -256,8 +256,8 @@ def launch_controller(recipe: Recipe, run_dir: Path, console) -> int:
     if start is None:
         raise UserError(f"resources.head: controller is not available on {cloud} yet; set resources.head: local")
     ledger = Ledger(run_dir / "events.jsonl")
-    # The driver runs on the controller, not in this process: no pid, so `elastic down --orphans`
-    # never takes this run for a dead one.
+    # The driver runs on the controller, not in this process: no pid, so `elastic status` never
+    # takes this run for a dead one.
     ledger.append("run_started", run=run_dir.name, recipe=recipe.name, recipe_digest=recipe.digest(), pid=None,
                   host=socket.gethostname(), target_replicas=recipe.world.replicas,
                   ranks_per_replica=recipe.world.ranks_per_replica, head="controller")

@@ -22,8 +22,8 @@ from datetime import datetime, timezone
 
 from elastic.errors import UserError
 from providers.base import CapacityError, Instance, Offer
-from providers.cloud import (CONTROLLER_TEMPLATE, CloudProvider, cached_json, head_address, labels_arg, quote,
-                             render_bootstrap, usable_price)
+from providers.cloud import (CONTROLLER_TEMPLATE, CloudProvider, cached_json, head_address, heartbeat_time,
+                             labels_arg, quote, render_bootstrap, usable_price)
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ CATALOG: dict[str, dict[str, tuple[int, int, int, float]]] = {
 # On-demand list prices of controller instance types (same dated source as CATALOG).
 CONTROLLER_USD_PER_HOUR = {"m7i.large": 0.1008, "m7i.xlarge": 0.2016, "m6i.large": 0.096, "t3.medium": 0.0416,
                            "t3.large": 0.0832, "c7i.large": 0.08925}
+HEARTBEAT_TAG = "elastic:heartbeat"   # the driver's newest heartbeat on the VM, unix seconds (`elastic down --orphans`)
 HOME_REGION = "us-east-1"   # where the list of the account's enabled regions is asked
 _REGION_RE = re.compile(r"^[a-z]{2}(-gov)?-[a-z]+-\d$")
 
@@ -532,6 +533,14 @@ class AWSProvider(CloudProvider):
         with ThreadPoolExecutor(max_workers=min(16, len(regions)), thread_name_prefix="aws-find") as pool:
             return [i for found in pool.map(one, regions) for i in found]
 
+    def _tag_heartbeat(self, instances: list[Instance], now_s: float) -> None:
+        by_region: dict[str, list[str]] = {}
+        for i in instances:
+            by_region.setdefault(i.offer.region, []).append(i.instance_id)
+        for region, ids in by_region.items():   # one CreateTags per region for all its VMs
+            self._call("ec2", region, "create_tags", Resources=ids,
+                       Tags=[{"Key": HEARTBEAT_TAG, "Value": str(int(now_s))}])
+
     def close(self) -> None:
         super().close()
         for region in list(self._tokens):   # the run's token parameter goes with the run
@@ -554,7 +563,7 @@ def _instance_from(vm: dict, region: str) -> Instance:
     launched = vm.get("LaunchTime")
     return Instance(instance_id=vm["InstanceId"], offer=offer, run=tags.get("elastic:run", ""),
                     role=tags.get("elastic:role", ""), launched_at=launched.timestamp() if launched else time.time(),
-                    labels=tags)
+                    labels=tags, heartbeat_at=heartbeat_time(tags.get(HEARTBEAT_TAG)))
 
 
 def _guarded(pages, provider: AWSProvider, region: str, action: str):

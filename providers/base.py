@@ -60,6 +60,9 @@ class Instance:
         launched_at: unix time it was launched.
         ray_node_id: the Ray node it runs, once joined.
         labels: provider tags / labels.
+        heartbeat_at: unix time of the newest driver heartbeat the cloud holds on the VM (its
+            `elastic:heartbeat` tag / `elastic-heartbeat` label), None when it never got one;
+            filled in by `find_instances`.
     """
 
     instance_id: str
@@ -69,6 +72,7 @@ class Instance:
     launched_at: float
     ray_node_id: str | None = None
     labels: dict = field(default_factory=dict)
+    heartbeat_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,15 @@ class Provider(Protocol):
 
     def list_instances(self, run: str) -> list[Instance]:
         """Every VM this provider holds for `run`."""
+
+    def find_instances(self, run: str | None) -> list[Instance]:
+        """Every live VM the cloud says belongs to `run` (any elastic run when None), whoever
+        launched it: the run's controller and VMs of another process included."""
+
+    def heartbeat(self, run: str, now_s: float) -> None:
+        """Record `now_s` (unix time) as the driver's heartbeat on every VM of `run` this provider
+        holds and on the run's controller, in the cloud itself (`elastic down --orphans` reads it
+        from `Instance.heartbeat_at`)."""
 
     def events(self) -> list[NodeEvent]:
         """Preemption notices and preemptions seen since the last call."""

@@ -155,6 +155,7 @@ class CloudProvider:
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._last_state_poll = time.monotonic()
+        self._controllers: list[Instance] | None = None   # the run's controller VM(s), looked up once
 
     def autodown_values(self) -> dict[str, str]:
         """Bootstrap template values of `resources.autodown_after_s` / `max_vm_hours`."""
@@ -178,6 +179,11 @@ class CloudProvider:
     def _find_vms(self, run: str | None) -> list[Instance]:
         """Ask the cloud (every allowed region) for live VMs tagged with `run`, or with any run
         when None. Each Instance's `run` and `role` come from its tags."""
+        raise NotImplementedError
+
+    def _tag_heartbeat(self, instances: list[Instance], now_s: float) -> None:
+        """Set the heartbeat tag / label of every VM in `instances` to `now_s` (unix time), in as
+        few calls as the cloud allows."""
         raise NotImplementedError
 
     @classmethod
@@ -234,6 +240,16 @@ class CloudProvider:
         with self._lock:
             return [i for i in self._held.values() if i.run == run]
 
+    def heartbeat(self, run: str, now_s: float) -> None:
+        """Tag the VMs held for `run`, and the run's controller when the driver runs on one (found
+        in the cloud on the first beat), with the heartbeat `now_s`."""
+        if self._controllers is None:
+            self._controllers = [i for i in self._find_vms(run) if i.role == "controller"]
+        with self._lock:
+            held = [i for i in self._held.values() if i.run == run]
+        if held or self._controllers:
+            self._tag_heartbeat(held + self._controllers, now_s)
+
     def events(self) -> list[NodeEvent]:
         """Notices the nodes' watchers forwarded (Ray KV), and, as a fallback every STATE_POLL_S,
         held VMs the cloud says are gone (preempted without a notice we saw)."""
@@ -285,6 +301,14 @@ def read_notices() -> dict[str, dict]:
     except Exception:  # Ray not connected (prices, down): no notices to read
         return {}
     return {iid: json.loads(v) for iid, v in raw.items() if v}
+
+
+def heartbeat_time(value: str | None) -> float | None:
+    """The unix time a heartbeat tag / label holds; None when absent or not a number."""
+    try:
+        return float(value) if value else None
+    except ValueError:
+        return None
 
 
 def quote(value: str) -> str:

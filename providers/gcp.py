@@ -43,8 +43,8 @@ from urllib.parse import urlparse
 from elastic.errors import UserError
 from elastic.recipe import LOOPBACK_HOSTS, endpoint_problem
 from providers.base import CapacityError, Instance, Offer
-from providers.cloud import (CONTROLLER_TEMPLATE, CloudProvider, cached_json, head_address, labels_arg, quote,
-                             render_bootstrap, usable_price)
+from providers.cloud import (CONTROLLER_TEMPLATE, CloudProvider, cached_json, head_address, heartbeat_time,
+                             labels_arg, quote, render_bootstrap, usable_price)
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ METADATA_URL_ENV = "ELASTIC_GCP_METADATA_URL"
 METADATA_URL = "http://metadata.google.internal/computeMetadata/v1"
 PREEMPT_NOTICE_S = 30.0                           # GCP stops a preempted Spot VM ~30 s after notice
 MAINTENANCE_NOTICE_S = 60.0                       # host maintenance with TERMINATE: at least 60 s
+HEARTBEAT_LABEL = "elastic-heartbeat"            # the driver's newest heartbeat, unix seconds (down --orphans)
 OPERATION_TIMEOUT_S = 600.0                       # longest we wait on a zone operation
 OFFERS_MEMO_S = 30.0                              # offers reused in memory this long
 RETRY_INITIAL_S = 0.5                             # google-api-core Retry backoff for 429 / 503
@@ -741,6 +742,26 @@ class GCPProvider(CloudProvider):
             pass
         log.info("gcp: %s deleted", instance.instance_id)
 
+    def _tag_heartbeat(self, instances: list[Instance], now_s: float) -> None:
+        """setLabels on each VM (GCP has no batch form); it needs the VM's current label
+        fingerprint, so each is read first. A VM gone meanwhile is skipped."""
+        from google.api_core import exceptions
+        from google.cloud import compute_v1
+
+        client, project = self._client("instances"), self.project
+        for inst in instances:
+            try:
+                vm = self._call("get instance", lambda: client.get(
+                    project=project, zone=inst.offer.zone, instance=inst.instance_id, retry=self._retry()))
+                body = compute_v1.InstancesSetLabelsRequest(
+                    label_fingerprint=vm.label_fingerprint,
+                    labels={**dict(vm.labels), HEARTBEAT_LABEL: str(int(now_s))})
+                self._call("set labels", lambda: client.set_labels(
+                    project=project, zone=inst.offer.zone, instance=inst.instance_id,
+                    instances_set_labels_request_resource=body, retry=self._retry()))
+            except exceptions.NotFound:
+                continue
+
     # -- what the cloud says ---------------------------------------------------------------------
 
     def _listed(self, flt: str):
@@ -781,7 +802,7 @@ class GCPProvider(CloudProvider):
             created = _rfc3339(vm.creation_timestamp) if vm.creation_timestamp else time.time()
             out.append(Instance(instance_id=vm.name, offer=offer, run=meta.get("elastic-run", vm.labels.get(
                 "elastic-run", "")), role=vm.labels.get("elastic-role", ""), launched_at=created,
-                labels=dict(vm.labels)))
+                labels=dict(vm.labels), heartbeat_at=heartbeat_time(vm.labels.get(HEARTBEAT_LABEL))))
         return out
 
 

@@ -178,6 +178,14 @@ class LocalProvider:
         with self._lock:
             return [i for i in self._instances.values() if i.run == run]
 
+    def find_instances(self, run: str | None) -> list[Instance]:
+        """Local "VMs" live in this process only: the ones it holds."""
+        with self._lock:
+            return [i for i in self._instances.values() if run is None or i.run == run]
+
+    def heartbeat(self, run: str, now_s: float) -> None:
+        """Nothing to record: local nodes end with the process that holds them."""
+
     def prices(self, instance_ids) -> dict[str, float]:
         """USD per hour in effect now for each held VM: the market's spot price (on-demand VMs keep theirs)."""
         out = {}

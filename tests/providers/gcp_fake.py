@@ -3,7 +3,8 @@
 One threaded HTTP server answers, in the REST shapes the real client libraries send and parse:
 
 - Compute Engine (`/compute/v1/projects/P/...`): zones list; machineTypes and acceleratorTypes
-  aggregated lists; instances insert / get / list / aggregatedList / delete; zone operations
+  aggregated lists; instances insert / get / list / aggregatedList / delete / setLabels (with the
+  label fingerprint check); zone operations
   get / wait. Inserts honour `requestId` (a retried insert creates one VM), and bodies are stored
   so tests read back exactly what was sent.
 - Cloud Billing Catalog (`/v1/services/6F81-5844-456A/skus`), paginated.
@@ -146,6 +147,7 @@ class GCPFake:
         self.skus = catalog_skus()
         self.zones = dict(ZONES)
         self.instances: dict[str, dict] = {}          # name -> instance resource
+        self.label_sets: list[str] = []               # instance names, one per setLabels accepted
         self.operations: dict[str, dict] = {}
         self.requests: list[dict] = []                # every request: method, path, query, body
         self.insert_errors: dict[str, tuple[str, str]] = {}   # zone -> ("operation" | "http", code)
@@ -321,10 +323,10 @@ class GCPFake:
                 if flt.match(inst):
                     items.setdefault(f"zones/{inst['zone'].rsplit('/', 1)[-1]}", {"instances": []})["instances"].append(inst)
             return 200, {"items": items}
-        m = re.fullmatch(r"zones/([^/]+)/(instances|operations)(?:/([^/]+))?(/wait)?", rest)
+        m = re.fullmatch(r"zones/([^/]+)/(instances|operations)(?:/([^/]+))?(/wait|/setLabels)?", rest)
         if not m:
             return 404, _error(404, f"no such path {path}", "notFound")
-        zone, kind, name, wait = m.groups()
+        zone, kind, name, verb = m.groups()
         if zone not in self.zones:
             return 404, _error(404, f"The resource 'zones/{zone}' was not found", "notFound")
         if kind == "operations":
@@ -344,6 +346,14 @@ class GCPFake:
                                     "found", "notFound")
         if method == "GET":
             return 200, inst
+        if method == "POST" and verb == "/setLabels":   # optimistic locking, as the API does
+            if body.get("labelFingerprint") != inst["labelFingerprint"]:
+                return 412, _error(412, "Labels fingerprint either invalid or resource labels have changed",
+                                   "conditionNotMet")
+            inst["labels"] = dict(body.get("labels") or {})
+            inst["labelFingerprint"] = _etag(json.dumps(inst["labels"], sort_keys=True))
+            self.label_sets.append(name)
+            return 200, self._operation(base, zone, "setLabels", name)
         if method == "DELETE":
             del self.instances[name]
             self._hook(self.on_delete, name)
@@ -393,7 +403,8 @@ class GCPFake:
             self.instances[name] = {
                 **body, "id": str(next(self._ids)), "kind": "compute#instance", "status": "RUNNING",
                 "zone": f"{base}/zones/{zone}", "selfLink": f"{base}/zones/{zone}/instances/{name}",
-                "creationTimestamp": datetime.now(timezone.utc).isoformat(timespec="milliseconds")}
+                "creationTimestamp": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+                "labelFingerprint": _etag(json.dumps(body.get("labels") or {}, sort_keys=True))}
             op = self._operation(base, zone, "insert", name)
             self._hook(self.on_insert, name, body)
         if request_id:

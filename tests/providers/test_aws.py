@@ -229,36 +229,82 @@ def test_down_terminates_a_runs_instances_in_every_region_and_orphans(aws_env, t
     p = provider(aws_recipe(), run="run-down")
     east, west = p.offers(p.recipe.resources)[0], next(o for o in p.offers(p.recipe.resources) if o.region == "us-west-2")
     mine = [p._create(east, "run-down", "replica").instance_id, p._create(west, "run-down", "replica").instance_id]
-    other = p._create(west, "run-other", "replica").instance_id
+    other = p._create(west, "run-other", "replica")
+    p._tag_heartbeat([other], time.time() - 3600)   # its driver last beat an hour ago
     env = {**aws_env.env}
     no = aws_cli("down", "run-down", env=env)
     assert no.returncode == 2 and "--yes" in no.stderr     # not a terminal: never terminates unasked
     assert all(vm["State"]["Name"] == "running" for vm in instances("us-east-1") + instances("us-west-2"))
-    # Live runs under --runs-dir are not orphans; run-other has none, so it is one.
     proc = aws_cli("down", "run-down", "--yes", env=env)
     assert proc.returncode == 0, proc.stderr
     state = {vm["InstanceId"]: vm["State"]["Name"] for vm in instances("us-east-1") + instances("us-west-2")}
-    assert all(state[i] in ("shutting-down", "terminated") for i in mine) and state[other] == "running"
-    proc = aws_cli("down", "--orphans", "--yes", "--runs-dir", str(tmp_path), env=env)
+    assert all(state[i] in ("shutting-down", "terminated") for i in mine) and state[other.instance_id] == "running"
+    proc = aws_cli("down", "--orphans", "--yes", env=env)
     assert proc.returncode == 0, proc.stderr
     assert "run-other" in proc.stdout
     assert {r for a, r in aws_env.calls if a == "DescribeInstances"} >= {"us-east-1", "us-west-2", "eu-west-1"}
     state = {vm["InstanceId"]: vm["State"]["Name"] for vm in instances("us-west-2")}
-    assert state[other] in ("shutting-down", "terminated")
+    assert state[other.instance_id] in ("shutting-down", "terminated")
 
 
-def test_down_orphans_spares_a_live_local_run(aws_env, tmp_path):
-    import os
-
+def test_down_orphans_judges_runs_by_their_heartbeat_in_the_cloud(aws_env, tmp_path):
+    """No run directory anywhere (the runs were started on other machines): a run whose driver
+    beat a minute ago survives, one whose newest beat is older than --stale-after-s goes, its
+    controller included."""
     aws_env.rules.extend([price_rule, three_regions])
     p = provider(aws_recipe(**{"resources.regions": "[us-west-2]"}), run="run-live")
-    live = p._create(p.offers(p.recipe.resources)[0], "run-live", "replica").instance_id
-    (tmp_path / "run-live").mkdir()
-    (tmp_path / "run-live" / "events.jsonl").write_text(
-        json.dumps({"t": time.time(), "type": "run_started", "run": "run-live", "pid": os.getpid()}) + "\n")
-    proc = aws_cli("down", "--orphans", "--yes", "--runs-dir", str(tmp_path), env=aws_env.env)
-    assert proc.returncode == 0 and "nothing to terminate" in proc.stdout, proc.stdout + proc.stderr
-    assert instances("us-west-2")[0]["InstanceId"] == live and instances("us-west-2")[0]["State"]["Name"] == "running"
+    offer = p.offers(p.recipe.resources)[0]
+    live = [p._create(offer, "run-live", "replica"), p._create(offer, "run-live", "replica")]
+    for inst in live:
+        p._held[inst.instance_id] = inst
+    p.heartbeat("run-live", time.time() - 60)             # as the run's driver does, every 60 s
+    assert aws_env.count("CreateTags") == 1               # one call for all the run's VMs in a region
+    dead = [p._create(offer, "run-dead", "replica"), p._create(offer, "run-dead", "controller")]
+    p._tag_heartbeat(dead[:1], time.time() - 900)
+    p._tag_heartbeat(dead[1:], time.time() - 700)         # the newest of a run's beats counts
+    proc = aws_cli("down", "--orphans", "--yes", "--stale-after-s", "600", env=aws_env.env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "terminated 2 instance(s)" in proc.stdout
+    state = {vm["InstanceId"]: vm["State"]["Name"] for vm in instances("us-west-2")}
+    assert all(state[i.instance_id] == "running" for i in live)
+    assert all(state[i.instance_id] in ("shutting-down", "terminated") for i in dead)
+    bad = aws_cli("down", "--orphans", "--yes", "--stale-after-s", "nan", env=aws_env.env)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+
+
+def test_driver_release_ends_the_controller_and_strays_of_its_run(aws_env, local_cluster, tmp_path):
+    """The driver on a controller (head: controller) releases its nodes, then what the cloud still
+    holds for the run: a VM whose launch it lost track of, and last the controller it runs on."""
+    from elastic.driver import Driver
+    from elastic.ledger import Ledger
+
+    terminated = []
+    aws_env.rules.extend([price_rule, lambda a, r, params: terminated.append(params) if a == "TerminateInstances" else None])
+    recipe = aws_recipe(**{"resources.regions": "[us-west-2]", "aws.controller_region": "us-west-2"})
+    from providers import build
+    p = build("aws", recipe, local_cluster, "run-ctl")    # as the driver builds it: with its cluster
+    ctl = p.launch_controller("run-ctl", "name: x\n")
+    offer = p.offers(recipe.resources)[0]
+    held = p._create(offer, "run-ctl", "replica")
+    p._held[held.instance_id] = held
+    stray = p._create(offer, "run-ctl", "replica").instance_id       # launched, never recorded
+    other = p._create(offer, "run-other", "replica").instance_id
+    p.heartbeat("run-ctl", time.time())                    # the first beat finds the controller
+    tags = {vm["InstanceId"]: {t["Key"]: t["Value"] for t in vm["Tags"]} for vm in instances("us-west-2")}
+    assert "elastic:heartbeat" in tags[ctl.instance_id] and "elastic:heartbeat" in tags[held.instance_id]
+    assert "elastic:heartbeat" not in tags[other]
+    run_dir = tmp_path / "run-ctl"
+    run_dir.mkdir()
+    ledger = Ledger(run_dir / "events.jsonl")
+    driver = Driver(recipe, run_dir, ledger)
+    driver.providers = {"aws": p}
+    driver.release_all()
+    ledger.close()
+    state = {vm["InstanceId"]: vm["State"]["Name"] for vm in instances("us-west-2")}
+    for gone in (ctl.instance_id, held.instance_id, stray):
+        assert state[gone] in ("shutting-down", "terminated"), gone
+    assert state[other] == "running"
+    assert terminated[-1]["InstanceId.1"] == ctl.instance_id     # the controller goes last
 
 
 # -- acceptance: elastic launch of a real AWS recipe whose VMs never join -----------------------------

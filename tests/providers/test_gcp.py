@@ -416,16 +416,25 @@ def test_head_controller_starts_an_on_demand_controller_vm_that_down_stops(gcp_f
     assert gcp_fake.instances == {}
 
 
-def test_down_orphans_terminates_runs_no_longer_alive(gcp_fake, tmp_path):
+def test_down_orphans_judges_runs_by_their_heartbeat_label(gcp_fake, tmp_path):
+    """No run directory anywhere: a run whose driver labelled its VMs (controller included) a
+    minute ago survives `down --orphans`; a run whose newest heartbeat is stale is deleted."""
     p, recipe = _provider(**{"resources.accelerators": "L4:1"})
     offer = _offer(p, recipe)
-    orphan = p._create(offer, "gone-run", "replica")
-    ctl = p._create(Offer(**{**offer.to_dict(), "gpus": 0, "gpu": "", "spot": False}), "live-run", "controller")
+    cpu = Offer(**{**offer.to_dict(), "gpus": 0, "gpu": "", "spot": False})
+    orphan = [p._create(offer, "gone-run", "replica"), p._create(cpu, "gone-run", "controller")]
+    p._tag_heartbeat(orphan, time.time() - 3600)
+    ctl = p._create(cpu, "live-run", "controller")
     worker = p._create(offer, "live-run", "replica")
-    r = _cli("down", "--orphans", "--yes", "--runs-dir", str(tmp_path / "runs"), env=cli_env(**gcp_fake.env()))
+    p._held[worker.instance_id] = worker
+    p.heartbeat("live-run", time.time() - 60)   # as the run's driver does: held VMs and its controller
+    assert sorted(gcp_fake.label_sets[-2:]) == sorted([ctl.instance_id, worker.instance_id])
+    labels = gcp_fake.instances[worker.instance_id]["labels"]
+    assert labels["elastic-run"] == "live-run" and labels["elastic-role"] == "replica"   # the others kept
+    r = _cli("down", "--orphans", "--yes", env=cli_env(**gcp_fake.env()))
     assert r.returncode == 0, r.stderr
-    assert "terminated 1 instance(s)" in r.stdout and orphan.instance_id not in gcp_fake.instances
-    assert set(gcp_fake.instances) == {ctl.instance_id, worker.instance_id}   # a controller keeps its run alive
+    assert "terminated 2 instance(s)" in r.stdout
+    assert set(gcp_fake.instances) == {ctl.instance_id, worker.instance_id}
 
 
 @pytest.mark.slow
