@@ -237,16 +237,22 @@ def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def verify(storage: Storage, step: int | None = None) -> tuple[int, list[str]]:
-    """Re-hash every file of a complete checkpoint (the newest, or `step`) against its manifest.
-    Returns (step, problems); each problem names a file."""
+def complete_step(storage: Storage, step: int | None = None) -> int:
+    """`step` if a complete checkpoint is there, or the newest complete one; UserError otherwise."""
     steps = complete_steps(storage)
     if not steps:
         raise UserError(f"{storage.uri}: no complete checkpoint (none has a manifest)")
     if step is None:
-        step = steps[-1]
-    elif step not in steps:
+        return steps[-1]
+    if step not in steps:
         raise UserError(f"{storage.uri}: no complete checkpoint at step {step} (complete: {steps})")
+    return step
+
+
+def verify(storage: Storage, step: int | None = None) -> tuple[int, list[str]]:
+    """Re-hash every file of a complete checkpoint (the newest, or `step`) against its manifest.
+    Returns (step, problems); each problem names a file."""
+    step = complete_step(storage, step)
     try:
         manifest = read_manifest(storage, step)
     except CheckpointError as exc:

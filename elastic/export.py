@@ -35,13 +35,7 @@ def load_theta(recipe, uri: str, step: int | None = None):
     from elastic.storage import open_storage
 
     storage = open_storage(uri)
-    steps = ckpt.complete_steps(storage)
-    if not steps:
-        raise UserError(f"{uri}: no complete checkpoint to export")
-    if step is None:
-        step = steps[-1]
-    elif step not in steps:
-        raise UserError(f"{uri}: no complete checkpoint at step {step} (complete: {steps})")
+    step = ckpt.complete_step(storage, step)
     # The weights come from the checkpoint: build the architecture only, never download weights.
     section = recipe.model.model_copy(update={"init": "scratch"})
     with torch.device("cpu"):
