@@ -28,7 +28,6 @@ def load_theta(recipe, uri: str, step: int | None = None):
     """The model of `recipe` on the CPU holding θ_outer of checkpoint `step` (default: the newest
     complete one) at `uri`. Returns (model, step)."""
     import torch
-    import torch.distributed.checkpoint as dcp
 
     from elastic import checkpoint as ckpt
     from elastic.models import build_model
@@ -43,9 +42,9 @@ def load_theta(recipe, uri: str, step: int | None = None):
     with tempfile.TemporaryDirectory(prefix="elastic-export-") as staging, warnings.catch_warnings():
         # No process group on purpose: DCP reads every shard here (and warns that it assumes so).
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        local = ckpt.fetch(uri, step, staging)
+        local = ckpt.fetch(uri, ckpt.read_manifest(storage, step), staging)
         state = {"model": model.state_dict()}
-        dcp.load(state, checkpoint_id=local)
+        ckpt.dcp_load(state, local)   # no pickle from storage beyond DCP's own record types
     model.load_state_dict(state["model"])
     return model.eval(), step
 

@@ -15,10 +15,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-log = logging.getLogger("elastic.events")
-
 from elastic.errors import UserError
-log = logging.getLogger(__name__)
+
+log = logging.getLogger("elastic.events")   # every event at INFO: driver.log's record of the run
 
 
 class Ledger:

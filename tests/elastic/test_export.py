@@ -9,6 +9,7 @@ import pytest
 import torch
 import yaml
 
+from elastic.checkpoint import sha256_file
 from elastic.models import build_model
 from elastic.recipe import dump_recipe
 from tests.conftest import run_cli, tiny_recipe
@@ -29,8 +30,9 @@ def save_checkpoint(run_dir, recipe, step: int, seed: int) -> dict:
         warnings.simplefilter("ignore")
         dcp.save({"model": model.state_dict(), "inner_step": torch.tensor(4 * step)},
                  storage_writer=dcp.FileSystemWriter(str(d)))
-    files = [{"name": p.name, "bytes": p.stat().st_size, "sha256": ""} for p in d.iterdir()]
-    (d / "elastic.json").write_text(json.dumps({"step": step, "files": files}))
+    files = [{"name": p.name, "bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in d.iterdir()]
+    (d / "elastic.json").write_text(json.dumps({"step": step, "inner_step": 4 * step, "data_cursor": 0, "tokens": 0,
+                                                "ranks": 1, "replicas": 1, "saved_at": 0, "files": files}))
     return state
 
 

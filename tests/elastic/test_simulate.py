@@ -44,7 +44,7 @@ def random_trace(path, rng: random.Random):
     for zone in zones:
         for step in range(rng.randint(1, 30)):
             rows.append(row(step * rng.choice([60, 600, 3600]), zone, round(rng.uniform(0, 40), 3),
-                            rate=rng.choice([0, 0.1, 1, 10, 100]), cap=rng.choice([0, 1, 4, 100]),
+                            rate=rng.choice([0, 0.1, 1, 10, 60]), cap=rng.choice([0, 1, 4, 100]),   # 60/h: a trace's most
                             od=round(rng.uniform(0, 60), 2)))
     rng.shuffle(rows)
     return write_trace(path, rows)
