@@ -78,7 +78,7 @@ def main() -> None:
         return
 
     from elastic import overlay
-    from providers import localnet
+    from providers.local import localnet
 
     reason = localnet.missing_requirements() or (", ".join(overlay.missing_tools()) or None)
     if reason:

@@ -334,7 +334,7 @@ def fetch(uri: str, manifest: dict, staging: str) -> str:
             return
         try:
             digest = storage.read_file(f"{step_name(step)}/{f['name']}", target)
-        except (OSError, *_missing_errors()) as exc:
+        except (OSError, *storage.errors) as exc:
             raise CheckpointError(f"{uri}: {step_name(step)}/{f['name']}: {type(exc).__name__}") from None
         if digest != f["sha256"]:
             target.unlink(missing_ok=True)
@@ -346,20 +346,6 @@ def fetch(uri: str, manifest: dict, staging: str) -> str:
     finally:
         storage.close()
     return str(dest)
-
-
-def _missing_errors() -> tuple:
-    """The SDK errors a download of a vanished object raises (only those of SDKs already loaded)."""
-    import sys
-
-    out = []
-    if "botocore" in sys.modules:
-        from botocore.exceptions import BotoCoreError, ClientError
-        out += [ClientError, BotoCoreError]
-    if "google.api_core" in sys.modules:
-        from google.api_core.exceptions import GoogleAPIError
-        out.append(GoogleAPIError)
-    return tuple(out)
 
 
 # -- reading DCP without running code from storage ----------------------------------------------

@@ -135,7 +135,7 @@ class LocalCluster:
         address: GCS address of an existing cluster to join; None starts a head here.
         head_cpus: CPUs the head offers (0: the head runs only the driver).
         node_ip: the head's address (loopback, or its overlay address in a network lab).
-        network: the run's `providers.localnet.LocalNetwork`, if any: stopped with the cluster.
+        network: the run's network lab (`Provider.start_network`: `local.network`), if any: stopped with the cluster.
     """
 
     def __init__(self, address: str | None = None, head_cpus: int = 0, node_ip: str = LOOPBACK,

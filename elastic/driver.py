@@ -86,9 +86,11 @@ class Driver:
     def start_cluster(self, address: str | None) -> None:
         """Start (or join) the Ray cluster, then attach to it."""
         from elastic.cluster import LOOPBACK, LocalCluster
-        from providers.local import start_network
+        from providers import provider_class
 
-        network = start_network(self.recipe.local) if "local" in self.recipe.resources.clouds else None
+        # A provider with a network of its own (local.network's lab) puts the driver's host on it.
+        network = next((n for name in dict.fromkeys(self.recipe.resources.clouds)
+                        if (n := provider_class(name).start_network(self.recipe)) is not None), None)
         if network is not None:
             self.ledger.append("network_started", tag=network.tag, head_ip=network.head_ip)
         try:
@@ -409,8 +411,7 @@ class Driver:
             return
         self._price_poll_at = now + PRICE_POLL_S
         for p in self.providers.values():
-            prices = getattr(p, "prices", None)   # optional: providers whose prices move while held
-            for iid, usd in (prices(list(self._price)) if prices else {}).items():
+            for iid, usd in p.prices(list(self._price)).items():
                 if iid in self._price and round(usd, 6) != self._price[iid]:
                     self._price[iid] = round(usd, 6)
                     self.ledger.append("node_price", instance_id=iid, usd_per_hour=round(usd, 6))
@@ -748,9 +749,7 @@ class Driver:
             except Exception:
                 log.exception("world shutdown")
         for p in self.providers.values():
-            stop = getattr(p, "stop_launches", None)   # VMs still booting give up waiting now
-            if stop:
-                stop()
+            p.stop_launches()   # VMs still booting give up waiting now
         self._pool.shutdown(wait=True, cancel_futures=True)
         if self.providers:
             if self.world is not None:
@@ -763,9 +762,7 @@ class Driver:
                     except Exception as exc:
                         self.ledger.append("error", message=f"could not release {inst.instance_id}: {exc}")
                 self._release_leftovers(p)
-                close = getattr(p, "close", None)
-                if close:
-                    close()
+                p.close()
         self._save_preemption_history()
         self.ckpt.close()
         if self.cluster is not None and self._owns_cluster:

@@ -22,8 +22,7 @@ def cloud_names() -> list[str]:
 def _configured(name: str) -> str | None:
     from providers import provider_class
 
-    check = getattr(provider_class(name), "configured", None)
-    return check() if check else None
+    return provider_class(name).configured()
 
 
 def _pseudo_recipe(name: str, clouds: list[str], **resources) -> Recipe:
@@ -58,9 +57,7 @@ def price_rows(cloud: str | None, accelerator: str, regions: list[str], on_deman
         try:
             offers = provider.offers(recipe.resources)
         finally:
-            close = getattr(provider, "close", None)
-            if close:
-                close()
+            provider.close()
         for o in offers:
             row = o.to_dict()
             row["usd_per_gpu_hour"] = round(o.usd_per_hour / max(1, o.gpus), 6)
@@ -154,8 +151,8 @@ def down(args, out, err) -> int:
                         f"write their heartbeat every {HEARTBEAT_TAG_S:g} s), not {args.stale_after_s:g}")
     if args.orphans:
         run, clouds, regions = None, None, []
-        from providers import localnet
-        if removed := localnet.cleanup_orphans():
+        from providers import PROVIDERS, available, provider_class
+        if removed := [r for n in PROVIDERS if available(n) for r in provider_class(n).clean_orphans_here()]:
             out.print(f"removed {len(removed)} network namespace(s) of dead local runs", highlight=False)
     else:
         run, clouds, regions = _run_target(args.run)

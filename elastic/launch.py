@@ -252,9 +252,6 @@ def launch_controller(recipe: Recipe, run_dir: Path, console) -> int:
     text = dump_recipe(recipe)
     (run_dir / "recipe.yaml").write_text(text, encoding="utf-8")
     provider = build(cloud, recipe, None, run_dir.name)
-    start = getattr(provider, "launch_controller", None)
-    if start is None:
-        raise UserError(f"resources.head: controller is not available on {cloud} yet; set resources.head: local")
     ledger = Ledger(run_dir / "events.jsonl")
     # The driver runs on the controller, not in this process: no pid, so `elastic status` never
     # takes this run for a dead one.
@@ -262,7 +259,7 @@ def launch_controller(recipe: Recipe, run_dir: Path, console) -> int:
                   host=socket.gethostname(), target_replicas=recipe.world.replicas,
                   ranks_per_replica=recipe.world.ranks_per_replica, head="controller")
     try:
-        inst = start(run_dir.name, text)
+        inst = provider.launch_controller(run_dir.name, text)
     except BaseException:
         ledger.append("run_ended", status="failed")
         ledger.close()

@@ -348,19 +348,13 @@ def plan_now(recipe):
 
 def live_offers(recipe) -> list[Offer]:
     """Offers of every cloud the recipe enables, read now (no cluster needed)."""
-    import providers
+    from providers import build
 
     out: list[Offer] = []
     for name in recipe.resources.clouds:
-        build = getattr(providers, "build", None)
-        if build is not None:
-            provider = build(name, recipe, None, recipe.name)
-        else:   # before providers.build existed: the local provider is the only one
-            provider = providers.provider_class(name)(recipe.local, None, recipe.world.ranks_per_replica)
+        provider = build(name, recipe, None, recipe.name)
         try:
             out.extend(provider.offers(recipe.resources))
         finally:
-            close = getattr(provider, "close", None)
-            if close:
-                close()
+            provider.close()
     return out

@@ -15,28 +15,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationError, model_validator
+from pydantic import BaseModel, Field, PositiveFloat, ValidationError, model_validator
 
 from elastic.errors import RecipeError
+from elastic.section import Section as _Section
 
 
-# No whole number in a recipe means anything beyond this (a token budget of 10^15 is already far past
-# any run); larger ones are typos that would overflow or hang what sizes itself by them.
-MAX_INT = 10**15
+def _uri_schemes() -> list[str]:
+    """URI schemes data and checkpoints may live at: `file`, then each provider's object store's."""
+    from providers import storage_schemes
 
-
-class _Section(BaseModel):
-    # allow_inf_nan=False: a NaN or infinite budget, rate or timeout is refused at validation.
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=False,
-                              allow_inf_nan=False)
-
-    @model_validator(mode="after")
-    def _sane_ints(self) -> "_Section":
-        for name in type(self).model_fields:
-            value = getattr(self, name)
-            if type(value) is int and abs(value) > MAX_INT:
-                raise ValueError(f"@{name}: {value} is beyond any sane value (at most {MAX_INT:.0e})")
-        return self
+    return ["file", *storage_schemes()]
 
 
 class ModelSection(_Section):
@@ -117,8 +106,8 @@ class DataSection(_Section):
             raise ValueError("@uri: set data.uri or data.path, not both")
         if self.uri is not None:
             scheme, sep, rest = self.uri.partition("://")
-            if not sep or scheme not in ("file", "s3", "gs"):
-                raise ValueError(f"@uri: {self.uri} is not an s3://, gs:// or file:// URI")
+            if not sep or scheme not in _uri_schemes():
+                raise ValueError(f"@uri: {self.uri} is not a {', '.join(f'{s}://' for s in _uri_schemes())} URI")
             if scheme != "file" and not rest.split("/", 1)[0]:
                 raise ValueError(f"@uri: {self.uri} names no bucket")
         return self
@@ -399,232 +388,15 @@ class CheckpointSection(_Section):
     def _check(self) -> "CheckpointSection":
         if self.uri is not None and "://" in self.uri:
             scheme, _, rest = self.uri.partition("://")
-            if scheme not in ("file", "s3", "gs"):
-                raise ValueError(f"@uri: unsupported scheme {scheme}:// (use s3://, gs://, file:// or a path)")
+            if scheme not in _uri_schemes():
+                raise ValueError(f"@uri: unsupported scheme {scheme}:// "
+                                 f"(use {', '.join(f'{s}://' for s in _uri_schemes())} or a path)")
             if scheme != "file" and not rest.split("/", 1)[0]:
                 raise ValueError(f"@uri: {self.uri} names no bucket")
         return self
 
 
-class LocalInstanceType(_Section):
-    """One kind of local 'VM': a Ray node on this machine, priced by the simulated market."""
-
-    name: str = "local-cpu"
-    """Instance type name shown in reports."""
-    region: str = "local-1"
-    """Simulated region."""
-    zone: str = "local-1a"
-    """Simulated zone."""
-    cpus: int = Field(1, ge=1)
-    """Logical CPUs the node offers to Ray (one per rank)."""
-    gpus: int = Field(0, ge=0, le=64)
-    """GPUs the node offers to Ray: this machine's own (a rank takes one each; 0: CPU ranks)."""
-    spot_usd_per_hour: float = Field(0.5, ge=0)
-    """Simulated spot price, USD per hour."""
-    on_demand_usd_per_hour: float = Field(1.5, ge=0)
-    """Simulated on-demand price, USD per hour."""
-
-
-class MarketSection(_Section):
-    """The local provider's simulated spot market: prices that move, capacity that runs out, and
-    preemptions with or without notice. Generated from a seed, or replayed from `trace`."""
-
-    seed: int = Field(0, ge=0)
-    """Seed of the price walk, stock-outs and preemptions."""
-    time_compression: float = Field(60.0, gt=0)
-    """Simulated seconds per real second (60: a simulated hour passes in a real minute). Rates,
-    notice lengths and price changes are in simulated time."""
-    preempt_per_hour: float = Field(0.0, ge=0)
-    """Preemptions per node-hour of simulated time (generated market; a trace gives its own)."""
-    notice_fraction: float = Field(0.5, ge=0, le=1)
-    """Share of preemptions that come with a notice ahead; the rest are hard kills."""
-    notice_s: float = Field(120.0, ge=0)
-    """Notice length in simulated seconds (AWS gives 120, GCP 30)."""
-    volatility: float = Field(0.0, ge=0, le=5)
-    """Spot price volatility per sqrt(simulated hour) of a mean-reverting walk around the base price."""
-    stockout_per_hour: float = Field(0.0, ge=0)
-    """Stock-outs (capacity drops to 0) per simulated hour, per instance type."""
-    stockout_s: float = Field(600.0, ge=0)
-    """Length of a stock-out, simulated seconds."""
-    first_preemption_after_s: float = Field(0.0, ge=0)
-    """No preemption in a node's first this-many simulated seconds (lets a node start and join)."""
-    trace: str | None = None
-    """CSV to replay instead of generating: columns timestamp_s,cloud,region,zone,instance_type,gpu,
-    gpus,spot_usd_per_hour,on_demand_usd_per_hour,preempt_per_hour,capacity (timestamp_s in
-    simulated seconds from the run's start; each row holds until the next row of the same zone and
-    instance type; capacity 0 = stock-out)."""
-
-
-class LinkSection(_Section):
-    """A local region's uplink to the simulated internet, shaping what leaves the region."""
-
-    rate_mbit: float | None = Field(None, gt=0, le=100_000)
-    """Bandwidth, Mbit/s (empty: unlimited)."""
-    delay_ms: float = Field(0.0, ge=0, le=10_000)
-    """One-way delay added, milliseconds (needs the kernel's `netem` qdisc)."""
-    loss_pct: float = Field(0.0, ge=0, le=100)
-    """Packets dropped, percent (needs the kernel's `netem` qdisc)."""
-
-
-class LocalNetworkSection(_Section):
-    """Separate networks for the local regions: each region a private subnet in a Linux network
-    namespace behind its own NAT router, the routers joined by one simulated internet, and the
-    run's WireGuard overlay the only way between regions, as on clouds. The driver's host (the
-    Ray head) sits on the private network of `head_region`. Needs root, iproute2, nftables,
-    wireguard-tools and wireguard-go."""
-
-    head_region: str | None = None
-    """Region whose private network the driver's host joins. Empty: the first instance type's."""
-    links: dict[str, LinkSection] = Field(default_factory=dict)
-    """Uplink of each region, by region name (a region not named: unlimited)."""
-
-
-class LocalSection(_Section):
-    """The `local` provider: Ray nodes on this machine and a simulated spot market."""
-
-    instance_types: list[LocalInstanceType] = Field(default_factory=lambda: [LocalInstanceType()], min_length=1)
-    """Instance types on offer. A replica's node gets `world.ranks_per_replica` CPUs whatever `cpus` says
-    when that is smaller."""
-    object_store_bytes: int = Field(100 * 1024 * 1024, ge=78643200)
-    """Ray object store size per local node, in bytes."""
-    capacity: int | None = Field(None, ge=0)
-    """Most local nodes of one instance type that can be held at once (empty: no limit)."""
-    market: MarketSection = Field(default_factory=MarketSection)
-    """The simulated spot market."""
-    network: LocalNetworkSection | None = None
-    """Separate networks per region joined only by the overlay (empty: every node on this
-    machine's loopback)."""
-
-    @model_validator(mode="after")
-    def _check_network(self) -> "LocalSection":
-        if self.network is not None:
-            regions = [it.region for it in self.instance_types]
-            for name in [self.network.head_region, *self.network.links]:
-                if name is not None and name not in regions:
-                    raise ValueError(f"@network: region {name!r} has no instance type "
-                                     f"(regions: {', '.join(dict.fromkeys(regions))})")
-        return self
-
-
-class AWSSection(_Section):
-    """The `aws` provider: EC2 spot (or on-demand) VMs. Credentials come from the usual AWS
-    configuration (environment, `~/.aws`, an instance role), never from the recipe."""
-
-    ami: str | None = None
-    """AMI id to boot (the same id must exist in every allowed region). Empty: looked up per region
-    from the SSM parameter `ami_ssm_parameter`."""
-    ami_ssm_parameter: str = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
-    """Public SSM parameter naming the AMI to boot when `ami` is empty (default: AWS's GPU deep
-    learning base AMI, NVIDIA driver and CUDA included)."""
-    instance_profile: str | None = None
-    """IAM instance profile for the nodes (`infra/aws/`: reads the checkpoint bucket and the run's
-    token parameter only). Empty: none."""
-    security_group: str | None = None
-    """Name of the security group for nodes and the controller, looked up in each region
-    (`infra/aws/setup_account.py` creates `elastic-nodes`: every port open only among its own
-    members). Empty: the VPC's default group."""
-    subnet_ids: dict[str, str] = Field(default_factory=dict)
-    """Subnet per availability zone (`us-east-1a: subnet-…`). Empty: the default VPC's subnet of
-    the zone."""
-    key_name: str | None = None
-    """EC2 key pair for SSH (optional; nothing of elastic needs SSH)."""
-    root_volume_gb: int = Field(200, ge=8, le=16384)
-    """Size of each node's root volume (gp3), GB."""
-    controller_instance_type: str = "m7i.large"
-    """On-demand instance type of the controller VM (`resources.head: controller`)."""
-    controller_instance_profile: str | None = None
-    """IAM instance profile of the controller VM: the driver's permissions (`infra/aws/`
-    driver-policy.json) come from it, never from keys written onto the VM."""
-    controller_region: str | None = None
-    """Region of the controller VM. Empty: the first of `resources.regions`, else `us-east-1`."""
-    install: str = "pip install elastic"
-    """Shell command the bootstrap script runs to install this project on a node (e.g.
-    `pip install git+https://…@v0.1.0`, or nothing when the AMI has it)."""
-
-
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-
-
-def endpoint_problem(url: str, domain: str) -> str | None:
-    """Why an API endpoint override may not be used, or None. Only https on the cloud's own
-    `domain` (the user's credentials go with every call), or loopback (local test endpoints,
-    called without credentials)."""
-    from urllib.parse import urlparse
-
-    try:
-        parts = urlparse(url)
-        host = parts.hostname
-    except ValueError:
-        return f"{url!r} is not a URL"
-    if parts.scheme not in ("http", "https") or not host:
-        return f"{url!r} is not an http(s) URL"
-    if host in LOOPBACK_HOSTS:
-        return None
-    if parts.scheme == "https" and (host == domain or host.endswith("." + domain)):
-        return None
-    return f"{url!r}: only https on {domain} or a loopback address (credentials are sent there)"
-
-
-class GCPSection(_Section):
-    """The `gcp` provider: Compute Engine Spot (or on-demand) VMs with GPUs. Credentials come from
-    Application Default Credentials (`gcloud auth application-default login`, a service account
-    key in `GOOGLE_APPLICATION_CREDENTIALS`, or the VM's service account), never from the recipe."""
-
-    project: str | None = None
-    """Project id to rent in. Empty: `GOOGLE_CLOUD_PROJECT`, else the credentials' project."""
-    compute_endpoint: str | None = None
-    """Compute Engine API endpoint override (e.g. `http://127.0.0.1:8089` for a local test
-    endpoint). Only https on googleapis.com, or loopback. Empty: `ELASTIC_GCP_COMPUTE_ENDPOINT`,
-    else Google's."""
-    billing_endpoint: str | None = None
-    """Cloud Billing Catalog API endpoint override (prices). Only https on googleapis.com, or
-    loopback. Empty: `ELASTIC_GCP_BILLING_ENDPOINT`, else Google's."""
-    secrets_endpoint: str | None = None
-    """Secret Manager API endpoint override (where the run's Ray cluster token is kept for its
-    nodes). Only https on googleapis.com, or loopback. Empty: `ELASTIC_GCP_SECRETS_ENDPOINT`, else
-    Google's."""
-    image: str = "projects/deeplearning-platform-release/global/images/family/common-cu124-debian-11-py310"
-    """Boot image (a family or an image path). Default: Google's Deep Learning VM image with the
-    NVIDIA driver and CUDA installed."""
-    boot_disk_gb: int = Field(200, ge=10, le=65536)
-    """Size of each node's boot disk, GB."""
-    network: str = "global/networks/default"
-    """VPC network of the nodes."""
-    subnetwork: str | None = None
-    """Subnetwork (`regions/REGION/subnetworks/NAME`); needed for custom-mode networks."""
-    network_tags: list[str] = Field(default_factory=lambda: ["elastic-node"])
-    """Network tags on every node; the firewall rule of `infra/gcp/` opens the Ray ports only
-    between VMs with these tags."""
-    external_ip: bool = True
-    """Give each node an ephemeral external IP (needed to install packages without Cloud NAT)."""
-    service_account: str | None = None
-    """Service account email the nodes run as (`infra/gcp/` creates one that may only read and write
-    the checkpoint bucket and read the run's cluster token). Empty: none (the VM gets no Google
-    credentials at all)."""
-    price_cache_ttl_s: float = Field(86400.0, ge=0)
-    """How long prices and the machine-type catalog read from the APIs are reused from the disk
-    cache, in seconds (GCP changes spot prices at most about monthly)."""
-
-    @model_validator(mode="after")
-    def _endpoints(self) -> "GCPSection":
-        for name in ("compute_endpoint", "billing_endpoint", "secrets_endpoint"):
-            url = getattr(self, name)
-            if url is not None and (why := endpoint_problem(url, "googleapis.com")):
-                raise ValueError(f"@{name}: {why}")
-        return self
-    install: str = "pip install elastic"
-    """Shell command the startup script runs to install this project on a node."""
-    controller_machine_type: str = "e2-standard-2"
-    """On-demand machine type of the controller VM (`resources.head: controller`)."""
-    controller_zone: str | None = None
-    """Zone of the controller VM. Empty: zone `-a` of the first GCP region in `resources.regions`,
-    else `us-central1-a`."""
-    controller_service_account: str | None = None
-    """Service account email the controller VM runs as: the driver's permissions (`infra/gcp/`
-    creates `elastic-driver`). Empty: none, and the driver there cannot rent anything."""
-
-
-class Recipe(_Section):
+class _RecipeCore(_Section):
     """A training run: model, data, schedule, world shape, what to rent and how much to spend."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -649,12 +421,7 @@ class Recipe(_Section):
     """Where to rent and when to move."""
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     """Checkpoints."""
-    local: LocalSection = Field(default_factory=LocalSection)
-    """Settings of the `local` provider."""
-    aws: AWSSection = Field(default_factory=AWSSection)
-    """Settings of the `aws` provider."""
-    gcp: GCPSection = Field(default_factory=GCPSection)
-    """Settings of the `gcp` provider."""
+    # Then one section per provider, named after it (`local:`, `aws:`, `gcp:`): see `Recipe` below.
 
     def gpus_per_node(self) -> int:
         """GPUs of each VM this recipe rents (0: CPU-only): `resources.accelerators`' count for the
@@ -666,7 +433,7 @@ class Recipe(_Section):
         return 0
 
     @model_validator(mode="after")
-    def _check(self) -> "Recipe":
+    def _check(self) -> "_RecipeCore":
         problems = []
         if self.world.ranks_per_replica is None:
             self.world.ranks_per_replica = self.gpus_per_node() or 1
@@ -709,6 +476,25 @@ class Recipe(_Section):
         """Stable hash of the resolved recipe (stored with checkpoints)."""
         blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _with_provider_sections(core: type[_RecipeCore]) -> type[_RecipeCore]:
+    """The recipe model: the core's sections, then each registered provider's own section (its
+    class's `section` model), named after the provider. A new provider's settings join the recipe,
+    its JSON schema and docs/recipe.md without an edit here."""
+    from pydantic import create_model
+
+    from providers import PROVIDERS, available, provider_class
+
+    sections = {}
+    for name in PROVIDERS:
+        if available(name):
+            model = provider_class(name).section
+            sections[name] = (model, Field(default_factory=model, description=f"Settings of the `{name}` provider."))
+    return create_model("Recipe", __base__=core, __doc__=core.__doc__, __module__=__name__, **sections)
+
+
+Recipe = _with_provider_sections(_RecipeCore)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -48,7 +48,8 @@ def _nested(ann) -> tuple[type[BaseModel], str, str] | None:
 def markdown_reference() -> str:
     """Every recipe field, its type, default and description, section by section."""
     lines = ["# Recipe reference", "",
-             "Generated from `elastic/recipe.py` by `elastic schema --markdown`; do not edit by hand.", ""]
+             "Generated from `elastic/recipe.py` and each provider's `providers/<cloud>/config.py` by "
+             "`elastic schema --markdown`; do not edit by hand.", ""]
 
     def section(model: type[BaseModel], prefix: str) -> None:
         lines.append(f"## `{prefix or 'top level'}`")

@@ -3,7 +3,7 @@
 No training runs: a replica trains `planner.tokens_per_s` (the recipe's figure), in inner phases of
 `train.inner_steps × batch_size × seq_len` tokens. Preemptions are drawn from the trace's
 `preempt_per_hour` with a seeded generator; capacity is the trace's; a spot VM on `aws` gets a
-120 s notice and on `gcp` 30 s (`NOTICE_S`). The `elastic` policy runs the same code the driver
+120 s notice and on `gcp` 30 s (its provider's `notice_s`). The `elastic` policy runs the same code the driver
 uses: the market (risks learnt from the preemptions it sees, capacity cool-downs, region
 cool-downs), the planner (`plan` for the world's size under budget.max_hours, `choose_launch`,
 `replan`) and the budget check before every launch and every outer step, so no run ends above
@@ -34,13 +34,10 @@ from elastic.errors import UserError
 from elastic.market import Market, Quote, offer_key, recipe_tokens_per_s
 from elastic.planner import (Progress, allowed, choose_launch, evaluate, launch_fits_budget, plan, replan_all,
                              run_tokens, tokens_per_phase)
+from providers import notice_s
 from providers.base import Offer
-from providers.gcp import PREEMPT_NOTICE_S as GCP_PREEMPT_NOTICE_S
 
 POLICIES = ("elastic", "on-demand", "spot-static", "skypilot-like")
-# Notice before a spot VM is reclaimed, seconds: AWS's two-minute interruption notice; GCP Spot's
-# best-effort 30 s. Traces carry no notice column; other clouds count as none.
-NOTICE_S = {"aws": 120.0, "gcp": GCP_PREEMPT_NOTICE_S}
 WAIT_S = 300.0                 # simulated seconds between looks at the market while nothing runs
 DEFAULT_HORIZON_S = 60 * 86400  # without budget.max_hours, a run gives up after 60 simulated days
 
@@ -312,7 +309,7 @@ def _elastic(run: _Run) -> None:
             if not gone:
                 break
             lost.update(gone)
-            if any(iid in ids and NOTICE_S.get(n.offer.cloud, 0.0) > margin_s for iid, n in gone.items()):
+            if any(iid in ids and notice_s(n.offer.cloud) > margin_s for iid, n in gone.items()):
                 share = min(1.0, max(0.0, run.t - margin_s - start) / max(dt - world.sync_penalty_s, 1e-9))
                 break
             top_up(end - run.t)               # the replacement is rented at once, not at the boundary

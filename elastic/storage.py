@@ -1,14 +1,10 @@
-"""Where checkpoints live: one small interface over `file://` (or a plain path), `s3://` and `gs://`.
+"""Where checkpoints live: one small interface over `file://` (or a plain path) and each
+provider's object store (`s3://` in providers/aws/storage.py, `gs://` in providers/gcp/storage.py),
+chosen by the URI's scheme through the provider registry.
 
 Names are `/`-separated paths relative to the URI's root. `write_bytes` is atomic (a reader sees the
-whole object or none), which is what makes a manifest written last mark a checkpoint complete. The
-cloud SDKs are imported only when a URI of theirs is opened:
-
-- `s3://bucket/prefix`: boto3, with its usual configuration (profile, region, credentials chain) and
-  `AWS_ENDPOINT_URL` / `AWS_ENDPOINT_URL_S3` for S3-compatible servers. Large files go up as
-  multipart uploads with parallel parts.
-- `gs://bucket/prefix`: google-cloud-storage with application-default credentials;
-  `STORAGE_EMULATOR_HOST` points it at an emulator. Large files go up as resumable uploads.
+whole object or none), which is what makes a manifest written last mark a checkpoint complete. A
+cloud SDK is imported only when a URI of its cloud is opened.
 """
 
 from __future__ import annotations
@@ -32,20 +28,24 @@ def open_storage(uri: str, create: bool = False) -> "Storage":
         return FileStorage(Path(uri).expanduser(), create)
     if scheme == "file":
         return FileStorage(Path(rest).expanduser(), create)
+    from providers import provider_class, storage_schemes
+
+    schemes = storage_schemes()
+    if scheme not in schemes:
+        raise UserError(f"{uri}: unsupported scheme {scheme}:// "
+                        f"(use {', '.join(f'{s}://' for s in ['file', *schemes])})")
     bucket, _, prefix = rest.partition("/")
     if not bucket:
         raise UserError(f"{uri}: no bucket name")
-    if scheme == "s3":
-        return S3Storage(uri, bucket, prefix.strip("/"), create)
-    if scheme == "gs":
-        return GCSStorage(uri, bucket, prefix.strip("/"), create)
-    raise UserError(f"{uri}: unsupported scheme {scheme}:// (use file://, s3:// or gs://)")
+    return provider_class(schemes[scheme]).open_storage(uri, bucket, prefix.strip("/"), create)
 
 
 class Storage:
     """A checkpoint destination. Subclasses implement the primitives; names are relative."""
 
     uri: str
+    errors: tuple[type[BaseException], ...] = ()
+    """What its SDK raises on a failed transfer besides OSError (a vanished object, a refused call)."""
 
     def write_file(self, src: Path, name: str) -> None:
         raise NotImplementedError
@@ -149,159 +149,3 @@ class FileStorage(Storage):
                     d.rmdir()  # only once empty
                 except OSError:
                     pass
-
-
-class S3Storage(Storage):
-    """An S3 bucket (or any S3-compatible server through AWS_ENDPOINT_URL)."""
-
-    def __init__(self, uri: str, bucket: str, prefix: str, create: bool, threads: int = 8):
-        import boto3
-        from boto3.s3.transfer import TransferConfig
-        from botocore.config import Config
-
-        self.uri, self.bucket, self.prefix = uri, bucket, prefix
-        self._client = boto3.session.Session().client("s3", config=Config(retries={"mode": "adaptive", "max_attempts": 8},
-                                                        max_pool_connections=max(10, threads * 2)))
-        self._transfer = TransferConfig(multipart_threshold=CHUNK_BYTES, multipart_chunksize=CHUNK_BYTES,
-                                        max_concurrency=threads)
-        self._errors = _s3_errors()
-        try:
-            self._client.head_bucket(Bucket=bucket)
-        except self._errors as exc:
-            code = _s3_code(exc)
-            if code in ("404", "NoSuchBucket") and create:
-                self._create_bucket()
-            else:
-                raise UserError(_s3_message(uri, exc)) from None
-
-    def _create_bucket(self) -> None:
-        region = self._client.meta.region_name
-        kwargs = {} if region in (None, "us-east-1") else {
-            "CreateBucketConfiguration": {"LocationConstraint": region}}
-        try:
-            self._client.create_bucket(Bucket=self.bucket, **kwargs)
-        except self._errors as exc:
-            raise UserError(_s3_message(self.uri, exc)) from None
-
-    def _key(self, name: str) -> str:
-        return f"{self.prefix}/{name}" if self.prefix else name
-
-    def write_file(self, src: Path, name: str) -> None:
-        self._client.upload_file(str(src), self.bucket, self._key(name), Config=self._transfer)
-
-    def write_bytes(self, name: str, data: bytes) -> None:
-        self._client.put_object(Bucket=self.bucket, Key=self._key(name), Body=data)
-
-    def read_bytes(self, name: str) -> bytes | None:
-        try:
-            return self._client.get_object(Bucket=self.bucket, Key=self._key(name))["Body"].read()
-        except self._errors as exc:
-            if _s3_code(exc) in ("404", "NoSuchKey"):
-                return None
-            raise
-
-    def read_chunks(self, name: str) -> Iterator[bytes]:
-        body = self._client.get_object(Bucket=self.bucket, Key=self._key(name))["Body"]
-        yield from body.iter_chunks(CHUNK_BYTES)
-
-    def list(self, prefix: str = "") -> dict[str, int]:
-        out = {}
-        strip = len(self.prefix) + 1 if self.prefix else 0
-        pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix))
-        for page in pages:
-            for obj in page.get("Contents", []):
-                out[obj["Key"][strip:]] = obj["Size"]
-        return out
-
-    def delete(self, names: list[str]) -> None:
-        for i in range(0, len(names), 1000):
-            batch = [{"Key": self._key(n)} for n in names[i:i + 1000]]
-            self._client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
-
-
-def _s3_errors():
-    from botocore.exceptions import BotoCoreError, ClientError
-    return (ClientError, BotoCoreError)
-
-
-def _s3_code(exc) -> str:
-    return str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
-
-
-def _s3_message(uri: str, exc) -> str:
-    from botocore.exceptions import EndpointConnectionError, NoCredentialsError
-
-    if isinstance(exc, NoCredentialsError):
-        return (f"{uri}: no AWS credentials found (set AWS_PROFILE, or AWS_ACCESS_KEY_ID and "
-                "AWS_SECRET_ACCESS_KEY, or run on a VM with an instance profile)")
-    if isinstance(exc, EndpointConnectionError):
-        return f"{uri}: cannot reach S3 at {exc.kwargs.get('endpoint_url', '?')}"
-    code = _s3_code(exc)
-    if code in ("404", "NoSuchBucket"):
-        return f"{uri}: bucket does not exist"
-    if code in ("403", "AccessDenied"):
-        return f"{uri}: access denied (the credentials in use may not read and write this bucket)"
-    return f"{uri}: {exc}"
-
-
-class GCSStorage(Storage):
-    """A Google Cloud Storage bucket (or an emulator through STORAGE_EMULATOR_HOST)."""
-
-    def __init__(self, uri: str, bucket: str, prefix: str, create: bool):
-        from google.api_core import exceptions as gexc
-        from google.auth.exceptions import DefaultCredentialsError
-        from google.cloud import storage
-
-        self.uri, self.prefix = uri, prefix
-        self._gexc = gexc
-        try:
-            if os.environ.get("STORAGE_EMULATOR_HOST"):
-                from google.auth.credentials import AnonymousCredentials
-                self._client = storage.Client(project=os.environ.get("GOOGLE_CLOUD_PROJECT", "emulator"),
-                                              credentials=AnonymousCredentials())
-            else:
-                self._client = storage.Client()
-        except DefaultCredentialsError:
-            raise UserError(f"{uri}: no Google Cloud credentials found (run `gcloud auth application-default "
-                            "login`, or set GOOGLE_APPLICATION_CREDENTIALS)") from None
-        self._bucket = self._client.bucket(bucket)
-        try:
-            exists = self._bucket.exists()
-            if not exists and create:
-                self._bucket = self._client.create_bucket(bucket)
-            elif not exists:
-                raise UserError(f"{uri}: bucket does not exist")
-        except gexc.Forbidden:
-            raise UserError(f"{uri}: access denied (the credentials in use may not read and write this bucket)") from None
-
-    def _key(self, name: str) -> str:
-        return f"{self.prefix}/{name}" if self.prefix else name
-
-    def write_file(self, src: Path, name: str) -> None:
-        blob = self._bucket.blob(self._key(name), chunk_size=4 * CHUNK_BYTES)
-        blob.upload_from_filename(str(src))
-
-    def write_bytes(self, name: str, data: bytes) -> None:
-        self._bucket.blob(self._key(name)).upload_from_string(data)
-
-    def read_bytes(self, name: str) -> bytes | None:
-        try:
-            return self._bucket.blob(self._key(name)).download_as_bytes()
-        except self._gexc.NotFound:
-            return None
-
-    def read_chunks(self, name: str) -> Iterator[bytes]:
-        with self._bucket.blob(self._key(name)).open("rb", chunk_size=CHUNK_BYTES) as f:
-            while block := f.read(CHUNK_BYTES):
-                yield block
-
-    def list(self, prefix: str = "") -> dict[str, int]:
-        strip = len(self.prefix) + 1 if self.prefix else 0
-        return {b.name[strip:]: b.size for b in self._client.list_blobs(self._bucket, prefix=self._key(prefix))}
-
-    def delete(self, names: list[str]) -> None:
-        for name in names:
-            try:
-                self._bucket.blob(self._key(name)).delete()
-            except self._gexc.NotFound:
-                pass

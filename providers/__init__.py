@@ -1,7 +1,10 @@
-"""Cloud providers behind one small interface (`providers.base.Provider`).
+"""Cloud providers behind one interface (`providers.base.Provider`), one directory each.
 
-Adding a cloud is one new module here and one entry in `PROVIDERS`. Modules are imported only
-when a recipe uses them, so no cloud SDK loads unless needed.
+`providers/<cloud>/` owns everything about its cloud: `provider.py` (offers and prices, launch and
+release, notices, billing, controller), `config.py` (its recipe section), `storage.py` (its object
+store), and whatever else it needs (the node watcher's poller, a network lab). Adding a cloud is
+one new directory and one entry in `PROVIDERS`. Modules are imported only when asked for, and
+cloud SDKs only inside them when used, so nothing of a cloud loads unless a recipe uses it.
 """
 
 from __future__ import annotations
@@ -9,12 +12,13 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-PROVIDERS = {"local": "providers.local:LocalProvider", "aws": "providers.aws:AWSProvider",
-             "gcp": "providers.gcp:GCPProvider"}
+PROVIDERS = {"local": "providers.local.provider:LocalProvider",
+             "aws": "providers.aws.provider:AWSProvider",
+             "gcp": "providers.gcp.provider:GCPProvider"}
 
 
 def provider_class(name: str):
-    """The provider class registered under `name` (imports its module now)."""
+    """The provider class registered under `name` (imports its module now; no cloud SDK)."""
     module, _, cls = PROVIDERS[name].partition(":")
     return getattr(importlib.import_module(module), cls)
 
@@ -30,7 +34,20 @@ def build(name: str, recipe, cluster, run_name: str):
     """The provider `name` for a run of `recipe`. `cluster` is the run's Ray cluster
     (`elastic.cluster.LocalCluster`), or None for commands that do not train (`elastic prices`,
     `elastic down`): offers, list_instances and terminate work without one."""
-    cls = provider_class(name)
-    if name == "local":
-        return cls(recipe.local, cluster, recipe.world.ranks_per_replica)
-    return cls(recipe, cluster, run_name)
+    return provider_class(name)(recipe, cluster, run_name)
+
+
+def notice_s(cloud: str) -> float:
+    """Seconds between a spot VM's interruption notice and its end on `cloud` (its provider's
+    `notice_s`); 0 for a cloud no provider is registered for (a trace may name any)."""
+    return provider_class(cloud).notice_s if cloud in PROVIDERS else 0.0
+
+
+def storage_schemes() -> dict[str, str]:
+    """URI scheme -> provider name, for every provider with an object store (`s3` -> `aws`, …)."""
+    out = {}
+    for name in PROVIDERS:
+        scheme = provider_class(name).storage_scheme
+        if scheme is not None:
+            out[scheme] = name
+    return out

@@ -100,19 +100,66 @@ class CapacityError(Exception):
 
 @runtime_checkable
 class Provider(Protocol):
-    """What elastic needs of a cloud. Implementations live in `providers/<cloud>.py`."""
+    """What elastic needs of a cloud; `providers/<cloud>/provider.py` implements all of it
+    (`BaseProvider` gives the few members a cloud may truly have nothing to do for).
+
+    Constructed as `cls(recipe, cluster, run_name)`: the run's recipe (its own section is
+    `recipe.<name>`), its Ray cluster (None for commands that do not train: prices, down,
+    preflight) and the run's name (tags / labels on every VM).
+    """
 
     name: str
+    """The provider's name: its key in `providers.PROVIDERS` and its recipe section's."""
+    section: type
+    """Its recipe section, a pydantic model (`providers/<cloud>/config.py`)."""
+    notice_s: float
+    """Seconds between a spot VM's interruption notice and its end (AWS 120, GCP 30)."""
+    billing_minimum_s: float
+    """Seconds a VM is billed at least, however short its life."""
+    billing_increment_s: float
+    """Seconds of the billing granularity past the minimum (1: per second)."""
+    storage_scheme: str | None
+    """URI scheme of its object store (`s3`, `gs`), None without one (`open_storage`)."""
 
     @classmethod
     def accelerator_models(cls) -> set[str]:
         """GPU model names this cloud offers (what `resources.accelerators` may name before `:`)."""
 
+    @classmethod
+    def configured(cls) -> str | None:
+        """None when this cloud can be used from here (credentials found); else one line saying
+        what is missing (`elastic prices` and `elastic down` without `--cloud` ask every cloud)."""
+
+    @classmethod
+    def open_storage(cls, uri: str, bucket: str, prefix: str, create: bool):
+        """Its object store at `uri` (`bucket`, `prefix` parsed from it) as an
+        `elastic.storage.Storage`; `create`: make the bucket when missing, else a missing one is a
+        UserError."""
+
+    @classmethod
+    def start_network(cls, recipe):
+        """Before the run's Ray cluster starts: the network the driver's host joins (the local
+        provider's `local.network` lab, with `head_ip` and `down()`), or None."""
+
+    @classmethod
+    def clean_orphans_here(cls) -> list[str]:
+        """Remove what dead runs of this provider left on this machine (`elastic down --orphans`);
+        returns what was removed, one name each."""
+
     def offers(self, resources) -> list[Offer]:
         """Offers matching a recipe's `resources` section, cheapest first."""
 
+    def prices(self, instance_ids: list[str]) -> dict[str, float]:
+        """USD per hour in effect now for each held VM among `instance_ids` (spot prices may move
+        during a VM's life). The driver polls it and records a `node_price` event on a change."""
+
     def launch(self, offer: Offer, run: str, role: str) -> Instance:
-        """Rent one VM from `offer`; returns once it has joined the Ray cluster."""
+        """Rent one VM from `offer`; returns once it has joined the Ray cluster. A refusal of
+        capacity (stock-out, quota) raises CapacityError."""
+
+    def launch_controller(self, run: str, recipe_text: str) -> Instance:
+        """Start the run's controller VM (`resources.head: controller`): on-demand, it runs the Ray
+        head and the driver of `recipe_text`. UserError where the provider has none."""
 
     def terminate(self, instance_id: str) -> None:
         """Release one VM (idempotent)."""
@@ -139,9 +186,50 @@ class Provider(Protocol):
         needs where the cloud's API says); [] when nothing is in the way. Read-only calls only:
         it rents nothing and writes nothing."""
 
-    # Optional: `prices(instance_ids) -> dict[str, float]`, the USD per hour in effect now for each
-    # held VM (spot prices move during a VM's life). The driver polls it every PRICE_POLL_S and
-    # records a `node_price` event when a price changes; without it a VM bills at its launch price.
+    def stop_launches(self) -> None:
+        """Launches still under way give up now (the run is ending)."""
+
+    def close(self) -> None:
+        """Stop what the provider runs in the background (idempotent)."""
+
+
+class BaseProvider:
+    """Explicit defaults for the members of `Provider` a provider may have nothing to do for; a
+    provider that does override them. Everything else each provider implements itself."""
+
+    storage_scheme: str | None = None
+
+    @classmethod
+    def configured(cls) -> str | None:
+        """Nothing to configure."""
+        return None
+
+    @classmethod
+    def open_storage(cls, uri: str, bucket: str, prefix: str, create: bool):
+        from elastic.errors import UserError
+
+        raise UserError(f"{uri}: the {cls.name} provider has no object store")
+
+    @classmethod
+    def start_network(cls, recipe):
+        """No network of its own: the driver's host stays where it is."""
+        return None
+
+    @classmethod
+    def clean_orphans_here(cls) -> list[str]:
+        """Nothing kept on this machine."""
+        return []
+
+    def launch_controller(self, run: str, recipe_text: str) -> Instance:
+        from elastic.errors import UserError
+
+        raise UserError(f"resources.head: controller is not available on {self.name}; set resources.head: local")
+
+    def stop_launches(self) -> None:
+        """Launches return on their own."""
+
+    def close(self) -> None:
+        """Nothing runs in the background."""
 
 
 class JoinTimeout(CapacityError):

@@ -3,10 +3,11 @@ waiting for a rented VM's Ray node to join, the join timeout, and notices forwar
 
 A cloud provider subclasses `CloudProvider` and implements `_create` (rent one VM, return its
 Instance without waiting), `_terminate_vm`, `_vm_states` (what the cloud says of the VMs it holds),
-`_find_vms` (ask the cloud for VMs tagged by elastic, for `elastic down` and teardown) and
-`offers`; `launch`, `terminate`, `list_instances` and `events` come from here. Optionally a
-classmethod `configured()` returning None when credentials are found, else one line saying what is
-missing (`elastic prices` without `--cloud` asks every cloud).
+`_find_vms` (ask the cloud for VMs tagged by elastic, for `elastic down` and teardown),
+`_tag_heartbeat`, `configured` and the rest of `providers.base.Provider` that is its own (offers,
+preflight, the controller, its storage, its billing and notice figures); `launch`, `terminate`,
+`list_instances`, `find_instances`, `heartbeat`, `prices`, `events`, `stop_launches` and `close`
+come from here.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from elastic.cache import cache_dir, write_json_atomic
-from providers.base import Instance, JoinTimeout, NodeEvent, Offer
+from providers.base import BaseProvider, Instance, JoinTimeout, NodeEvent, Offer
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ def find_node(instance_id: str) -> str | None:
     return None
 
 
-class CloudProvider:
+class CloudProvider(BaseProvider):
     """The shared half of a cloud provider.
 
     Args:
@@ -186,11 +187,6 @@ class CloudProvider:
         few calls as the cloud allows."""
         raise NotImplementedError
 
-    @classmethod
-    def configured(cls) -> str | None:
-        """None when credentials for this cloud are found; else one line on what is missing."""
-        return None
-
     # -- the provider interface --------------------------------------------------------------------
 
     def launch(self, offer: Offer, run: str, role: str) -> Instance:
@@ -240,6 +236,12 @@ class CloudProvider:
         with self._lock:
             return [i for i in self._held.values() if i.run == run]
 
+    def prices(self, instance_ids: list[str]) -> dict[str, float]:
+        """The price each held VM was launched at: a spot VM keeps the price it was rented at in
+        elastic's bill (a price read later would need a call per VM per poll)."""
+        with self._lock:
+            return {iid: self._held[iid].offer.usd_per_hour for iid in instance_ids if iid in self._held}
+
     def heartbeat(self, run: str, now_s: float) -> None:
         """Tag the VMs held for `run`, and the run's controller when the driver runs on one (found
         in the cloud on the first beat), with the heartbeat `now_s`."""
@@ -288,6 +290,7 @@ class CloudProvider:
         self._stop.set()
 
     def close(self) -> None:
+        """Stop launches still waiting (idempotent)."""
         self._stop.set()
 
 

@@ -9,10 +9,10 @@ cluster's KV every few seconds) has not changed for `--autodown-after-s`: a driv
 (AWS launches VMs with InstanceInitiatedShutdownBehavior=terminate; a GCP VM stops, and its
 max run duration deletes it). The heartbeat being unreadable (the head gone) counts as no change.
 
-The metadata base URL comes from `ELASTIC_IMDS_URL` (default: the link-local address every cloud
-uses), so the watcher can be pointed at a test server. On GCP the poller long-polls the metadata
-server instead (`providers.gcp.MetadataWatch`, base URL `ELASTIC_GCP_METADATA_URL`), so the loop
-does not pause between polls there. Standard library only, besides Ray.
+Each cloud's own half lives in its provider's directory (`providers/<cloud>/watcher.py`: the
+metadata poller and how a VM ends itself); AWS reads IMDSv2 at `ELASTIC_IMDS_URL`, GCP long-polls
+its metadata server at `ELASTIC_GCP_METADATA_URL` (so the loop does not pause between polls
+there), which the tests point at local servers. Standard library only, besides Ray.
 """
 
 from __future__ import annotations
@@ -23,69 +23,12 @@ import logging
 import os
 import subprocess
 import time
-import urllib.error
-import urllib.request
-from datetime import datetime
 
 log = logging.getLogger(__name__)
 
 POLL_S = 5.0
 HEARTBEAT_KV_KEY = "elastic/driver-heartbeat"
 HALT_CMD = ["shutdown", "-h", "now"]
-DEFAULT_IMDS_URL = "http://169.254.169.254"
-AWS_TOKEN_TTL_S = 21600
-
-
-def imds_url() -> str:
-    return os.environ.get("ELASTIC_IMDS_URL", DEFAULT_IMDS_URL).rstrip("/")
-
-
-def _http(method: str, url: str, headers: dict, timeout_s: float = 2.0) -> tuple[int, str]:
-    req = urllib.request.Request(url, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, ""
-
-
-def _unix(iso: str) -> float:
-    return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
-
-
-def poll_aws(base: str | None = None) -> dict | None:
-    """One IMDSv2 look: a session token (PUT /latest/api/token), then
-    `spot/instance-action` (a spot interruption: `{"action": "terminate", "time": ISO}`) and
-    `events/recommendations/rebalance` (elevated risk: `{"noticeTime": ISO}`). Returns
-    `{"kind": "notice", "deadline": unix, "action": ...}`, `{"kind": "rebalance", "at": unix}`
-    or None (404: nothing pending)."""
-    base = base or imds_url()
-    status, token = _http("PUT", f"{base}/latest/api/token", {"X-aws-ec2-metadata-token-ttl-seconds": str(AWS_TOKEN_TTL_S)})
-    if status != 200:
-        raise OSError(f"IMDSv2 token request answered {status}")
-    headers = {"X-aws-ec2-metadata-token": token}
-    status, body = _http("GET", f"{base}/latest/meta-data/spot/instance-action", headers)
-    if status == 200 and body:
-        doc = json.loads(body)
-        return {"kind": "notice", "deadline": _unix(doc["time"]), "action": doc.get("action", "terminate")}
-    status, body = _http("GET", f"{base}/latest/meta-data/events/recommendations/rebalance", headers)
-    if status == 200 and body:
-        return {"kind": "rebalance", "at": _unix(json.loads(body)["noticeTime"])}
-    return None
-
-
-def poll_gcp(base: str | None = None) -> dict | None:
-    """GCP: waits up to POLL_S on the metadata server's `instance/preempted` and
-    `instance/maintenance-event` long polls (`providers.gcp.MetadataWatch`); the notice as soon as
-    it comes, else None."""
-    from providers.gcp import poll_gcp as poll
-
-    return poll(base, wait_s=POLL_S)
-
-
-POLLERS = {"aws": poll_aws, "gcp": poll_gcp}
-# Pollers that wait for the notice themselves (long polls): no pause between two calls.
-BLOCKING_POLLERS = {"gcp"}
 
 
 def connect(address: str) -> None:
@@ -143,25 +86,12 @@ def halt() -> None:
 
 
 def end_self(cloud: str, instance_id: str) -> None:
-    """End this VM now. AWS: TerminateInstances on itself where the VM's role allows it, else the
-    OS shutdown, which terminates it (VMs are launched with InstanceInitiatedShutdownBehavior
-    terminate; `infra/aws/node-policy.json` grants no TerminateInstances, so shutdown is the path
-    there). Elsewhere: the OS shutdown (a GCP VM stops: no GPU or vCPU billing; `elastic down
-    --orphans` deletes it, and its max run duration would)."""
-    if cloud == "aws":
-        try:
-            import boto3
-
-            base = imds_url()
-            _, token = _http("PUT", f"{base}/latest/api/token",
-                             {"X-aws-ec2-metadata-token-ttl-seconds": str(AWS_TOKEN_TTL_S)})
-            _, region = _http("GET", f"{base}/latest/meta-data/placement/region", {"X-aws-ec2-metadata-token": token})
-            boto3.client("ec2", region_name=region).terminate_instances(InstanceIds=[instance_id])
-            log.warning("terminated %s (itself)", instance_id)
-            return
-        except Exception as exc:   # no boto3, no region, refused: the shutdown below ends it too
-            log.warning("could not terminate itself through the API (%s): shutting down", exc)
-    halt()
+    """End this VM now: through its cloud's API where the VM may (`providers/<cloud>/watcher.py`'s
+    `terminate_self`), else the OS shutdown (AWS VMs are launched with
+    InstanceInitiatedShutdownBehavior terminate; a GCP VM stops: no GPU or vCPU billing, and
+    `elastic down --orphans` or its max run duration deletes it)."""
+    if not cloud_watcher(cloud).terminate_self(instance_id):
+        halt()
 
 
 def forward(instance_id: str, notice: dict) -> None:
@@ -173,13 +103,26 @@ def forward(instance_id: str, notice: dict) -> None:
     internal_kv._internal_kv_put(NOTICE_KV_PREFIX + instance_id, json.dumps(notice), overwrite=True)
 
 
+def cloud_watcher(cloud: str):
+    """The node-side module of `cloud`'s provider (`providers/<cloud>/watcher.py`): `poll()` (one
+    look at the metadata server: a notice dict or None), `BLOCKING` (whether `poll` waits for the
+    notice itself) and `terminate_self(instance_id)` (True when the VM ended itself via the API)."""
+    import importlib
+
+    from providers import PROVIDERS
+
+    package = PROVIDERS[cloud].partition(":")[0].rpartition(".")[0]
+    return importlib.import_module(package + ".watcher")
+
+
 def watch(cloud: str, instance_id: str, send=forward, poll_s: float = POLL_S, stop=None,
-          autodown_after_s: float | None = None, on_driver_gone=None) -> None:
+          autodown_after_s: float | None = None, on_driver_gone=None, poll=None) -> None:
     """Poll until a notice comes (forward it, keep watching for an interruption after a
     rebalance) or `stop` is set. Metadata errors are logged and retried. With `autodown_after_s`,
     also read the driver's heartbeat each round, and call `on_driver_gone` (shut the VM down) and
-    return once it has not changed for that long (default: `end_self`)."""
-    poll = POLLERS[cloud]
+    return once it has not changed for that long (default: `end_self`). `poll`: the cloud's
+    poller (default: its watcher module's `poll`)."""
+    poll = poll or cloud_watcher(cloud).poll
     sent = set()
     autodown = Autodown(autodown_after_s, time.monotonic()) if autodown_after_s else None
     while stop is None or not stop.is_set():
@@ -205,8 +148,10 @@ def watch(cloud: str, instance_id: str, send=forward, poll_s: float = POLL_S, st
 
 
 def main() -> None:
+    from providers import PROVIDERS
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cloud", required=True, choices=sorted(POLLERS))
+    p.add_argument("--cloud", required=True, choices=sorted(c for c in PROVIDERS if c != "local"))
     p.add_argument("--instance-id", required=True)
     p.add_argument("--address", required=True, help="the run's Ray head, HOST:PORT")
     p.add_argument("--autodown-after-s", type=float, default=None,
@@ -214,7 +159,7 @@ def main() -> None:
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     connect(args.address)
-    watch(args.cloud, args.instance_id, poll_s=0.0 if args.cloud in BLOCKING_POLLERS else POLL_S,
+    watch(args.cloud, args.instance_id, poll_s=0.0 if cloud_watcher(args.cloud).BLOCKING else POLL_S,
           autodown_after_s=args.autodown_after_s)
 
 

@@ -13,7 +13,7 @@ import pytest
 from elastic import overlay
 from elastic.ledger import read_events
 from elastic.report import build_report
-from providers import localnet
+from providers.local import localnet
 from tests.conftest import REPO, cli_env
 
 REQUIRES = localnet.missing_requirements() or (

@@ -227,7 +227,8 @@ def test_status_poll_reports_a_preempted_vm(gcp_fake, monkeypatch):
 # -- notices on the VM -----------------------------------------------------------------------------
 
 def test_metadata_watch_preempted_and_maintenance(gcp_fake):
-    from providers.gcp import MAINTENANCE_NOTICE_S, PREEMPT_NOTICE_S, MetadataWatch
+    from providers.gcp.provider import MAINTENANCE_NOTICE_S, PREEMPT_NOTICE_S
+    from providers.gcp.watcher import MetadataWatch
 
     w = MetadataWatch(gcp_fake.metadata_url, wait_s=30)
     try:
@@ -264,10 +265,10 @@ def test_watcher_forwards_one_gcp_notice(gcp_fake):
         assert [(i, n["kind"], n["action"]) for i, n in sent] == [("vm-1", "notice", "preempted")]
     finally:
         stop.set()
-        from providers import gcp
-        for w in gcp._watches.values():
+        from providers.gcp import watcher as gcp_watcher
+        for w in gcp_watcher._watches.values():
             w.stop()
-        gcp._watches.clear()
+        gcp_watcher._watches.clear()
 
 
 # -- the CLI ---------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from elastic import overlay
-from providers import localnet
+from providers.local import localnet
 
 REQUIRES = localnet.missing_requirements() or (
     f"missing {', '.join(overlay.missing_tools())}" if overlay.missing_tools() else None)

@@ -13,11 +13,11 @@ from tests.providers.test_aws import aws_recipe, price_rule, spot_history
 
 
 def test_throttled_and_malformed_price_answers_leave_the_run_going(aws_env, monkeypatch, tmp_path, caplog):
-    import providers.aws
+    import providers.aws.provider
     from elastic.driver import Driver
     from providers import build
 
-    monkeypatch.setattr(providers.aws, "MAX_ATTEMPTS", 2)   # the SDK's retries, fewer of them
+    monkeypatch.setattr(providers.aws.provider, "MAX_ATTEMPTS", 2)   # the SDK's retries, fewer of them
     mode = ["bad-prices"]
 
     def market(action, region, params):

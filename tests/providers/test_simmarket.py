@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from elastic.recipe import LocalInstanceType, MarketSection
+from providers.local.config import LocalInstanceType, MarketSection
 from providers.simmarket import SimMarket, TraceError, read_trace
 from tests.conftest import cli_env
 

@@ -7,18 +7,19 @@ import time
 from datetime import datetime, timezone
 
 from providers import watcher
+from providers.aws import watcher as aws_watcher
 
 ACTION = "/latest/meta-data/spot/instance-action"
 REBALANCE = "/latest/meta-data/events/recommendations/rebalance"
 
 
 def test_poll_uses_a_session_token_and_reads_notices(imds):
-    assert watcher.poll_aws() is None            # 404 on both: nothing pending
+    assert aws_watcher.poll() is None            # 404 on both: nothing pending
     assert imds.unauthorized == 0                # every GET carried the IMDSv2 token
     imds.paths[REBALANCE] = '{"noticeTime": "2026-11-22T01:00:00Z"}'
-    assert watcher.poll_aws() == {"kind": "rebalance", "at": datetime(2026, 11, 22, 1, tzinfo=timezone.utc).timestamp()}
+    assert aws_watcher.poll() == {"kind": "rebalance", "at": datetime(2026, 11, 22, 1, tzinfo=timezone.utc).timestamp()}
     imds.paths[ACTION] = '{"action": "terminate", "time": "2026-11-22T01:02:00Z"}'
-    got = watcher.poll_aws()                     # an interruption outranks the rebalance
+    got = aws_watcher.poll()                     # an interruption outranks the rebalance
     assert got == {"kind": "notice", "action": "terminate",
                    "deadline": datetime(2026, 11, 22, 1, 2, tzinfo=timezone.utc).timestamp()}
 
@@ -39,17 +40,16 @@ def test_watch_forwards_rebalance_then_the_notice_and_stops(imds):
     assert sent == [("i-123", "rebalance"), ("i-123", "notice")]   # each forwarded once
 
 
-def test_watch_survives_a_metadata_outage(imds, monkeypatch):
+def test_watch_survives_a_metadata_outage(imds):
     sent, stop, polls = [], threading.Event(), []
 
     def poll():
         polls.append(1)
-        return watcher.poll_aws()
+        return aws_watcher.poll()
 
-    monkeypatch.setitem(watcher.POLLERS, "aws", poll)
     imds.close()   # the metadata server is gone: each poll fails (connection refused)
     t = threading.Thread(target=watcher.watch, args=("aws", "i-1"),
-                         kwargs={"send": lambda *a: sent.append(a), "poll_s": 0.01, "stop": stop})
+                         kwargs={"send": lambda *a: sent.append(a), "poll_s": 0.01, "stop": stop, "poll": poll})
     t.start()
     deadline = time.monotonic() + 10
     while len(polls) < 3 and time.monotonic() < deadline:

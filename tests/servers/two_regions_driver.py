@@ -18,10 +18,10 @@ def main(run_dir: str, overrides: dict) -> dict:
     from elastic.cluster import LocalCluster
     from elastic.driver import run_attached
     from elastic.recipe import load_recipe
-    from providers.local import start_network
+    from providers.local.provider import LocalProvider
 
     recipe = load_recipe(REPO / "recipes" / "local-two-regions.yaml", [f"{k}={v}" for k, v in overrides.items()])
-    network = start_network(recipe.local)
+    network = LocalProvider.start_network(recipe)
     cluster = LocalCluster(node_ip=network.head_ip, network=network)
     out = {"tag": network.tag}
     try:

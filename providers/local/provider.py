@@ -13,7 +13,8 @@ import logging
 import threading
 import time
 
-from providers.base import CapacityError, Instance, NodeEvent, Offer
+from providers.base import BaseProvider, CapacityError, Instance, NodeEvent, Offer
+from providers.local.config import LocalSection, MarketSection
 from providers.simmarket import SimMarket
 
 log = logging.getLogger(__name__)
@@ -35,45 +36,31 @@ def check_accelerator(resources) -> None:
         raise UserError(f"resources.accelerators: no cloud offers {model!r}; known: {', '.join(known)}")
 
 
-def start_network(section):
-    """The run's network lab and overlay when `local.network` is set (None otherwise): each
-    region behind its own NAT router, the driver's host on `head_region`'s private network."""
-    if section.network is None:
-        return None
-    from elastic.errors import UserError
-    from providers import localnet
-
-    reason = localnet.missing_requirements() or (
-        "missing " + ", ".join(localnet.overlay.missing_tools()) if localnet.overlay.missing_tools() else None)
-    if reason:
-        raise UserError(f"local.network: {reason}")
-    regions = dict.fromkeys(it.region for it in section.instance_types)
-    links = {r: localnet.Link(**(section.network.links[r].model_dump() if r in section.network.links else {}))
-             for r in regions}
-    try:
-        return localnet.LocalNetwork(links, section.network.head_region or next(iter(regions)))
-    except localnet.LabError as e:
-        raise UserError(f"local.network: {e}") from None
-
-
-class LocalProvider:
+class LocalProvider(BaseProvider):
     """Args:
-        section: the recipe's `local` section.
-        cluster: the `elastic.cluster.LocalCluster` nodes are added to.
-        ranks_per_replica: CPUs each node needs at least (one per rank).
+        recipe: the run's recipe (its `local` section; `world.ranks_per_replica`, the CPUs each
+            node needs at least, one per rank).
+        cluster: the `elastic.cluster.LocalCluster` nodes are added to (None: offers only).
+        run_name: the run's name.
     """
 
     name = "local"
+    section = LocalSection
+    # The simulated market's default notice, simulated seconds; a run's is its `local.market.notice_s`.
+    notice_s = MarketSection.model_fields["notice_s"].default
+    billing_minimum_s = 0.0     # the simulated market bills per second from the first
+    billing_increment_s = 1.0
 
     @classmethod
     def accelerator_models(cls) -> set[str]:
         """No GPUs: local nodes are CPU processes."""
         return set()
 
-    def __init__(self, section, cluster, ranks_per_replica: int = 1):
-        self._section = section
+    def __init__(self, recipe, cluster, run_name: str):
+        self._section = section = recipe.local
         self._cluster = cluster
-        self._ranks = ranks_per_replica
+        self._ranks = recipe.world.ranks_per_replica
+        self.notice_s = section.market.notice_s
         self._instances: dict[str, Instance] = {}
         self._hosts: dict[str, object] = {}   # instance id -> its localnet.Member (local.network)
         self._kill_at: dict[str, float] = {}   # instance id -> unix time of a noticed kill
@@ -87,6 +74,36 @@ class LocalProvider:
         self._ticker.start()
 
     # -- the provider interface ------------------------------------------------------------------
+
+    @classmethod
+    def start_network(cls, recipe):
+        """The run's network lab and overlay when the recipe runs on `local` with `local.network`
+        set (None otherwise): each region behind its own NAT router, the driver's host on
+        `head_region`'s private network."""
+        section = recipe.local
+        if "local" not in recipe.resources.clouds or section.network is None:
+            return None
+        from elastic.errors import UserError
+        from providers.local import localnet
+
+        reason = localnet.missing_requirements() or (
+            "missing " + ", ".join(localnet.overlay.missing_tools()) if localnet.overlay.missing_tools() else None)
+        if reason:
+            raise UserError(f"local.network: {reason}")
+        regions = dict.fromkeys(it.region for it in section.instance_types)
+        links = {r: localnet.Link(**(section.network.links[r].model_dump() if r in section.network.links else {}))
+                 for r in regions}
+        try:
+            return localnet.LocalNetwork(links, section.network.head_region or next(iter(regions)))
+        except localnet.LabError as e:
+            raise UserError(f"local.network: {e}") from None
+
+    @classmethod
+    def clean_orphans_here(cls) -> list[str]:
+        """Network namespaces of local runs whose process is gone (`local.network`)."""
+        from providers.local import localnet
+
+        return localnet.cleanup_orphans()
 
     def offers(self, resources) -> list[Offer]:
         check_accelerator(resources)

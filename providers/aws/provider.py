@@ -22,6 +22,7 @@ from datetime import datetime, timezone
 
 from elastic.errors import UserError
 from providers.base import CapacityError, Instance, Offer
+from providers.aws.config import AWSSection
 from providers.cloud import (CONTROLLER_TEMPLATE, CloudProvider, cached_json, head_address, heartbeat_time,
                              labels_arg, quote, render_bootstrap, usable_price)
 
@@ -107,6 +108,11 @@ class AWSProvider(CloudProvider):
     """
 
     name = "aws"
+    section = AWSSection
+    notice_s = 120.0            # EC2's two-minute spot interruption notice
+    billing_minimum_s = 60.0    # Linux VMs bill per second with a one-minute minimum
+    billing_increment_s = 1.0
+    storage_scheme = "s3"
 
     def __init__(self, recipe, cluster, run_name: str):
         super().__init__(recipe, cluster, run_name)
@@ -129,6 +135,13 @@ class AWSProvider(CloudProvider):
     @classmethod
     def accelerator_models(cls) -> set[str]:
         return set(CATALOG)
+
+    @classmethod
+    def open_storage(cls, uri: str, bucket: str, prefix: str, create: bool):
+        """S3 (`s3://bucket/prefix`; providers/aws/storage.py)."""
+        from providers.aws.storage import S3Storage
+
+        return S3Storage(uri, bucket, prefix, create)
 
     @classmethod
     def configured(cls) -> str | None:

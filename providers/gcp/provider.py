@@ -13,7 +13,7 @@
   `CapacityError` (the driver cools the offer down and tries the next); rate limits and transient
   5xx are retried by google-api-core's `Retry`; missing credentials are one clear line.
 - **Preemption**: each VM's watcher (`providers.watcher --cloud gcp`) waits on the metadata
-  server's `instance/preempted` and `instance/maintenance-event` (`MetadataWatch`) and forwards the
+  server's `instance/preempted` and `instance/maintenance-event` (providers/gcp/watcher.py) and forwards the
   notice to the driver through the Ray cluster; the driver also polls instance status as a fallback.
 
 - **Token and controller**: the run's Ray cluster token goes to Secret Manager (the node reads it
@@ -41,8 +41,9 @@ from dataclasses import dataclass
 from urllib.parse import urlparse
 
 from elastic.errors import UserError
-from elastic.recipe import LOOPBACK_HOSTS, endpoint_problem
+from elastic.section import LOOPBACK_HOSTS, endpoint_problem
 from providers.base import CapacityError, Instance, Offer
+from providers.gcp.config import GCPSection
 from providers.cloud import (CONTROLLER_TEMPLATE, CloudProvider, cached_json, head_address, heartbeat_time,
                              labels_arg, quote, render_bootstrap, usable_price)
 
@@ -270,10 +271,15 @@ class GCPProvider(CloudProvider):
     """
 
     name = "gcp"
+    section = GCPSection
+    notice_s = PREEMPT_NOTICE_S
+    billing_minimum_s = 60.0    # Compute Engine bills per second with a one-minute minimum
+    billing_increment_s = 1.0
+    storage_scheme = "gs"
 
     def __init__(self, recipe, cluster, run_name: str):
         super().__init__(recipe, cluster, run_name)
-        self.section = section = recipe.gcp
+        self.config = section = recipe.gcp
         self.compute_endpoint = _endpoint(section.compute_endpoint, COMPUTE_ENDPOINT_ENV)
         self.billing_endpoint = _endpoint(section.billing_endpoint, BILLING_ENDPOINT_ENV)
         self._project = section.project
@@ -288,6 +294,13 @@ class GCPProvider(CloudProvider):
     @classmethod
     def accelerator_models(cls) -> set[str]:
         return set(GPU_NAMES.values())
+
+    @classmethod
+    def open_storage(cls, uri: str, bucket: str, prefix: str, create: bool):
+        """Cloud Storage (`gs://bucket/prefix`; providers/gcp/storage.py)."""
+        from providers.gcp.storage import GCSStorage
+
+        return GCSStorage(uri, bucket, prefix, create)
 
     @classmethod
     def configured(cls) -> str | None:
@@ -452,7 +465,7 @@ class GCPProvider(CloudProvider):
             client = self._client("billing")
             return self._call("Cloud Billing Catalog", lambda: parse_skus(client.list_skus(
                 request={"parent": COMPUTE_SERVICE, "page_size": 5000}, retry=self._retry())))
-        return cached_json("gcp-skus", fetch, self.section.price_cache_ttl_s,
+        return cached_json("gcp-skus", fetch, self.config.price_cache_ttl_s,
                            origin=self.cache_origin(self.billing_endpoint))
 
     def catalog(self) -> list[VMShape]:
@@ -466,7 +479,7 @@ class GCPProvider(CloudProvider):
                     raise
                 log.warning("%s; using the shipped machine-type table", exc)
                 return [s.__dict__ for s in fallback_catalog()]
-        rows, _ = cached_json("gcp-catalog", fetch, self.section.price_cache_ttl_s,
+        rows, _ = cached_json("gcp-catalog", fetch, self.config.price_cache_ttl_s,
                               origin=self.cache_origin(self.compute_endpoint))
         return [VMShape(**r) for r in rows]
 
@@ -543,7 +556,7 @@ class GCPProvider(CloudProvider):
         as `service_account` (default `gcp.service_account`)."""
         from google.cloud import compute_v1
 
-        s, zone = self.section, offer.zone
+        s, zone = self.config, offer.zone
         scheduling = compute_v1.Scheduling(
             on_host_maintenance="TERMINATE" if offer.gpus or offer.spot else "MIGRATE",   # GPU VMs cannot migrate
             automatic_restart=not offer.spot,
@@ -591,7 +604,7 @@ class GCPProvider(CloudProvider):
         labels = {"elastic.cloud": "gcp", "elastic.region": offer.region, "elastic.zone": offer.zone,
                   "elastic.instance_type": offer.instance_type, "elastic.run": run, "elastic.role": role}
         return render_bootstrap(
-            run=quote(run), cloud="gcp", install=self.section.install,
+            run=quote(run), cloud="gcp", install=self.config.install,
             instance_id_cmd=f"curl -sf -H 'Metadata-Flavor: Google' {METADATA_URL}/instance/name",
             token_cmd=self._token_cmd(run), token_source="Secret Manager, with the VM's service account",
             head_address=quote(head_address(self.cluster)) if self.cluster is not None else "''",
@@ -651,7 +664,7 @@ class GCPProvider(CloudProvider):
     def controller_offer(self) -> Offer:
         """The on-demand CPU VM that runs the Ray head and the driver (`resources.head: controller`),
         priced from the Billing Catalog (its E2 SKUs) where listed, else the shipped list price."""
-        s = self.section
+        s = self.config
         zone = s.controller_zone or next((f"{r}-a" for r in self.recipe.resources.regions
                                           if re.fullmatch(r"[a-z]+-[a-z]+\d+", r)), "us-central1-a")
         region = zone.rsplit("-", 1)[0]
@@ -673,7 +686,7 @@ class GCPProvider(CloudProvider):
         credentials: the driver there uses the VM's service account (`gcp.controller_service_account`)."""
         import base64
 
-        s = self.section
+        s = self.config
         offer = self.controller_offer()
         script = render_bootstrap(
             CONTROLLER_TEMPLATE, run=run, install=s.install,
@@ -868,82 +881,3 @@ def fallback_catalog() -> list[VMShape]:
 def _rfc3339(text: str) -> float:
     from datetime import datetime
     return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-
-
-# -- on the VM: preemption and maintenance notices -----------------------------------------------
-
-def metadata_url() -> str:
-    """Base URL of the metadata server (`ELASTIC_GCP_METADATA_URL` points it at a test server)."""
-    return (os.environ.get(METADATA_URL_ENV) or METADATA_URL).rstrip("/")
-
-
-def _metadata_get(base: str, key: str, etag: str | None, wait_s: int) -> tuple[str, str | None]:
-    """`instance/KEY` and its ETag. With `etag`, a long poll: the server answers once the value's
-    ETag differs from it (at once if it already does), or after `wait_s`."""
-    import urllib.request
-    query = f"?wait_for_change=true&last_etag={etag}&timeout_sec={wait_s}" if etag else ""
-    req = urllib.request.Request(f"{base}/instance/{key}{query}", headers={"Metadata-Flavor": "Google"})
-    with urllib.request.urlopen(req, timeout=wait_s + 10) as resp:
-        return resp.read().decode().strip(), resp.headers.get("ETag")
-
-
-class MetadataWatch:
-    """Waits on the metadata server (`wait_for_change=true`) for `instance/preempted` to turn TRUE
-    and for `instance/maintenance-event` to announce a TERMINATE, one thread each; the first sets
-    `notice` ({"kind": "notice", "deadline": unix time, "action": "preempted" | "maintenance"}).
-
-    Args:
-        base: metadata base URL (default `metadata_url()`).
-        wait_s: longest single long poll, seconds (the server answers earlier on a change).
-    """
-
-    def __init__(self, base: str | None = None, wait_s: int = 60):
-        self.base = base or metadata_url()
-        self.notice: dict | None = None
-        self.fired = threading.Event()
-        self._stop = threading.Event()
-        self._wait_s = wait_s
-        self._threads = [
-            threading.Thread(target=self._poll, args=("preempted", "preempted", PREEMPT_NOTICE_S),
-                             name="gcp-preempted", daemon=True),
-            threading.Thread(target=self._poll, args=("maintenance-event", "maintenance", MAINTENANCE_NOTICE_S),
-                             name="gcp-maintenance", daemon=True)]
-        for t in self._threads:
-            t.start()
-
-    @staticmethod
-    def _triggered(action: str, value: str) -> bool:
-        return value.upper() == "TRUE" if action == "preempted" else value.upper().startswith("TERMINATE")
-
-    def _poll(self, key: str, action: str, notice_s: float) -> None:
-        etag = None   # the first read answers at once (a notice may already be there), then long polls
-        while not (self._stop.is_set() or self.fired.is_set()):
-            try:
-                value, etag = _metadata_get(self.base, key, etag, self._wait_s)
-            except OSError as exc:   # the metadata server briefly out of reach: ask again shortly
-                log.warning("metadata %s: %s", key, exc)
-                self._stop.wait(1.0)
-                continue
-            if self._triggered(action, value) and not self.fired.is_set():
-                self.notice = {"kind": "notice", "deadline": time.time() + notice_s, "action": action}
-                self.fired.set()
-
-    def wait(self, timeout_s: float | None) -> dict | None:
-        """The notice, once one came within `timeout_s`; else None."""
-        return self.notice if self.fired.wait(timeout_s) else None
-
-    def stop(self) -> None:
-        self._stop.set()
-
-
-_watches: dict[str, MetadataWatch] = {}
-
-
-def poll_gcp(base: str | None = None, wait_s: float = 5.0) -> dict | None:
-    """The watcher's poller for GCP (`providers.watcher.POLLERS["gcp"]`): blocks up to `wait_s`
-    on the long polls of `MetadataWatch` (started on first call) and returns the notice as soon as
-    it comes, else None."""
-    base = base or metadata_url()
-    if base not in _watches:
-        _watches[base] = MetadataWatch(base)
-    return _watches[base].wait(wait_s)
