@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, PositiveFloat, ValidationError, model_validator
+from pydantic import Field, PositiveFloat, ValidationError, model_validator
 
 from elastic.errors import RecipeError
 from elastic.section import Section as _Section
