@@ -153,7 +153,7 @@ def down(args, out, err) -> int:
         run, clouds, regions = None, None, []
         from providers import PROVIDERS, available, provider_class
         if removed := [r for n in PROVIDERS if available(n) for r in provider_class(n).clean_orphans_here()]:
-            out.print(f"removed {len(removed)} network namespace(s) of dead local runs", highlight=False)
+            out.print(f"removed what dead runs left on this machine: {', '.join(removed)}", highlight=False)
     else:
         run, clouds, regions = _run_target(args.run)
         if clouds == []:

@@ -103,16 +103,28 @@ def forward(instance_id: str, notice: dict) -> None:
     internal_kv._internal_kv_put(NOTICE_KV_PREFIX + instance_id, json.dumps(notice), overwrite=True)
 
 
+def _watcher_module(cloud: str) -> str:
+    from providers import PROVIDERS
+
+    return PROVIDERS[cloud].partition(":")[0].rpartition(".")[0] + ".watcher"
+
+
+def watched_clouds() -> list[str]:
+    """Clouds whose VMs run this watcher: those whose provider directory has a `watcher.py`."""
+    import importlib.util
+
+    from providers import PROVIDERS
+
+    return sorted(c for c in PROVIDERS if importlib.util.find_spec(_watcher_module(c)) is not None)
+
+
 def cloud_watcher(cloud: str):
     """The node-side module of `cloud`'s provider (`providers/<cloud>/watcher.py`): `poll()` (one
     look at the metadata server: a notice dict or None), `BLOCKING` (whether `poll` waits for the
     notice itself) and `terminate_self(instance_id)` (True when the VM ended itself via the API)."""
     import importlib
 
-    from providers import PROVIDERS
-
-    package = PROVIDERS[cloud].partition(":")[0].rpartition(".")[0]
-    return importlib.import_module(package + ".watcher")
+    return importlib.import_module(_watcher_module(cloud))
 
 
 def watch(cloud: str, instance_id: str, send=forward, poll_s: float = POLL_S, stop=None,
@@ -148,10 +160,8 @@ def watch(cloud: str, instance_id: str, send=forward, poll_s: float = POLL_S, st
 
 
 def main() -> None:
-    from providers import PROVIDERS
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cloud", required=True, choices=sorted(c for c in PROVIDERS if c != "local"))
+    p.add_argument("--cloud", required=True, choices=watched_clouds())
     p.add_argument("--instance-id", required=True)
     p.add_argument("--address", required=True, help="the run's Ray head, HOST:PORT")
     p.add_argument("--autodown-after-s", type=float, default=None,
