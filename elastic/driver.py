@@ -23,6 +23,7 @@ from elastic import checkpoint as ckpt
 from elastic.errors import UserError
 from elastic.ledger import Ledger
 from elastic.market import offer_key
+from elastic.policy import launch_fits_budget
 from elastic.recipe import Recipe
 from elastic.report import cost_so_far
 
@@ -115,7 +116,7 @@ class Driver:
         self.provider = next(iter(self.providers.values()))
         # The driver rests an offer that refused capacity OFFER_COOLDOWN_S itself (`_cooldown`).
         t = self.recipe.train
-        self.market = Market(self.recipe.planner, load_history(), capacity_cooldown_s=0.0,
+        self.market = Market(self.recipe.planner, load_history(),
                              tokens_per_inner_step=t.batch_size * t.seq_len,
                              measured_before=load_throughput(workload_key(self.recipe)))
         self.world = World(self.recipe, on_loss=self._record_loss, on_tick=self.tick)
@@ -255,7 +256,7 @@ class Driver:
     def _choose(self, offers, held=None):
         """The planner's offer for the next replica, or None (no offer, or the budget cannot take
         one more VM for a billing increment)."""
-        from elastic.planner import choose_launch, launch_fits_budget
+        from elastic.planner import choose_launch
 
         if not offers:
             return None

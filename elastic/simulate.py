@@ -32,7 +32,8 @@ import random
 
 from elastic.errors import UserError
 from elastic.market import Market, Quote, offer_key, recipe_tokens_per_s
-from elastic.planner import (Progress, allowed, choose_launch, evaluate, launch_fits_budget, plan, replan_all,
+from elastic.policy import launch_fits_budget
+from elastic.planner import (Progress, allowed, choose_launch, evaluate, plan, replan_all,
                              run_tokens, tokens_per_phase)
 from providers.base import Offer
 from providers.gcp import PREEMPT_NOTICE_S as GCP_PREEMPT_NOTICE_S
