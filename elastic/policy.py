@@ -15,8 +15,9 @@ included), how far the run is and what it has spent. The rules, each written onc
   the replicas a clearly cheaper offer beats (`planner.replan_all`; the new VM first, the old one
   drains once the new one trains);
 - **budget**: a launch must leave the spend within budget.max_usd for its cloud's billing minimum
-  (or until the budget is next checked, when longer) of every held VM and the new one; an outer step
-  (or a wait) must not carry the spend past budget.max_usd nor the run past budget.max_hours.
+  (or until the budget is next checked, when longer) of every held VM and the new one
+  (`launch_fits_budget`, inside `decide`); an outer step (or a wait) must not carry the spend past
+  budget.max_usd nor the run past budget.max_hours (`stop_for_budget`, asked before each step).
 """
 
 from __future__ import annotations
@@ -84,9 +85,6 @@ class Snapshot:
         planned: the target was sized for budget.max_hours at least once.
         last_replan_s: when the policy last re-planned.
         budget_horizon_s: seconds until the budget is next checked (the last outer step's length).
-        next_step_s: at an outer-step boundary, the seconds the next step (or wait) will take: the
-            budget is checked for it; None between boundaries.
-        market_down: a cloud's offers cannot be read now (rent from the rest, or wait).
     """
 
     recipe: object
@@ -102,8 +100,6 @@ class Snapshot:
     planned: bool = False
     last_replan_s: float = float("-inf")
     budget_horizon_s: float = 0.0
-    next_step_s: float | None = None
-    market_down: bool = False
 
 
 @dataclass(frozen=True)
@@ -155,7 +151,7 @@ class StopForBudget:
     reason: str
 
 
-Action = Rent | Retarget | Replan | HoldBack | StopForBudget
+Action = Rent | Retarget | Replan | HoldBack   # what `decide` returns; `stop_for_budget` the other one
 
 
 # -- the rules -------------------------------------------------------------------------------------
@@ -179,19 +175,20 @@ def launch_fits_budget(spent_usd: float, held_usd_per_hour: float, offer, recipe
 
 
 def usd_per_hour_held(s: Snapshot) -> float:
-    """What every held VM bills per hour now."""
-    return sum(n.quote.offer.usd_per_hour for n in s.nodes)
+    """What every held VM bills per hour now, and every launch under way will."""
+    return sum(n.quote.offer.usd_per_hour for n in s.nodes) + sum(o.usd_per_hour for o in s.pending)
 
 
-def over_budget(s: Snapshot, span_s: float) -> str | None:
-    """The budget rule for time: why the next `span_s` seconds must not start (they would pass
-    budget.max_hours, or bill past budget.max_usd at today's prices), or None."""
+def stop_for_budget(s: Snapshot, span_s: float) -> StopForBudget | None:
+    """The budget rule for time, asked before each outer step (and, in the simulator, each wait):
+    stop when the next `span_s` seconds would pass budget.max_hours, or bill past budget.max_usd at
+    today's prices (every VM held and every launch under way); else None."""
     b = s.recipe.budget
     if b.max_hours is not None and s.time_s - s.started_s + span_s > b.max_hours * 3600:
-        return f"budget.max_hours ({b.max_hours} h) would be passed by the next outer step"
+        return StopForBudget(f"budget.max_hours ({b.max_hours} h) would be passed by the next outer step")
     if b.max_usd is not None and s.spent_usd + usd_per_hour_held(s) * span_s / 3600 > b.max_usd:
-        return (f"budget.max_usd (${b.max_usd:.2f}) would be passed by the next outer step "
-                f"(spent ${s.spent_usd:.4f})")
+        return StopForBudget(f"budget.max_usd (${b.max_usd:.2f}) would be passed by the next outer step "
+                             f"(spent ${s.spent_usd:.4f})")
     return None
 
 
@@ -218,14 +215,22 @@ def _retarget(s: Snapshot, quotes: list[Quote], held: list[Quote], target: int) 
     return None
 
 
+def _replan_due(s: Snapshot) -> bool:
+    """The re-plan rule's timing: `planner.replan_every_s` since the last one, and a steady world."""
+    return s.time_s - s.last_replan_s >= s.recipe.planner.replan_every_s and _steady(s)
+
+
+def due(s: Snapshot) -> bool:
+    """Whether `decide` may do anything now, judged without the offers (`s.quotes` unread): the
+    world was never sized, is below its target, or a re-plan is due. Reading offers costs a cloud
+    API call; the driver asks this first on every tick."""
+    return (not s.planned or _initial_target(s) > len(_in_world(s)) + len(s.pending)
+            or _replan_due(s))
+
+
 def decide(s: Snapshot) -> list[Action]:
     """The actions the policy takes now (in order). See the module's docstring for the rules."""
-    recipe = s.recipe
     out: list[Action] = []
-    if s.next_step_s is not None:
-        reason = over_budget(s, s.next_step_s)
-        if reason:
-            return [StopForBudget(reason)]
     quotes = [q for q in s.quotes if not resting(s, q.key)]
     in_world = _in_world(s)
     held = [n.quote for n in in_world] + [_pending_quote(s, o) for o in s.pending]
@@ -237,7 +242,7 @@ def decide(s: Snapshot) -> list[Action]:
     wanted = max(0, target - len(held))
     if wanted:
         return out + _top_up(s, quotes, held, wanted)
-    if s.time_s - s.last_replan_s >= recipe.planner.replan_every_s and _steady(s) and s.quotes:
+    if _replan_due(s) and s.quotes:
         out.append(Replan(s.time_s))
         grown = _retarget(s, quotes, held, target)
         if grown:
@@ -256,7 +261,7 @@ def _top_up(s: Snapshot, quotes: list[Quote], held: list[Quote], wanted: int) ->
     """Rent `wanted` more where the planner says, each within the budget."""
     out: list[Action] = []
     held = list(held)
-    spent, rate = s.spent_usd, usd_per_hour_held(s) + sum(o.usd_per_hour for o in s.pending)
+    spent, rate = s.spent_usd, usd_per_hour_held(s)
     for _ in range(wanted):
         q = choose_launch(quotes, s.recipe, held, s.progress) if quotes else None
         if q is None:
