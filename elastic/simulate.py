@@ -247,6 +247,10 @@ class _Run:
                     self.closed_usd += self.usd(gone[iid], at, ended=True)
                     self.preemptions += 1
             self.t = until
+            for n in self.nodes.values():   # the ledger's record of a price move, as the driver writes it
+                if self.market.next_change(n.offer, until - 1e-9) <= until:
+                    self.events.append({"t": until, "type": "node_price", "instance_id": n.iid,
+                                        "usd_per_hour": self.price(n)})
             if self.t >= end - 1e-9 or not self.affordable(end - self.t):
                 return gone
 
@@ -320,6 +324,9 @@ def _elastic(run: _Run) -> None:
                     if a.move is not None:
                         run.nodes[iid].drain_for = a.move.drain   # the new VM replaces that one
                         run.moves += 1
+                        run.events.append({"t": run.t, "type": "replica_move", "drain_instance_id": a.move.drain,
+                                           "zone": a.quote.offer.zone, "instance_type": a.quote.offer.instance_type,
+                                           "usd_per_hour": a.quote.offer.usd_per_hour})
             if not refused:
                 return
 
@@ -457,9 +464,13 @@ def bound_usd_per_mtok(recipe, trace_path: str) -> float | None:
     return bound if math.isfinite(bound) else None
 
 
-def simulate(recipe, trace_path: str, policies: list[str] | None = None, seed: int = 0) -> list[dict]:
+def simulate(recipe, trace_path: str, policies: list[str] | None = None, seed: int = 0,
+             ledgers: dict[str, list[dict]] | None = None) -> list[dict]:
     """Each policy's figures on the trace: cost_usd, tokens, usd_per_mtok, wall_h, preemptions,
-    effective_training_time (kept node-seconds over rented node-seconds), status."""
+    effective_training_time (kept node-seconds over rented node-seconds), status. `ledgers`, when
+    given, receives each policy's ledger-shaped events (in trace seconds), as the driver's ledger
+    would hold them: node_launched, node_price, replica_move, capacity_error, node_preempted,
+    node_released."""
     market = _market(recipe, trace_path)
     out = []
     for policy in policies or list(POLICIES):
@@ -475,4 +486,6 @@ def simulate(recipe, trace_path: str, policies: list[str] | None = None, seed: i
         else:
             _whole_job(run, spot=True, on_loss="next-region")
         out.append(run.result())
+        if ledgers is not None:
+            ledgers[policy] = run.events
     return out
