@@ -147,14 +147,24 @@ def test_bad_traces_are_one_clear_line(tmp_path, body, message):
 
 
 def test_cli_simulate_json_and_errors(tmp_path):
-    proc = run_cli("simulate", "recipes/multi-cloud.yaml", "--trace", "bench/traces/volatile.csv", "--json")
+    # Two regions whose spot prices trade places every 2 h, preemptions in both (a small trace: the
+    # bound takes seconds on bench/traces).
+    rows = [row(h * 3600, zone, spot, rate=0.5, it="a2-highgpu-8g") for h in range(0, 48, 2)
+            for zone, spot in (("r1a", 8.0 if h % 4 else 14.0), ("r2a", 14.0 if h % 4 else 8.0))]
+    trace = write_trace(tmp_path / "t.csv", rows)
+    proc = run_cli("simulate", "recipes/multi-cloud.yaml", "--trace", trace, "--json")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert set(doc["policies"]) == {"elastic", "on-demand", "spot-static", "skypilot-like"}
     recipe = load_recipe(REPO / "recipes/multi-cloud.yaml")
+    bound = doc["bound_usd_per_mtok"]
     for res in doc["policies"].values():
-        assert {"cost_usd", "tokens", "usd_per_mtok", "wall_h", "preemptions", "effective_training_time"} <= set(res)
+        assert {"cost_usd", "tokens", "usd_per_mtok", "wall_h", "preemptions", "effective_training_time",
+                "ratio_to_bound"} <= set(res)
         assert res["cost_usd"] <= recipe.budget.max_usd
+        # No policy pays less than the bound (its draws can beat the expectation, not by this much).
+        assert res["ratio_to_bound"] == pytest.approx(res["usd_per_mtok"] / bound, abs=1e-3)
+        assert res["ratio_to_bound"] > 0.9
     el, od = doc["policies"]["elastic"], doc["policies"]["on-demand"]
     assert el["status"] == "completed" and el["usd_per_mtok"] < od["usd_per_mtok"]
     bad = tmp_path / "bad.csv"
