@@ -28,7 +28,6 @@ from elastic.report import cost_so_far
 
 log = logging.getLogger(__name__)
 
-OFFER_COOLDOWN_S = 5.0   # real seconds an offer rests after a capacity error
 PRICE_POLL_S = 1.0       # real seconds between reads of the held VMs' current prices
 HEARTBEAT_S = 5.0        # real seconds between two driver heartbeats (the VMs' autodown watchers read them)
 
@@ -59,17 +58,17 @@ class Driver:
                                       c.keep_last, c.upload_threads, ledger, run=self.run_name)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="launch")
         self._launching: dict[Future, object] = {}
-        self._cooldown: dict[tuple, float] = {}          # market.offer_key -> until (monotonic)
+        self._refusals: list = []                        # policy.Refusal of launches refused (the cooldown rule)
         self._draining: dict[int, float] = {}            # replica id -> notice deadline (unix)
         self._members: list[int] = []
         self._move_of: dict[Future, str] = {}           # launch of a move -> instance id it replaces
         self._moves: dict[str, str] = {}                 # new instance id -> instance id it replaces
-        self._replanned_at = time.monotonic()
+        self._replanned_at = time.time()                 # the policy's last re-plan (unix)
         self._budget_held_back = False                   # the last launch was held back by the budget
         self._budget_logged = False
         self._capacity_logged = False                    # launch_held_back (capacity) written for this shortage
-        self._target = 0                                 # replicas budget.max_hours needs (`_retarget`)
-        self._planned = False                            # the first top_up sized the world for budget.max_hours
+        self._target = 0                                 # the world's target size (policy.Retarget)
+        self._planned = False                            # the policy sized the world for budget.max_hours
         self._restored = False   # the world was restored after losing every replica
         self._price: dict[str, float] = {}               # held instance id -> USD/h last recorded
         self._price_poll_at = 0.0
@@ -113,9 +112,8 @@ class Driver:
         self.providers = {name: build(name, self.recipe, cluster, self.run_name)
                           for name in dict.fromkeys(self.recipe.resources.clouds)}
         self.provider = next(iter(self.providers.values()))
-        # The driver rests an offer that refused capacity OFFER_COOLDOWN_S itself (`_cooldown`).
         t = self.recipe.train
-        self.market = Market(self.recipe.planner, load_history(), capacity_cooldown_s=0.0,
+        self.market = Market(self.recipe.planner, load_history(),
                              tokens_per_inner_step=t.batch_size * t.seq_len,
                              measured_before=load_throughput(workload_key(self.recipe)))
         self.world = World(self.recipe, on_loss=self._record_loss, on_tick=self.tick)
@@ -154,18 +152,6 @@ class Driver:
 
     # -- capacity --------------------------------------------------------------------------------
 
-    def _wanted(self) -> int:
-        """Nodes to rent now: up to the target (never past max), counting what is on its way;
-        draining replicas are already being replaced."""
-        w = self.world
-        have = len(w.replicas) - len(self._draining) + len(w.joining) + len(self._launching)
-        return max(0, self._target_replicas - have)
-
-    @property
-    def _target_replicas(self) -> int:
-        """world.replicas, or more once budget.max_hours needed a bigger world (`_retarget`)."""
-        return max(self._target, min(self.recipe.world.replicas, self.recipe.world.max_replicas))
-
     def _progress(self):
         from elastic.planner import Progress
 
@@ -173,18 +159,6 @@ class Driver:
         if resumed is not None and w.outer_step == 0:   # --resume: the world is restored at its first join
             return Progress(resumed["tokens"], resumed["step"], (time.time() - self._t0) / 3600)
         return Progress(w.tokens, w.outer_step, (time.time() - self._t0) / 3600)
-
-    def _retarget(self, quotes, held) -> None:
-        """Grow the world's target size when the planner needs more replicas to finish within
-        budget.max_hours (never shrinks it: replicas that joined keep training)."""
-        from elastic.planner import hours_to_finish, plan
-
-        progress = self._progress()
-        pl = plan(quotes, self.recipe, held, progress=progress)
-        if len(pl.quotes) > self._target_replicas:
-            self._target = len(pl.quotes)
-            self.ledger.append("world_target", replicas=self._target, reason="budget.max_hours",
-                               hours_to_finish=round(hours_to_finish(pl, self.recipe, progress), 4))
 
     def _offers(self) -> list:
         """Every provider's offers, cheapest per GPU-hour first (per VM-hour for CPU-only VMs). A
@@ -215,71 +189,82 @@ class Driver:
         """Every VM the run holds, across providers."""
         return [i for p in self.providers.values() for i in p.list_instances(self.run_name)]
 
-    def top_up(self) -> None:
-        """Rent nodes in the background up to the target, where the planner says (offers not
-        cooling down; never past the budget)."""
-        wanted = self._wanted()
-        if not wanted:
+    def _snapshot(self, quotes=()):
+        """What the policy sees now (`policy.Snapshot`): the VMs held that joined the cluster (a
+        cloud VM still booting is a launch under way), launches under way, `quotes` (the market's),
+        progress, spend and the policy's own state."""
+        from elastic.policy import Node, Snapshot
+
+        now, w = time.time(), self.world
+        moving = set(self._moves.values()) | set(self._move_of.values())
+        nodes = []
+        for inst in self._held():
+            if inst.ray_node_id is None:
+                continue
+            rep = w.replica_on(inst.instance_id)
+            rid = rep.replica_id if rep is not None else None
+            offer = replace(inst.offer, usd_per_hour=self._price.get(inst.instance_id, inst.offer.usd_per_hour))
+            nodes.append(Node(inst.instance_id, self.market.quote(offer, now), inst.launched_at,
+                              ready=rid in w.replicas, leaving=rid in self._draining,
+                              notice_deadline_s=self._draining.get(rid), moving=inst.instance_id in moving))
+        cooldown_s = self.recipe.planner.capacity_cooldown_s
+        self._refusals = [r for r in self._refusals if now - r.at_s < cooldown_s]
+        return Snapshot(self.recipe, now, self._t0, nodes=tuple(nodes), pending=tuple(self._launching.values()),
+                        quotes=tuple(quotes), progress=self._progress(), spent_usd=self._spent(now),
+                        refusals=tuple(self._refusals), target_replicas=self._target, planned=self._planned,
+                        last_replan_s=self._replanned_at, budget_horizon_s=self._last_step_s)
+
+    def decide(self) -> None:
+        """Gather a snapshot, ask the policy (`policy.decide`) and do what it says: rent (in the
+        background; a move's old replica drains once the new one trains), grow the world's target,
+        record what was held back. Offers are read only when the policy has something to decide."""
+        from elastic.policy import HoldBack, Rent, Replan, Retarget, decide, due
+
+        if not due(self._snapshot()):
             return
-        now = time.monotonic()
         every = self._offers()
         if not every and self._market_down:
             return   # a cloud is unreachable: train on what is held, rent once it answers
         if not every:
             raise UserError(f"resources: no offer from {', '.join(self.providers)} matches resources.accelerators / "
                             "resources.regions / resources.max_usd_per_hour")
-        if not self._planned:
-            self._planned = True
-            self.market.observe(self.ledger.events)
-            self._retarget(self.market.quotes(every, time.time()), self._held_quotes(time.time()))
-            wanted = self._wanted()
-        for _ in range(wanted):
-            offer = self._choose([o for o in every if self._cooldown.get(offer_key(o), 0) <= now])
-            if offer is None:
-                return
-            self._launch(offer)
+        self.market.observe(self.ledger.events)
+        snap = self._snapshot(self.market.quotes(every, time.time()))
+        for a in decide(snap):
+            if isinstance(a, Retarget):
+                self._target, self._planned = a.replicas, True
+                if a.grown:
+                    self.ledger.append("world_target", replicas=a.replicas, reason="budget.max_hours",
+                                       hours_to_finish=round(a.hours_to_finish, 4))
+            elif isinstance(a, Replan):
+                self._replanned_at = a.at_s
+            elif isinstance(a, HoldBack) and a.reason == "capacity":
+                if not self._capacity_logged:   # once per shortage: every offer is at its known capacity
+                    self._capacity_logged = True
+                    self.ledger.append("launch_held_back", reason="capacity", held=a.held,
+                                       message="every offer the recipe allows is at its known capacity")
+            elif isinstance(a, HoldBack):
+                self._budget_held_back = True
+                if not self._budget_logged:
+                    self._budget_logged = True
+                    self.ledger.append("launch_held_back", reason="budget.max_usd", spent_usd=round(snap.spent_usd, 6),
+                                       usd_per_hour=a.usd_per_hour)
+            elif isinstance(a, Rent):
+                self._capacity_logged = self._budget_held_back = False
+                fut = self._launch(a.quote.offer)
+                if a.move is not None:
+                    move = a.move
+                    self._move_of[fut] = move.drain
+                    self.ledger.append("replica_move", drain_instance_id=move.drain, zone=move.add.offer.zone,
+                                       instance_type=move.add.offer.instance_type,
+                                       usd_per_hour=move.add.offer.usd_per_hour,
+                                       usd_per_mtok_before=round(move.usd_per_mtok_before, 6),
+                                       usd_per_mtok_after=round(move.usd_per_mtok_after, 6))
 
     def _launch(self, offer) -> Future:
         fut = self._pool.submit(self.providers[offer.cloud].launch, offer, self.run_name, "replica")
         self._launching[fut] = offer
         return fut
-
-    def _held_quotes(self, now: float) -> list:
-        """Quotes (today's risk) of every VM held or on its way, minus those being drained."""
-        gone = {self.world.replicas[r].instance_id for r in self._draining if r in self.world.replicas}
-        # A cloud VM still booting is held by its provider and also in _launching: count it once.
-        held = [replace(i.offer, usd_per_hour=self._price.get(i.instance_id, i.offer.usd_per_hour))
-                for i in self._held() if i.instance_id not in gone and i.ray_node_id is not None]
-        return [self.market.quote(o, now) for o in held + list(self._launching.values())]
-
-    def _choose(self, offers, held=None):
-        """The planner's offer for the next replica, or None (no offer, or the budget cannot take
-        one more VM for a billing increment)."""
-        from elastic.planner import choose_launch, launch_fits_budget
-
-        if not offers:
-            return None
-        now = time.time()
-        self.market.observe(self.ledger.events)
-        held = self._held_quotes(now) if held is None else held
-        q = choose_launch(self.market.quotes(offers, now), self.recipe, held, self._progress())
-        if q is None:
-            if not self._capacity_logged:   # once per shortage: every offer is at its known capacity
-                self._capacity_logged = True
-                self.ledger.append("launch_held_back", reason="capacity", held=len(held),
-                                   message="every offer the recipe allows is at its known capacity")
-            return None
-        self._capacity_logged = False
-        spent = self._spent(now)
-        self._budget_held_back = not launch_fits_budget(spent, sum(h.offer.usd_per_hour for h in held), q.offer,
-                                                        self.recipe, horizon_s=self._last_step_s)
-        if self._budget_held_back:
-            if not self._budget_logged:
-                self._budget_logged = True
-                self.ledger.append("launch_held_back", reason="budget.max_usd", spent_usd=round(spent, 6),
-                                   usd_per_hour=q.offer.usd_per_hour)
-            return None
-        return q.offer
 
     _spent_memo = (-1, 0.0, 0.0)   # (ledger events, unix time, USD)
 
@@ -292,48 +277,8 @@ class Driver:
             self._spent_memo = (len(self.ledger.events), now, usd)
         return usd
 
-    def replan(self) -> None:
-        """Every `planner.replan_every_s`: move the most expensive replica(s) when a clearly cheaper
-        offer appears. The new replica is rented first; once it has joined, the old one drains at
-        the next outer-step boundary."""
-        from elastic.planner import replan_all
-
-        p, w = self.recipe.planner, self.world
-        if time.monotonic() - self._replanned_at < p.replan_every_s:
-            return
-        self._replanned_at = time.monotonic()
-        if self._launching or w.joining or self._draining or self._moves:
-            return   # the world is changing already; look again next time
-        now = time.time()
-        self.market.observe(self.ledger.events)
-        every = self._offers()
-        priced = {offer_key(o): o for o in every}
-        by_id = {i.instance_id: i for i in self._held()}
-        held = []
-        for r in w.replicas.values():
-            inst = by_id.get(r.instance_id)
-            if inst is None:
-                continue
-            # A held VM costs what its offer costs now (spot prices move; _record_prices logs it).
-            offer = priced.get(offer_key(inst.offer), inst.offer)
-            held.append((r.instance_id, self.market.quote(offer, now)))
-        offers = [o for o in every if self._cooldown.get(offer_key(o), 0) <= time.monotonic()]
-        quotes = self.market.quotes(offers, now)
-        held_quotes = [q for _, q in held]
-        self._retarget(quotes, held_quotes)
-        room = self.recipe.world.max_replicas - len(w.replicas)
-        for move in replan_all(quotes, held, self.recipe, progress=self._progress())[:max(0, room)]:
-            if self._choose([move.add.offer], held=held_quotes) is None:
-                break
-            self._move_of[self._launch(move.add.offer)] = move.drain
-            held_quotes.append(move.add)   # the next move's budget check counts this one too
-            self.ledger.append("replica_move", drain_instance_id=move.drain, zone=move.add.offer.zone,
-                               instance_type=move.add.offer.instance_type,
-                               usd_per_hour=move.add.offer.usd_per_hour,
-                               usd_per_mtok_before=round(move.usd_per_mtok_before, 6),
-                               usd_per_mtok_after=round(move.usd_per_mtok_after, 6))
-
     def _collect_launches(self) -> None:
+        from elastic.policy import Refusal
         from providers.base import CapacityError, JoinTimeout
 
         for fut in [f for f in self._launching if f.done()]:
@@ -342,13 +287,13 @@ class Driver:
             try:
                 inst = fut.result()
             except JoinTimeout as exc:  # rented, never joined, terminated: bill it, rest the offer
-                self._cooldown[offer_key(offer)] = time.monotonic() + OFFER_COOLDOWN_S
+                self._refusals.append(Refusal(offer_key(offer), time.time()))
                 self._record_join_timeout(exc, offer)
                 continue
             except UserError:   # the recipe or the account setup is wrong: no other offer will do better
                 raise
             except Exception as exc:  # no capacity, or a VM that failed to come up: the offer rests
-                self._cooldown[offer_key(offer)] = time.monotonic() + OFFER_COOLDOWN_S
+                self._refusals.append(Refusal(offer_key(offer), time.time()))
                 refused = isinstance(exc, CapacityError)
                 self.ledger.append("capacity_error" if refused else "launch_failed", zone=offer.zone,
                                    instance_type=offer.instance_type,
@@ -399,8 +344,7 @@ class Driver:
         self.ckpt.poll()
         self._record_prices()
         # Replace what was lost or is about to go right away, not at the next step boundary.
-        self.top_up()
-        self.replan()
+        self.decide()
 
     def _record_prices(self) -> None:
         """A `node_price` event when the price in effect for a held VM changes (spot prices move)."""
@@ -539,7 +483,6 @@ class Driver:
         waited = False
         while True:
             self.tick()
-            self.top_up()
             self.admit_joiners()
             alive = len(self.world.replicas)
             # At start, wait for every replica already on its way, so all begin together.
@@ -604,7 +547,6 @@ class Driver:
         try:
             while not world.done():
                 self.tick()
-                self.top_up()
                 self.admit_joiners()
                 if not self.wait_for_capacity(view):
                     self.end_message = self._capacity_message()
@@ -703,18 +645,11 @@ class Driver:
         view.validation(self.world.outer_step, loss, ppl)
 
     def _over_budget(self, next_step_s: float) -> str | None:
-        """Why the next outer step must not start (it would cross a hard limit), or None."""
-        b = self.recipe.budget
-        now = time.time()
-        if b.max_hours is not None and (now - self._t0 + next_step_s) > b.max_hours * 3600:
-            return f"budget.max_hours ({b.max_hours} h) would be passed by the next outer step"
-        if b.max_usd is not None:
-            spent = self._spent(now)
-            rate_usd_per_s = sum(self._price.get(i.instance_id, i.offer.usd_per_hour) for i in self._held()) / 3600
-            if spent + rate_usd_per_s * next_step_s > b.max_usd:
-                return (f"budget.max_usd (${b.max_usd:.2f}) would be passed by the next outer step "
-                        f"(spent ${spent:.4f})")
-        return None
+        """Why the next outer step must not start (`policy.stop_for_budget`), or None."""
+        from elastic.policy import stop_for_budget
+
+        stop = stop_for_budget(self._snapshot(), next_step_s)
+        return stop.reason if stop else None
 
     def checkpoint(self, view) -> None:
         """Phase 1 now (training waits), phase 2 in the background (see elastic.checkpoint)."""

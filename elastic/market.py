@@ -3,8 +3,7 @@
 Offers come from the enabled providers (or, in `elastic simulate`, from a trace). Risk is a
 preemption rate per node-hour, estimated per (cloud, region, zone, instance type) from the recipe's
 prior blended with what was observed: preemptions over node-hours held in this run's ledger, and in
-earlier runs through a small history file. Capacity errors and regions whose preemptions spike cool
-offers down for a while. Throughput per instance type is what the run's replicas measured (each
+earlier runs through a small history file. Regions whose preemptions spike cool down for a while. Throughput per instance type is what the run's replicas measured (each
 outer step's `inner_s_by_replica`), else the recipe's figure. The market reads ledger-shaped events
 only, so the driver (real ledger) and the simulator (events it writes in simulated time) share this
 code.
@@ -75,25 +74,23 @@ class Quote:
 
 class Market:
     """Args:
-        planner: the recipe's `planner` section (prior, cool-downs).
+        planner: the recipe's `planner` section (prior, region cool-downs).
         history: {key: (node_hours, preemptions)} observed by earlier runs (see `load_history`).
     """
 
     def __init__(self, planner, history: dict[Key, tuple[float, int]] | None = None,
-                 capacity_cooldown_s: float | None = None, tokens_per_inner_step: int | None = None,
+                 tokens_per_inner_step: int | None = None,
                  measured_before: dict[tuple[str, str], float] | None = None):
         self._p = planner
         # (cloud, type) -> tokens/s earlier runs of this workload measured (see `load_throughput`).
         self._before = dict(measured_before or {})
         self._tokens_per_inner_step = tokens_per_inner_step
-        self._capacity_cooldown_s = planner.capacity_cooldown_s if capacity_cooldown_s is None else capacity_cooldown_s
         self._history = dict(history or {})
         self._hours: dict[Key, float] = defaultdict(float)       # closed node-hours this run
         self._preempted: dict[Key, int] = defaultdict(int)
         self._open: dict[str, tuple[Key, float]] = {}            # instance id -> (key, held since)
         self._counted: set[str] = set()                           # instances whose preemption counted
         self._region_hits: dict[str, list[float]] = defaultdict(list)
-        self._cool_offer: dict[tuple[str, str], float] = {}       # (zone, instance type) -> until
         self._cool_region: dict[str, float] = {}                  # region -> until
         self._vm_type: dict[str, tuple[str, str]] = {}           # instance id -> (cloud, instance type)
         self._recipe_tps: dict[tuple[str, str], float] = {}      # (cloud, type) -> the recipe's tokens/s
@@ -130,8 +127,6 @@ class Market:
                     self._close(iid, t)
             elif kind == "node_released":
                 self._close(e["instance_id"], t)
-            elif kind == "capacity_error":
-                self._cool_offer[(e["zone"], e["instance_type"])] = t + self._capacity_cooldown_s
         self._seen = len(events)
 
     def _measure(self, step: dict) -> None:
@@ -204,22 +199,18 @@ class Market:
         """Regions resting after a spike of preemptions."""
         return {r for r, until in self._cool_region.items() if until > now}
 
-    def cooling(self, offer: Offer, now: float) -> bool:
-        """The offer rests after a capacity error."""
-        return self._cool_offer.get((offer.zone, offer.instance_type), -1) > now
-
     def quote(self, offer: Offer, now: float) -> Quote:
         rate, source = self.risk(offer, now)
         return Quote(offer, rate, source, offer.capacity, self.tokens_per_s(offer), self.speed_source(offer))
 
     def quotes(self, offers: list[Offer], now: float) -> list[Quote]:
-        """Every offer not resting after a capacity error, with its risk, speed and capacity (when
-        known). Regions whose preemptions spiked are left out while any other region has an offer
-        (the next region first; a cooled region is still better than none)."""
-        fresh = [o for o in offers if not self.cooling(o, now)]
+        """Every offer with its risk, speed and capacity (when known). Regions whose preemptions
+        spiked are left out while any other region has an offer (the next region first; a cooled
+        region is still better than none). An offer resting after a capacity error is the policy's
+        to leave out (`elastic.policy.resting`)."""
         cooled = self.cooled_regions(now)
-        elsewhere = [o for o in fresh if o.region not in cooled]
-        return [self.quote(o, now) for o in (elsewhere or fresh)]
+        elsewhere = [o for o in offers if o.region not in cooled]
+        return [self.quote(o, now) for o in (elsewhere or offers)]
 
     def stats(self, now: float) -> dict[Key, tuple[float, int]]:
         """This run's observations: {key: (node_hours, preemptions)} (open VMs counted up to now)."""

@@ -7,9 +7,9 @@ preemption is expected to cost (risk × (half an inner phase + `planner.recovery
 sync a world spread over regions or clouds pays (`planner.cross_region_sync_s`). Replicas
 synchronise every inner phase, so the slowest one sets the world's pace. Constraints: regions,
 `resources.max_usd_per_hour`, spot or on-demand, known capacity, world min/target/max,
-`planner.spread_min` distinct zones or regions, and the budget: `budget.max_usd` through
-`launch_fits_budget` (checked before every launch), `budget.max_hours` through `plan` (a faster or
-bigger world when the cheapest one would finish too late).
+`planner.spread_min` distinct zones or regions, and `budget.max_hours` through `plan` (a faster or
+bigger world when the cheapest one would finish too late). What to do with a plan, and the budget
+checks, are the policy's (`elastic.policy`).
 """
 
 from __future__ import annotations
@@ -399,17 +399,3 @@ def replan_all(quotes: list[Quote], held: list[tuple[str, Quote]], recipe, remai
         moves.append(move)
         held = [(iid, q) for iid, q in held if iid != move.drain] + [(f"<for {move.drain}>", move.add)]
     return moves
-
-
-BILLING_INCREMENT_S = {"local": 1.0}   # per cloud; others bill at least a minute (AWS, GCP)
-
-
-def launch_fits_budget(spent_usd: float, held_usd_per_hour: float, offer, recipe, horizon_s: float = 0.0) -> bool:
-    """A launch from `offer` keeps the spend within budget.max_usd for one billing increment of
-    every VM (or for `horizon_s`, the time until the budget is next checked, when that is longer)."""
-    cap = recipe.budget.max_usd
-    if cap is None:
-        return True
-    increment_s = recipe.planner.billing_increment_s or BILLING_INCREMENT_S.get(offer.cloud, 60.0)
-    span_h = max(increment_s, horizon_s) / 3600
-    return spent_usd + (held_usd_per_hour + offer.usd_per_hour) * span_h <= cap

@@ -5,9 +5,9 @@ feeds the live view's "$ so far", `elastic status` and `elastic report RUN_DIR`.
 the clock: the report of a ledger is the same whenever it is built (the end of a running ledger is
 its last event, unless the caller passes `now`).
 
-Billing model (see docs/report.md): each VM is billed per second from `launched_at` to its release
-or preemption, at the price in effect in each interval (`node_launched.usd_per_hour`, then every
-`node_price` event for it); GCP VMs bill at least one minute. The on-demand equivalent prices the
+Billing model (`elastic.billing`, see docs/report.md): each VM is billed from `launched_at` to its
+release or preemption, at the price in effect in each interval (`node_launched.usd_per_hour`, then
+every `node_price` event for it), with its cloud's increment and minimum once it is gone. The on-demand equivalent prices the
 same VM-seconds at `on_demand_usd_per_hour`. Storage and egress are estimates from bytes moved.
 """
 
@@ -18,9 +18,9 @@ import os
 import statistics
 from pathlib import Path
 
+from elastic import billing
 from elastic.ledger import LedgerError, read_events, SHAPE_ERRORS
 
-MIN_BILLED_S = {"gcp": 60.0}   # per-second billing with a minimum, by cloud
 # Estimate rates (list prices, standard class, USD): object storage per GB-month by URI scheme
 # (local disks are part of the VM price) and traffic between regions per GB.
 STORAGE_USD_PER_GB_MONTH = {"s3": 0.023, "gs": 0.020}
@@ -58,41 +58,22 @@ def _vms(events: list[dict], now: float) -> dict[str, dict]:
 
 def _spot_usd(vm: dict, t0: float, t1: float) -> float:
     """USD the VM accrued over [t0, t1] at the prices in effect (no minimum)."""
-    t0, t1 = max(t0, vm["start"]), min(t1, vm["stop"])
-    if t1 <= t0:
-        return 0.0
-    usd = 0.0
-    segs = vm["segments"]
-    for i, (since, price) in enumerate(segs):
-        until = segs[i + 1][0] if i + 1 < len(segs) else vm["stop"]
-        lo, hi = max(since, t0), min(until, t1)
-        if hi > lo:
-            usd += (hi - lo) * price / 3600
-    return usd
+    return billing.usd_between(vm["segments"], vm["stop"], t0, t1)
 
 
 def _billed_s(vm: dict) -> float:
     """Seconds billed: held seconds, raised to the cloud's minimum once the VM is gone."""
-    held = vm["stop"] - vm["start"]
-    minimum = MIN_BILLED_S.get(vm["cloud"], 0.0)
-    return max(held, minimum) if vm["end"] is not None and held > 0 else held
+    return billing.billed_s(vm["cloud"], vm["stop"] - vm["start"], vm["end"] is not None)
 
 
 def _vm_usd(vm: dict, until: float | None = None) -> float:
     """USD billed for the VM up to `until` (default: its whole life), minimum included at its end."""
-    until = vm["stop"] if until is None else until
-    usd = _spot_usd(vm, vm["start"], until)
-    if until >= vm["stop"]:
-        usd += (_billed_s(vm) - (vm["stop"] - vm["start"])) * vm["segments"][-1][1] / 3600
-    return usd
+    return billing.vm_usd(vm["cloud"], vm["segments"], vm["stop"], vm["end"] is not None, until)
 
 
 def _vm_on_demand_usd(vm: dict, until: float | None = None) -> float:
-    until = vm["stop"] if until is None else until
-    held = max(0.0, min(until, vm["stop"]) - vm["start"])
-    if until >= vm["stop"]:
-        held = _billed_s(vm)
-    return held * vm["on_demand_usd_per_hour"] / 3600
+    return billing.vm_on_demand_usd(vm["cloud"], vm["start"], vm["stop"], vm["end"] is not None,
+                                    vm["on_demand_usd_per_hour"], until)
 
 
 def _instances(vms: dict[str, dict]) -> list[dict]:

@@ -30,10 +30,12 @@ import itertools
 import math
 import random
 
+from elastic import billing
 from elastic.errors import UserError
 from elastic.market import Market, Quote, offer_key, recipe_tokens_per_s
-from elastic.planner import (Progress, allowed, choose_launch, evaluate, launch_fits_budget, plan, replan_all,
-                             run_tokens, tokens_per_phase)
+from elastic.planner import Progress, allowed, evaluate, run_tokens, tokens_per_phase
+from elastic.policy import (HoldBack, Node, Refusal, Rent, Replan, Retarget, Snapshot, decide, launch_fits_budget,
+                            stop_for_budget)
 from providers.base import Offer
 from providers.gcp import PREEMPT_NOTICE_S as GCP_PREEMPT_NOTICE_S
 
@@ -76,6 +78,33 @@ class TraceMarket:
         _, times, states = self._series[(zone, instance_type)]
         return states[max(0, bisect.bisect_right(times, t) - 1)]
 
+    def segments(self, offer: Offer, t0: float, t1: float) -> list[tuple[float, float]]:
+        """[(from_s, usd_per_hour)] a VM of `offer` bills over [t0, t1]: the trace's price in effect
+        at t0, then each row of its zone and instance type that starts before t1."""
+        _, times, states = self._series[(offer.zone, offer.instance_type)]
+
+        def usd(st):
+            return st.spot_usd_per_hour if offer.spot else st.on_demand_usd_per_hour
+
+        i = max(0, bisect.bisect_right(times, t0) - 1)
+        out = [(t0, usd(states[i]))]
+        for t, st in zip(times[i + 1:], states[i + 1:]):
+            if t >= t1:
+                break
+            if usd(st) != out[-1][1]:
+                out.append((t, usd(st)))
+        return out
+
+    def next_change(self, offer: Offer, t: float) -> float:
+        """When the price a VM of `offer` bills next changes after `t` (inf: never)."""
+        _, times, states = self._series[(offer.zone, offer.instance_type)]
+        now = self.segments(offer, t, t)[0][1]
+        for i in range(bisect.bisect_right(times, t), len(times)):
+            st = states[i]
+            if (st.spot_usd_per_hour if offer.spot else st.on_demand_usd_per_hour) != now:
+                return times[i]
+        return math.inf
+
     def offers(self, t: float, spot: bool) -> list[Offer]:
         """Offers now for spot or on-demand renting (spot ones with the trace's capacity)."""
         out = []
@@ -94,7 +123,7 @@ class _Node:
     offer: Offer
     launched_at: float
     ready_at: float
-    drain_for: str | None = None   # instance id of the replica that replaces this one
+    drain_for: str | None = None   # instance id of the replica this one replaces (a move)
 
 
 class _Run:
@@ -104,7 +133,7 @@ class _Run:
         self.recipe, self.market, self.policy = recipe, market, policy
         self.rng = random.Random(f"{seed}:{policy}")
         self.t = 0.0
-        self.spent = 0.0
+        self.closed_usd = 0.0   # the bill of the VMs already gone
         self.tokens = 0
         self.ckpt_tokens = 0
         self.phases = 0
@@ -125,6 +154,16 @@ class _Run:
 
     # -- the market and the bill ----------------------------------------------------------------
 
+    def usd(self, node: _Node, stop_s: float, ended: bool) -> float:
+        """The VM's bill up to `stop_s` (`elastic.billing`, at the trace's prices)."""
+        segments = self.market.segments(node.offer, node.launched_at, stop_s)
+        return billing.vm_usd(node.offer.cloud, segments, stop_s, ended)
+
+    @property
+    def spent(self) -> float:
+        """USD billed so far: every VM gone, and every VM held up to now."""
+        return self.closed_usd + sum(self.usd(n, self.t, ended=False) for n in self.nodes.values())
+
     def price(self, node: _Node) -> float:
         st = self.market.state(node.offer.zone, node.offer.instance_type, self.t)
         return st.spot_usd_per_hour if node.offer.spot else st.on_demand_usd_per_hour
@@ -135,12 +174,9 @@ class _Run:
     def rate_usd_per_hour(self) -> float:
         return sum(self.price(n) for n in self.nodes.values())
 
-    def launch(self, offer: Offer, horizon_s: float = 0.0) -> str | None:
-        """Rent one VM now (None: refused for capacity or budget; a capacity error is recorded)."""
+    def launch(self, offer: Offer) -> str | None:
+        """Rent one VM now (None: refused for capacity, recorded as a capacity error)."""
         self.refused = None
-        if not launch_fits_budget(self.spent, self.rate_usd_per_hour(), offer, self.recipe, horizon_s):
-            self.refused = "budget"
-            return None
         st = self.market.state(offer.zone, offer.instance_type, self.t)
         held = sum(1 for n in self.nodes.values() if offer_key(n.offer) == offer_key(offer))
         if offer.spot and st.capacity is not None and held >= st.capacity:
@@ -154,21 +190,30 @@ class _Run:
         return iid
 
     def release(self, iid: str) -> None:
-        if self.nodes.pop(iid, None) is not None:
+        node = self.nodes.pop(iid, None)
+        if node is not None:
+            self.closed_usd += self.usd(node, self.t, ended=True)
             self.events.append({"t": self.t, "type": "node_released", "instance_id": iid})
 
     def release_all(self) -> None:
         for iid in list(self.nodes):
             self.release(iid)
 
+    def snapshot(self, **fields) -> Snapshot:
+        """What the policy sees now (`fields`: the rest of `policy.Snapshot`)."""
+        fields.setdefault("nodes", tuple(Node(n.iid, Quote(self.now_offer(n), 0.0, "trace"), n.launched_at,
+                                              ready=n.ready_at <= self.t) for n in self.nodes.values()))
+        return Snapshot(self.recipe, self.t, 0.0, spent_usd=self.spent,
+                        progress=Progress(self.tokens, self.phases, self.t / 3600), **fields)
+
     def affordable(self, dt: float) -> bool:
-        """The next `dt` seconds stay within budget.max_usd and budget.max_hours."""
-        b = self.recipe.budget
-        if b.max_usd is not None and self.spent + self.rate_usd_per_hour() * dt / 3600 > b.max_usd:
+        """The next `dt` seconds stay within the budget (`policy.stop_for_budget`) and, without
+        budget.max_hours, the simulator's horizon."""
+        if stop_for_budget(self.snapshot(), dt):
             self.status = "budget_exhausted"
             return False
         if self.t + dt > self.horizon_s:
-            self.status = "budget_exhausted" if b.max_hours is not None else "unfinished"
+            self.status = "unfinished"
             return False
         return True
 
@@ -186,16 +231,29 @@ class _Run:
         if stop_at_first_loss and draws:
             first = min(draws, key=draws.get)
             dt, draws = draws[first], {first: draws[first]}
-        for iid, n in self.nodes.items():
-            held_s = draws.get(iid, dt)
-            self.spent += self.price(n) * held_s / 3600
-            self.rented_node_s += held_s
+        for iid in self.nodes:
+            self.rented_node_s += draws.get(iid, dt)
         gone = {}
         for iid, at in sorted(draws.items(), key=lambda kv: kv[1]):
             self.events.append({"t": self.t + at, "type": "node_preempted", "instance_id": iid})
             gone[iid] = self.nodes.pop(iid)
+            self.closed_usd += self.usd(gone[iid], self.t + at, ended=True)
             self.preemptions += 1
         self.t += dt
+        return gone
+
+    def hold(self, dt: float, stop_at_first_loss: bool) -> dict[str, _Node]:
+        """`advance` by `dt`, checking the budget (`affordable`) for the rest of it each time a held
+        VM's price changes, as the driver does when it records a `node_price`: stops there, with
+        `status` set, when the rest would cross it. Returns the preempted VMs."""
+        end = self.t + dt
+        gone: dict[str, _Node] = {}
+        while self.t < end - 1e-9:
+            change = min((self.market.next_change(n.offer, self.t) for n in self.nodes.values()), default=math.inf)
+            lost = self.advance(min(end, change) - self.t, stop_at_first_loss)
+            gone.update(lost)
+            if (lost and stop_at_first_loss) or (self.t < end - 1e-9 and not self.affordable(end - self.t)):
+                break
         return gone
 
     def train_phase(self, members: list[_Node], dt: float, share: float = 1.0) -> None:
@@ -227,65 +285,62 @@ class _Run:
 # -- policies ---------------------------------------------------------------------------------------
 
 def _elastic(run: _Run) -> None:
+    """The driver's policy (`policy.decide`) on the trace: its actions run against the trace at
+    once (a launch the trace's capacity refuses is a capacity error, as a provider's would be)."""
     recipe = run.recipe
-    p, w = recipe.planner, recipe.world
-    market = Market(p)
-    last_replan = -math.inf
+    w = recipe.world
+    market = Market(recipe.planner)
+    state = {"target": 0, "planned": False, "last_replan": -math.inf}
+    refusals: list[Refusal] = []
     short_since = None
 
-    def progress() -> Progress:
-        return Progress(run.tokens, run.phases, run.t / 3600)
-
-    # The world's size: world.replicas, more when budget.max_hours needs it (it grows, never shrinks).
-    n_target = max(1, len(plan(market.quotes(run.market.offers(0.0, recipe.resources.spot), 0.0), recipe).quotes),
-                   min(w.replicas, w.max_replicas))
-
-    def top_up(busy_s: float) -> None:
-        """Rent up to the target where the planner says (as the driver does the moment a replica
-        is lost); `busy_s`: seconds left of the phase under way, all of which the budget must cover."""
-        offers = run.market.offers(run.t, recipe.resources.spot)
-        for _ in range(len(offers)):
+    def act(horizon_s: float) -> None:
+        """Ask the policy and do what it says, again after each refused launch (the refusal rests
+        that offer), as the driver does on its next tick."""
+        for _ in range(len(run.market.offers(run.t, recipe.resources.spot)) + 1):
             market.observe(run.events)
-            live = [n for n in run.nodes.values() if not n.drain_for]
-            if len(live) >= n_target:
+            moving = {n.drain_for for n in run.nodes.values() if n.drain_for}
+            nodes = tuple(Node(n.iid, market.quote(run.now_offer(n), run.t), n.launched_at,
+                               ready=n.ready_at <= run.t, moving=n.iid in moving) for n in run.nodes.values())
+            snap = run.snapshot(nodes=nodes,
+                                quotes=tuple(market.quotes(run.market.offers(run.t, recipe.resources.spot), run.t)),
+                                refusals=tuple(refusals), target_replicas=state["target"],
+                                planned=state["planned"], last_replan_s=state["last_replan"],
+                                budget_horizon_s=horizon_s)
+            refused = False
+            for a in decide(snap):
+                if isinstance(a, Retarget):
+                    state["target"], state["planned"] = a.replicas, True
+                elif isinstance(a, Replan):
+                    state["last_replan"] = a.at_s
+                elif isinstance(a, HoldBack):
+                    run.refused = a.reason
+                    if a.gives_up:
+                        run.status = "budget_exhausted"
+                elif isinstance(a, Rent):
+                    iid = run.launch(a.quote.offer)
+                    if iid is None:
+                        refusals.append(Refusal(a.quote.key, run.t))
+                        refused = True
+                        break
+                    if a.move is not None:
+                        run.nodes[iid].drain_for = a.move.drain   # the new VM replaces that one
+                        run.moves += 1
+            if not refused:
                 return
-            q = choose_launch(market.quotes(offers, run.t), recipe,
-                              [market.quote(run.now_offer(n), run.t) for n in live], progress())
-            if q is None:
-                return
-            if run.launch(q.offer, horizon_s=busy_s) is None and run.refused == "budget":
-                return                        # the budget cannot take another VM
 
     while run.tokens < run.target_tokens:
-        offers = run.market.offers(run.t, recipe.resources.spot)
-        market.observe(run.events)
-        quotes = market.quotes(offers, run.t)
-        # Drain the replicas whose replacement now trains.
+        # A moved replica leaves once its replacement trains.
         for n in [n for n in run.nodes.values() if n.drain_for]:
-            new = run.nodes.get(n.drain_for)
-            if new is None:
-                n.drain_for = None            # the replacement was lost: keep this one
-            elif new.ready_at <= run.t:
-                run.release(n.iid)
-        live = [n for n in run.nodes.values() if not n.drain_for]
-        ready = [n for n in live if n.ready_at <= run.t]
-        # Move the most expensive replica when a clearly cheaper offer appears.
-        if run.t - last_replan >= p.replan_every_s and len(ready) == len(live) == n_target:
-            last_replan = run.t
-            held = [(n.iid, market.quote(run.now_offer(n), run.t)) for n in ready]
-            n_target = max(n_target, len(plan(quotes, recipe, [q for _, q in held], progress=progress()).quotes))
-            for move in replan_all(quotes, held, recipe, progress=progress()):
-                iid = run.launch(move.add.offer)
-                if iid is None:
-                    break
-                run.nodes[move.drain].drain_for = iid
-                run.moves += 1
-            market.observe(run.events)
-        top_up(0.0)
-        members = [n for n in run.nodes.values() if n.ready_at <= run.t]
-        if not run.nodes and run.refused == "budget":
-            run.status = "budget_exhausted"
+            if n.ready_at <= run.t:
+                run.release(n.drain_for)
+                n.drain_for = None
+            elif n.drain_for not in run.nodes:
+                n.drain_for = None
+        act(0.0)
+        if run.status is not None:
             break
+        members = [n for n in run.nodes.values() if n.ready_at <= run.t]
         if len(members) < w.min_replicas:
             booting = [n.ready_at for n in run.nodes.values() if n.ready_at > run.t]
             short_since = short_since if short_since is not None else run.t
@@ -295,7 +350,7 @@ def _elastic(run: _Run) -> None:
             dt = (min(booting) - run.t) if booting else WAIT_S
             if not run.affordable(dt):
                 break
-            run.advance(dt, stop_at_first_loss=False)
+            run.hold(dt, stop_at_first_loss=False)
             continue
         short_since = None
         world = evaluate(run.quotes_of(members), recipe)
@@ -307,15 +362,17 @@ def _elastic(run: _Run) -> None:
         # sync, everyone syncs, the noticed replica with its partial phase, then it leaves.
         margin_s = max(0.5, 2 * world.sync_penalty_s)
         ids = {m.iid for m in members}
-        while run.t < end - 1e-6:
-            gone = run.advance(end - run.t, stop_at_first_loss=True)
+        while run.t < end - 1e-6 and run.status is None:
+            gone = run.hold(end - run.t, stop_at_first_loss=True)
             if not gone:
-                break
+                continue
             lost.update(gone)
             if any(iid in ids and NOTICE_S.get(n.offer.cloud, 0.0) > margin_s for iid, n in gone.items()):
                 share = min(1.0, max(0.0, run.t - margin_s - start) / max(dt - world.sync_penalty_s, 1e-9))
                 break
-            top_up(end - run.t)               # the replacement is rented at once, not at the boundary
+            act(end - run.t)                  # the replacement is rented at once, not at the boundary
+        if run.status is not None:
+            break                             # a price rise made the rest of the phase unaffordable
         if share is not None:   # the noticed replica and every member still alive contributed
             run.train_phase([m for m in members if m.iid not in lost or m.iid in gone], run.t - start, share)
             continue
@@ -354,6 +411,9 @@ def _whole_job(run: _Run, spot: bool, on_loss: str) -> None:
             fresh = dataclasses.replace(place, usd_per_hour=(
                 run.market.state(place.zone, place.instance_type, run.t).spot_usd_per_hour if spot
                 else place.usd_per_hour))
+            if not launch_fits_budget(run.spent, run.rate_usd_per_hour(), fresh, recipe):
+                run.refused = "budget"
+                break
             if run.launch(fresh) is None:
                 break
         if run.refused == "budget" and len(run.nodes) < n:
@@ -365,12 +425,16 @@ def _whole_job(run: _Run, spot: bool, on_loss: str) -> None:
             dt = (max(booting) - run.t) if booting and len(members) == n else WAIT_S
             if not run.affordable(dt):
                 break
-            lost = run.advance(dt, stop_at_first_loss=True)
+            lost = run.hold(dt, stop_at_first_loss=True)
+            if run.status is not None:
+                break
         else:
             dt = evaluate(run.quotes_of(members), recipe).phase_s
             if not run.affordable(dt):
                 break
-            lost = run.advance(dt, stop_at_first_loss=True)
+            lost = run.hold(dt, stop_at_first_loss=True)
+            if run.status is not None:
+                break
             if not lost:
                 run.train_phase(members, dt)
         if lost:

@@ -57,7 +57,7 @@ def test_gcp_vm_shorter_than_a_minute_bills_one_minute():
         started(),
         vm(T0 + 10, "g", usd=1.20, on_demand=3.60, cloud="gcp", region="us-central1"),
         {"t": T0 + 40, "type": "node_preempted", "instance_id": "g", "with_notice": False},
-        vm(T0 + 50, "w", usd=0.60, on_demand=1.80),   # AWS: per second, no minimum
+        vm(T0 + 50, "w", usd=0.60, on_demand=1.80, cloud="local"),   # the local market: per second, no minimum
         {"t": T0 + 80, "type": "node_released", "instance_id": "w"},
         ended(T0 + 100),
     ]
@@ -71,7 +71,7 @@ def test_gcp_vm_shorter_than_a_minute_bills_one_minute():
     assert r["cost_usd"] == pytest.approx(0.02 + 0.005)
     assert r["gpu_hours"] == pytest.approx(90 / 3600, abs=1e-6)
     assert r["by_cloud"]["gcp"]["cost_usd"] == pytest.approx(0.02)
-    assert r["by_cloud"]["aws"]["cost_usd"] == pytest.approx(0.005)
+    assert r["by_cloud"]["local"]["cost_usd"] == pytest.approx(0.005)
     assert r["by_region"]["us-central1"]["instances"] == 1
     # Still held (the run goes on): no minimum yet, only the seconds so far.
     running = build_report(events[:2] + [{"t": T0 + 30, "type": "replica_starting", "replica": 0, "instance_id": "g"}])

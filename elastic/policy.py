@@ -1,0 +1,293 @@
+"""The rental policy: what to rent, move, hold back or stop, as a pure function of a snapshot.
+
+`decide(snapshot)` returns actions; the driver executes them against the providers and the world,
+`elastic simulate` against a trace. Nothing here reads a clock, does I/O or talks to a cloud: the
+snapshot carries the time, what is held, what is offered (quoted by the market, its learnt risks
+included), how far the run is and what it has spent. The rules, each written once:
+
+- **cooldown**: an offer that refused capacity (or whose VM failed to come up) rests
+  `planner.capacity_cooldown_s` from the refusal;
+- **renting**: up to the world's target size (world.replicas, grown when budget.max_hours needs a
+  bigger world), counting nodes held, booting and on their way, not those leaving; each launch where
+  the planner says (`planner.choose_launch`);
+- **re-plan**: once `planner.replan_every_s` has passed since the last one and the world is steady
+  (nothing booting, renting, leaving or moving), grow the target if the deadline needs it and move
+  the replicas a clearly cheaper offer beats (`planner.replan_all`; the new VM first, the old one
+  drains once the new one trains);
+- **budget**: a launch must leave the spend within budget.max_usd for its cloud's billing minimum
+  (or until the budget is next checked, when longer) of every held VM and the new one
+  (`launch_fits_budget`, inside `decide`); an outer step (or a wait) must not carry the spend past
+  budget.max_usd nor the run past budget.max_hours (`stop_for_budget`, asked before each step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elastic import billing
+from elastic.market import Key, Quote, offer_key
+from elastic.planner import Move, Progress, choose_launch, hours_to_finish, plan, replan_all
+from providers.base import Offer
+
+
+@dataclass(frozen=True)
+class Node:
+    """A VM the run holds.
+
+    Args:
+        instance_id: the provider's id.
+        quote: its offer at the price in effect now, with the market's risk.
+        launched_at_s: when it was launched (the snapshot's clock).
+        ready: its replica trains (False: booting, joining, copying state).
+        leaving: it is going (a notice came, or a move's replacement trains): not counted in the world.
+        notice_deadline_s: when a notice says it goes, else None.
+        moving: a move's replacement is on its way for it.
+    """
+
+    instance_id: str
+    quote: Quote
+    launched_at_s: float
+    ready: bool = True
+    leaving: bool = False
+    notice_deadline_s: float | None = None
+    moving: bool = False
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A launch an offer refused (capacity error, a VM that failed or never joined).
+
+    Args:
+        key: the offer's market key.
+        at_s: when (the snapshot's clock).
+    """
+
+    key: Key
+    at_s: float
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What the policy sees, at one moment.
+
+    Args:
+        recipe: the run's recipe (world, planner and budget sections are read).
+        time_s: now (unix seconds for the driver, trace seconds for the simulator).
+        started_s: when the run started (budget.max_hours counts from here).
+        nodes: VMs held.
+        pending: offers of launches under way (no VM to show yet).
+        quotes: what can be rented now, quoted by the market (regions resting after a spike of
+            preemptions already left out).
+        progress: tokens and outer steps done, hours since the start.
+        spent_usd: USD billed so far (`elastic.billing`).
+        refusals: recent launch refusals.
+        target_replicas: the world's target size so far.
+        planned: the target was sized for budget.max_hours at least once.
+        last_replan_s: when the policy last re-planned.
+        budget_horizon_s: seconds until the budget is next checked (the last outer step's length).
+    """
+
+    recipe: object
+    time_s: float
+    started_s: float = 0.0
+    nodes: tuple[Node, ...] = ()
+    pending: tuple[Offer, ...] = ()
+    quotes: tuple[Quote, ...] = ()
+    progress: Progress = Progress()
+    spent_usd: float = 0.0
+    refusals: tuple[Refusal, ...] = ()
+    target_replicas: int = 0
+    planned: bool = False
+    last_replan_s: float = float("-inf")
+    budget_horizon_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Rent:
+    """Rent one VM from `quote.offer`; with `move`, it replaces `move.drain` once it trains."""
+
+    quote: Quote
+    move: Move | None = None
+
+
+@dataclass(frozen=True)
+class Retarget:
+    """The world's target size is now `replicas` (`grown`: larger than before, for budget.max_hours)."""
+
+    replicas: int
+    hours_to_finish: float
+    grown: bool
+
+
+@dataclass(frozen=True)
+class Replan:
+    """The policy re-planned now (the next re-plan is due `planner.replan_every_s` later)."""
+
+    at_s: float
+
+
+@dataclass(frozen=True)
+class HoldBack:
+    """A launch the world wants was not made.
+
+    Args:
+        reason: `capacity` (every offer is at its known capacity or resting) or `budget`.
+        held: nodes held or on their way.
+        usd_per_hour: for `budget`, the price of the launch refused.
+        gives_up: for `budget`, too few nodes for world.min_replicas and none on its way: the run
+            cannot go on.
+    """
+
+    reason: str
+    held: int
+    usd_per_hour: float = 0.0
+    gives_up: bool = False
+
+
+@dataclass(frozen=True)
+class StopForBudget:
+    """End the run now (checkpoint, release everything): the next step would cross a hard limit."""
+
+    reason: str
+
+
+Action = Rent | Retarget | Replan | HoldBack   # what `decide` returns; `stop_for_budget` the other one
+
+
+# -- the rules -------------------------------------------------------------------------------------
+
+def resting(s: Snapshot, key: Key) -> bool:
+    """The cooldown rule: an offer rests `planner.capacity_cooldown_s` after a refusal."""
+    rest_s = s.recipe.planner.capacity_cooldown_s
+    return any(r.key == key and s.time_s - r.at_s < rest_s for r in s.refusals)
+
+
+def launch_fits_budget(spent_usd: float, held_usd_per_hour: float, offer, recipe, horizon_s: float = 0.0) -> bool:
+    """The budget rule for a launch: the spend stays within budget.max_usd with every held VM and
+    the new one billed for the new one's certain minimum (`billing.launch_span_s`; the recipe's
+    `planner.billing_increment_s` when set), or for `horizon_s` (until the budget is next checked)
+    when that is longer."""
+    cap = recipe.budget.max_usd
+    if cap is None:
+        return True
+    span_h = max(billing.launch_span_s(offer.cloud, recipe.planner.billing_increment_s), horizon_s) / 3600
+    return spent_usd + (held_usd_per_hour + offer.usd_per_hour) * span_h <= cap
+
+
+def usd_per_hour_held(s: Snapshot) -> float:
+    """What every held VM bills per hour now, and every launch under way will."""
+    return sum(n.quote.offer.usd_per_hour for n in s.nodes) + sum(o.usd_per_hour for o in s.pending)
+
+
+def stop_for_budget(s: Snapshot, span_s: float) -> StopForBudget | None:
+    """The budget rule for time, asked before each outer step (and, in the simulator, each wait):
+    stop when the next `span_s` seconds would pass budget.max_hours, or bill past budget.max_usd at
+    today's prices (every VM held and every launch under way); else None."""
+    b = s.recipe.budget
+    if b.max_hours is not None and s.time_s - s.started_s + span_s > b.max_hours * 3600:
+        return StopForBudget(f"budget.max_hours ({b.max_hours} h) would be passed by the next outer step")
+    if b.max_usd is not None and s.spent_usd + usd_per_hour_held(s) * span_s / 3600 > b.max_usd:
+        return StopForBudget(f"budget.max_usd (${b.max_usd:.2f}) would be passed by the next outer step "
+                             f"(spent ${s.spent_usd:.4f})")
+    return None
+
+
+def _in_world(s: Snapshot) -> list[Node]:
+    return [n for n in s.nodes if not n.leaving]
+
+
+def _steady(s: Snapshot) -> bool:
+    """Nothing booting, renting, leaving or moving: a re-plan sees the world as it is."""
+    return not s.pending and all(n.ready and not n.leaving and not n.moving for n in s.nodes)
+
+
+def _initial_target(s: Snapshot) -> int:
+    w = s.recipe.world
+    return max(s.target_replicas, min(w.replicas, w.max_replicas))
+
+
+def _retarget(s: Snapshot, quotes: list[Quote], held: list[Quote], target: int) -> Retarget | None:
+    """The world grows when the planner needs more replicas to finish within budget.max_hours
+    (never shrinks: replicas that joined keep training)."""
+    pl = plan(quotes, s.recipe, held, progress=s.progress)
+    if len(pl.quotes) > target:
+        return Retarget(len(pl.quotes), hours_to_finish(pl, s.recipe, s.progress), grown=True)
+    return None
+
+
+def _replan_due(s: Snapshot) -> bool:
+    """The re-plan rule's timing: `planner.replan_every_s` since the last one, and a steady world."""
+    return s.time_s - s.last_replan_s >= s.recipe.planner.replan_every_s and _steady(s)
+
+
+def due(s: Snapshot) -> bool:
+    """Whether `decide` may do anything now, judged without the offers (`s.quotes` unread): the
+    world was never sized, is below its target, or a re-plan is due. Reading offers costs a cloud
+    API call; the driver asks this first on every tick."""
+    return (not s.planned or _initial_target(s) > len(_in_world(s)) + len(s.pending)
+            or _replan_due(s))
+
+
+def decide(s: Snapshot) -> list[Action]:
+    """The actions the policy takes now (in order). See the module's docstring for the rules."""
+    out: list[Action] = []
+    quotes = [q for q in s.quotes if not resting(s, q.key)]
+    in_world = _in_world(s)
+    held = [n.quote for n in in_world] + [_pending_quote(s, o) for o in s.pending]
+    target = _initial_target(s)
+    if not s.planned and s.quotes:
+        grown = _retarget(s, quotes, held, target)
+        target = grown.replicas if grown else target
+        out.append(grown or Retarget(target, 0.0, grown=False))
+    wanted = max(0, target - len(held))
+    if wanted:
+        return out + _top_up(s, quotes, held, wanted)
+    if _replan_due(s) and s.quotes:
+        out.append(Replan(s.time_s))
+        grown = _retarget(s, quotes, held, target)
+        if grown:
+            out.append(grown)
+            return out + _top_up(s, quotes, held, grown.replicas - len(held))
+        out += _moves(s, quotes, in_world)
+    return out
+
+
+def _pending_quote(s: Snapshot, offer: Offer) -> Quote:
+    """A launch under way, as the planner counts it (the market's quote when it still offers it)."""
+    return next((q for q in s.quotes if q.key == offer_key(offer)), Quote(offer, 0.0, "prior"))
+
+
+def _top_up(s: Snapshot, quotes: list[Quote], held: list[Quote], wanted: int) -> list[Action]:
+    """Rent `wanted` more where the planner says, each within the budget."""
+    out: list[Action] = []
+    held = list(held)
+    spent, rate = s.spent_usd, usd_per_hour_held(s)
+    for _ in range(wanted):
+        q = choose_launch(quotes, s.recipe, held, s.progress) if quotes else None
+        if q is None:
+            out.append(HoldBack("capacity", held=len(held)))
+            break
+        if not launch_fits_budget(spent, rate, q.offer, s.recipe, horizon_s=s.budget_horizon_s):
+            out.append(HoldBack("budget", held=len(held), usd_per_hour=q.offer.usd_per_hour,
+                                gives_up=not s.pending and len(_in_world(s)) < s.recipe.world.min_replicas))
+            break
+        out.append(Rent(q))
+        held.append(q)
+        rate += q.offer.usd_per_hour
+    return out
+
+
+def _moves(s: Snapshot, quotes: list[Quote], in_world: list[Node]) -> list[Action]:
+    """Move the replicas a clearly cheaper offer beats (most expensive first), each within the
+    budget and within world.max_replicas while old and new are both held."""
+    held = [(n.instance_id, n.quote) for n in in_world if n.ready]
+    room = s.recipe.world.max_replicas - len(in_world)
+    out: list[Action] = []
+    rate = usd_per_hour_held(s)
+    for move in replan_all(quotes, held, s.recipe, progress=s.progress)[:max(0, room)]:
+        if not launch_fits_budget(s.spent_usd, rate, move.add.offer, s.recipe, horizon_s=s.budget_horizon_s):
+            break
+        out.append(Rent(move.add, move=move))
+        rate += move.add.offer.usd_per_hour
+    return out
+
