@@ -336,6 +336,31 @@ def choose_launch(quotes: list[Quote], recipe, held: list[Quote], progress: Prog
     return pl.quotes[len(held)] if len(pl.quotes) > len(held) else None
 
 
+def lifetime_h(q: Quote, hours_left: float | None = None) -> float:
+    """Hours a VM rented from `q` is expected to train before a preemption takes it (1 / its
+    learnt rate), at most `hours_left` (what the run still needs)."""
+    life = 1 / q.preempt_per_hour if q.preempt_per_hour > 0 else float("inf")
+    return min(life, hours_left) if hours_left is not None and hours_left > 0 else life
+
+
+def launch_usd_per_mtok(q: Quote, recipe, hours_left: float | None = None) -> float:
+    """Expected USD per million useful tokens of a VM rented now from `q`, its boot and join
+    (`planner.recovery_s`, billed, no tokens) spread over its expected lifetime (`lifetime_h`): a
+    cheap offer that is reclaimed within the hour is dear once its boot is paid."""
+    boot_h = recipe.planner.recovery_s / 3600
+    life = lifetime_h(q, hours_left)
+    return usd_per_mtok(q, recipe) * (1 + boot_h / life) if life > 0 else float("inf")
+
+
+def leaves_at_once(old: Quote, new: Quote, recipe, hours_left: float | None = None) -> bool:
+    """Whether a moved replica should leave the moment its replacement is rented, not once the
+    replacement trains: its tokens while the new VM boots cost more than the new VM's will, boot
+    included, so they are cheaper trained later (the world goes on, one replica short, meanwhile).
+    A price spike is the usual case: holding the old VM through the boot is the dearest part of
+    the move."""
+    return usd_per_mtok(old, recipe) > launch_usd_per_mtok(new, recipe, hours_left)
+
+
 @dataclass(frozen=True)
 class Move:
     """Rent `add` first; once its replica has joined, drain the replica on `drain` (an instance id).
@@ -391,11 +416,42 @@ def replan_all(quotes: list[Quote], held: list[tuple[str, Quote]], recipe, remai
         left_h = hours_to_finish(evaluate([q for _, q in held], recipe), recipe, progress) if held else 0.0
         remaining_hours = left_h if 0 < left_h < float("inf") else 1.0
     moves: list[Move] = []
-    held = list(held)
+    start = list(held)
     for _ in range(len(held)):
         move = replan(quotes, held, recipe, remaining_hours, progress)
         if move is None:
             break
         moves.append(move)
         held = [(iid, q) for iid, q in held if iid != move.drain] + [(f"<for {move.drain}>", move.add)]
+    return moves or _move_world(quotes, start, recipe, remaining_hours, progress)
+
+
+def _move_world(quotes: list[Quote], held: list[tuple[str, Quote]], recipe, remaining_hours: float,
+                progress: Progress) -> list[Move]:
+    """The whole world moved at once, when no single move pays: one replica at a time cannot leave
+    a throughput class or a region (the rest would wait on it, or sync across regions), so a world
+    on 8×H100 stays there after 8×A100 turned cheaper. It moves when the plan for a fresh world
+    (`plan`: budget.max_hours kept) has the same size and is `planner.min_saving` cheaper per useful token and the saving over `remaining_hours` pays
+    every new VM's boot and join."""
+    if not held or not quotes:
+        return []
+    p = recipe.planner
+    now = evaluate([q for _, q in held], recipe)
+    fresh = plan(quotes, recipe, progress=progress)   # within budget.max_hours, as any plan
+    if len(fresh.quotes) != len(held) or fresh.usd_per_mtok > now.usd_per_mtok * (1 - p.min_saving):
+        return []
+    saving_usd_per_h = (now.usd_per_mtok - fresh.usd_per_mtok) * fresh.useful_tokens_per_s * 3600 / 1e6
+    if saving_usd_per_h * remaining_hours <= fresh.usd_per_hour * p.recovery_s / 3600:
+        return []
+    # Most expensive first, each paired with a place of the fresh world (held places kept).
+    order = sorted(held, key=lambda h: -usd_per_mtok(h[1], recipe))
+    places = sorted(fresh.quotes, key=lambda q: usd_per_mtok(q, recipe))
+    kept = Counter(q.key for _, q in held)
+    moves = []
+    for iid, q in order:
+        if kept[q.key] and any(f.key == q.key for f in places):
+            kept[q.key] -= 1
+            places.remove(next(f for f in places if f.key == q.key))
+            continue
+        moves.append(Move(places.pop(0), iid, now.usd_per_mtok, fresh.usd_per_mtok))
     return moves
