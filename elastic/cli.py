@@ -69,7 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--policy", action="append", metavar="NAME",
                     help="elastic, on-demand, spot-static or skypilot-like (repeatable; default: all)")
     sp.add_argument("--seed", type=int, default=0, help="seed of the preemption draws (default 0)")
-    sp.add_argument("--json", action="store_true", help="print the figures as JSON")
+    sp.add_argument("--json", action="store_true",
+                    help="print the figures as JSON, with the clairvoyant bound (bound_usd_per_mtok) and each "
+                         "policy's ratio_to_bound")
 
     sp = sub.add_parser("prices", help="live offers for an accelerator, cheapest per GPU-hour first")
     sp.add_argument("--cloud", choices=["aws", "gcp", "local"],
@@ -403,13 +405,18 @@ def _simulate(args, out) -> int:
     from rich.table import Table
 
     from elastic.recipe import load_recipe
-    from elastic.simulate import simulate
+    from elastic.simulate import bound_usd_per_mtok, simulate
 
     recipe = load_recipe(args.recipe, args.overrides)
     results = simulate(recipe, args.trace, args.policy, seed=args.seed)
     if args.json:
+        # The yardstick: what any policy could at best pay per token on this trace (elastic.bound).
+        bound = bound_usd_per_mtok(recipe, args.trace)
+        for r in results:
+            r["ratio_to_bound"] = round(r["usd_per_mtok"] / bound, 4) if bound and r["usd_per_mtok"] else None
         doc = {"recipe": recipe.name, "trace": args.trace, "seed": args.seed,
-               "budget_usd": recipe.budget.max_usd, "policies": {r["policy"]: r for r in results}}
+               "budget_usd": recipe.budget.max_usd, "bound_usd_per_mtok": round(bound, 6) if bound else None,
+               "policies": {r["policy"]: r for r in results}}
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
         return 0
     table = Table(title=f"{recipe.name} on {args.trace} (seed {args.seed})", title_justify="left")

@@ -218,8 +218,12 @@ class _Run:
         return True
 
     def advance(self, dt: float, stop_at_first_loss: bool) -> dict[str, _Node]:
-        """Move time on by `dt` (or to the first preemption): bill every VM, draw preemptions.
-        Returns the preempted VMs by instance id (gone from `nodes`)."""
+        """Move time on by `dt` (or to the first preemption): draw preemptions (at each VM's rate
+        now), bill every VM. At each change of a held VM's price the budget is checked for the rest
+        (`affordable`), as the driver does when it records a `node_price`: time stops there, with
+        `status` set, when the rest would cross it. Returns the preempted VMs by instance id (gone
+        from `nodes`)."""
+        end = self.t + dt
         draws = {}
         for iid, n in self.nodes.items():
             rate = self.market.state(n.offer.zone, n.offer.instance_type, self.t).preempt_per_hour \
@@ -227,34 +231,28 @@ class _Run:
             if rate > 0:
                 at = self.rng.expovariate(rate / 3600)
                 if at < dt:
-                    draws[iid] = at
+                    draws[iid] = self.t + at
         if stop_at_first_loss and draws:
             first = min(draws, key=draws.get)
-            dt, draws = draws[first], {first: draws[first]}
-        for iid in self.nodes:
-            self.rented_node_s += draws.get(iid, dt)
+            end, draws = draws[first], {first: draws[first]}
         gone = {}
-        for iid, at in sorted(draws.items(), key=lambda kv: kv[1]):
-            self.events.append({"t": self.t + at, "type": "node_preempted", "instance_id": iid})
-            gone[iid] = self.nodes.pop(iid)
-            self.closed_usd += self.usd(gone[iid], self.t + at, ended=True)
-            self.preemptions += 1
-        self.t += dt
-        return gone
-
-    def hold(self, dt: float, stop_at_first_loss: bool) -> dict[str, _Node]:
-        """`advance` by `dt`, checking the budget (`affordable`) for the rest of it each time a held
-        VM's price changes, as the driver does when it records a `node_price`: stops there, with
-        `status` set, when the rest would cross it. Returns the preempted VMs."""
-        end = self.t + dt
-        gone: dict[str, _Node] = {}
-        while self.t < end - 1e-9:
-            change = min((self.market.next_change(n.offer, self.t) for n in self.nodes.values()), default=math.inf)
-            lost = self.advance(min(end, change) - self.t, stop_at_first_loss)
-            gone.update(lost)
-            if (lost and stop_at_first_loss) or (self.t < end - 1e-9 and not self.affordable(end - self.t)):
-                break
-        return gone
+        while True:
+            until = min([end] + [self.market.next_change(n.offer, self.t) for n in self.nodes.values()])
+            for iid in self.nodes:
+                self.rented_node_s += min(draws.get(iid, until), until) - self.t
+            for iid, at in sorted(draws.items(), key=lambda kv: kv[1]):
+                if at <= until and iid in self.nodes:
+                    self.events.append({"t": at, "type": "node_preempted", "instance_id": iid})
+                    gone[iid] = self.nodes.pop(iid)
+                    self.closed_usd += self.usd(gone[iid], at, ended=True)
+                    self.preemptions += 1
+            self.t = until
+            for n in self.nodes.values():   # the ledger's record of a price move, as the driver writes it
+                if self.market.next_change(n.offer, until - 1e-9) <= until:
+                    self.events.append({"t": until, "type": "node_price", "instance_id": n.iid,
+                                        "usd_per_hour": self.price(n)})
+            if self.t >= end - 1e-9 or not self.affordable(end - self.t):
+                return gone
 
     def train_phase(self, members: list[_Node], dt: float, share: float = 1.0) -> None:
         """Credit one outer step to `members` (they all kept their work; `share` of a whole inner
@@ -295,6 +293,11 @@ def _elastic(run: _Run) -> None:
     leaving: set[str] = set()   # released by the policy mid-phase: they go at the step boundary
     short_since = None
 
+    def record_move(move) -> None:
+        run.events.append({"t": run.t, "type": "replica_move", "drain_instance_id": move.drain,
+                           "zone": move.add.offer.zone, "instance_type": move.add.offer.instance_type,
+                           "usd_per_hour": move.add.offer.usd_per_hour})
+
     def act(horizon_s: float) -> None:
         """Ask the policy and do what it says, again after each refused launch (the refusal rests
         that offer), as the driver does on its next tick."""
@@ -328,8 +331,10 @@ def _elastic(run: _Run) -> None:
                     if a.move is not None:
                         run.nodes[iid].drain_for = a.move.drain   # the new VM replaces that one
                         run.moves += 1
+                        record_move(a.move)
                 elif isinstance(a, Release):   # a move whose old replica leaves at once
                     run.moves += 1
+                    record_move(a.move)
                     if horizon_s:
                         leaving.add(a.instance_id)
                     else:
@@ -361,7 +366,7 @@ def _elastic(run: _Run) -> None:
             dt = (min(booting) - run.t) if booting else WAIT_S
             if not run.affordable(dt):
                 break
-            run.hold(dt, stop_at_first_loss=False)
+            run.advance(dt, stop_at_first_loss=False)
             continue
         short_since = None
         world = evaluate(run.quotes_of(members), recipe)
@@ -374,7 +379,7 @@ def _elastic(run: _Run) -> None:
         margin_s = max(0.5, 2 * world.sync_penalty_s)
         ids = {m.iid for m in members}
         while run.t < end - 1e-6 and run.status is None:
-            gone = run.hold(end - run.t, stop_at_first_loss=True)
+            gone = run.advance(end - run.t, stop_at_first_loss=True)
             if not gone:
                 continue
             lost.update(gone)
@@ -436,14 +441,14 @@ def _whole_job(run: _Run, spot: bool, on_loss: str) -> None:
             dt = (max(booting) - run.t) if booting and len(members) == n else WAIT_S
             if not run.affordable(dt):
                 break
-            lost = run.hold(dt, stop_at_first_loss=True)
+            lost = run.advance(dt, stop_at_first_loss=True)
             if run.status is not None:
                 break
         else:
             dt = evaluate(run.quotes_of(members), recipe).phase_s
             if not run.affordable(dt):
                 break
-            lost = run.hold(dt, stop_at_first_loss=True)
+            lost = run.advance(dt, stop_at_first_loss=True)
             if run.status is not None:
                 break
             if not lost:
@@ -455,16 +460,33 @@ def _whole_job(run: _Run, spot: bool, on_loss: str) -> None:
     run.release_all()
 
 
-def simulate(recipe, trace_path: str, policies: list[str] | None = None, seed: int = 0) -> list[dict]:
-    """Each policy's figures on the trace: cost_usd, tokens, usd_per_mtok, wall_h, preemptions,
-    effective_training_time (kept node-seconds over rented node-seconds), status."""
+def _market(recipe, trace_path: str) -> TraceMarket:
     from providers.simmarket import TraceError, read_trace_rows
 
     try:
         rows = read_trace_rows(trace_path)
     except TraceError as exc:
         raise UserError(str(exc)) from None
-    market = TraceMarket(rows, recipe)
+    return TraceMarket(rows, recipe)
+
+
+def bound_usd_per_mtok(recipe, trace_path: str) -> float | None:
+    """The least USD per 1M tokens any policy could pay on the trace (`elastic.bound`); None when
+    no policy can train the run's tokens in time."""
+    from elastic.bound import lower_bound_usd_per_mtok
+
+    bound = lower_bound_usd_per_mtok(recipe, _market(recipe, trace_path))
+    return bound if math.isfinite(bound) else None
+
+
+def simulate(recipe, trace_path: str, policies: list[str] | None = None, seed: int = 0,
+             ledgers: dict[str, list[dict]] | None = None) -> list[dict]:
+    """Each policy's figures on the trace: cost_usd, tokens, usd_per_mtok, wall_h, preemptions,
+    effective_training_time (kept node-seconds over rented node-seconds), status. `ledgers`, when
+    given, receives each policy's ledger-shaped events (in trace seconds), as the driver's ledger
+    would hold them: node_launched, node_price, replica_move, capacity_error, node_preempted,
+    node_released."""
+    market = _market(recipe, trace_path)
     out = []
     for policy in policies or list(POLICIES):
         if policy not in POLICIES:
@@ -479,4 +501,6 @@ def simulate(recipe, trace_path: str, policies: list[str] | None = None, seed: i
         else:
             _whole_job(run, spot=True, on_loss="next-region")
         out.append(run.result())
+        if ledgers is not None:
+            ledgers[policy] = run.events
     return out

@@ -66,6 +66,40 @@ def test_budget_is_never_crossed_on_random_traces_and_seeds(tmp_path):
                     assert res["tokens"] == r.train.token_budget
 
 
+def _make_traces():
+    """bench/traces/make_traces.py, imported from its file (bench/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_traces", REPO / "bench/traces/make_traces.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_storm_traces_are_seeded_and_the_policy_keeps_budget_and_deadline_on_them(tmp_path):
+    mt = _make_traces()
+    a = mt.make_storms("a", 12, seed=5, wave_every_h=4.0, cloud_wave_every_h=8.0, out=tmp_path)
+    again = mt.make_storms("b", 12, seed=5, wave_every_h=4.0, cloud_wave_every_h=8.0, out=tmp_path)
+    other = mt.make_storms("c", 12, seed=6, wave_every_h=4.0, cloud_wave_every_h=8.0, out=tmp_path)
+    assert a.read_bytes() == again.read_bytes() != other.read_bytes()
+    with open(a, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["cloud"] for r in rows} == {"aws", "gcp"} and len(rows) == 12 * 12 * 20
+    # Waves reclaim whole regions at once; spikes take a price near on-demand.
+    assert any(float(r["preempt_per_hour"]) >= 2 for r in rows)
+    assert any(float(r["spot_usd_per_hour"]) >= 0.7 * float(r["on_demand_usd_per_hour"]) for r in rows)
+    multi = load_recipe(REPO / "recipes/multi-cloud.yaml", ["train.token_budget=2000000000"])
+    for limits in (["budget.max_usd=150"], ["budget.max_hours=6"]):
+        r = load_recipe(REPO / "recipes/multi-cloud.yaml", ["train.token_budget=2000000000", *limits])
+        for seed in range(2):
+            res = simulate(r, str(a), ["elastic"], seed=seed)[0]
+            assert res["cost_usd"] <= r.budget.max_usd + 1e-9 and res["wall_h"] <= r.budget.max_hours + 1e-9
+            if limits == ["budget.max_hours=6"]:
+                assert res["status"] == "completed"      # 2 B tokens fit well within 6 h
+    free = simulate(multi, str(a), ["elastic"], seed=0)[0]
+    assert free["status"] == "completed" and free["tokens"] == 2_000_000_000
+
+
 def test_seeded_and_preemptions_cost_work(tmp_path):
     trace = write_trace(tmp_path / "t.csv", [row(0, "r1a", 9.0, rate=1.0), row(0, "r2a", 10.0, rate=1.0)])
     r = recipe()
@@ -147,14 +181,24 @@ def test_bad_traces_are_one_clear_line(tmp_path, body, message):
 
 
 def test_cli_simulate_json_and_errors(tmp_path):
-    proc = run_cli("simulate", "recipes/multi-cloud.yaml", "--trace", "bench/traces/volatile.csv", "--json")
+    # Two regions whose spot prices trade places every 2 h, preemptions in both (a small trace: the
+    # bound takes seconds on bench/traces).
+    rows = [row(h * 3600, zone, spot, rate=0.5, it="a2-highgpu-8g") for h in range(0, 48, 2)
+            for zone, spot in (("r1a", 8.0 if h % 4 else 14.0), ("r2a", 14.0 if h % 4 else 8.0))]
+    trace = write_trace(tmp_path / "t.csv", rows)
+    proc = run_cli("simulate", "recipes/multi-cloud.yaml", "--trace", trace, "--json")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert set(doc["policies"]) == {"elastic", "on-demand", "spot-static", "skypilot-like"}
     recipe = load_recipe(REPO / "recipes/multi-cloud.yaml")
+    bound = doc["bound_usd_per_mtok"]
     for res in doc["policies"].values():
-        assert {"cost_usd", "tokens", "usd_per_mtok", "wall_h", "preemptions", "effective_training_time"} <= set(res)
+        assert {"cost_usd", "tokens", "usd_per_mtok", "wall_h", "preemptions", "effective_training_time",
+                "ratio_to_bound"} <= set(res)
         assert res["cost_usd"] <= recipe.budget.max_usd
+        # No policy pays less than the bound (its draws can beat the expectation, not by this much).
+        assert res["ratio_to_bound"] == pytest.approx(res["usd_per_mtok"] / bound, abs=1e-3)
+        assert res["ratio_to_bound"] > 0.9
     el, od = doc["policies"]["elastic"], doc["policies"]["on-demand"]
     assert el["status"] == "completed" and el["usd_per_mtok"] < od["usd_per_mtok"]
     bad = tmp_path / "bad.csv"

@@ -1,0 +1,124 @@
+"""`policy.decide` from hand-made snapshots (no clock, no provider, no ledger), and the budget rules."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic.planner import Progress
+from elastic.policy import (HoldBack, Node, Refusal, Release, Rent, Replan, Retarget, Snapshot, decide, due,
+                            launch_fits_budget, stop_for_budget)
+from tests.elastic.test_planner import offer, quote, recipe
+
+T = 10_000.0   # the snapshot's clock, seconds
+
+
+def snap(r, nodes=(), quotes=(), **kw) -> Snapshot:
+    fields = {"time_s": T, "started_s": 0.0, "planned": True, "target_replicas": 0,
+              "last_replan_s": T, "progress": Progress(hours=T / 3600)}
+    return Snapshot(r, nodes=tuple(nodes), quotes=tuple(quotes), **{**fields, **kw})
+
+
+def held(n, zone="r1a", usd=8.0, **kw):
+    return [Node(f"i{k}", quote(offer(zone, usd)), launched_at_s=0.0, **kw) for k in range(n)]
+
+
+def rents(actions):
+    return [a.quote.offer.zone for a in actions if isinstance(a, Rent)]
+
+
+def test_first_decision_sizes_the_world_and_rents_it_where_the_planner_says():
+    r = recipe()
+    acts = decide(snap(r, quotes=[quote(offer("r1a", 10.0)), quote(offer("r2a", 8.0))], planned=False))
+    assert acts[0] == Retarget(4, 0.0, grown=False)
+    assert rents(acts) == ["r2a"] * 4
+    # A world at its target: nothing to do, and `due` says so without reading offers.
+    full = snap(r, held(4, "r2a"), target_replicas=4)
+    assert not due(full) and decide(full) == []
+
+
+def test_every_node_noticed_at_once_is_replaced_at_once():
+    r = recipe()
+    noticed = held(4, leaving=True, notice_deadline_s=T + 120)
+    s = snap(r, noticed, [quote(offer("r1a", 8.0)), quote(offer("r2a", 9.0))], target_replicas=4)
+    assert due(s)
+    assert rents(decide(s)) == ["r1a"] * 4   # leaving nodes do not count towards the world
+    # Launches already under way count: only the rest is rented.
+    s = snap(r, noticed, [quote(offer("r1a", 8.0))], target_replicas=4, pending=(offer("r1a", 8.0),) * 3)
+    assert rents(decide(s)) == ["r1a"]
+
+
+def test_offers_refusing_capacity_rest_for_the_cooldown_then_count_again():
+    r = recipe(**{"planner.capacity_cooldown_s": 300})
+    quotes = [quote(offer("r1a", 8.0)), quote(offer("r1b", 9.0))]
+    refused = (Refusal(quotes[0].key, T - 10),)
+    assert rents(decide(snap(r, held(3, "r1b", 9.0), quotes, target_replicas=4, refusals=refused))) == ["r1b"]
+    later = (Refusal(quotes[0].key, T - 301),)
+    assert rents(decide(snap(r, held(3, "r1b", 9.0), quotes, target_replicas=4, refusals=later))) == ["r1a"]
+    # Every offer resting, or at its known capacity: a capacity hold-back, nothing rented.
+    every = tuple(Refusal(q.key, T - 10) for q in quotes)
+    acts = decide(snap(r, held(3, "r1b", 9.0), quotes, target_replicas=4, refusals=every))
+    assert acts == [HoldBack("capacity", held=3)]
+    full = [quote(offer("r1a", 8.0), capacity=0)]
+    assert decide(snap(r, held(3, "r1b", 9.0), full, target_replicas=4)) == [HoldBack("capacity", held=3)]
+
+
+def test_budget_edge_for_launches_and_for_the_next_step():
+    r = recipe(**{"budget.max_usd": 100})
+    quotes = [quote(offer("r1a", 10.0))]
+    # Three VMs at $10/h held, $99.4 spent: one more for AWS's one-minute minimum is 99.4 + 40/60 > 100.
+    acts = decide(snap(r, held(3, usd=10.0), quotes, target_replicas=4, spent_usd=99.4))
+    assert acts == [HoldBack("budget", held=3, usd_per_hour=10.0, gives_up=False)]
+    assert rents(decide(snap(r, held(3, usd=10.0), quotes, target_replicas=4, spent_usd=99.3))) == ["r1a"]
+    # Nothing held, nothing on its way and no launch affordable: the run cannot go on.
+    acts = decide(snap(r, (), quotes, target_replicas=4, spent_usd=99.9))
+    assert acts == [HoldBack("budget", held=0, usd_per_hour=10.0, gives_up=True)]
+    # The next outer step: 600 s of 3 × $10/h = $5.
+    s = snap(r, held(3, usd=10.0), spent_usd=95.0)
+    assert stop_for_budget(s, 600) is None
+    assert "budget.max_usd" in stop_for_budget(s, 601).reason
+    hours = snap(recipe(**{"budget.max_hours": 3}), time_s=3 * 3600 - 600)
+    assert stop_for_budget(hours, 600) is None and "budget.max_hours" in stop_for_budget(hours, 601).reason
+    # Launch rule: the cloud's minimum, or until the budget is next checked when longer.
+    vm = offer("r1a", 10.0)
+    assert launch_fits_budget(99.0, 20.0, vm, r) is True        # 99 + 30 × 60/3600 = 99.5 (AWS: a minute)
+    assert launch_fits_budget(99.4, 30.0, vm, r) is False       # 99.4 + 40 × 60/3600 > 100
+    assert launch_fits_budget(99.0, 20.0, vm, r, horizon_s=600) is False
+    assert launch_fits_budget(99.9, 30.0, offer("r1a", 10.0, cloud="local"), r) is True   # per second
+    assert launch_fits_budget(99.0, 20.0, vm, recipe(**{"budget.max_usd": 100,
+                                                        "planner.billing_increment_s": 3600})) is False
+
+
+def test_price_spike_on_the_only_region_moves_nothing_but_a_cheaper_region_does():
+    r = recipe(**{"planner.replan_every_s": 300, "world.replicas": 2})
+    spiked = held(2, "r1a", 40.0)
+    due_at = {"last_replan_s": T - 300, "target_replicas": 2}
+    # The spike is everywhere the recipe may rent: a re-plan happens, no move is worth its boot.
+    acts = decide(snap(r, spiked, [quote(offer("r1a", 40.0))], **due_at))
+    assert acts == [Replan(T)]
+    # Not yet due, or the world still changing: no re-plan at all.
+    assert decide(snap(r, spiked, [quote(offer("r2a", 8.0))], last_replan_s=T - 299, target_replicas=2)) == []
+    booting = [spiked[0], Node("i9", quote(offer("r1a", 40.0)), 0.0, ready=False)]
+    assert decide(snap(r, booting, [quote(offer("r2a", 8.0))], **due_at)) == []
+    # A region five times cheaper: both replicas move, most expensive first. The first leaves at
+    # once (its tokens while r2a boots cost more than r2a's will); the last stays until its
+    # replacement trains (world.min_replicas keep the state).
+    acts = decide(snap(r, spiked, [quote(offer("r1a", 40.0)), quote(offer("r2a", 8.0))], **due_at))
+    assert acts[0] == Replan(T)
+    assert isinstance(acts[1], Release) and acts[1].instance_id == "i0" and acts[1].move.add.offer.zone == "r2a"
+    assert isinstance(acts[2], Rent) and acts[2].quote.offer.zone == "r2a" and acts[2].move is None
+    assert isinstance(acts[3], Rent) and (acts[3].quote.offer.zone, acts[3].move.drain) == ("r2a", "i1")
+    # Each move within the budget: $1 left pays for one more minute of three VMs, not of four.
+    budget = recipe(**{"planner.replan_every_s": 300, "world.replicas": 2, "budget.max_usd": 100})
+    acts = decide(snap(budget, spiked, [quote(offer("r2a", 8.0))], spent_usd=100 - 88 / 60, **due_at))
+    assert len([a for a in acts if isinstance(a, Rent)]) == 1
+
+
+def test_deadline_grows_the_world_at_a_replan():
+    r = recipe(**{"train.token_budget": 10_000_000_000, "budget.max_hours": 40, "planner.replan_every_s": 300})
+    s = snap(r, held(4), [quote(offer("r1a", 8.0))], last_replan_s=T - 300, target_replicas=4,
+             progress=Progress(tokens=0, hours=10.0))
+    acts = decide(s)
+    grown = [a for a in acts if isinstance(a, Retarget)]
+    assert grown and grown[0].grown and grown[0].replicas > 4
+    assert rents(acts) == ["r1a"] * (grown[0].replicas - 4)
+    assert grown[0].hours_to_finish == pytest.approx(grown[0].hours_to_finish)

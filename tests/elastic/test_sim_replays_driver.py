@@ -1,0 +1,88 @@
+"""The simulator replays the driver: one recipe and one trace, run by `elastic simulate`'s elastic
+policy and by the real driver on the local simulated-spot provider (`local.market` replaying the
+trace); both execute `policy.decide`, so they take the same actions in the same order. Each bills
+through `elastic.billing`: the simulator's cost is its ledger's cost as the report prices it."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic.driver import run_attached
+from elastic.report import build_report, cost_so_far
+from elastic.simulate import simulate
+from tests.conftest import tiny_recipe
+
+pytestmark = pytest.mark.slow
+
+DROP_S = 5.0   # trace second from which r2a costs a tenth
+
+
+def actions(events: list[dict]) -> list[tuple]:
+    """What the policy did, in order, free of instance ids: each launch's zone, and each move's
+    zone with the zone of the VM it replaces."""
+    zone = {e["instance_id"]: e["zone"] for e in events if e["type"] == "node_launched"}
+    out = []
+    for e in events:
+        if e["type"] == "node_launched":
+            out.append(("launch", e["zone"]))
+        elif e["type"] == "replica_move":
+            out.append(("move", e["zone"], zone[e["drain_instance_id"]]))
+    return out
+
+
+def scenario(tmp_path):
+    """The trace and the recipe. r1a holds one VM, so the second replica spills over to r1b; r1a's
+    price moves a little at 3 s (billed, not worth a move); at DROP_S r2a falls to a tenth of the
+    price and both replicas move there, the dearer first. No preemptions: the run is decided by the
+    policy alone, not by draws."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("timestamp_s,cloud,region,zone,instance_type,gpu,gpus,spot_usd_per_hour,"
+                     "on_demand_usd_per_hour,preempt_per_hour,capacity\n"
+                     "0,local,r1,r1a,cpu,,0,40,120,0,1\n"
+                     "0,local,r1,r1b,cpu,,0,45,120,0,4\n"
+                     "0,local,r2,r2a,cpu,,0,50,120,0,4\n"
+                     "3,local,r1,r1a,cpu,,0,42,120,0,1\n"
+                     f"{DROP_S:g},local,r2,r2a,cpu,,0,5,120,0,4\n")
+    recipe = tiny_recipe(**{
+        "world.replicas": 2, "world.max_replicas": 4, "train.outer_steps": 40, "train.inner_steps": 4,
+        "checkpoint.every_outer_steps": 0, "local.market.time_compression": 0.001,
+        "local.market.trace": str(trace), "planner.replan_every_s": 0.5, "planner.recovery_s": 1,
+        "planner.cross_region_sync_s": 0,
+        "local.instance_types": "[{name: cpu, region: r1, zone: r1a}, {name: cpu, region: r1, zone: r1b}, "
+                                "{name: cpu, region: r2, zone: r2a}]"})
+    return trace, recipe
+
+
+def test_the_simulator_takes_the_drivers_actions_and_bills_as_the_report(local_cluster, tmp_path):
+    trace, recipe = scenario(tmp_path)
+    expected = [("launch", "r1a"), ("launch", "r1b"), ("move", "r2a", "r1b"), ("move", "r2a", "r1a"),
+                ("launch", "r2a"), ("launch", "r2a")]
+
+    ledgers: dict[str, list[dict]] = {}
+    sim = simulate(recipe, str(trace), ["elastic"], ledgers=ledgers)[0]
+    assert sim["status"] == "completed"
+    sim_events = ledgers["elastic"]
+    # The moves are decided before their VMs launch: compare launches and moves each in order.
+    assert [a for a in actions(sim_events) if a[0] == "launch"] == [a for a in expected if a[0] == "launch"]
+    assert [a for a in actions(sim_events) if a[0] == "move"] == [a for a in expected if a[0] == "move"]
+    # One bill: the simulator's cost is its ledger's, priced by the report (price moves included).
+    assert any(e["type"] == "node_price" for e in sim_events)
+    end = sim["wall_h"] * 3600
+    assert cost_so_far(sim_events, end) == pytest.approx(sim["cost_usd"], abs=1e-4)
+
+    # The driver: the market's own clock barely moves (compression 0.001); the test moves it past
+    # the drop once the world trains, as the trace's time passes in the simulator.
+    def prices_drop(driver, phase, members):
+        if driver.world.outer_step == 2 and phase == "inner":
+            with driver.provider._lock:
+                if driver.provider.market.sim_time_s < DROP_S:
+                    driver.provider.market.advance(DROP_S / 0.001)
+
+    status, events = run_attached(recipe, local_cluster, tmp_path / "run", on_phase=prices_drop, run_name="replay")
+    assert status == "completed"
+    driven = actions(events)
+    assert [a for a in driven if a[0] == "launch"] == [a for a in expected if a[0] == "launch"]
+    assert [a for a in driven if a[0] == "move"] == [a for a in expected if a[0] == "move"]
+    # The driver's running cost (what its budget checks read) is the report's cost.
+    last = events[-1]["t"]
+    assert cost_so_far(events, last) == pytest.approx(build_report(events)["cost_usd"], abs=1e-6)
