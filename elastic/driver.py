@@ -243,8 +243,8 @@ class Driver:
                     self._capacity_logged = True
                     self.ledger.append("launch_held_back", reason="capacity", held=a.held,
                                        message="every offer the recipe allows is at its known capacity")
-            elif isinstance(a, HoldBack):
-                self._budget_held_back = True
+            elif isinstance(a, HoldBack) and a.reason == "budget":
+                self._capacity_logged, self._budget_held_back = False, True
                 if not self._budget_logged:
                     self._budget_logged = True
                     self.ledger.append("launch_held_back", reason="budget.max_usd", spent_usd=round(snap.spent_usd, 6),
@@ -276,7 +276,7 @@ class Driver:
 
     def _spent(self, now: float) -> float:
         """USD spent so far (the ledger priced up to `now`). Rebuilt only when the ledger grew or a
-        second passed: top_up asks on every 0.1 s tick while it wants a node."""
+        second passed: the policy asks on every 0.1 s tick while it wants a node."""
         n, at, usd = self._spent_memo
         if n != len(self.ledger.events) or now - at >= 1.0:
             usd = cost_so_far(self.ledger.events, now)

@@ -132,7 +132,8 @@ class HoldBack:
     """A launch the world wants was not made.
 
     Args:
-        reason: `capacity` (every offer is at its known capacity or resting) or `budget`.
+        reason: `capacity` (every offer is at its known capacity), `resting` (every offer rests
+            after a refusal) or `budget`.
         held: nodes held or on their way.
         usd_per_hour: for `budget`, the price of the launch refused.
         gives_up: for `budget`, too few nodes for world.min_replicas and none on its way: the run
@@ -273,7 +274,10 @@ def _top_up(s: Snapshot, quotes: list[Quote], held: list[Quote], wanted: int) ->
     held = list(held)
     spent, rate = s.spent_usd, usd_per_hour_held(s)
     for _ in range(wanted):
-        q = choose_launch(quotes, s.recipe, held, s.progress) if quotes else None
+        if not quotes:
+            out.append(HoldBack("resting", held=len(held)))
+            break
+        q = choose_launch(quotes, s.recipe, held, s.progress)
         if q is None:
             out.append(HoldBack("capacity", held=len(held)))
             break

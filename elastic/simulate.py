@@ -288,7 +288,7 @@ def _elastic(run: _Run) -> None:
     recipe = run.recipe
     w = recipe.world
     market = Market(recipe.planner)
-    state = {"target": 0, "planned": False, "last_replan": -math.inf}
+    state = {"target": 0, "planned": False, "last_replan": 0.0}   # as the driver: the first re-plan one interval in
     refusals: list[Refusal] = []
     leaving: set[str] = set()   # released by the policy mid-phase: they go at the step boundary
     short_since = None

@@ -54,10 +54,10 @@ def test_offers_refusing_capacity_rest_for_the_cooldown_then_count_again():
     assert rents(decide(snap(r, held(3, "r1b", 9.0), quotes, target_replicas=4, refusals=refused))) == ["r1b"]
     later = (Refusal(quotes[0].key, T - 301),)
     assert rents(decide(snap(r, held(3, "r1b", 9.0), quotes, target_replicas=4, refusals=later))) == ["r1a"]
-    # Every offer resting, or at its known capacity: a capacity hold-back, nothing rented.
+    # Every offer resting, or at its known capacity: held back, nothing rented.
     every = tuple(Refusal(q.key, T - 10) for q in quotes)
     acts = decide(snap(r, held(3, "r1b", 9.0), quotes, target_replicas=4, refusals=every))
-    assert acts == [HoldBack("capacity", held=3)]
+    assert acts == [HoldBack("resting", held=3)]
     full = [quote(offer("r1a", 8.0), capacity=0)]
     assert decide(snap(r, held(3, "r1b", 9.0), full, target_replicas=4)) == [HoldBack("capacity", held=3)]
 
