@@ -220,7 +220,7 @@ class Driver:
         """Gather a snapshot, ask the policy (`policy.decide`) and do what it says: rent (in the
         background; a move's old replica drains once the new one trains), grow the world's target,
         record what was held back. Offers are read only when the policy has something to decide."""
-        from elastic.policy import HoldBack, Rent, Replan, Retarget, decide, due
+        from elastic.policy import HoldBack, Release, Rent, Replan, Retarget, decide, due
 
         if not due(self._snapshot()):
             return
@@ -251,17 +251,23 @@ class Driver:
                     self._budget_logged = True
                     self.ledger.append("launch_held_back", reason="budget.max_usd", spent_usd=round(snap.spent_usd, 6),
                                        usd_per_hour=a.usd_per_hour)
+            elif isinstance(a, Release):   # a move whose old replica leaves now, not once the new one trains
+                rep = self.world.replica_on(a.instance_id)
+                if rep is not None and rep.replica_id in self.world.replicas:
+                    self._draining[rep.replica_id] = time.time()
+                    self._record_move(a.move)
             elif isinstance(a, Rent):
                 self._capacity_logged = self._budget_held_back = False
                 fut = self._launch(a.quote.offer)
                 if a.move is not None:
-                    move = a.move
-                    self._move_of[fut] = move.drain
-                    self.ledger.append("replica_move", drain_instance_id=move.drain, zone=move.add.offer.zone,
-                                       instance_type=move.add.offer.instance_type,
-                                       usd_per_hour=move.add.offer.usd_per_hour,
-                                       usd_per_mtok_before=round(move.usd_per_mtok_before, 6),
-                                       usd_per_mtok_after=round(move.usd_per_mtok_after, 6))
+                    self._move_of[fut] = a.move.drain
+                    self._record_move(a.move)
+
+    def _record_move(self, move) -> None:
+        self.ledger.append("replica_move", drain_instance_id=move.drain, zone=move.add.offer.zone,
+                           instance_type=move.add.offer.instance_type, usd_per_hour=move.add.offer.usd_per_hour,
+                           usd_per_mtok_before=round(move.usd_per_mtok_before, 6),
+                           usd_per_mtok_after=round(move.usd_per_mtok_after, 6))
 
     def _launch(self, offer) -> Future:
         fut = self._pool.submit(self.providers[offer.cloud].launch, offer, self.run_name, "replica")

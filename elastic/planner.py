@@ -336,6 +336,31 @@ def choose_launch(quotes: list[Quote], recipe, held: list[Quote], progress: Prog
     return pl.quotes[len(held)] if len(pl.quotes) > len(held) else None
 
 
+def lifetime_h(q: Quote, hours_left: float | None = None) -> float:
+    """Hours a VM rented from `q` is expected to train before a preemption takes it (1 / its
+    learnt rate), at most `hours_left` (what the run still needs)."""
+    life = 1 / q.preempt_per_hour if q.preempt_per_hour > 0 else float("inf")
+    return min(life, hours_left) if hours_left is not None and hours_left > 0 else life
+
+
+def launch_usd_per_mtok(q: Quote, recipe, hours_left: float | None = None) -> float:
+    """Expected USD per million useful tokens of a VM rented now from `q`, its boot and join
+    (`planner.recovery_s`, billed, no tokens) spread over its expected lifetime (`lifetime_h`): a
+    cheap offer that is reclaimed within the hour is dear once its boot is paid."""
+    boot_h = recipe.planner.recovery_s / 3600
+    life = lifetime_h(q, hours_left)
+    return usd_per_mtok(q, recipe) * (1 + boot_h / life) if life > 0 else float("inf")
+
+
+def leaves_at_once(old: Quote, new: Quote, recipe, hours_left: float | None = None) -> bool:
+    """Whether a moved replica should leave the moment its replacement is rented, not once the
+    replacement trains: its tokens while the new VM boots cost more than the new VM's will, boot
+    included, so they are cheaper trained later (the world goes on, one replica short, meanwhile).
+    A price spike is the usual case: holding the old VM through the boot is the dearest part of
+    the move."""
+    return usd_per_mtok(old, recipe) > launch_usd_per_mtok(new, recipe, hours_left)
+
+
 @dataclass(frozen=True)
 class Move:
     """Rent `add` first; once its replica has joined, drain the replica on `drain` (an instance id).

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 from elastic import billing
 from elastic.market import Key, Quote, offer_key
-from elastic.planner import Move, Progress, choose_launch, hours_to_finish, plan, replan_all
+from elastic.planner import (Move, Progress, choose_launch, evaluate, hours_to_finish, leaves_at_once, plan,
+                             replan_all)
 from providers.base import Offer
 
 
@@ -152,7 +153,16 @@ class StopForBudget:
     reason: str
 
 
-Action = Rent | Retarget | Replan | HoldBack   # what `decide` returns; `stop_for_budget` the other one
+@dataclass(frozen=True)
+class Release:
+    """Let the replica on `instance_id` leave at the next step boundary and release its VM: the old
+    replica of `move`, not worth keeping while its replacement (the `Rent` that follows) boots."""
+
+    instance_id: str
+    move: Move
+
+
+Action = Rent | Release | Retarget | Replan | HoldBack   # what `decide` returns; `stop_for_budget` the other one
 
 
 # -- the rules -------------------------------------------------------------------------------------
@@ -283,16 +293,33 @@ def _top_up(s: Snapshot, quotes: list[Quote], held: list[Quote], wanted: int) ->
 
 def _moves(s: Snapshot, quotes: list[Quote], in_world: list[Node]) -> list[Action]:
     """Move the replicas a clearly cheaper offer beats (most expensive first), each within the
-    budget. Old and new are both held until the new one trains (a boot's length), so a move may
-    pass world.max_replicas for that long: capping the moves at the room left cost about 5 % per
-    token on bench/traces/volatile.csv, where whole worlds move at once."""
+    budget. The old replica leaves at once when it trains dearer than its replacement will
+    (`planner.leaves_at_once`; at least world.min_replicas keep training), else once the new one
+    trains: old and new are then both held for a boot's length, so a move may pass
+    world.max_replicas for that long (capping the moves at the room left cost about 5 % per token
+    on bench/traces/volatile.csv, where whole worlds move at once)."""
     held = [(n.instance_id, n.quote) for n in in_world if n.ready]
+    staying = len(in_world)
+    hours_left = _hours_left(s, [q for _, q in held])
     out: list[Action] = []
     rate = usd_per_hour_held(s)
     for move in replan_all(quotes, held, s.recipe, progress=s.progress):
+        old = next(q for iid, q in held if iid == move.drain)
+        at_once = staying > s.recipe.world.min_replicas and leaves_at_once(old, move.add, s.recipe, hours_left)
         if not launch_fits_budget(s.spent_usd, rate, move.add.offer, s.recipe, horizon_s=s.budget_horizon_s):
             break
-        out.append(Rent(move.add, move=move))
+        if at_once:
+            out += [Release(move.drain, move), Rent(move.add)]
+            staying -= 1   # still billed until it leaves: its price stays in `rate`
+        else:
+            out.append(Rent(move.add, move=move))
         rate += move.add.offer.usd_per_hour
     return out
 
+
+def _hours_left(s: Snapshot, held: list[Quote]) -> float | None:
+    """Hours the held world needs to finish at its expected pace (None: unknown)."""
+    if not held:
+        return None
+    left = hours_to_finish(evaluate(held, s.recipe), s.recipe, s.progress)
+    return left if 0 < left < float("inf") else None

@@ -34,8 +34,8 @@ from elastic import billing
 from elastic.errors import UserError
 from elastic.market import Market, Quote, offer_key, recipe_tokens_per_s
 from elastic.planner import Progress, allowed, evaluate, run_tokens, tokens_per_phase
-from elastic.policy import (HoldBack, Node, Refusal, Rent, Replan, Retarget, Snapshot, decide, launch_fits_budget,
-                            stop_for_budget)
+from elastic.policy import (HoldBack, Node, Refusal, Release, Rent, Replan, Retarget, Snapshot, decide,
+                            launch_fits_budget, stop_for_budget)
 from providers import notice_s
 from providers.base import Offer
 
@@ -287,7 +287,13 @@ def _elastic(run: _Run) -> None:
     market = Market(recipe.planner)
     state = {"target": 0, "planned": False, "last_replan": 0.0}   # as the driver: the first re-plan one interval in
     refusals: list[Refusal] = []
+    leaving: set[str] = set()   # released by the policy mid-phase: they go at the step boundary
     short_since = None
+
+    def record_move(move) -> None:
+        run.events.append({"t": run.t, "type": "replica_move", "drain_instance_id": move.drain,
+                           "zone": move.add.offer.zone, "instance_type": move.add.offer.instance_type,
+                           "usd_per_hour": move.add.offer.usd_per_hour})
 
     def act(horizon_s: float) -> None:
         """Ask the policy and do what it says, again after each refused launch (the refusal rests
@@ -296,7 +302,8 @@ def _elastic(run: _Run) -> None:
             market.observe(run.events)
             moving = {n.drain_for for n in run.nodes.values() if n.drain_for}
             nodes = tuple(Node(n.iid, market.quote(run.now_offer(n), run.t), n.launched_at,
-                               ready=n.ready_at <= run.t, moving=n.iid in moving) for n in run.nodes.values())
+                               ready=n.ready_at <= run.t, leaving=n.iid in leaving, moving=n.iid in moving)
+                          for n in run.nodes.values())
             snap = run.snapshot(nodes=nodes,
                                 quotes=tuple(market.quotes(run.market.offers(run.t, recipe.resources.spot), run.t)),
                                 refusals=tuple(refusals), target_replicas=state["target"],
@@ -321,13 +328,21 @@ def _elastic(run: _Run) -> None:
                     if a.move is not None:
                         run.nodes[iid].drain_for = a.move.drain   # the new VM replaces that one
                         run.moves += 1
-                        run.events.append({"t": run.t, "type": "replica_move", "drain_instance_id": a.move.drain,
-                                           "zone": a.quote.offer.zone, "instance_type": a.quote.offer.instance_type,
-                                           "usd_per_hour": a.quote.offer.usd_per_hour})
+                        record_move(a.move)
+                elif isinstance(a, Release):   # a move whose old replica leaves at once
+                    run.moves += 1
+                    record_move(a.move)
+                    if horizon_s:
+                        leaving.add(a.instance_id)
+                    else:
+                        run.release(a.instance_id)
             if not refused:
                 return
 
     while run.tokens < run.target_tokens:
+        for iid in leaving:
+            run.release(iid)
+        leaving.clear()
         # A moved replica leaves once its replacement trains.
         for n in [n for n in run.nodes.values() if n.drain_for]:
             if n.ready_at <= run.t:

@@ -2,6 +2,7 @@
 it again writes the same files.
 
     python bench/traces/make_traces.py
+    python bench/traces/make_traces.py --storms-seed 7 --out /tmp/t   # one more storms trace, unseen
 
 Traces (`bench/policies.py` runs every policy over each; issue 7's goals apply to all):
 
@@ -48,6 +49,20 @@ listed in bench/traces/README.md; what no source pins down is marked "assumed".
 0.08 per sqrt(h), no events, capacity 4-24 VMs in every zone at all times and hazards of 0.02-0.35
 per node-hour. A whole-job restart is cheap there once it sits in a quiet zone: it is the market
 where elasticity has least to win (`bench/policies.py` prints the least any policy could pay).
+
+`spikes.csv` and `waves.csv` (48 h each, `make_storms`, seeds 21 and 22; `--storms-seed N` writes
+another of the same family for a policy to be judged on a market it was not tuned on) — volatile
+markets whose events strike at random times and places, not at whatever was cheapest:
+- Offers, on-demand prices, base spot prices and zone hazards as in `volatile.csv`; capacity 2-24
+  VMs per zone and type; the log-price walk reverts over ~2 h with volatility 0.3 per sqrt(h).
+- Price spikes: each zone and type, at 1 per 16 h (`spikes`: 1 per 8 h), jumps to 70-100 % of
+  on-demand for an exponential 1.5 h; each cloud, at 1 per 24 h, all its spot prices ×1.5-2 for
+  an exponential 2 h.
+- Preemption waves, correlated: each region, at 1 per 24 h (`waves`: 1 per 10 h), 2-8 per
+  node-hour for an exponential 1 h, its capacity cut to 0-2 VMs half the time; each cloud, at 1 per
+  48 h (`waves`: 1 per 20 h), every region at once, 2-5 per node-hour for an exponential 45 min.
+- Assumed, as spot markets are said to behave (demand shows in the price before capacity runs
+  out): a wave's region sees its spot prices climb 30-60 % over the 45 min before it.
 """
 
 from __future__ import annotations
@@ -154,8 +169,64 @@ def make_scarce(name: str, hours: float, seed: int) -> Path:
     return write(name, rows)
 
 
-def write(name: str, rows: list) -> Path:
-    path = HERE / f"{name}.csv"
+def _spells(rng: random.Random, hours: float, per_h: float, mean_h: float) -> list[tuple[float, float]]:
+    """Poisson event starts at `per_h` over `hours`, each lasting an exponential `mean_h`:
+    [(start_h, end_h)]."""
+    out, h = [], rng.expovariate(per_h)
+    while h < hours:
+        out.append((h, h + rng.expovariate(1 / mean_h)))
+        h += rng.expovariate(per_h)
+    return out
+
+
+def make_storms(name: str, hours: float, seed: int, spike_every_h: float = 16.0, wave_every_h: float = 24.0,
+                cloud_wave_every_h: float = 48.0, out: Path = HERE) -> Path:
+    """A volatile market with price spikes and correlated preemption waves at random (see the
+    module docstring for every figure)."""
+    rng = random.Random(seed)
+    series, hazard_of = [], {}
+    for cloud, region, zone, mult in ZONES:
+        hazard_of[zone] = math.exp(rng.uniform(math.log(0.02), math.log(0.35)))
+        for it, gpu, od in TYPES[cloud]:
+            series.append({"cloud": cloud, "region": region, "zone": zone, "it": it, "gpu": gpu,
+                           "od": round(od * mult, 2), "base": rng.uniform(0.22, 0.45), "cap": rng.randint(2, 24),
+                           "dev": 0.0, "spikes": _spells(rng, hours, 1 / spike_every_h, 1.5)})
+    clouds = sorted(TYPES)
+    regions = sorted({z[1] for z in ZONES})
+    cloud_spikes = {c: [(a, b, rng.uniform(1.5, 2.0)) for a, b in _spells(rng, hours, 1 / 24, 2.0)] for c in clouds}
+    waves = {r: [(a, b, rng.uniform(2, 8), rng.randint(0, 2) if rng.random() < 0.5 else None)
+                 for a, b in _spells(rng, hours, 1 / wave_every_h, 1.0)] for r in regions}
+    cloud_waves = {c: [(a, b, rng.uniform(2, 5)) for a, b in _spells(rng, hours, 1 / cloud_wave_every_h, 0.75)]
+                   for c in clouds}
+    rows = []
+    dt_h = STEP_S / 3600
+    for i in range(int(hours * 3600 / STEP_S)):
+        t, h = i * STEP_S, i * dt_h
+        for s in series:
+            s["dev"] += -s["dev"] * dt_h / 2 + 0.3 * math.sqrt(dt_h) * rng.gauss(0, 1)
+            ratio = s["base"] * math.exp(s["dev"])
+            hazard, cap = hazard_of[s["zone"]], s["cap"]
+            for a, b in s["spikes"]:
+                if a <= h < b:
+                    ratio = max(ratio, 0.7 + 0.3 * rng.random())
+            for a, b, x in cloud_spikes[s["cloud"]]:
+                if a <= h < b:
+                    ratio *= x
+            region_waves = [(a, b, x, None) for a, b, x in cloud_waves[s["cloud"]]] + waves[s["region"]]
+            for a, b, rate, cut in region_waves:
+                if a - 0.75 <= h < a:          # demand shows in the price first
+                    ratio *= 1 + 0.6 * (h - a + 0.75) / 0.75
+                if a <= h < b:
+                    hazard = max(hazard, rate)
+                    cap = cap if cut is None else min(cap, cut)
+            ratio = min(1.0, ratio)
+            rows.append([t, s["cloud"], s["region"], s["zone"], s["it"], s["gpu"], 8, round(ratio * s["od"], 4),
+                         s["od"], round(hazard, 4), cap])
+    return write(name, rows, out)
+
+
+def write(name: str, rows: list, out: Path = HERE) -> Path:
+    path = out / f"{name}.csv"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
@@ -165,6 +236,17 @@ def write(name: str, rows: list) -> Path:
 
 
 if __name__ == "__main__":
-    print(make_scarce("scarce", 48, seed=3))
-    print(make("volatile", 48, 0.25, seed=2, events=True))
-    print(make("calm", 48, 0.08, seed=1, events=False))
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--storms-seed", type=int, help="write only storms-SEED.csv, another trace of the storms family")
+    ap.add_argument("--out", type=Path, default=HERE, help="folder to write into (default: bench/traces)")
+    args = ap.parse_args()
+    if args.storms_seed is not None:
+        print(make_storms(f"storms-{args.storms_seed}", 48, seed=args.storms_seed, out=args.out))
+    else:
+        print(make_scarce("scarce", 48, seed=3))
+        print(make("volatile", 48, 0.25, seed=2, events=True))
+        print(make("calm", 48, 0.08, seed=1, events=False))
+        print(make_storms("spikes", 48, seed=21, spike_every_h=8.0))
+        print(make_storms("waves", 48, seed=22, wave_every_h=10.0, cloud_wave_every_h=20.0))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from elastic.market import Market, Quote, load_history, save_history
-from elastic.planner import choose_launch, evaluate, plan, replan, replan_all, usd_per_mtok
+from elastic.planner import (choose_launch, evaluate, launch_usd_per_mtok, leaves_at_once, lifetime_h, plan, replan,
+                             replan_all, usd_per_mtok)
 from providers.base import Offer
 from tests.conftest import tiny_recipe
 
@@ -124,6 +125,20 @@ def test_replan_moves_when_much_cheaper_and_not_on_jitter():
     # A held replica whose price spiked is the one moved.
     spiked = [("i0", quote(offer("r1a", 10.0))), ("i1", quote(offer("r3a", 25.0)))]
     assert replan([quote(here), quote(offer("r3a", 25.0))], spiked, r, remaining_hours=10).drain == "i1"
+
+
+def test_a_new_vms_boot_is_spread_over_its_expected_lifetime():
+    r = recipe()   # recovery_s 600: a sixth of an hour billed before any token
+    calm, stormy = quote(offer("r1a", 10.0), 0.1), quote(offer("r2a", 10.0), 3.0)
+    assert lifetime_h(calm) == pytest.approx(10.0) and lifetime_h(stormy) == pytest.approx(1 / 3)
+    assert lifetime_h(calm, hours_left=2.0) == 2.0 and lifetime_h(quote(offer("r3a", 10.0))) == float("inf")
+    assert launch_usd_per_mtok(calm, r) == pytest.approx(usd_per_mtok(calm, r) * (1 + (1 / 6) / 10))
+    assert launch_usd_per_mtok(stormy, r) == pytest.approx(usd_per_mtok(stormy, r) * 1.5)
+    # The run's last half hour: the boot weighs against that, not against the VM's life.
+    assert launch_usd_per_mtok(calm, r, hours_left=0.5) == pytest.approx(usd_per_mtok(calm, r) * (1 + 1 / 3))
+    # A spiked replica leaves at once; one a little dearer than a stormy replacement stays.
+    assert leaves_at_once(quote(offer("r1a", 40.0), 0.1), calm, r)
+    assert not leaves_at_once(quote(offer("r1a", 11.0), 0.1), stormy, r)
 
 
 def _launched(iid, zone, t, spot=True):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elastic.planner import Progress
-from elastic.policy import (HoldBack, Node, Refusal, Rent, Replan, Retarget, Snapshot, decide, due,
+from elastic.policy import (HoldBack, Node, Refusal, Release, Rent, Replan, Retarget, Snapshot, decide, due,
                             launch_fits_budget, stop_for_budget)
 from tests.elastic.test_planner import offer, quote, recipe
 
@@ -99,11 +99,14 @@ def test_price_spike_on_the_only_region_moves_nothing_but_a_cheaper_region_does(
     assert decide(snap(r, spiked, [quote(offer("r2a", 8.0))], last_replan_s=T - 299, target_replicas=2)) == []
     booting = [spiked[0], Node("i9", quote(offer("r1a", 40.0)), 0.0, ready=False)]
     assert decide(snap(r, booting, [quote(offer("r2a", 8.0))], **due_at)) == []
-    # A region five times cheaper: both replicas move, most expensive first, each a Rent with its move.
+    # A region five times cheaper: both replicas move, most expensive first. The first leaves at
+    # once (its tokens while r2a boots cost more than r2a's will); the last stays until its
+    # replacement trains (world.min_replicas keep the state).
     acts = decide(snap(r, spiked, [quote(offer("r1a", 40.0)), quote(offer("r2a", 8.0))], **due_at))
     assert acts[0] == Replan(T)
-    moves = [a for a in acts if isinstance(a, Rent)]
-    assert [(m.quote.offer.zone, m.move.drain) for m in moves] == [("r2a", "i0"), ("r2a", "i1")]
+    assert isinstance(acts[1], Release) and acts[1].instance_id == "i0" and acts[1].move.add.offer.zone == "r2a"
+    assert isinstance(acts[2], Rent) and acts[2].quote.offer.zone == "r2a" and acts[2].move is None
+    assert isinstance(acts[3], Rent) and (acts[3].quote.offer.zone, acts[3].move.drain) == ("r2a", "i1")
     # Each move within the budget: $1 left pays for one more minute of three VMs, not of four.
     budget = recipe(**{"planner.replan_every_s": 300, "world.replicas": 2, "budget.max_usd": 100})
     acts = decide(snap(budget, spiked, [quote(offer("r2a", 8.0))], spent_usd=100 - 88 / 60, **due_at))

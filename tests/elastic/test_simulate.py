@@ -66,6 +66,40 @@ def test_budget_is_never_crossed_on_random_traces_and_seeds(tmp_path):
                     assert res["tokens"] == r.train.token_budget
 
 
+def _make_traces():
+    """bench/traces/make_traces.py, imported from its file (bench/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_traces", REPO / "bench/traces/make_traces.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_storm_traces_are_seeded_and_the_policy_keeps_budget_and_deadline_on_them(tmp_path):
+    mt = _make_traces()
+    a = mt.make_storms("a", 12, seed=5, wave_every_h=4.0, cloud_wave_every_h=8.0, out=tmp_path)
+    again = mt.make_storms("b", 12, seed=5, wave_every_h=4.0, cloud_wave_every_h=8.0, out=tmp_path)
+    other = mt.make_storms("c", 12, seed=6, wave_every_h=4.0, cloud_wave_every_h=8.0, out=tmp_path)
+    assert a.read_bytes() == again.read_bytes() != other.read_bytes()
+    with open(a, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["cloud"] for r in rows} == {"aws", "gcp"} and len(rows) == 12 * 12 * 20
+    # Waves reclaim whole regions at once; spikes take a price near on-demand.
+    assert any(float(r["preempt_per_hour"]) >= 2 for r in rows)
+    assert any(float(r["spot_usd_per_hour"]) >= 0.7 * float(r["on_demand_usd_per_hour"]) for r in rows)
+    multi = load_recipe(REPO / "recipes/multi-cloud.yaml", ["train.token_budget=2000000000"])
+    for limits in (["budget.max_usd=150"], ["budget.max_hours=6"]):
+        r = load_recipe(REPO / "recipes/multi-cloud.yaml", ["train.token_budget=2000000000", *limits])
+        for seed in range(2):
+            res = simulate(r, str(a), ["elastic"], seed=seed)[0]
+            assert res["cost_usd"] <= r.budget.max_usd + 1e-9 and res["wall_h"] <= r.budget.max_hours + 1e-9
+            if limits == ["budget.max_hours=6"]:
+                assert res["status"] == "completed"      # 2 B tokens fit well within 6 h
+    free = simulate(multi, str(a), ["elastic"], seed=0)[0]
+    assert free["status"] == "completed" and free["tokens"] == 2_000_000_000
+
+
 def test_seeded_and_preemptions_cost_work(tmp_path):
     trace = write_trace(tmp_path / "t.csv", [row(0, "r1a", 9.0, rate=1.0), row(0, "r2a", 10.0, rate=1.0)])
     r = recipe()
