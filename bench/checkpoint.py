@@ -46,6 +46,7 @@ def main() -> None:
 
     from elastic import checkpoint as ckpt
     from elastic.cluster import LocalCluster
+    from elastic.events import CheckpointSaved, CheckpointUploaded
     from elastic.ledger import Ledger, read_events
     from elastic.recipe import load_recipe
     from elastic.world import World
@@ -81,9 +82,9 @@ def main() -> None:
         saver.save(world, world.lead_replica(), recipe)
         saver.wait()
         events = read_events(tmp / "events.jsonl")
-        stalls = [e["stall_s"] for e in events if e["type"] == "checkpoint_saved"][:args.checkpoints]
-        writes = [e["write_s"] for e in events if e["type"] == "checkpoint_saved"][:args.checkpoints]
-        uploads = [e for e in events if e["type"] == "checkpoint_uploaded"]
+        stalls = [e["stall_s"] for e in events if e["type"] == CheckpointSaved.TYPE][:args.checkpoints]
+        writes = [e["write_s"] for e in events if e["type"] == CheckpointSaved.TYPE][:args.checkpoints]
+        uploads = [e for e in events if e["type"] == CheckpointUploaded.TYPE]
         assert len(uploads) == args.checkpoints + 1, events
         alone = uploads.pop()
         state_bytes = uploads[-1]["bytes"]

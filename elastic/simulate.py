@@ -31,6 +31,7 @@ import math
 import random
 
 from elastic.errors import UserError
+from elastic.events import CapacityRefused, NodeLaunched, NodePreempted, NodeReleased
 from elastic.market import Market, Quote, offer_key, recipe_tokens_per_s
 from elastic.planner import (Progress, allowed, choose_launch, evaluate, launch_fits_budget, plan, replan_all,
                              run_tokens, tokens_per_phase)
@@ -144,18 +145,19 @@ class _Run:
         st = self.market.state(offer.zone, offer.instance_type, self.t)
         held = sum(1 for n in self.nodes.values() if offer_key(n.offer) == offer_key(offer))
         if offer.spot and st.capacity is not None and held >= st.capacity:
-            self.events.append({"t": self.t, "type": "capacity_error", "zone": offer.zone,
-                                "instance_type": offer.instance_type})
+            self.events.append(CapacityRefused(zone=offer.zone, instance_type=offer.instance_type,
+                                               message="the trace's capacity is held").record(self.t))
             self.refused = "capacity"
             return None
         iid = f"sim-{next(self._ids):05d}"
         self.nodes[iid] = _Node(iid, offer, self.t, self.t + self.recipe.planner.recovery_s)
-        self.events.append({"t": self.t, "type": "node_launched", "instance_id": iid, **offer.vm_fields()})
+        self.events.append(NodeLaunched(instance_id=iid, ray_node_id=None, role="replica", launched_at=self.t,
+                                        joined=True, **offer.vm_fields()).record(self.t))
         return iid
 
     def release(self, iid: str) -> None:
         if self.nodes.pop(iid, None) is not None:
-            self.events.append({"t": self.t, "type": "node_released", "instance_id": iid})
+            self.events.append(NodeReleased(instance_id=iid).record(self.t))
 
     def release_all(self) -> None:
         for iid in list(self.nodes):
@@ -192,7 +194,7 @@ class _Run:
             self.rented_node_s += held_s
         gone = {}
         for iid, at in sorted(draws.items(), key=lambda kv: kv[1]):
-            self.events.append({"t": self.t + at, "type": "node_preempted", "instance_id": iid})
+            self.events.append(NodePreempted(instance_id=iid, with_notice=False, replica=None).record(self.t + at))
             gone[iid] = self.nodes.pop(iid)
             self.preemptions += 1
         self.t += dt
