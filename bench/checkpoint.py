@@ -66,18 +66,18 @@ def main() -> None:
     try:
         node = cluster.add_node(cpus=1, gpus=0, labels={}, resources={}, object_store_bytes=200 * 1024 * 1024)
         world.add_replicas([("vm0", node)])
-        world.step()
+        world.run_step()
         rows = []
         for _ in range(args.checkpoints):
             t0 = time.monotonic()
             saver.save(world, world.lead_replica(), recipe)
             steps = 0
             while saver.uploading is not None:   # training goes on while phase 2 runs
-                world.step()
+                world.run_step()
                 steps += 1
                 saver.poll()
             rows.append({"durable_s": time.monotonic() - t0, "steps_during_upload": steps})
-            world.step()
+            world.run_step()
         # Once more with training paused: phase 2 alone, for the throughput comparison.
         saver.save(world, world.lead_replica(), recipe)
         saver.wait()

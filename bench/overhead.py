@@ -79,7 +79,7 @@ def elastic_world(r, cluster) -> float:
         world.add_replicas([("bench", node)])
         t0 = time.perf_counter()
         while not world.done():
-            world.step()
+            world.run_step()
         seconds = time.perf_counter() - t0
         return world.tokens / seconds
     finally:

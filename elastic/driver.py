@@ -84,6 +84,9 @@ class Driver:
         self._market_seen: set[str] = set()             # clouds whose offers answered at least once
         self._market_down: set[str] = set()             # clouds whose offers fail now (market_unavailable)
         self._view = None                                # the run's view, once `run` started
+        # Told (phase, members) as each phase of an outer step gets under way (`run_attached`'s
+        # on_phase: tests and benchmarks inject faults there).
+        self.on_phase = None
         self._resume_from = next(iter(self.ckpt.candidates()[0]), None) if resume else None
         if resume and self._resume_from is None:
             raise UserError(f"--resume: no complete checkpoint at {self.ckpt.uri}")
@@ -125,8 +128,7 @@ class Driver:
         self.market = Market(self.recipe.planner, load_history(), capacity_cooldown_s=0.0,
                              tokens_per_inner_step=t.batch_size * t.seq_len,
                              measured_before=load_throughput(workload_key(self.recipe)))
-        self.world = World(self.recipe, on_loss=self._record_loss, on_tick=self.tick)
-        self.world.on_sync_failed = self._record_sync_failed
+        self.world = World(self.recipe)
         threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
 
     def _heartbeat(self) -> None:
@@ -386,6 +388,7 @@ class Driver:
                 if rep.replica_id in self.world.joining:
                     # Not training yet: nothing to save, leave now and stop paying.
                     self.world.drop(rep.replica_id, "notice while joining", phase="setup", rule="notice")
+                    self._record_world(self.world.take_events())
                     self._terminate(ev.instance_id)
                     continue
                 # End the inner phase early enough to contribute before the node goes.
@@ -401,6 +404,7 @@ class Driver:
                     lost = self.recipe.train.inner_steps if phase in ("inner", "sync") else 0
                     self.world.drop(rep.replica_id, "preempted" + (" after notice" if ev.with_notice else ""),
                                     phase=phase, lost_inner_steps=lost)
+                    self._record_world(self.world.take_events())
                     self._draining.pop(rep.replica_id, None)
         self._collect_launches()
         self.ckpt.poll()
@@ -430,6 +434,34 @@ class Driver:
     _last_sync_s = 0.0
     _last_step_s = 0.0   # the budget is next checked about this long after a launch
 
+    def _step_world(self):
+        """One outer step. The world runs it and returns what happened at each pause; the driver
+        records that, then does its own work before the world goes on (`tick`: notices, launches,
+        renting). Returns the step's `StepResult` (None: every replica was lost)."""
+        while True:
+            done = self._record_world(self.world.step())
+            if done is not None:
+                return done.result
+            self.tick()
+
+    def _record_world(self, happened: list):
+        """Record what the world returned (`World.step`, `World.take_events`); returns its
+        `StepDone`, if the step ended."""
+        from elastic.world import Loss, PhaseStarted, StepDone, SyncFailure
+
+        done = None
+        for h in happened:
+            if isinstance(h, Loss):
+                self._record_loss(h)
+            elif isinstance(h, SyncFailure):
+                self._record_sync_failed(h)
+            elif isinstance(h, PhaseStarted):
+                if self.on_phase is not None:
+                    self.on_phase(h.phase, h.members)
+            elif isinstance(h, StepDone):
+                done = h
+        return done
+
     def _record_loss(self, loss) -> None:
         self.ledger.append(ReplicaLost(replica=loss.replica_id, instance_id=loss.instance_id,
                                        reason=loss.reason, rule=loss.rule, phase=loss.phase,
@@ -441,15 +473,16 @@ class Driver:
         if inst is not None and not loss.reason.startswith("preempted"):
             self._terminate(loss.instance_id)
 
-    def _record_sync_failed(self, outer_step: int, attempt: int, failures: dict) -> None:
-        """An outer all-reduce attempt failed: a ledger event and a console line, never a silent
-        shrink (a replica that cannot reach the others' outer group is a misconfigured network)."""
-        self.ledger.append(SyncFailed(outer_step=outer_step, attempt=attempt,
-                                      failures={str(rid): f for rid, f in failures.items()}))
-        for rid, f in failures.items():
+    def _record_sync_failed(self, fail) -> None:
+        """An outer all-reduce attempt failed (a `world.SyncFailure`): a ledger event and a console
+        line, never a silent shrink (a replica that cannot reach the others' outer group is a
+        misconfigured network)."""
+        self.ledger.append(SyncFailed(outer_step=fail.outer_step, attempt=fail.attempt,
+                                      failures={str(rid): f for rid, f in fail.failures.items()}))
+        for rid, f in fail.failures.items():
             what = "could not join the outer group" if f.get("stage") == "connect" else "failed in the all-reduce"
-            self._warn(f"outer step {outer_step}, attempt {attempt}: replica {rid} ({f.get('addr')}) {what}: "
-                       f"{f.get('error')}")
+            self._warn(f"outer step {fail.outer_step}, attempt {fail.attempt}: replica {rid} ({f.get('addr')}) "
+                       f"{what}: {f.get('error')}")
 
     def _warn(self, text: str) -> None:
         """A line on the console (the run's view) and in driver.log."""
@@ -470,7 +503,9 @@ class Driver:
         state from a member does so in the background (`World.begin_copy`) and is admitted at a
         later boundary, once the copy is complete (`World.admit_copied`); the world keeps stepping."""
         joined = self.world.admit_copied()
-        for rep in self.world.ready_joiners():
+        ready = self.world.ready_joiners()
+        self._record_world(self.world.take_events())   # joiners (or donors) lost on the way
+        for rep in ready:
             if self._resume_from is not None and not self.world.replicas and self.world.outer_step == 0:
                 # --resume: the first replica loads the checkpoint (DCP reshards it to this world's
                 # ranks); the rest copy from it as usual.
@@ -499,7 +534,9 @@ class Driver:
                     source = "initial state (no checkpoint yet)"
                     self.ledger.append(WorldRestored(from_step=0, uri=None))
             else:
-                if self.world.begin_copy(rep):
+                copying = self.world.begin_copy(rep)
+                self._record_world(self.world.take_events())   # a donor lost exporting its state
+                if copying:
                     self.ledger.append(ReplicaCopying(replica=rep.replica_id, instance_id=rep.instance_id,
                                                       donor=rep.copy.donor, outer_step=self.world.outer_step))
                 continue
@@ -636,7 +673,7 @@ class Driver:
                     ledger.append(WorldFormed(epoch=world.epoch, replicas=members, outer_step=world.outer_step,
                                               params=world.params))
                     self._members = members
-                res = world.step()
+                res = self._step_world()
                 if res is None:
                     continue   # every replica was lost during the step; capacity wait next
                 if not res.replicas:   # every member's notice deadline had passed: they leave now
@@ -891,7 +928,7 @@ def run_attached(recipe: Recipe, cluster, run_dir: Path, on_phase=None, run_name
     driver = Driver(recipe, run_dir, ledger, resume=resume)
     driver.attach(cluster)
     if on_phase is not None:
-        driver.world.on_phase = lambda phase, members: on_phase(driver, phase, members)
+        driver.on_phase = lambda phase, members: on_phase(driver, phase, members)
     status = "failed"
     try:
         status = driver.run(QuietView())
