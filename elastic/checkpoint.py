@@ -506,7 +506,8 @@ class Checkpointer:
         seconds = time.monotonic() - p["t0"]
         size = sum(f["bytes"] for f in files)
         self.ledger.append(CheckpointUploaded(step=p["step"], uri=self.uri, bytes=size, files=len(files),
-                                              seconds=round(seconds, 3), mb_per_s=round(size / 1e6 / max(seconds, 1e-6), 1)))
+                                              seconds=round(seconds, 3),
+                                              mb_per_s=round(size / 1e6 / max(seconds, 1e-6), 1)))
         self._drop_staging(p)
         for step in prune(self.storage, self.keep_last):
             self.ledger.append(CheckpointDeleted(step=step))

@@ -545,8 +545,8 @@ class Driver:
             if source != "lost":
                 self._drain_replaced(rep.instance_id)
                 self.ledger.append(ReplicaJoined(replica=rep.replica_id, instance_id=rep.instance_id,
-                                                 outer_step=self.world.outer_step, epoch=self.world.epoch, source=source,
-                                                 setup_s=round(time.time() - rep.started_at, 3)))
+                                                 outer_step=self.world.outer_step, epoch=self.world.epoch,
+                                                 source=source, setup_s=round(time.time() - rep.started_at, 3)))
 
     def _drain_replaced(self, instance_id: str) -> None:
         """A moved replica's replacement trains now: the old one drains at the next step boundary."""
@@ -655,9 +655,10 @@ class Driver:
                     if world.replicas and world.outer_step > 0:
                         self.checkpoint(view)
                     if self._budget_held_back:
-                        ledger.append(BudgetExhausted(outer_step=world.outer_step,
-                                                      reason=f"budget.max_usd (${recipe.budget.max_usd:.2f}) cannot pay for "
-                                                             f"world.min_replicas ({recipe.world.min_replicas}) node(s)"))
+                        ledger.append(BudgetExhausted(
+                            outer_step=world.outer_step,
+                            reason=f"budget.max_usd (${recipe.budget.max_usd:.2f}) cannot pay for "
+                                   f"world.min_replicas ({recipe.world.min_replicas}) node(s)"))
                         return "budget_exhausted"
                     return "insufficient_capacity"
                 if world.done():   # --resume from a checkpoint already at train.outer_steps
@@ -684,8 +685,8 @@ class Driver:
                     ledger.append(SyncRetried(outer_step=res.outer_step, attempts=res.sync_attempts))
                 last_step_s = self._last_step_s = res.inner_s + res.sync_s
                 train_s += last_step_s
-                ledger.append(OuterStep(outer_step=res.outer_step, inner_step=world.inner_step,
-                                        epoch=world.epoch, replicas=res.replicas, losses=[round(x, 6) for x in res.losses],
+                ledger.append(OuterStep(outer_step=res.outer_step, inner_step=world.inner_step, epoch=world.epoch,
+                                        replicas=res.replicas, losses=[round(x, 6) for x in res.losses],
                                         tokens=res.tokens, tokens_total=world.tokens, inner_s=round(res.inner_s, 4),
                                         sync_s=round(res.sync_s, 4), bytes_sent=res.bytes_sent,
                                         network_s=round(res.network_s, 4), data_cursor=world.cursor,
@@ -733,8 +734,8 @@ class Driver:
         try:
             parts = self.world.call_replica(self.world.lead_replica(), "evaluate")
         except Exception as exc:
-            self.ledger.append(ValidationFailed(outer_step=self.world.outer_step,
-                                                message=str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__))
+            message = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+            self.ledger.append(ValidationFailed(outer_step=self.world.outer_step, message=message))
             return
         tokens = sum(p["tokens"] for p in parts)
         if not tokens:

@@ -298,8 +298,8 @@ def launch(recipe: Recipe, run_dir: Path, address: str | None = None, console=No
     with run_logging(run_dir / "driver.log", console):
         ledger = Ledger(run_dir / "events.jsonl")
         ledger.append(RunStarted(run=run, recipe=recipe.name, recipe_digest=recipe.digest(), pid=os.getpid(),
-                                 host=socket.gethostname(),
-                                 target_replicas=recipe.world.replicas, ranks_per_replica=recipe.world.ranks_per_replica))
+                                 host=socket.gethostname(), target_replicas=recipe.world.replicas,
+                                 ranks_per_replica=recipe.world.ranks_per_replica))
         _record_plan(recipe, ledger)
         # Every event of the story gets its line, also those of the start and of the teardown.
         ledger.listeners.append(story_listener(console))
