@@ -153,8 +153,8 @@ class StepResult:
 
 @dataclass(frozen=True)
 class PhaseStarted:
-    """A phase of the outer step under way got under way (`inner`: its calls are out; `sync`: just
-    before an all-reduce attempt's calls, so a replica dropped now is left out of it).
+    """A phase of the outer step began (`inner`: its calls are out; `sync`: an all-reduce attempt
+    is about to start, and a replica dropped now is left out of it).
 
     Args:
         phase: `inner` or `sync`.
