@@ -46,6 +46,7 @@ def main() -> None:
 
     from elastic import checkpoint as ckpt
     from elastic.cluster import LocalCluster
+    from elastic.events import CheckpointSaved, CheckpointUploaded
     from elastic.ledger import Ledger, read_events
     from elastic.recipe import load_recipe
     from elastic.world import World
@@ -65,25 +66,25 @@ def main() -> None:
     try:
         node = cluster.add_node(cpus=1, gpus=0, labels={}, resources={}, object_store_bytes=200 * 1024 * 1024)
         world.add_replicas([("vm0", node)])
-        world.step()
+        world.run_step()
         rows = []
         for _ in range(args.checkpoints):
             t0 = time.monotonic()
             saver.save(world, world.lead_replica(), recipe)
             steps = 0
             while saver.uploading is not None:   # training goes on while phase 2 runs
-                world.step()
+                world.run_step()
                 steps += 1
                 saver.poll()
             rows.append({"durable_s": time.monotonic() - t0, "steps_during_upload": steps})
-            world.step()
+            world.run_step()
         # Once more with training paused: phase 2 alone, for the throughput comparison.
         saver.save(world, world.lead_replica(), recipe)
         saver.wait()
         events = read_events(tmp / "events.jsonl")
-        stalls = [e["stall_s"] for e in events if e["type"] == "checkpoint_saved"][:args.checkpoints]
-        writes = [e["write_s"] for e in events if e["type"] == "checkpoint_saved"][:args.checkpoints]
-        uploads = [e for e in events if e["type"] == "checkpoint_uploaded"]
+        stalls = [e["stall_s"] for e in events if e["type"] == CheckpointSaved.TYPE][:args.checkpoints]
+        writes = [e["write_s"] for e in events if e["type"] == CheckpointSaved.TYPE][:args.checkpoints]
+        uploads = [e for e in events if e["type"] == CheckpointUploaded.TYPE]
         assert len(uploads) == args.checkpoints + 1, events
         alone = uploads.pop()
         state_bytes = uploads[-1]["bytes"]

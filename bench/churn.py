@@ -25,11 +25,12 @@ sys.path.insert(0, str(REPO))
 
 def run(recipe, cluster):
     from elastic.driver import run_attached
+    from elastic.events import OuterStep
     from elastic.report import build_report
 
     with tempfile.TemporaryDirectory() as tmp:
         _, events = run_attached(recipe, cluster, Path(tmp) / "run", run_name="bench-churn")
-    steps = [e for e in events if e["type"] == "outer_step"]
+    steps = [e for e in events if e["type"] == OuterStep.TYPE]
     start = steps[0]["t"] - steps[0]["inner_s"] - steps[0]["sync_s"]
     wall = steps[-1]["t"] - start
     tokens = sum(e["tokens"] for e in steps)

@@ -191,7 +191,7 @@ def ray_placement(outer_steps: int, inner_steps: int) -> list[dict]:
         world = World(recipe)
         world.add_replicas([("gpu-node", node)])
         while not world.done():
-            world.step()
+            world.run_step()
         return ray.get([a.devices.remote() for a in world.lead_replica().actors], timeout=60)
     finally:
         if world is not None:

@@ -79,7 +79,7 @@ def elastic_world(r, cluster) -> float:
         world.add_replicas([("bench", node)])
         t0 = time.perf_counter()
         while not world.done():
-            world.step()
+            world.run_step()
         seconds = time.perf_counter() - t0
         return world.tokens / seconds
     finally:
@@ -88,6 +88,8 @@ def elastic_world(r, cluster) -> float:
 
 
 def launch_to_first_step() -> tuple[float, float]:
+    from elastic.events import OuterStep
+
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         t0 = time.time()
@@ -96,7 +98,7 @@ def launch_to_first_step() -> tuple[float, float]:
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
         wall = time.time() - t0
         events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
-        first = next(e for e in events if e["type"] == "outer_step")
+        first = next(e for e in events if e["type"] == OuterStep.TYPE)
         return first["t"] - first["inner_s"] - first["sync_s"] - t0, wall
 
 

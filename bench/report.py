@@ -24,10 +24,13 @@ sys.path.insert(0, str(REPO))
 
 
 def synthetic_ledger(path: Path, hours: float, vms: int) -> int:
+    from elastic.events import (CheckpointSaved, NodeLaunched, NodePreempted, NodePrice, OuterStep, ReplicaJoined,
+                                ReplicaLost, RunEnded, RunStarted)
+
     rng = random.Random(0)
     t0, end = 1_700_000_000.0, 1_700_000_000.0 + hours * 3600
-    events = [{"t": t0, "type": "run_started", "run": "bench", "recipe": "bench", "recipe_digest": "0" * 16,
-               "target_replicas": vms, "ranks_per_replica": 1}]
+    events = [RunStarted(run="bench", recipe="bench", recipe_digest="0" * 16, target_replicas=vms,
+                         ranks_per_replica=1).record(t0)]
     n = 0
     for slot in range(vms):
         t = t0 + slot
@@ -35,30 +38,33 @@ def synthetic_ledger(path: Path, hours: float, vms: int) -> int:
             n += 1
             iid, life = f"i-{n:06d}", 1800.0
             price = 1.0 + rng.random()
-            events.append({"t": t, "type": "node_launched", "instance_id": iid, "ray_node_id": iid, "role": "replica",
-                           "cloud": rng.choice(["aws", "gcp"]), "region": f"r{slot % 2}", "zone": f"r{slot % 2}a",
-                           "instance_type": "g5.xlarge", "gpu": "A10G", "gpus": 1, "cpus": 4, "spot": True,
-                           "usd_per_hour": price, "on_demand_usd_per_hour": 3.0})
-            events.append({"t": t + 60, "type": "replica_joined", "replica": n, "instance_id": iid, "outer_step": 1})
+            events.append(NodeLaunched(instance_id=iid, ray_node_id=iid, role="replica", launched_at=t, joined=True,
+                                       cloud=rng.choice(["aws", "gcp"]), region=f"r{slot % 2}", zone=f"r{slot % 2}a",
+                                       instance_type="g5.xlarge", gpu="A10G", gpus=1, cpus=4, spot=True,
+                                       usd_per_hour=price, on_demand_usd_per_hour=3.0).record(t))
+            events.append(ReplicaJoined(replica=n, instance_id=iid, outer_step=1, epoch=n, source="replica 0",
+                                        setup_s=60.0).record(t + 60))
             for k in range(1, int(life / 10)):
                 price *= 1 + rng.gauss(0, 0.01)
-                events.append({"t": t + 10 * k, "type": "node_price", "instance_id": iid, "usd_per_hour": round(price, 6)})
-            events.append({"t": min(t + life, end), "type": "node_preempted", "instance_id": iid})
-            events.append({"t": min(t + life, end), "type": "replica_lost", "replica": n, "instance_id": iid,
-                           "reason": "preempted", "phase": "inner", "lost_inner_steps": 100})
+                events.append(NodePrice(instance_id=iid, usd_per_hour=round(price, 6)).record(t + 10 * k))
+            gone = min(t + life, end)
+            events.append(NodePreempted(instance_id=iid, with_notice=False, replica=n).record(gone))
+            events.append(ReplicaLost(replica=n, instance_id=iid, reason="preempted", rule="preempted", phase="inner",
+                                      lost_inner_steps=100, outer_step=0).record(gone))
             t += life
     step, t = 0, t0 + 90
     while t < end:
         step += 1
-        events.append({"t": t, "type": "outer_step", "outer_step": step, "inner_step": 100 * step, "epoch": 0,
-                       "replicas": list(range(vms)), "losses": [3.0] * 100, "tokens": 10_000,
-                       "tokens_total": 10_000 * step, "inner_s": 28.0, "sync_s": 2.0, "bytes_sent": 10**8})
+        events.append(OuterStep(outer_step=step, inner_step=100 * step, epoch=0, replicas=list(range(vms)),
+                                losses=[3.0] * 100, tokens=10_000, tokens_total=10_000 * step, inner_s=28.0,
+                                sync_s=2.0, bytes_sent=10**8, network_s=1.0, data_cursor=100 * step, steps_done={},
+                                inner_s_by_replica={}).record(t))
         if step % 10 == 0:
-            events.append({"t": t + 1, "type": "checkpoint_saved", "step": step, "path": f"/c/{step}",
-                           "bytes": 10**9, "stall_s": 1.0})
+            events.append(CheckpointSaved(step=step, stall_s=1.0, write_s=1.0, local=f"/c/{step}",
+                                          replica=0).record(t + 1))
         t += 30
     events.sort(key=lambda e: e["t"])
-    events.append({"t": end, "type": "run_ended", "status": "completed", "wall_s": end - t0})
+    events.append(RunEnded(status="completed", wall_s=end - t0).record(end))
     path.write_text("".join(json.dumps(e) + "\n" for e in events), encoding="utf-8")
     return len(events)
 

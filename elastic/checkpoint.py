@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from elastic.errors import UserError
+from elastic.events import CheckpointDeleted, CheckpointSaved, CheckpointUploadFailed, CheckpointUploaded
 from elastic.storage import Storage, open_storage
 
 MANIFEST = "elastic.json"
@@ -457,8 +458,8 @@ class Checkpointer:
                                       "tokens": world.tokens, "run": self.run,
                                       "recipe_digest": recipe.digest(), "model_digest": model_digest(recipe),
                                       "ranks": len(lead.actors), "replicas": len(world.replicas)}}
-        self.ledger.append("checkpoint_saved", step=step, stall_s=round(stall_s, 3), write_s=round(write_s, 3), local=local,
-                           replica=lead.replica_id)
+        self.ledger.append(CheckpointSaved(step=step, stall_s=round(stall_s, 3), write_s=round(write_s, 3), local=local,
+                                           replica=lead.replica_id))
 
     def poll(self) -> None:
         """Finish phase 2 if every rank is done uploading (non-blocking)."""
@@ -483,18 +484,19 @@ class Checkpointer:
         try:
             files = [f for per_rank in ray.get(p["refs"]) for f in per_rank]
         except Exception as exc:  # a rank (its node) was lost mid-upload: no manifest, never loaded
-            self.ledger.append("checkpoint_upload_failed", step=p["step"], message=str(exc).splitlines()[0][:200])
+            self.ledger.append(CheckpointUploadFailed(step=p["step"], message=str(exc).splitlines()[0][:200]))
             self._drop_staging(p)
             return
         manifest = {**p["manifest"], "saved_at": time.time(), "files": sorted(files, key=lambda f: f["name"])}
         self.storage.write_bytes(f"{step_name(p['step'])}/{MANIFEST}", json.dumps(manifest, indent=2).encode())
         seconds = time.monotonic() - p["t0"]
         size = sum(f["bytes"] for f in files)
-        self.ledger.append("checkpoint_uploaded", step=p["step"], uri=self.uri, bytes=size, files=len(files),
-                           seconds=round(seconds, 3), mb_per_s=round(size / 1e6 / max(seconds, 1e-6), 1))
+        self.ledger.append(CheckpointUploaded(step=p["step"], uri=self.uri, bytes=size, files=len(files),
+                                              seconds=round(seconds, 3),
+                                              mb_per_s=round(size / 1e6 / max(seconds, 1e-6), 1)))
         self._drop_staging(p)
         for step in prune(self.storage, self.keep_last):
-            self.ledger.append("checkpoint_deleted", step=step)
+            self.ledger.append(CheckpointDeleted(step=step))
 
     @staticmethod
     def _drop_staging(p: dict) -> None:

@@ -21,6 +21,13 @@ from pathlib import Path
 
 from elastic import checkpoint as ckpt
 from elastic.errors import UserError
+from elastic.events import (
+    BudgetExhausted, CapacityRefused, CapacityWaitEnded, CapacityWaitStarted, CheckpointFailed,
+    CheckpointSkipped, CheckpointUploadAbandoned, ClusterStarted, Error, LaunchFailed, LaunchHeldBack, MarketAvailable,
+    MarketUnavailable, NetworkStarted, NodeJoinTimeout, NodeLaunched, NodeNotice, NodePreempted, NodePrice,
+    NodeRebalance, NodeReleased, OuterStep, ReplicaCopying, ReplicaDrained, ReplicaJoined, ReplicaLost,
+    ReplicaMove, ReplicaStarting, Resumed, RunEnded, RunStarted, SyncFailed, SyncRetried, Validation,
+    ValidationFailed, WorldFormed, WorldRestored, WorldTarget)
 from elastic.ledger import Ledger
 from elastic.market import offer_key
 from elastic.recipe import Recipe
@@ -76,6 +83,9 @@ class Driver:
         self._market_seen: set[str] = set()             # clouds whose offers answered at least once
         self._market_down: set[str] = set()             # clouds whose offers fail now (market_unavailable)
         self._view = None                                # the run's view, once `run` started
+        # Told (phase, members) as each phase of an outer step gets under way (`run_attached`'s
+        # on_phase: tests and benchmarks inject faults there).
+        self.on_phase = None
         self._resume_from = next(iter(self.ckpt.candidates()[0]), None) if resume else None
         if resume and self._resume_from is None:
             raise UserError(f"--resume: no complete checkpoint at {self.ckpt.uri}")
@@ -91,7 +101,7 @@ class Driver:
         network = next((n for name in dict.fromkeys(self.recipe.resources.clouds)
                         if (n := provider_class(name).start_network(self.recipe)) is not None), None)
         if network is not None:
-            self.ledger.append("network_started", tag=network.tag, head_ip=network.head_ip)
+            self.ledger.append(NetworkStarted(tag=network.tag, head_ip=network.head_ip))
         try:
             cluster = LocalCluster(address=address, node_ip=network.head_ip if network else LOOPBACK,
                                    network=network)
@@ -99,7 +109,7 @@ class Driver:
             if network is not None:
                 network.down()
             raise
-        self.ledger.append("cluster_started", address=cluster.address, session_dir=cluster.session_dir)
+        self.ledger.append(ClusterStarted(address=cluster.address, session_dir=cluster.session_dir))
         self.attach(cluster)
         self._owns_cluster = True
 
@@ -118,8 +128,7 @@ class Driver:
         self.market = Market(self.recipe.planner, load_history(),
                              tokens_per_inner_step=t.batch_size * t.seq_len,
                              measured_before=load_throughput(workload_key(self.recipe)))
-        self.world = World(self.recipe, on_loss=self._record_loss, on_tick=self.tick)
-        self.world.on_sync_failed = self._record_sync_failed
+        self.world = World(self.recipe)
         threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
 
     def _heartbeat(self) -> None:
@@ -178,12 +187,12 @@ class Driver:
                     self._market_down.add(name)
                     message = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
                     log.warning("%s prices and capacity unavailable: %s", name, message)
-                    self.ledger.append("market_unavailable", cloud=name, message=message)
+                    self.ledger.append(MarketUnavailable(cloud=name, message=message))
                 continue
             self._market_seen.add(name)
             if name in self._market_down:
                 self._market_down.discard(name)
-                self.ledger.append("market_available", cloud=name)
+                self.ledger.append(MarketAvailable(cloud=name))
             every += offers
         return sorted(every, key=lambda o: (o.usd_per_hour / max(1, o.gpus), o.usd_per_hour))
 
@@ -236,21 +245,21 @@ class Driver:
             if isinstance(a, Retarget):
                 self._target, self._planned = a.replicas, True
                 if a.grown:
-                    self.ledger.append("world_target", replicas=a.replicas, reason="budget.max_hours",
-                                       hours_to_finish=round(a.hours_to_finish, 4))
+                    self.ledger.append(WorldTarget(replicas=a.replicas, reason="budget.max_hours",
+                                                   hours_to_finish=round(a.hours_to_finish, 4)))
             elif isinstance(a, Replan):
                 self._replanned_at = a.at_s
             elif isinstance(a, HoldBack) and a.reason == "capacity":
                 if not self._capacity_logged:   # once per shortage: every offer is at its known capacity
                     self._capacity_logged = True
-                    self.ledger.append("launch_held_back", reason="capacity", held=a.held,
-                                       message="every offer the recipe allows is at its known capacity")
+                    self.ledger.append(LaunchHeldBack(reason="capacity", held=a.held,
+                                                      message="every offer the recipe allows is at its known capacity"))
             elif isinstance(a, HoldBack) and a.reason == "budget":
                 self._capacity_logged, self._budget_held_back = False, True
                 if not self._budget_logged:
                     self._budget_logged = True
-                    self.ledger.append("launch_held_back", reason="budget.max_usd", spent_usd=round(snap.spent_usd, 6),
-                                       usd_per_hour=a.usd_per_hour)
+                    self.ledger.append(LaunchHeldBack(reason="budget.max_usd", spent_usd=round(snap.spent_usd, 6),
+                                                      usd_per_hour=a.usd_per_hour))
             elif isinstance(a, Release):   # a move whose old replica leaves now, not once the new one trains
                 rep = self.world.replica_on(a.instance_id)
                 if rep is not None and rep.replica_id in self.world.replicas:
@@ -264,10 +273,11 @@ class Driver:
                     self._record_move(a.move)
 
     def _record_move(self, move) -> None:
-        self.ledger.append("replica_move", drain_instance_id=move.drain, zone=move.add.offer.zone,
-                           instance_type=move.add.offer.instance_type, usd_per_hour=move.add.offer.usd_per_hour,
-                           usd_per_mtok_before=round(move.usd_per_mtok_before, 6),
-                           usd_per_mtok_after=round(move.usd_per_mtok_after, 6))
+        self.ledger.append(ReplicaMove(drain_instance_id=move.drain, zone=move.add.offer.zone,
+                                       instance_type=move.add.offer.instance_type,
+                                       usd_per_hour=move.add.offer.usd_per_hour,
+                                       usd_per_mtok_before=round(move.usd_per_mtok_before, 6),
+                                       usd_per_mtok_after=round(move.usd_per_mtok_after, 6)))
 
     def _launch(self, offer) -> Future:
         fut = self._pool.submit(self.providers[offer.cloud].launch, offer, self.run_name, "replica")
@@ -303,15 +313,15 @@ class Driver:
             except Exception as exc:  # no capacity, or a VM that failed to come up: the offer rests
                 self._refusals.append(Refusal(offer_key(offer), time.time()))
                 refused = isinstance(exc, CapacityError)
-                self.ledger.append("capacity_error" if refused else "launch_failed", zone=offer.zone,
-                                   instance_type=offer.instance_type,
-                                   message=str(exc) if refused else f"{type(exc).__name__}: {str(exc)[:200]}")
+                failed = CapacityRefused if refused else LaunchFailed
+                self.ledger.append(failed(zone=offer.zone, instance_type=offer.instance_type,
+                                          message=str(exc) if refused else f"{type(exc).__name__}: {str(exc)[:200]}"))
                 continue
             self._record_launch(inst, offer)
             if replaces is not None:
                 self._moves[inst.instance_id] = replaces
             rep = self.world.start_replica(inst.instance_id, inst.ray_node_id)
-            self.ledger.append("replica_starting", replica=rep.replica_id, instance_id=inst.instance_id)
+            self.ledger.append(ReplicaStarting(replica=rep.replica_id, instance_id=inst.instance_id))
 
     # -- events ----------------------------------------------------------------------------------
 
@@ -321,17 +331,18 @@ class Driver:
         for ev in [ev for p in self.providers.values() for ev in p.events()]:
             rep = self.world.replica_on(ev.instance_id)
             if ev.kind == "rebalance":   # elevated interruption risk, no deadline: recorded only
-                self.ledger.append("node_rebalance", instance_id=ev.instance_id,
-                                   replica=rep.replica_id if rep else None)
+                self.ledger.append(NodeRebalance(instance_id=ev.instance_id,
+                                                 replica=rep.replica_id if rep else None))
             elif ev.kind == "notice":
-                self.ledger.append("node_notice", instance_id=ev.instance_id, deadline=ev.deadline,
-                                   notice_s=round(ev.deadline - ev.at, 3),
-                                   replica=rep.replica_id if rep else None)
+                self.ledger.append(NodeNotice(instance_id=ev.instance_id, deadline=ev.deadline,
+                                              notice_s=round(ev.deadline - ev.at, 3),
+                                              replica=rep.replica_id if rep else None))
                 if rep is None:
                     continue
                 if rep.replica_id in self.world.joining:
                     # Not training yet: nothing to save, leave now and stop paying.
                     self.world.drop(rep.replica_id, "notice while joining", phase="setup", rule="notice")
+                    self._record_world(self.world.take_events())
                     self._terminate(ev.instance_id)
                     continue
                 # End the inner phase early enough to contribute before the node goes.
@@ -340,13 +351,14 @@ class Driver:
                 self._draining[rep.replica_id] = ev.deadline
             elif ev.kind == "preempted":
                 self._price.pop(ev.instance_id, None)
-                self.ledger.append("node_preempted", instance_id=ev.instance_id, with_notice=ev.with_notice,
-                                   replica=rep.replica_id if rep else None)
+                self.ledger.append(NodePreempted(instance_id=ev.instance_id, with_notice=ev.with_notice,
+                                                 replica=rep.replica_id if rep else None))
                 if rep is not None:
                     phase = self.world.phase if rep.replica_id in self.world.replicas else "setup"
                     lost = self.recipe.train.inner_steps if phase in ("inner", "sync") else 0
                     self.world.drop(rep.replica_id, "preempted" + (" after notice" if ev.with_notice else ""),
                                     phase=phase, lost_inner_steps=lost)
+                    self._record_world(self.world.take_events())
                     self._draining.pop(rep.replica_id, None)
         self._collect_launches()
         self.ckpt.poll()
@@ -364,7 +376,7 @@ class Driver:
             for iid, usd in p.prices(list(self._price)).items():
                 if iid in self._price and round(usd, 6) != self._price[iid]:
                     self._price[iid] = round(usd, 6)
-                    self.ledger.append("node_price", instance_id=iid, usd_per_hour=round(usd, 6))
+                    self.ledger.append(NodePrice(instance_id=iid, usd_per_hour=round(usd, 6)))
 
     @property
     def draining(self) -> set[int]:
@@ -374,10 +386,38 @@ class Driver:
     _last_sync_s = 0.0
     _last_step_s = 0.0   # the budget is next checked about this long after a launch
 
+    def _step_world(self):
+        """One outer step. The world runs it and returns what happened at each pause; the driver
+        records that, then does its own work before the world goes on (`tick`: notices, launches,
+        renting). Returns the step's `StepResult` (None: every replica was lost)."""
+        while True:
+            done = self._record_world(self.world.step())
+            if done is not None:
+                return done.result
+            self.tick()
+
+    def _record_world(self, happened: list):
+        """Record what the world returned (`World.step`, `World.take_events`); returns its
+        `StepDone`, if the step ended."""
+        from elastic.world import Loss, PhaseStarted, StepDone, SyncFailure
+
+        done = None
+        for h in happened:
+            if isinstance(h, Loss):
+                self._record_loss(h)
+            elif isinstance(h, SyncFailure):
+                self._record_sync_failed(h)
+            elif isinstance(h, PhaseStarted):
+                if self.on_phase is not None:
+                    self.on_phase(h.phase, h.members)
+            elif isinstance(h, StepDone):
+                done = h
+        return done
+
     def _record_loss(self, loss) -> None:
-        self.ledger.append("replica_lost", replica=loss.replica_id, instance_id=loss.instance_id,
-                           reason=loss.reason, rule=loss.rule, phase=loss.phase,
-                           lost_inner_steps=loss.lost_inner_steps, outer_step=self.world.outer_step)
+        self.ledger.append(ReplicaLost(replica=loss.replica_id, instance_id=loss.instance_id,
+                                       reason=loss.reason, rule=loss.rule, phase=loss.phase,
+                                       lost_inner_steps=loss.lost_inner_steps, outer_step=self.world.outer_step))
         self._warn(f"replica {loss.replica_id} on {loss.instance_id} lost ({loss.rule}): {loss.reason}")
         self._draining.pop(loss.replica_id, None)
         # A replica lost for any reason other than its node going: release the node too.
@@ -385,15 +425,16 @@ class Driver:
         if inst is not None and not loss.reason.startswith("preempted"):
             self._terminate(loss.instance_id)
 
-    def _record_sync_failed(self, outer_step: int, attempt: int, failures: dict) -> None:
-        """An outer all-reduce attempt failed: a ledger event and a console line, never a silent
-        shrink (a replica that cannot reach the others' outer group is a misconfigured network)."""
-        self.ledger.append("sync_failed", outer_step=outer_step, attempt=attempt,
-                           failures={str(rid): f for rid, f in failures.items()})
-        for rid, f in failures.items():
+    def _record_sync_failed(self, fail) -> None:
+        """An outer all-reduce attempt failed (a `world.SyncFailure`): a ledger event and a console
+        line, never a silent shrink (a replica that cannot reach the others' outer group is a
+        misconfigured network)."""
+        self.ledger.append(SyncFailed(outer_step=fail.outer_step, attempt=fail.attempt,
+                                      failures={str(rid): f for rid, f in fail.failures.items()}))
+        for rid, f in fail.failures.items():
             what = "could not join the outer group" if f.get("stage") == "connect" else "failed in the all-reduce"
-            self._warn(f"outer step {outer_step}, attempt {attempt}: replica {rid} ({f.get('addr')}) {what}: "
-                       f"{f.get('error')}")
+            self._warn(f"outer step {fail.outer_step}, attempt {fail.attempt}: replica {rid} ({f.get('addr')}) "
+                       f"{what}: {f.get('error')}")
 
     def _warn(self, text: str) -> None:
         """A line on the console (the run's view) and in driver.log."""
@@ -406,7 +447,7 @@ class Driver:
         for p in self.providers.values():
             if any(i.instance_id == instance_id for i in p.list_instances(self.run_name)):
                 p.terminate(instance_id)
-                self.ledger.append("node_released", instance_id=instance_id)
+                self.ledger.append(NodeReleased(instance_id=instance_id))
                 return
 
     def admit_joiners(self) -> None:
@@ -414,7 +455,9 @@ class Driver:
         state from a member does so in the background (`World.begin_copy`) and is admitted at a
         later boundary, once the copy is complete (`World.admit_copied`); the world keeps stepping."""
         joined = self.world.admit_copied()
-        for rep in self.world.ready_joiners():
+        ready = self.world.ready_joiners()
+        self._record_world(self.world.take_events())   # joiners (or donors) lost on the way
+        for rep in ready:
             if self._resume_from is not None and not self.world.replicas and self.world.outer_step == 0:
                 # --resume: the first replica loads the checkpoint (DCP reshards it to this world's
                 # ranks); the rest copy from it as usual.
@@ -424,8 +467,8 @@ class Driver:
                 if manifest is None:
                     raise UserError(f"--resume: no checkpoint at {self.ckpt.uri} could be loaded "
                                     "(see checkpoint_skipped in the ledger)")
-                self.ledger.append("resumed", from_step=manifest["step"], uri=self.ckpt.uri,
-                                   saved_replicas=manifest.get("replicas"), saved_ranks=manifest.get("ranks"))
+                self.ledger.append(Resumed(from_step=manifest["step"], uri=self.ckpt.uri,
+                                           saved_replicas=manifest.get("replicas"), saved_ranks=manifest.get("ranks")))
                 self._resume_from = None
             elif not self.world.replicas and self.world.outer_step == 0 and not self._restored:
                 self.world.admit_fresh(rep)
@@ -434,26 +477,28 @@ class Driver:
                 self._restored = True
                 source, manifest = self._admit_from_checkpoint(rep)
                 if manifest is not None:
-                    self.ledger.append("world_restored", from_step=manifest["step"], uri=self.ckpt.uri)
+                    self.ledger.append(WorldRestored(from_step=manifest["step"], uri=self.ckpt.uri))
                 else:
                     # Nothing was kept: start over from θ0 (fresh data; tokens count what is kept).
                     self.world.restore({"step": 0, "inner_step": 0, "data_cursor": self.world.cursor,
                                         "tokens": 0})
                     self.world.admit_fresh(rep)
                     source = "initial state (no checkpoint yet)"
-                    self.ledger.append("world_restored", from_step=0, uri=None)
+                    self.ledger.append(WorldRestored(from_step=0, uri=None))
             else:
-                if self.world.begin_copy(rep):
-                    self.ledger.append("replica_copying", replica=rep.replica_id, instance_id=rep.instance_id,
-                                       donor=rep.copy.donor, outer_step=self.world.outer_step)
+                copying = self.world.begin_copy(rep)
+                self._record_world(self.world.take_events())   # a donor lost exporting its state
+                if copying:
+                    self.ledger.append(ReplicaCopying(replica=rep.replica_id, instance_id=rep.instance_id,
+                                                      donor=rep.copy.donor, outer_step=self.world.outer_step))
                 continue
             joined.append((rep, source))
         for rep, source in joined:
             if source != "lost":
                 self._drain_replaced(rep.instance_id)
-                self.ledger.append("replica_joined", replica=rep.replica_id, instance_id=rep.instance_id,
-                                   outer_step=self.world.outer_step, epoch=self.world.epoch, source=source,
-                                   setup_s=round(time.time() - rep.started_at, 3))
+                self.ledger.append(ReplicaJoined(replica=rep.replica_id, instance_id=rep.instance_id,
+                                                 outer_step=self.world.outer_step, epoch=self.world.epoch,
+                                                 source=source, setup_s=round(time.time() - rep.started_at, 3)))
 
     def _drain_replaced(self, instance_id: str) -> None:
         """A moved replica's replacement trains now: the old one drains at the next step boundary."""
@@ -468,15 +513,15 @@ class Driver:
         when no checkpoint could be loaded."""
         found, skipped = self.ckpt.candidates()
         for line in skipped:
-            self.ledger.append("checkpoint_skipped", step=None, message=line[:200])
+            self.ledger.append(CheckpointSkipped(step=None, message=line[:200]))
         for manifest in found:
             self.world.restore(manifest)
             try:
                 return self.world.admit(rep, checkpoint=(self.ckpt.uri, manifest, self.ckpt.staging)), manifest
             except ckpt.CheckpointError as exc:
                 cause = getattr(exc, "cause", None) or exc   # a rank's error arrives wrapped by Ray
-                self.ledger.append("checkpoint_skipped", step=manifest["step"],
-                                   message=str(cause).splitlines()[0][:200])
+                self.ledger.append(CheckpointSkipped(step=manifest["step"],
+                                                     message=str(cause).splitlines()[0][:200]))
         return None, None
 
     def wait_for_capacity(self, view) -> bool:
@@ -495,26 +540,26 @@ class Driver:
             # At start, wait for every replica already on its way, so all begin together.
             if alive >= w.min_replicas and (self.world.outer_step > 0 or not (self.world.joining or self._launching)):
                 if waited:
-                    self.ledger.append("capacity_wait_ended", waited_s=round(time.monotonic() - start, 3),
-                                       replicas=alive)
+                    self.ledger.append(CapacityWaitEnded(waited_s=round(time.monotonic() - start, 3),
+                                                         replicas=alive))
                 return True
             if not waited and self.world.outer_step > 0:
-                self.ledger.append("capacity_wait_started", replicas=alive, min_replicas=w.min_replicas)
+                self.ledger.append(CapacityWaitStarted(replicas=alive, min_replicas=w.min_replicas))
                 waited = True
             # The clock runs only while even the replicas on their way would not be enough.
             on_way = alive + len(self.world.joining)   # launches may be refused: they do not count
             if self._budget_held_back and on_way < w.min_replicas and not self._launching:
                 # The budget cannot pay for enough nodes: no point waiting.
                 if waited:
-                    self.ledger.append("capacity_wait_ended", waited_s=round(time.monotonic() - start, 3),
-                                       replicas=alive, gave_up=True)
+                    self.ledger.append(CapacityWaitEnded(waited_s=round(time.monotonic() - start, 3),
+                                                         replicas=alive, gave_up=True))
                 return False
             short_since = (short_since or time.monotonic()) if on_way < w.min_replicas else None
             if short_since is not None and time.monotonic() - short_since > w.capacity_timeout_s:
                 if not waited:
-                    self.ledger.append("capacity_wait_started", replicas=alive, min_replicas=w.min_replicas)
-                self.ledger.append("capacity_wait_ended", waited_s=round(time.monotonic() - start, 3),
-                                   replicas=alive, gave_up=True)
+                    self.ledger.append(CapacityWaitStarted(replicas=alive, min_replicas=w.min_replicas))
+                self.ledger.append(CapacityWaitEnded(waited_s=round(time.monotonic() - start, 3),
+                                                     replicas=alive, gave_up=True))
                 return False
             if self.world.outer_step == 0:
                 view.phase(f"starting: {alive} replica(s) ready, {len(self.world.joining)} starting, "
@@ -560,25 +605,26 @@ class Driver:
                     if world.replicas and world.outer_step > 0:
                         self.checkpoint(view)
                     if self._budget_held_back:
-                        ledger.append("budget_exhausted", outer_step=world.outer_step,
-                                      reason=f"budget.max_usd (${recipe.budget.max_usd:.2f}) cannot pay for "
-                                             f"world.min_replicas ({recipe.world.min_replicas}) node(s)")
+                        ledger.append(BudgetExhausted(
+                            outer_step=world.outer_step,
+                            reason=f"budget.max_usd (${recipe.budget.max_usd:.2f}) cannot pay for "
+                                   f"world.min_replicas ({recipe.world.min_replicas}) node(s)"))
                         return "budget_exhausted"
                     return "insufficient_capacity"
                 if world.done():   # --resume from a checkpoint already at train.outer_steps
                     break
                 reason = self._over_budget(last_step_s)
                 if reason:
-                    ledger.append("budget_exhausted", reason=reason, outer_step=world.outer_step)
+                    ledger.append(BudgetExhausted(reason=reason, outer_step=world.outer_step))
                     if world.outer_step > 0:
                         self.checkpoint(view)
                     return "budget_exhausted"
                 members = sorted(world.replicas)
                 if members != self._members:
-                    ledger.append("world_formed", epoch=world.epoch, replicas=members, outer_step=world.outer_step,
-                                  params=world.params)
+                    ledger.append(WorldFormed(epoch=world.epoch, replicas=members, outer_step=world.outer_step,
+                                              params=world.params))
                     self._members = members
-                res = world.step()
+                res = self._step_world()
                 if res is None:
                     continue   # every replica was lost during the step; capacity wait next
                 if not res.replicas:   # every member's notice deadline had passed: they leave now
@@ -586,16 +632,16 @@ class Driver:
                     continue
                 self._last_sync_s = res.sync_s
                 if res.sync_attempts > 1:
-                    ledger.append("sync_retried", outer_step=res.outer_step, attempts=res.sync_attempts)
+                    ledger.append(SyncRetried(outer_step=res.outer_step, attempts=res.sync_attempts))
                 last_step_s = self._last_step_s = res.inner_s + res.sync_s
                 train_s += last_step_s
-                ledger.append("outer_step", outer_step=res.outer_step, inner_step=world.inner_step,
-                              epoch=world.epoch, replicas=res.replicas, losses=[round(x, 6) for x in res.losses],
-                              tokens=res.tokens, tokens_total=world.tokens, inner_s=round(res.inner_s, 4),
-                              sync_s=round(res.sync_s, 4), bytes_sent=res.bytes_sent,
-                              network_s=round(res.network_s, 4), data_cursor=world.cursor,
-                              steps_done=res.steps_done,
-                              inner_s_by_replica={r: round(s, 4) for r, s in res.inner_s_by_replica.items()})
+                ledger.append(OuterStep(outer_step=res.outer_step, inner_step=world.inner_step, epoch=world.epoch,
+                                        replicas=res.replicas, losses=[round(x, 6) for x in res.losses],
+                                        tokens=res.tokens, tokens_total=world.tokens, inner_s=round(res.inner_s, 4),
+                                        sync_s=round(res.sync_s, 4), bytes_sent=res.bytes_sent,
+                                        network_s=round(res.network_s, 4), data_cursor=world.cursor,
+                                        steps_done=res.steps_done,
+                                        inner_s_by_replica={r: round(s, 4) for r, s in res.inner_s_by_replica.items()}))
                 self._write_metrics(res)
                 self._release_drained(res)
                 view.step(res, world, world.tokens / train_s if train_s else 0.0,
@@ -617,8 +663,8 @@ class Driver:
                 rep = self.world.replicas[rid]
                 self.world.release(rid)
                 self._draining.pop(rid)
-                self.ledger.append("replica_drained", replica=rid, instance_id=rep.instance_id,
-                                   outer_step=res.outer_step, steps_done=res.steps_done.get(rid))
+                self.ledger.append(ReplicaDrained(replica=rid, instance_id=rep.instance_id,
+                                                  outer_step=res.outer_step, steps_done=res.steps_done.get(rid)))
                 self._terminate(rep.instance_id)
 
     def _write_metrics(self, res) -> None:
@@ -638,17 +684,17 @@ class Driver:
         try:
             parts = self.world.call_replica(self.world.lead_replica(), "evaluate")
         except Exception as exc:
-            self.ledger.append("validation_failed", outer_step=self.world.outer_step,
-                               message=str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+            message = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+            self.ledger.append(ValidationFailed(outer_step=self.world.outer_step, message=message))
             return
         tokens = sum(p["tokens"] for p in parts)
         if not tokens:
             return
         loss = sum(p["loss_sum"] for p in parts) / tokens
         ppl = math.exp(min(loss, 700.0))
-        self.ledger.append("validation", outer_step=self.world.outer_step, tokens_total=self.world.tokens,
-                           loss=round(loss, 6), perplexity=round(ppl, 4), tokens=tokens,
-                           seconds=round(max(p["seconds"] for p in parts), 4))
+        self.ledger.append(Validation(outer_step=self.world.outer_step, tokens_total=self.world.tokens,
+                                      loss=round(loss, 6), perplexity=round(ppl, 4), tokens=tokens,
+                                      seconds=round(max(p["seconds"] for p in parts), 4)))
         view.validation(self.world.outer_step, loss, ppl)
 
     def _over_budget(self, next_step_s: float) -> str | None:
@@ -669,7 +715,7 @@ class Driver:
         try:
             self.ckpt.save(self.world, lead, self.recipe)
         except Exception as exc:  # the saving replica was lost mid-save: the partial one is ignored
-            self.ledger.append("checkpoint_failed", step=self.world.outer_step, message=str(exc).splitlines()[0][:200])
+            self.ledger.append(CheckpointFailed(step=self.world.outer_step, message=str(exc).splitlines()[0][:200]))
 
     def finish_checkpoints(self, view) -> None:
         """Wait until the last checkpoint is durable (phase 2 done) before the run lets its nodes go."""
@@ -683,7 +729,7 @@ class Driver:
         """Release every node the run holds and stop what it started; each part tolerates the others failing."""
         self._beat_stop.set()
         if self.ckpt.uploading is not None:  # interrupted mid-upload: the last complete one stands
-            self.ledger.append("checkpoint_upload_abandoned", step=self.ckpt.uploading)
+            self.ledger.append(CheckpointUploadAbandoned(step=self.ckpt.uploading))
         if self.world is not None:
             try:
                 self.world.shutdown()
@@ -699,9 +745,9 @@ class Driver:
                 for inst in p.list_instances(self.run_name):
                     try:
                         p.terminate(inst.instance_id)
-                        self.ledger.append("node_released", instance_id=inst.instance_id)
+                        self.ledger.append(NodeReleased(instance_id=inst.instance_id))
                     except Exception as exc:
-                        self.ledger.append("error", message=f"could not release {inst.instance_id}: {exc}")
+                        self.ledger.append(Error(message=f"could not release {inst.instance_id}: {exc}"))
                 self._release_leftovers(p)
                 p.close()
         self._save_preemption_history()
@@ -719,14 +765,14 @@ class Driver:
         try:
             left = provider.find_instances(self.run_name)
         except Exception as exc:
-            self.ledger.append("error", message=f"could not list the run's VMs on {provider.name}: {exc}")
+            self.ledger.append(Error(message=f"could not list the run's VMs on {provider.name}: {exc}"))
             return
         for inst in sorted(left, key=lambda i: i.role == "controller"):
             try:
                 provider.terminate(inst.instance_id)
                 log.info("released %s (%s) of run %s", inst.instance_id, inst.role, self.run_name)
             except Exception as exc:
-                self.ledger.append("error", message=f"could not release {inst.instance_id}: {exc}")
+                self.ledger.append(Error(message=f"could not release {inst.instance_id}: {exc}"))
 
     def _save_preemption_history(self) -> None:
         """Add this run's preemptions per node-hour to the history later runs' risk estimates start
@@ -759,29 +805,29 @@ class Driver:
     def _record_launch(self, inst, offer, joined: bool = True) -> None:
         if joined:
             self._price[inst.instance_id] = round(offer.usd_per_hour, 6)
-        self.ledger.append("node_launched", instance_id=inst.instance_id, ray_node_id=inst.ray_node_id,
-                           role=inst.role, launched_at=inst.launched_at, joined=joined,
-                           **offer.vm_fields())
+        self.ledger.append(NodeLaunched(instance_id=inst.instance_id, ray_node_id=inst.ray_node_id,
+                                        role=inst.role, launched_at=inst.launched_at, joined=joined,
+                                        **offer.vm_fields()))
 
     def _record_join_timeout(self, exc, offer) -> None:
         """A VM that was rented but never joined: launched, timed out, released (billed between)."""
         self._record_launch(exc.instance, offer, joined=False)
         if exc.waited_s >= exc.timeout_s:   # not when the run stopped while it was still booting
-            self.ledger.append("node_join_timeout", instance_id=exc.instance.instance_id, timeout_s=exc.timeout_s)
-        self.ledger.append("node_released", instance_id=exc.instance.instance_id, released_at=exc.released_at)
+            self.ledger.append(NodeJoinTimeout(instance_id=exc.instance.instance_id, timeout_s=exc.timeout_s))
+        self.ledger.append(NodeReleased(instance_id=exc.instance.instance_id, released_at=exc.released_at))
 
     def _capacity_message(self) -> str | None:
         """One line on why capacity never came: every offer at its known capacity, or (when no
         node ever joined) join timeouts and refused launches."""
         events = self.ledger.events
-        held_back = [e for e in events if e["type"] == "launch_held_back" and e["reason"] == "capacity"]
+        held_back = [e for e in events if e["type"] == LaunchHeldBack.TYPE and e["reason"] == "capacity"]
         if held_back and self._capacity_logged:   # the shortage is still on
             return (f"no capacity: {held_back[-1]['message']} (room for {held_back[-1]['held']} replica(s); "
                     f"world.min_replicas is {self.recipe.world.min_replicas})")
-        if any(e["type"] == "replica_joined" for e in events):
+        if any(e["type"] == ReplicaJoined.TYPE for e in events):
             return None
-        timeouts = [e for e in events if e["type"] == "node_join_timeout"]
-        refused = [e for e in events if e["type"] == "capacity_error"]
+        timeouts = [e for e in events if e["type"] == NodeJoinTimeout.TYPE]
+        refused = [e for e in events if e["type"] == CapacityRefused.TYPE]
         if timeouts:
             return (f"no node joined within {self.recipe.resources.join_timeout_s:g} s "
                     f"({len(timeouts)} VM(s) launched, none joined the Ray cluster, all terminated; "
@@ -818,16 +864,16 @@ def run_attached(recipe: Recipe, cluster, run_dir: Path, on_phase=None, run_name
 
     run_dir.mkdir(parents=True, exist_ok=True)
     ledger = Ledger(run_dir / "events.jsonl")
-    ledger.append("run_started", run=run_name, recipe=recipe.name, recipe_digest=recipe.digest())
+    ledger.append(RunStarted(run=run_name, recipe=recipe.name, recipe_digest=recipe.digest()))
     driver = Driver(recipe, run_dir, ledger, resume=resume)
     driver.attach(cluster)
     if on_phase is not None:
-        driver.world.on_phase = lambda phase, members: on_phase(driver, phase, members)
+        driver.on_phase = lambda phase, members: on_phase(driver, phase, members)
     status = "failed"
     try:
         status = driver.run(QuietView())
     finally:
         driver.release_all()
-        ledger.append("run_ended", status=status)
+        ledger.append(RunEnded(status=status))
         ledger.close()
     return status, read_events(run_dir / "events.jsonl")

@@ -21,6 +21,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from elastic.errors import UserError
+from elastic.events import (
+    BudgetExhausted, CapacityRefused, CheckpointFailed, CheckpointUploadFailed, CheckpointUploaded,
+    ControllerStarted, Error, LaunchHeldBack, NodeJoinTimeout, NodeLaunched, NodeNotice, NodePreempted,
+    ReplicaDrained, ReplicaJoined, ReplicaLost, ReplicaMove, RunEnded, RunPlanned, RunStarted, WorldRestored,
+    WorldTarget)
 from elastic.ledger import Ledger
 from elastic.recipe import Recipe, dump_recipe
 
@@ -86,38 +91,38 @@ def event_line(e: dict) -> str | None:
     the rest (outer steps are the panel's)."""
     kind, iid = e["type"], e.get("instance_id", "")
     replica = f"replica {e['replica']}" if e.get("replica") is not None else "no replica"
-    if kind == "node_launched":
+    if kind == NodeLaunched.TYPE:
         kind_s = "spot" if e.get("spot") else "on-demand"
         return (f"rented {iid}: {e['instance_type']} in {e['cloud']}:{e['zone']} ({kind_s}, "
                 f"${e['usd_per_hour']:.4f}/h)")
-    if kind == "node_notice":
+    if kind == NodeNotice.TYPE:
         return f"notice: {iid} ({replica}) will be reclaimed in {e.get('notice_s', 0):.0f} s"
-    if kind == "node_preempted":
+    if kind == NodePreempted.TYPE:
         return f"preempted: {iid} ({replica}, {'after a notice' if e.get('with_notice') else 'no notice'})"
-    if kind == "replica_joined":
+    if kind == ReplicaJoined.TYPE:
         return f"joined: replica {e['replica']} on {iid} after outer step {e['outer_step']} (state from {e['source']})"
-    if kind == "replica_lost":
+    if kind == ReplicaLost.TYPE:
         return f"lost: replica {e['replica']} on {iid} ({e['reason']}, {e['lost_inner_steps']} inner step(s) lost)"
-    if kind == "replica_drained":
+    if kind == ReplicaDrained.TYPE:
         return f"drained: replica {e['replica']} on {iid} gave its last step"
-    if kind == "checkpoint_uploaded":
+    if kind == CheckpointUploaded.TYPE:
         return f"checkpoint step {e['step']} committed to {e['uri']} ({e['bytes'] / 1e6:.1f} MB in {e['seconds']:.1f} s)"
-    if kind in ("checkpoint_failed", "checkpoint_upload_failed"):
+    if kind in (CheckpointFailed.TYPE, CheckpointUploadFailed.TYPE):
         return f"checkpoint step {e['step']} failed: {e['message']}"
-    if kind == "capacity_error":
+    if kind == CapacityRefused.TYPE:
         return f"no capacity: {e['instance_type']} in {e['zone']}"
-    if kind == "node_join_timeout":
+    if kind == NodeJoinTimeout.TYPE:
         return f"never joined: {iid}"
-    if kind == "replica_move":
+    if kind == ReplicaMove.TYPE:
         return (f"moving: {e['drain_instance_id']} to {e['instance_type']} in {e['zone']} "
                 f"(${e['usd_per_mtok_before']:.4f} → ${e['usd_per_mtok_after']:.4f} per 1M tokens)")
-    if kind == "world_target":
+    if kind == WorldTarget.TYPE:
         return f"world grows to {e['replicas']} replicas to finish within budget.max_hours"
-    if kind == "launch_held_back":
+    if kind == LaunchHeldBack.TYPE:
         return f"launches held back ({e['reason']})"
-    if kind == "budget_exhausted":
+    if kind == BudgetExhausted.TYPE:
         return f"budget: stopping ({e['reason']})"
-    if kind == "world_restored":
+    if kind == WorldRestored.TYPE:
         return f"every replica lost: restarting from {'checkpoint step ' + str(e['from_step']) if e.get('uri') else 'the initial state'}"
     return None
 
@@ -133,13 +138,13 @@ def story_line(console, text: str, style: str = "") -> None:
 
 def story_listener(console):
     """A ledger listener printing `event_line` of each event that tells the story."""
-    bad = {"node_preempted", "replica_lost", "checkpoint_failed", "checkpoint_upload_failed", "budget_exhausted",
-           "world_restored"}
+    bad = {NodePreempted.TYPE, ReplicaLost.TYPE, CheckpointFailed.TYPE, CheckpointUploadFailed.TYPE,
+           BudgetExhausted.TYPE, WorldRestored.TYPE}
 
     def on_event(e: dict) -> None:
         text = event_line(e)
         if text is not None:
-            story_line(console, text, "red" if e["type"] in bad else "yellow" if e["type"] == "node_notice" else "")
+            story_line(console, text, "red" if e["type"] in bad else "yellow" if e["type"] == NodeNotice.TYPE else "")
 
     return on_event
 
@@ -255,19 +260,19 @@ def launch_controller(recipe: Recipe, run_dir: Path, console) -> int:
     ledger = Ledger(run_dir / "events.jsonl")
     # The driver runs on the controller, not in this process: no pid, so `elastic status` never
     # takes this run for a dead one.
-    ledger.append("run_started", run=run_dir.name, recipe=recipe.name, recipe_digest=recipe.digest(), pid=None,
-                  host=socket.gethostname(), target_replicas=recipe.world.replicas,
-                  ranks_per_replica=recipe.world.ranks_per_replica, head="controller")
+    ledger.append(RunStarted(run=run_dir.name, recipe=recipe.name, recipe_digest=recipe.digest(), pid=None,
+                             host=socket.gethostname(), target_replicas=recipe.world.replicas,
+                             ranks_per_replica=recipe.world.ranks_per_replica, head="controller"))
     try:
         inst = provider.launch_controller(run_dir.name, text)
     except BaseException:
-        ledger.append("run_ended", status="failed")
+        ledger.append(RunEnded(status="failed"))
         ledger.close()
         raise
-    ledger.append("node_launched", instance_id=inst.instance_id, ray_node_id=None, role="controller",
-                  launched_at=inst.launched_at, joined=False,
-                  **inst.offer.vm_fields())
-    ledger.append("controller_started", instance_id=inst.instance_id, cloud=cloud, region=inst.offer.region)
+    ledger.append(NodeLaunched(instance_id=inst.instance_id, ray_node_id=None, role="controller",
+                               launched_at=inst.launched_at, joined=False,
+                               **inst.offer.vm_fields()))
+    ledger.append(ControllerStarted(instance_id=inst.instance_id, cloud=cloud, region=inst.offer.region))
     ledger.close()
     console.print(f"[bold]elastic[/bold] run [cyan]{escape(run_dir.name)}[/cyan]: controller {inst.instance_id} "
                   f"({inst.offer.instance_type}, on-demand, {inst.offer.region}) runs the Ray head and the driver.\n"
@@ -289,9 +294,9 @@ def launch(recipe: Recipe, run_dir: Path, address: str | None = None, console=No
     run = run_dir.name
     with run_logging(run_dir / "driver.log", console):
         ledger = Ledger(run_dir / "events.jsonl")
-        ledger.append("run_started", run=run, recipe=recipe.name, recipe_digest=recipe.digest(), pid=os.getpid(),
-                      host=socket.gethostname(),
-                      target_replicas=recipe.world.replicas, ranks_per_replica=recipe.world.ranks_per_replica)
+        ledger.append(RunStarted(run=run, recipe=recipe.name, recipe_digest=recipe.digest(), pid=os.getpid(),
+                                 host=socket.gethostname(), target_replicas=recipe.world.replicas,
+                                 ranks_per_replica=recipe.world.ranks_per_replica))
         _record_plan(recipe, ledger)
         # Every event of the story gets its line, also those of the start and of the teardown.
         ledger.listeners.append(story_listener(console))
@@ -322,10 +327,10 @@ def launch(recipe: Recipe, run_dir: Path, address: str | None = None, console=No
         finally:
             with _signals_ignored():
                 if message:
-                    ledger.append("error", message=message)
+                    ledger.append(Error(message=message))
                 if driver is not None:
                     driver.release_all()
-                ledger.append("run_ended", status=status, wall_s=round(time.monotonic() - t_start, 3))
+                ledger.append(RunEnded(status=status, wall_s=round(time.monotonic() - t_start, 3)))
                 ledger.close()
                 _save_throughput(recipe, ledger.events)
                 report = write_report(run_dir)
@@ -353,10 +358,10 @@ def _record_plan(recipe: Recipe, ledger: Ledger) -> None:
     if placement is None:
         return
     doc = placement.to_dict(recipe)
-    ledger.append("run_planned", replicas=doc["replicas"], useful_tokens_per_s=doc["useful_tokens_per_s"],
-                  tokens_per_s_source=doc["tokens_per_s_source"], usd_per_hour=doc["usd_per_hour"],
-                  expected_hours=doc["expected_hours"], expected_usd=doc["expected_usd"],
-                  tokens_needed=doc["tokens_needed"])
+    ledger.append(RunPlanned(replicas=doc["replicas"], useful_tokens_per_s=doc["useful_tokens_per_s"],
+                             tokens_per_s_source=doc["tokens_per_s_source"], usd_per_hour=doc["usd_per_hour"],
+                             expected_hours=doc["expected_hours"], expected_usd=doc["expected_usd"],
+                             tokens_needed=doc["tokens_needed"]))
 
 
 def _save_throughput(recipe: Recipe, events: list[dict]) -> None:

@@ -1,4 +1,4 @@
-"""The run's ledger: every event, appended as one JSON line to `events.jsonl`.
+"""The run's ledger: every event (typed: elastic/events.py), appended as one JSON line to `events.jsonl`.
 
 Status views, reports and the live terminal are views of these events; nothing keeps a second
 tally. Each line is written whole and flushed, so a crash leaves at most one torn last line, which
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from elastic.errors import UserError
+from elastic.events import Event, declared
 
 log = logging.getLogger("elastic.events")   # every event at INFO: driver.log's record of the run
 
@@ -42,15 +43,18 @@ class Ledger:
             self._f.write("\n")
             self._f.flush()
 
-    def append(self, type_: str, **fields) -> dict:
-        """Record event `type_` with `fields` (JSON-able) and the wall time `t` (unix seconds)."""
-        event = {"t": round(time.time(), 6), "type": type_, **fields}
+    def append(self, typed: Event) -> dict:
+        """Record `typed` (an event elastic/events.py declares) at the wall time `t` (unix seconds);
+        returns its JSON record. Anything else is a programming error: TypeError."""
+        if not declared(typed):
+            raise TypeError(f"not an event declared in elastic/events.py: {typed!r}")
+        event = typed.record(round(time.time(), 6))
         line = json.dumps(event, separators=(",", ":"), default=str)
         with self._lock:
             self._f.write(line + "\n")
             self._f.flush()
             self.events.append(event)
-        log.info("%s", type_, extra={"event": event})
+        log.info("%s", typed.TYPE, extra={"event": event})
         for listener in list(self.listeners):
             try:
                 listener(event)

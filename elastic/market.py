@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elastic.cache import cache_dir, write_json_atomic
+from elastic.events import (
+    NodeLaunched, NodeNotice, NodePreempted, NodeReleased, OuterStep, ReplicaStarting)
 from providers.base import Offer
 
 Key = tuple[str, str, str, str]   # cloud, region, zone, instance type
@@ -106,26 +108,26 @@ class Market:
         """Take in the ledger events appended since the last call."""
         for e in events[self._seen:]:
             kind, t = e["type"], e["t"]
-            if kind == "node_launched":
+            if kind == NodeLaunched.TYPE:
                 typ = (e["cloud"], e["instance_type"])
                 self._vm_type[e["instance_id"]] = typ
                 self._recipe_tps[typ] = recipe_tokens_per_s(e, self._p)
                 if e.get("spot", True):
                     self._open[e["instance_id"]] = (offer_key(e), e.get("launched_at", t))
-            elif kind == "replica_starting":
+            elif kind == ReplicaStarting.TYPE:
                 self._replica_vm[int(e["replica"])] = e["instance_id"]
-            elif kind == "outer_step" and self._tokens_per_inner_step:
+            elif kind == OuterStep.TYPE and self._tokens_per_inner_step:
                 self._measure(e)
-            elif kind in ("node_notice", "node_preempted"):
+            elif kind in (NodeNotice.TYPE, NodePreempted.TYPE):
                 iid = e["instance_id"]
                 if iid in self._open and iid not in self._counted:
                     self._counted.add(iid)
                     key = self._open[iid][0]
                     self._preempted[key] += 1
                     self._hit_region(key[1], t)
-                if kind == "node_preempted":
+                if kind == NodePreempted.TYPE:
                     self._close(iid, t)
-            elif kind == "node_released":
+            elif kind == NodeReleased.TYPE:
                 self._close(e["instance_id"], t)
         self._seen = len(events)
 
@@ -275,11 +277,11 @@ def measure_throughput(events: list[dict], tokens_per_inner_step: int) -> dict[t
     replica_vm: dict[int, str] = {}
     out: dict[tuple[str, str], list] = {}
     for e in events:
-        if e["type"] == "node_launched":
+        if e["type"] == NodeLaunched.TYPE:
             vm_type[e["instance_id"]] = (e["cloud"], e["instance_type"])
-        elif e["type"] == "replica_starting":
+        elif e["type"] == ReplicaStarting.TYPE:
             replica_vm[int(e["replica"])] = e["instance_id"]
-        elif e["type"] == "outer_step":
+        elif e["type"] == OuterStep.TYPE:
             phase_s = e.get("inner_s", 0.0) + e.get("sync_s", 0.0)
             for rid, n in (e.get("steps_done") or {}).items():
                 typ = vm_type.get(replica_vm.get(int(rid), ""))

@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from elastic.events import NodeNotice, NodePreempted, OuterStep, Validation
+
 log = logging.getLogger(__name__)
 
 
@@ -53,10 +55,10 @@ class Metrics:
         from elastic.report import burn_usd_per_hour, cost_so_far
 
         kind = e["type"]
-        if kind in ("node_preempted", "node_notice"):
+        if kind in (NodePreempted.TYPE, NodeNotice.TYPE):
             self._preempted.add(e["instance_id"])
             self._write({"world/preemptions": len(self._preempted)})
-        elif kind == "outer_step":
+        elif kind == OuterStep.TYPE:
             self._step = e["outer_step"]
             seconds = e["inner_s"] + e["sync_s"]
             events = self._ledger.events
@@ -67,7 +69,7 @@ class Metrics:
             if seconds > 0:
                 scalars["train/tokens_per_s"] = e["tokens"] / seconds
             self._write(scalars)
-        elif kind == "validation":
+        elif kind == Validation.TYPE:
             self._write({"val/loss": e["loss"], "val/perplexity": e["perplexity"]})
 
     def _write(self, scalars: dict) -> None:

@@ -19,6 +19,11 @@ import statistics
 from pathlib import Path
 
 from elastic import billing
+from elastic.events import (
+    BudgetExhausted, CapacityWaitEnded, CheckpointDeleted, CheckpointSaved, CheckpointUploadFailed,
+    CheckpointUploaded, Error, NodeJoinTimeout, NodeLaunched, NodeNotice, NodePreempted, NodePrice,
+    NodeReleased, OuterStep, ReplicaDrained, ReplicaJoined, ReplicaLost, Resumed, RunEnded, RunPlanned,
+    RunStarted, SyncRetried, Validation, WorldFormed, WorldRestored)
 from elastic.ledger import LedgerError, read_events, SHAPE_ERRORS
 
 # Estimate rates (list prices, standard class, USD): object storage per GB-month by URI scheme
@@ -34,22 +39,23 @@ def _vms(events: list[dict], now: float) -> dict[str, dict]:
     vms: dict[str, dict] = {}
     for e in events:
         kind = e["type"]
-        if kind == "node_launched":
+        if kind == NodeLaunched.TYPE:
             start = e.get("launched_at") or e["t"]
             vms[e["instance_id"]] = {**e, "start": start, "end": None, "ended": "held",
                                      "segments": [(start, e["usd_per_hour"])],
                                      "joined": e.get("joined", True) is not False}
         elif e.get("instance_id") not in vms:
             continue
-        elif kind == "node_price":
+        elif kind == NodePrice.TYPE:
             vm = vms[e["instance_id"]]
             if vm["end"] is None:
                 vm["segments"].append((max(e["t"], vm["start"]), e["usd_per_hour"]))
-        elif kind in ("node_released", "node_preempted"):
+        elif kind in (NodeReleased.TYPE, NodePreempted.TYPE):
             vm = vms[e["instance_id"]]
             if vm["end"] is None:
-                vm["end"], vm["ended"] = max(e.get("released_at", e["t"]), vm["start"]), kind.removeprefix("node_")
-        elif kind == "node_join_timeout":
+                end = e["t"] if e.get("released_at") is None else e["released_at"]   # null: the event's time
+                vm["end"], vm["ended"] = max(end, vm["start"]), kind.removeprefix("node_")
+        elif kind == NodeJoinTimeout.TYPE:
             vms[e["instance_id"]]["joined"] = False
     for vm in vms.values():
         vm["stop"] = vm["end"] if vm["end"] is not None else max(now, vm["start"])
@@ -107,11 +113,11 @@ def _wasted(events: list[dict], vms: dict[str, dict], end: float) -> dict:
     last_step_t = None
     for e in events:
         kind = e["type"]
-        if kind == "replica_joined":
+        if kind == ReplicaJoined.TYPE:
             joined_at[e["replica"]] = e["t"]
-        elif kind == "outer_step":
+        elif kind == OuterStep.TYPE:
             last_step_t = e["t"]
-        elif kind == "replica_lost" and e.get("instance_id") in vms and (
+        elif kind == ReplicaLost.TYPE and e.get("instance_id") in vms and (
                 e["reason"].startswith("preempted") or e["reason"] == "notice while joining"):
             vm = vms[e["instance_id"]]
             if e.get("phase") in ("inner", "sync"):
@@ -122,9 +128,9 @@ def _wasted(events: list[dict], vms: dict[str, dict], end: float) -> dict:
             else:
                 continue
             waste["preemption"] += _spot_usd(vm, since, e["t"])
-        elif kind == "capacity_wait_ended":
+        elif kind == CapacityWaitEnded.TYPE:
             waste["capacity_wait"] += _joined_usd(vms, e["t"] - e.get("waited_s", 0), e["t"])
-        elif kind == "checkpoint_saved":
+        elif kind == CheckpointSaved.TYPE:
             waste["checkpoint_stalls"] += _joined_usd(vms, e["t"] - e["stall_s"], e["t"])
     for vm in vms.values():
         if not vm["joined"]:
@@ -149,23 +155,23 @@ def _breakdown(instances: list[dict], key: str) -> dict:
 
 def _estimates(events: list[dict], vms: dict[str, dict], end: float) -> dict:
     """Storage and egress: estimates from bytes moved, at the list rates above."""
-    deleted = {e["step"]: e["t"] for e in events if e["type"] == "checkpoint_deleted"}
+    deleted = {e["step"]: e["t"] for e in events if e["type"] == CheckpointDeleted.TYPE}
     written, storage_usd = 0, 0.0
     for e in events:
-        if e["type"] == "checkpoint_uploaded":
+        if e["type"] == CheckpointUploaded.TYPE:
             written += e["bytes"]
             scheme = e["uri"].partition("://")[0]
             rate = STORAGE_USD_PER_GB_MONTH.get(scheme, 0.0)
             kept_s = max(0.0, deleted.get(e["step"], end) - e["t"])
             storage_usd += e["bytes"] / 1e9 * rate * kept_s / _MONTH_S
-    start = next((e for e in events if e["type"] == "run_started"), {})
+    start = next((e for e in events if e["type"] == RunStarted.TYPE), {})
     ranks = start.get("ranks_per_replica") or 1
     region_of: dict[int, str] = {}
     cross = 0
     for e in events:
-        if e["type"] == "replica_joined" and e.get("instance_id") in vms:
+        if e["type"] == ReplicaJoined.TYPE and e.get("instance_id") in vms:
             region_of[e["replica"]] = f'{vms[e["instance_id"]]["cloud"]}/{vms[e["instance_id"]]["region"]}'
-        elif e["type"] == "outer_step":
+        elif e["type"] == OuterStep.TYPE:
             regions = {region_of.get(r) for r in e["replicas"]} - {None}
             if len(regions) > 1:
                 # A ring all-reduce crosses a region boundary once per region; each crossing carries
@@ -180,9 +186,9 @@ def _sync_traffic(events: list[dict], steps: list[dict]) -> dict:
     """Outer-sync bytes per trained token, against what data-parallel training would have sent for
     the same tokens: DDP all-reduces the whole bfloat16 gradient every inner step (a ring: each of
     n replicas sends 2(n-1)/n of it)."""
-    start = next((e for e in events if e["type"] == "run_started"), {})
+    start = next((e for e in events if e["type"] == RunStarted.TYPE), {})
     ranks = start.get("ranks_per_replica") or 1
-    params = next((e["params"] for e in reversed(events) if e["type"] == "world_formed" and e.get("params")), 0)
+    params = next((e["params"] for e in reversed(events) if e["type"] == WorldFormed.TYPE and e.get("params")), 0)
     sent = ddp = tokens = 0
     for e in steps:
         n = len(e["replicas"])
@@ -201,7 +207,7 @@ def _recovery_s(events: list[dict], steps: list[dict]) -> list[float]:
     re-formed world completed."""
     out = []
     for e in events:
-        if e["type"] != "replica_lost" or e.get("phase") == "setup":
+        if e["type"] != ReplicaLost.TYPE or e.get("phase") == "setup":
             continue
         nxt = next((s for s in steps if s["t"] > e["t"]), None)
         if nxt is not None:
@@ -231,20 +237,20 @@ def burn_usd_per_hour(events: list[dict]) -> float:
 
 def build_report(events: list[dict], now: float | None = None) -> dict:
     """The report.json figures, computed from ledger events alone."""
-    start = next((e for e in events if e["type"] == "run_started"), None)
-    end = next((e for e in reversed(events) if e["type"] == "run_ended"), None)
+    start = next((e for e in events if e["type"] == RunStarted.TYPE), None)
+    end = next((e for e in reversed(events) if e["type"] == RunEnded.TYPE), None)
     if now is None:
         now = end["t"] if end else (events[-1]["t"] if events else 0.0)
-    steps = [e for e in events if e["type"] == "outer_step"]
+    steps = [e for e in events if e["type"] == OuterStep.TYPE]
     vms = _vms(events, now)
     instances = _instances(vms)
     cost = sum(i["cost_usd"] for i in instances)
     on_demand = sum(i["on_demand_cost_usd"] for i in instances)
     on_demand_exact = sum(_vm_on_demand_usd(vm) for vm in vms.values())
     tokens = steps[-1]["tokens_total"] if steps else 0
-    errors = [e["message"] for e in events if e["type"] == "error"]
-    deleted = {e["step"] for e in events if e["type"] == "checkpoint_deleted"}
-    uploads = [e for e in events if e["type"] == "checkpoint_uploaded"]
+    errors = [e["message"] for e in events if e["type"] == Error.TYPE]
+    deleted = {e["step"] for e in events if e["type"] == CheckpointDeleted.TYPE}
+    uploads = [e for e in events if e["type"] == CheckpointUploaded.TYPE]
     train_s = sum(e["inner_s"] + e["sync_s"] for e in steps)
     report = {
         "run": start["run"] if start else None,
@@ -281,31 +287,31 @@ def build_report(events: list[dict], now: float | None = None) -> dict:
         "nodes_never_joined": sum(1 for i in instances if not i["joined"]),
         # A VM the cloud reclaims counts once, whether it was killed outright or after a notice
         # (and whether or not the run released it before the deadline).
-        "preemptions": len({e["instance_id"] for e in events if e["type"] in ("node_preempted", "node_notice")}),
-        "preemptions_with_notice": len({e["instance_id"] for e in events if e["type"] == "node_notice"}),
+        "preemptions": len({e["instance_id"] for e in events if e["type"] in (NodePreempted.TYPE, NodeNotice.TYPE)}),
+        "preemptions_with_notice": len({e["instance_id"] for e in events if e["type"] == NodeNotice.TYPE}),
         "preemptions_without_notice": len({e["instance_id"] for e in events
-                                           if e["type"] == "node_preempted" and not e.get("with_notice")}),
-        "drained": sum(1 for e in events if e["type"] == "replica_drained"),
-        "joins": sum(1 for e in events if e["type"] == "replica_joined" and e.get("outer_step", 0) > 0),
-        "replicas_lost": sum(1 for e in events if e["type"] == "replica_lost" and e.get("phase") != "setup"),
+                                           if e["type"] == NodePreempted.TYPE and not e.get("with_notice")}),
+        "drained": sum(1 for e in events if e["type"] == ReplicaDrained.TYPE),
+        "joins": sum(1 for e in events if e["type"] == ReplicaJoined.TYPE and e.get("outer_step", 0) > 0),
+        "replicas_lost": sum(1 for e in events if e["type"] == ReplicaLost.TYPE and e.get("phase") != "setup"),
         "recovery_s": _recovery_s(events, steps),
-        "lost_inner_steps": sum(e.get("lost_inner_steps", 0) for e in events if e["type"] == "replica_lost"),
-        "sync_retries": sum(e["attempts"] - 1 for e in events if e["type"] == "sync_retried"),
+        "lost_inner_steps": sum(e.get("lost_inner_steps", 0) for e in events if e["type"] == ReplicaLost.TYPE),
+        "sync_retries": sum(e["attempts"] - 1 for e in events if e["type"] == SyncRetried.TYPE),
         "effective_training_time": _effective(steps, instances),
-        "driver_restarts": max(0, sum(1 for e in events if e["type"] == "run_started") - 1),
-        "capacity_wait_s": round(sum(e.get("waited_s", 0) for e in events if e["type"] == "capacity_wait_ended"), 3),
-        "resumed_from_step": next((e["from_step"] for e in events if e["type"] == "resumed"), None),
-        "restored_from_checkpoint": sum(1 for e in events if e["type"] == "world_restored" and e.get("uri")),
+        "driver_restarts": max(0, sum(1 for e in events if e["type"] == RunStarted.TYPE) - 1),
+        "capacity_wait_s": round(sum(e.get("waited_s", 0) for e in events if e["type"] == CapacityWaitEnded.TYPE), 3),
+        "resumed_from_step": next((e["from_step"] for e in events if e["type"] == Resumed.TYPE), None),
+        "restored_from_checkpoint": sum(1 for e in events if e["type"] == WorldRestored.TYPE and e.get("uri")),
         "max_replicas_seen": max((len(e["replicas"]) for e in steps), default=0),
         # Complete checkpoints still kept (retention deletes the older ones).
         "checkpoints": [f"{e['uri'].rstrip('/')}/step-{e['step']:08d}" for e in uploads if e["step"] not in deleted],
-        "checkpoint_stall_s": round(sum(e["stall_s"] for e in events if e["type"] == "checkpoint_saved"), 3),
+        "checkpoint_stall_s": round(sum(e["stall_s"] for e in events if e["type"] == CheckpointSaved.TYPE), 3),
         "checkpoint_upload_s": round(sum(e["seconds"] for e in uploads), 3),
-        "checkpoint_uploads_failed": sum(1 for e in events if e["type"] == "checkpoint_upload_failed"),
+        "checkpoint_uploads_failed": sum(1 for e in events if e["type"] == CheckpointUploadFailed.TYPE),
         "validation": [{k: e[k] for k in ("outer_step", "tokens_total", "loss", "perplexity")}
-                       for e in events if e["type"] == "validation"],
-        "val_loss_last": next((e["loss"] for e in reversed(events) if e["type"] == "validation"), None),
-        "budget_exhausted": next((e["reason"] for e in events if e["type"] == "budget_exhausted"), None),
+                       for e in events if e["type"] == Validation.TYPE],
+        "val_loss_last": next((e["loss"] for e in reversed(events) if e["type"] == Validation.TYPE), None),
+        "budget_exhausted": next((e["reason"] for e in events if e["type"] == BudgetExhausted.TYPE), None),
         "errors": errors,
     }
     report["plan_vs_actual"] = _plan_vs_actual(events, report)
@@ -315,7 +321,7 @@ def build_report(events: list[dict], now: float | None = None) -> dict:
 def _plan_vs_actual(events: list[dict], report: dict) -> dict | None:
     """What `elastic plan` predicted when the run started (`run_planned`) beside what the run did:
     tokens/s, USD and hours. None when no plan was recorded."""
-    planned = next((e for e in events if e["type"] == "run_planned"), None)
+    planned = next((e for e in events if e["type"] == RunPlanned.TYPE), None)
     if planned is None:
         return None
     return {"planned": {"tokens_per_s": planned["useful_tokens_per_s"], "source": planned["tokens_per_s_source"],

@@ -13,6 +13,9 @@ from __future__ import annotations
 import math
 from html import escape
 
+from elastic.events import (
+    CapacityWaitEnded, NodeLaunched, NodeNotice, NodePreempted, NodeReleased, OuterStep, ReplicaDrained,
+    ReplicaJoined, ReplicaLost, RunEnded, RunStarted, Validation)
 from elastic.report import _billed_s, _vms
 
 W, H = 1200, 300                     # chart size in SVG units; drawn at the page's full width
@@ -180,7 +183,7 @@ def _timeline(events: list[dict], vms: dict, t0: float, x_max: float) -> str:
     parts = [f'<svg class="chart" xmlns="http://www.w3.org/2000/svg" width="{W}" height="{h}" '
              f'viewBox="0 0 {W} {h}" role="img" aria-label="timeline">']
     for e in events:
-        if e["type"] == "capacity_wait_ended" and e.get("waited_s"):
+        if e["type"] == CapacityWaitEnded.TYPE and e.get("waited_s"):
             a, b = sx(e["t"] - e["waited_s"]), sx(e["t"])
             parts.append(f'<rect x="{a:.1f}" y="{MT}" width="{max(b - a, 1):.1f}" height="{h - MT - MB}" '
                          f'fill="#fdecc8"><title>waiting for capacity {e["waited_s"]:.1f} s</title></rect>')
@@ -201,13 +204,13 @@ def _timeline(events: list[dict], vms: dict, t0: float, x_max: float) -> str:
         if iid not in rows:
             continue
         x, y = sx(e["t"]), MT + rows[iid] * row_h + row_h / 2
-        if e["type"] == "replica_joined":
+        if e["type"] == ReplicaJoined.TYPE:
             parts.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="4" fill="#2ca02c"><title>replica {e["replica"]} '
                          f'joined at outer step {e.get("outer_step", 0)}</title></circle>')
-        elif e["type"] == "node_notice":
+        elif e["type"] == NodeNotice.TYPE:
             parts.append(f'<path d="M{x:.1f},{y - 7:.1f}L{x:.1f},{y + 7:.1f}" stroke="#ff7f0e" stroke-width="3">'
                          f'<title>preemption notice</title></path>')
-        elif e["type"] == "node_preempted":
+        elif e["type"] == NodePreempted.TYPE:
             parts.append(f'<path d="M{x - 5:.1f},{y - 5:.1f}L{x + 5:.1f},{y + 5:.1f}M{x - 5:.1f},{y + 5:.1f}'
                          f'L{x + 5:.1f},{y - 5:.1f}" stroke="#d62728" stroke-width="2.5"><title>preempted</title></path>')
     parts.append("</svg>")
@@ -262,15 +265,15 @@ def _series(events: list[dict], vms: dict, t0: float, end: float):
     replicas = nodes = 0
     for e in events:
         x = e["t"] - t0
-        if e["type"] == "outer_step" and e.get("losses"):
+        if e["type"] == OuterStep.TYPE and e.get("losses"):
             loss.append((x, sum(e["losses"]) / len(e["losses"])))
-        if e["type"] == "replica_joined":
+        if e["type"] == ReplicaJoined.TYPE:
             replicas += 1
-        elif e["type"] in ("replica_drained",) or (e["type"] == "replica_lost" and e.get("phase") != "setup"):
+        elif e["type"] in (ReplicaDrained.TYPE,) or (e["type"] == ReplicaLost.TYPE and e.get("phase") != "setup"):
             replicas = max(0, replicas - 1)
-        elif e["type"] == "node_launched":
+        elif e["type"] == NodeLaunched.TYPE:
             nodes += 1
-        elif e["type"] in ("node_released", "node_preempted"):
+        elif e["type"] in (NodeReleased.TYPE, NodePreempted.TYPE):
             nodes = max(0, nodes - 1)
         else:
             continue
@@ -301,14 +304,14 @@ def render_html(events: list[dict], report: dict) -> str:
     """The whole page for a run's ledger and its report (from `build_report(events)`)."""
     from elastic.report import headline_rows
 
-    start = next((e for e in events if e["type"] == "run_started"), None)
-    end_ev = next((e for e in reversed(events) if e["type"] == "run_ended"), None)
+    start = next((e for e in events if e["type"] == RunStarted.TYPE), None)
+    end_ev = next((e for e in reversed(events) if e["type"] == RunEnded.TYPE), None)
     t0 = start["t"] if start else (events[0]["t"] if events else 0.0)
     end = end_ev["t"] if end_ev else (events[-1]["t"] if events else t0)
     vms = _vms(events, end)
     x_max = max([end - t0] + [vm["stop"] - t0 for vm in vms.values()])
     loss, world, held, usd, od = _series(events, vms, t0, end)
-    val = [(e["t"] - t0, e["loss"]) for e in events if e["type"] == "validation"]
+    val = [(e["t"] - t0, e["loss"]) for e in events if e["type"] == Validation.TYPE]
     prices = [(f"{iid} ({vm['instance_type']}, {vm['zone']})", color(n),
                [(t - t0, p) for t, p in vm["segments"]] + [(vm["stop"] - t0, vm["segments"][-1][1])])
               for n, (iid, vm) in enumerate(vms.items())]

@@ -32,6 +32,7 @@ import random
 
 from elastic import billing
 from elastic.errors import UserError
+from elastic.events import CapacityRefused, NodeLaunched, NodePreempted, NodePrice, NodeReleased, ReplicaMove
 from elastic.market import Market, Quote, offer_key, recipe_tokens_per_s
 from elastic.planner import Progress, allowed, evaluate, run_tokens, tokens_per_phase
 from elastic.policy import (HoldBack, Node, Refusal, Release, Rent, Replan, Retarget, Snapshot, decide,
@@ -177,20 +178,21 @@ class _Run:
         st = self.market.state(offer.zone, offer.instance_type, self.t)
         held = sum(1 for n in self.nodes.values() if offer_key(n.offer) == offer_key(offer))
         if offer.spot and st.capacity is not None and held >= st.capacity:
-            self.events.append({"t": self.t, "type": "capacity_error", "zone": offer.zone,
-                                "instance_type": offer.instance_type})
+            self.events.append(CapacityRefused(zone=offer.zone, instance_type=offer.instance_type,
+                                               message="the trace's capacity is held").record(self.t))
             self.refused = "capacity"
             return None
         iid = f"sim-{next(self._ids):05d}"
         self.nodes[iid] = _Node(iid, offer, self.t, self.t + self.recipe.planner.recovery_s)
-        self.events.append({"t": self.t, "type": "node_launched", "instance_id": iid, **offer.vm_fields()})
+        self.events.append(NodeLaunched(instance_id=iid, ray_node_id=None, role="replica", launched_at=self.t,
+                                        joined=True, **offer.vm_fields()).record(self.t))
         return iid
 
     def release(self, iid: str) -> None:
         node = self.nodes.pop(iid, None)
         if node is not None:
             self.closed_usd += self.usd(node, self.t, ended=True)
-            self.events.append({"t": self.t, "type": "node_released", "instance_id": iid})
+            self.events.append(NodeReleased(instance_id=iid).record(self.t))
 
     def release_all(self) -> None:
         for iid in list(self.nodes):
@@ -239,15 +241,14 @@ class _Run:
                 self.rented_node_s += min(draws.get(iid, until), until) - self.t
             for iid, at in sorted(draws.items(), key=lambda kv: kv[1]):
                 if at <= until and iid in self.nodes:
-                    self.events.append({"t": at, "type": "node_preempted", "instance_id": iid})
+                    self.events.append(NodePreempted(instance_id=iid, with_notice=False, replica=None).record(at))
                     gone[iid] = self.nodes.pop(iid)
                     self.closed_usd += self.usd(gone[iid], at, ended=True)
                     self.preemptions += 1
             self.t = until
             for n in self.nodes.values():   # the ledger's record of a price move, as the driver writes it
                 if self.market.next_change(n.offer, until - 1e-9) <= until:
-                    self.events.append({"t": until, "type": "node_price", "instance_id": n.iid,
-                                        "usd_per_hour": self.price(n)})
+                    self.events.append(NodePrice(instance_id=n.iid, usd_per_hour=self.price(n)).record(until))
             if self.t >= end - 1e-9 or not self.affordable(end - self.t):
                 return gone
 
@@ -291,9 +292,11 @@ def _elastic(run: _Run) -> None:
     short_since = None
 
     def record_move(move) -> None:
-        run.events.append({"t": run.t, "type": "replica_move", "drain_instance_id": move.drain,
-                           "zone": move.add.offer.zone, "instance_type": move.add.offer.instance_type,
-                           "usd_per_hour": move.add.offer.usd_per_hour})
+        run.events.append(ReplicaMove(drain_instance_id=move.drain, zone=move.add.offer.zone,
+                                      instance_type=move.add.offer.instance_type,
+                                      usd_per_hour=move.add.offer.usd_per_hour,
+                                      usd_per_mtok_before=round(move.usd_per_mtok_before, 6),
+                                      usd_per_mtok_after=round(move.usd_per_mtok_after, 6)).record(run.t))
 
     def act(horizon_s: float) -> None:
         """Ask the policy and do what it says, again after each refused launch (the refusal rests

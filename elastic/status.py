@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from elastic.errors import UserError
+from elastic.events import NodeLaunched, NodeNotice, NodePreempted, NodeReleased, OuterStep, RunEnded, RunStarted
 from elastic.ledger import LedgerError, read_events, SHAPE_ERRORS
 from elastic.report import burn_usd_per_hour, cost_so_far
 
@@ -53,11 +54,11 @@ def driver_alive(pid, host) -> bool:
 
 def snapshot(events: list[dict], now: float, target_outer_steps: int | None = None) -> dict:
     """The live figures of a ledger at unix time `now` (the end of the run once it ended)."""
-    start = next((e for e in events if e["type"] == "run_started"), None)
-    end = next((e for e in reversed(events) if e["type"] == "run_ended"), None)
+    start = next((e for e in events if e["type"] == RunStarted.TYPE), None)
+    end = next((e for e in reversed(events) if e["type"] == RunEnded.TYPE), None)
     if end is not None:
         now = end["t"]
-    steps = [e for e in events if e["type"] == "outer_step"]
+    steps = [e for e in events if e["type"] == OuterStep.TYPE]
     recent = steps[-RECENT_STEPS:]
     busy_s = sum(s["inner_s"] + s["sync_s"] for s in recent)
     spent = cost_so_far(events, now)
@@ -82,15 +83,15 @@ def snapshot(events: list[dict], now: float, target_outer_steps: int | None = No
         # Replicas training now: none once the run ended (the last step's count is `world_last`).
         "world": 0 if end is not None else (len(steps[-1]["replicas"]) if steps else 0),
         "world_last": len(steps[-1]["replicas"]) if steps else 0,
-        "vms_held": sum(1 for e in events if e["type"] == "node_launched")
-        - len({e["instance_id"] for e in events if e["type"] in ("node_released", "node_preempted")}),
+        "vms_held": sum(1 for e in events if e["type"] == NodeLaunched.TYPE)
+        - len({e["instance_id"] for e in events if e["type"] in (NodeReleased.TYPE, NodePreempted.TYPE)}),
         "loss": (sum(steps[-1]["losses"]) / len(steps[-1]["losses"])) if steps and steps[-1]["losses"] else None,
         "tokens": steps[-1]["tokens_total"] if steps else 0,
         "tokens_per_s": sum(s["tokens"] for s in recent) / busy_s if busy_s > 0 else None,
         "usd_so_far": spent,
         "burn_usd_per_hour": burn,
         "projected_usd": projected,
-        "preemptions": len({e["instance_id"] for e in events if e["type"] in ("node_preempted", "node_notice")}),
+        "preemptions": len({e["instance_id"] for e in events if e["type"] in (NodePreempted.TYPE, NodeNotice.TYPE)}),
         "last_event": events[-1]["type"] if events else None,
     }
 

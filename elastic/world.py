@@ -14,6 +14,13 @@ outer sync over the replicas that finished it. Failure is the normal path:
 
 The driver owns the TCPStore every process group rendezvouses through, so a new epoch is just a
 new key prefix.
+
+The world never calls its driver: `World.step()` advances the outer step under way to its next
+pause (a phase starting, an all-reduce attempt failing, or about every 0.1 s while it waits on the
+ranks) and returns what happened meanwhile as values (`PhaseStarted`, `Loss`, `SyncFailure`,
+`StepDone`); the driver records them and does its own work between two calls (notices, launches,
+renting), and those calls may drop replicas or ask a phase to end early. What happens outside a
+step (a joiner's copy failing, a drop) is returned by `take_events`.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Generator
 
 from elastic.recipe import Recipe
 
@@ -144,6 +151,43 @@ class StepResult:
     step_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class PhaseStarted:
+    """A phase of the outer step began (`inner`: its calls are out; `sync`: an all-reduce attempt
+    is about to start, and a replica dropped now is left out of it).
+
+    Args:
+        phase: `inner` or `sync`.
+        members: the replicas taking part.
+    """
+
+    phase: str
+    members: list[int]
+
+
+@dataclass(frozen=True)
+class SyncFailure:
+    """An outer all-reduce attempt did not complete (the step retries over the survivors).
+
+    Args:
+        outer_step: the step under way (1-based).
+        attempt: 1-based.
+        failures: {replica_id: {"stage", "addr", "error"}} (stage `connect`: the replica could not
+            join the outer group).
+    """
+
+    outer_step: int
+    attempt: int
+    failures: dict
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """The outer step under way ended. Args: result: what it produced (None: every replica was lost)."""
+
+    result: StepResult | None
+
+
 class World:
     """Args:
         recipe: the resolved recipe.
@@ -151,12 +195,9 @@ class World:
             choice, the driver node's Ray node IP).
         identical_data: feed every replica the same samples (tests DiLoCo against one replica);
             normal runs lease disjoint ranges.
-        on_loss: called with each `Loss` as it happens (the driver records it).
-        on_tick: called while waiting on replicas (the driver polls provider notices).
     """
 
-    def __init__(self, recipe: Recipe, store_host: str | None = None, identical_data: bool = False,
-                 on_loss: Callable[[Loss], None] | None = None, on_tick: Callable[[], None] | None = None):
+    def __init__(self, recipe: Recipe, store_host: str | None = None, identical_data: bool = False):
         import ray
         import torch.distributed as dist
 
@@ -181,14 +222,8 @@ class World:
         self.phase = "idle"   # "inner" or "sync" while a step is under way
         self._phase_members: list[int] = []   # the replicas of the inner phase under way
         self._stop_at: dict[int, float] = {}  # noticed replica -> unix time it must contribute by
-        self._on_loss = on_loss or (lambda loss: None)
-        self._on_tick = on_tick or (lambda: None)
-        # Observers of the outer loop: on_phase(phase, members) as each phase is under way;
-        # on_sync_failed(outer_step, attempt, failures) after an outer all-reduce attempt that did
-        # not complete, failures = {replica_id: {"stage", "addr", "error"}} (stage `connect`: the
-        # replica could not join the outer group).
-        self.on_phase: Callable[[str, list[int]], None] = lambda phase, members: None
-        self.on_sync_failed: Callable[[int, int, dict], None] = lambda outer_step, attempt, failures: None
+        self._happened: list = []   # what happened since `step` or `take_events` last returned it
+        self._under_way: Generator | None = None   # the outer step `step` advances
         self._actor_cls = ray.remote(_rank_worker_cls())
         from elastic.replica import Schedule
 
@@ -435,7 +470,7 @@ class World:
         self._kill(rep)
         if was_member:
             self.epoch += 1
-        self._on_loss(Loss(rep.replica_id, rep.instance_id, reason, lost_inner_steps, phase, rule))
+        self._happened.append(Loss(rep.replica_id, rep.instance_id, reason, lost_inner_steps, phase, rule))
 
     def _kill(self, rep: Replica) -> None:
         # A rank lost inside a multi-rank replica drops the whole replica: its other ranks would
@@ -455,11 +490,11 @@ class World:
 
     # -- training --------------------------------------------------------------------------------
 
-    def _gather(self, calls: dict, phase: str, lost_steps: int) -> dict:
-        """Wait for {(replica_id, rank): ref}, however long it takes while the ranks keep beating.
-        A replica is dropped when a call of it fails (its process died), when the driver learns its
-        node is gone (on_tick), or when a rank's heartbeat stops for `world.stall_timeout_s`.
-        Returns {(replica_id, rank): result}."""
+    def _gather(self, calls: dict, phase: str, lost_steps: int) -> Generator[None, None, dict]:
+        """Wait for {(replica_id, rank): ref}, however long it takes while the ranks keep beating,
+        pausing (a `yield`) about every 0.1 s. A replica is dropped when a call of it fails (its
+        process died), when the driver drops it during a pause (its node is gone), or when a rank's
+        heartbeat stops for `world.stall_timeout_s`. Returns {(replica_id, rank): result}."""
         ray = self._ray
         owner = {ref: key for key, ref in calls.items()}
         pending = list(owner)
@@ -476,7 +511,8 @@ class World:
                 except Exception as exc:
                     if rid in self.replicas:
                         self._lose(self.replicas[rid], f"{phase}: {_short(exc)}", lost_steps, phase)
-            self._on_tick()   # may drop replicas whose nodes the provider saw go
+            if pending:
+                yield   # the driver's turn: it may drop replicas whose nodes the provider saw go
             pending = [r for r in pending if owner[r][0] in self.replicas]
             if pending and time.monotonic() >= check_at:
                 check_at = time.monotonic() + HEARTBEAT_CHECK_S
@@ -503,10 +539,42 @@ class World:
                 out[key[0]] = f"rank {key[1]} sent no heartbeat for {now - since:.1f} s (progress {progress})"
         return out
 
-    def step(self) -> StepResult | None:
-        """One outer step over the live replicas. None if every replica was lost during it. A
-        replica whose notice deadline has already passed sits the step out (in `idle`, nothing
-        to add); when every member does, the result has no `replicas` and no step was taken."""
+    def step(self) -> list:
+        """Advance the outer step under way (beginning one when none is) to its next pause, and
+        return what happened since the last call: `PhaseStarted`, `Loss`, `SyncFailure`, and last,
+        once the step ended, `StepDone`. Between two calls the caller may drop replicas or ask for
+        a stop (`drop`, `request_stop`); the step goes on over the rest."""
+        if self._under_way is None:
+            self._under_way = self._outer_step()
+        try:
+            next(self._under_way)
+        except StopIteration as end:
+            self._under_way = None
+            self._happened.append(StepDone(end.value))
+        except BaseException:
+            self._under_way = None
+            raise
+        return self.take_events()
+
+    def take_events(self) -> list:
+        """What happened since it was last returned (`step` returns it too): the `Loss`es of calls
+        made between steps (`drop`, `begin_copy`, `admit_copied`, `admit`)."""
+        out, self._happened = self._happened, []
+        return out
+
+    def run_step(self) -> tuple[StepResult | None, list]:
+        """One whole outer step with nothing done at its pauses, for code that drives a world
+        alone (tests, benchmarks). Returns (its result, everything `step` returned)."""
+        happened = []
+        while not (happened and isinstance(happened[-1], StepDone)):
+            happened += self.step()
+        return happened[-1].result, happened
+
+    def _outer_step(self) -> Generator[None, None, StepResult | None]:
+        """One outer step over the live replicas, pausing where `step` returns. None if every
+        replica was lost during it. A replica whose notice deadline has already passed sits the
+        step out (in `idle`, nothing to add); when every member does, the result has no `replicas`
+        and no step was taken."""
         t = self._recipe.train
         now = time.time()
         late = sorted(rid for rid, at in self._stop_at.items() if rid in self.replicas and at <= now)
@@ -532,8 +600,9 @@ class World:
         calls = {(rid, r): a.inner_phase.remote(leases[rid], self.inner_step, self.tokens, step_tokens, nexts[rid])
                  for rid in members for r, a in enumerate(self.replicas[rid].actors)}
         self._end_phase_by(members)   # a notice came between steps: this phase ends by its deadline
-        self.on_phase("inner", members)
-        results = self._gather(calls, "inner", t.inner_steps)
+        self._happened.append(PhaseStarted("inner", members))
+        yield
+        results = yield from self._gather(calls, "inner", t.inner_steps)
         inner_s = time.monotonic() - t0
         self._stop_at.clear()   # served: the noticed replicas contribute at this sync (or are gone)
 
@@ -552,25 +621,33 @@ class World:
             attempts += 1
             if attempts > 1:
                 self.epoch += 1   # a fresh group over the survivors
-            self.on_phase("sync", members)
+            self._happened.append(PhaseStarted("sync", members))
+            yield
             members = [rid for rid in members if rid in self.replicas]
+            if not members:   # dropped during the pause
+                self.phase = "idle"
+                return None
             calls = {(rid, r): a.outer_sync.remote(self.epoch, i, len(members))
                      for i, rid in enumerate(members) for r, a in enumerate(self.replicas[rid].actors)}
-            sync_out = self._gather(calls, "sync", t.inner_steps)
+            sync_out = yield from self._gather(calls, "sync", t.inner_steps)
             ok = set(members) <= set(self.replicas) and all(
                 sync_out.get((rid, r), {}).get("ok") for rid in members for r in range(len(self.replicas[rid].actors)))
             if ok:
                 break
             failures = {rid: {k: out.get(k) for k in ("stage", "addr", "error")}
                         for (rid, _), out in sorted(sync_out.items()) if not out.get("ok")}
-            self.on_sync_failed(self.outer_step + 1, attempts, failures)
+            self._happened.append(SyncFailure(self.outer_step + 1, attempts, failures))
+            yield
             if attempts >= MAX_SYNC_ATTEMPTS:
                 errors = {v.get("error") for v in sync_out.values() if not v.get("ok")}
                 raise RuntimeError(f"outer all-reduce failed {attempts} times: {sorted(e for e in errors if e)[:2]}")
-        applied = self._gather({(rid, r): a.outer_apply.remote()
-                                for rid in members for r, a in enumerate(self.replicas[rid].actors)},
-                               "sync", t.inner_steps)
+        applied = yield from self._gather({(rid, r): a.outer_apply.remote()
+                                           for rid in members for r, a in enumerate(self.replicas[rid].actors)},
+                                          "sync", t.inner_steps)
         members = sorted({rid for rid, _ in applied})
+        if not members:   # every member was lost while applying
+            self.phase = "idle"
+            return None
         sync_s = time.monotonic() - t1
         self.phase = "idle"
 

@@ -25,7 +25,7 @@ def trained_world(recipe, nodes, steps: int) -> World:
     ids = nodes(recipe.world.replicas, cpus=recipe.world.ranks_per_replica)
     world.add_replicas([(f"vm{i}", n) for i, n in enumerate(ids)])
     for _ in range(steps):
-        world.step()
+        world.run_step()
     return world
 
 
@@ -93,8 +93,8 @@ def test_node_lost_during_upload_leaves_the_previous_checkpoint(nodes, local_clu
         saver.save(world, lead, recipe)
         assert saver.wait(timeout_s=120)
         at_two = world.call_replica(lead, "full_state")[0]
-        world.step()
-        world.step()
+        world.run_step()
+        world.run_step()
         # Hold the model shard's upload of step 4; the small files may go through.
         proxy.hold = lambda method, path: method == "PUT" and "step-00000004/__0_0.distcp" in path
         saver.save(world, lead, recipe)
@@ -149,7 +149,7 @@ def test_a_joiner_and_a_restore_carry_the_error_feedback(nodes, tmp_path):
             time.sleep(0.1)
         assert world.admit(rep) == f"replica {lead.replica_id}"
         assert torch.equal(error_feedback(rep), saved)
-        world.step()
+        world.run_step()
         assert len(world.replicas) == 3
         thetas_identical(world)
     finally:
@@ -164,7 +164,7 @@ def test_a_joiner_and_a_restore_carry_the_error_feedback(nodes, tmp_path):
             local = ray.get(rep.actors[0].fetch_checkpoint.remote(uri, manifest, str(tmp_path / "staging-r")))
             restored.call_replica(rep, "load_checkpoint", local)
             assert torch.equal(error_feedback(rep), saved)
-        restored.step()
+        restored.run_step()
         thetas_identical(restored)
     finally:
         restored.shutdown()

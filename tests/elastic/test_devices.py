@@ -53,7 +53,7 @@ def test_each_rank_of_a_replica_holds_its_own_gpu_from_ray(nodes):
     recipe = tiny_recipe(**{"world.ranks_per_replica": "null", "local.instance_types": [{"name": "gpu4", "cpus": 4, "gpus": 4}]})
     assert recipe.world.ranks_per_replica == 4
     lost = []
-    world = World(recipe, on_loss=lost.append)
+    world = World(recipe)
     try:
         node_id, small = nodes(1, cpus=4, gpus=4)[0], nodes(1, cpus=4, gpus=2)[0]
         rep = world.start_replica("vm-gpu4", node_id)
@@ -67,12 +67,14 @@ def test_each_rank_of_a_replica_holds_its_own_gpu_from_ray(nodes):
         deadline = time.monotonic() + 60
         while not lost and time.monotonic() < deadline:
             world.ready_joiners()
+            lost += world.take_events()
             time.sleep(0.1)   # polling the setup with a deadline
         assert [(x.replica_id, x.rule) for x in lost] == [(rep.replica_id, "setup_failed")]
         assert "torch sees no CUDA device" in lost[0].reason
         # A node with fewer GPUs than the replica's ranks fails at once, saying why.
         short = world.start_replica("vm-gpu2", small)
         world.ready_joiners()
+        lost += world.take_events()
         assert lost[-1].replica_id == short.replica_id and "has 2 GPU(s) for 4 ranks" in lost[-1].reason
     finally:
         world.shutdown()

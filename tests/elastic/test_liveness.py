@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from elastic.world import World
+from elastic.world import Loss, PhaseStarted, StepDone, World
 from tests.conftest import tiny_recipe
 
 pytestmark = pytest.mark.slow
@@ -19,12 +19,11 @@ def test_a_phase_longer_than_the_old_fixed_deadline_completes(nodes, monkeypatch
     # the inner phase's fixed deadline before heartbeats; the ranks keep beating, so nobody is lost.
     monkeypatch.setenv("ELASTIC_FAULT_STEP_DELAY_S", "2.5")
     recipe = tiny_recipe(**{"train.outer_steps": 1, "world.step_timeout_s": 8, "world.stall_timeout_s": 4})
-    lost = []
-    world = World(recipe, on_loss=lost.append)
+    world = World(recipe)
     try:
         world.add_replicas([("vm0", nodes(1)[0])])
-        res = world.step()
-        assert lost == []
+        res, happened = world.run_step()
+        assert [h for h in happened if isinstance(h, Loss)] == []
         assert res.replicas == [0] and res.steps_done == {0: recipe.train.inner_steps}
         assert res.inner_s > recipe.world.step_timeout_s
         assert world.done()
@@ -40,19 +39,25 @@ def test_a_frozen_rank_is_dropped_within_the_stall_timeout_and_the_others_go_on(
     recipe = tiny_recipe(**{"world.replicas": 2, "train.inner_steps": 30, "train.outer_steps": 1,
                             "world.stall_timeout_s": stall_s})
     lost = []
-    world = World(recipe, on_loss=lambda loss: lost.append((loss, time.monotonic())))
+    world = World(recipe)
     frozen = {}
     try:
         world.add_replicas([(f"vm{i}", n) for i, n in enumerate(nodes(2))])
         pid = ray.get(world.replicas[1].actors[0].devices.remote(), timeout=30)["pid"]
 
-        def freeze(phase, members):
-            if phase == "inner" and not frozen:
-                os.kill(pid, signal.SIGSTOP)   # the process is alive but makes no progress
-                frozen[pid] = time.monotonic()
-
-        world.on_phase = freeze
-        res = world.step()
+        done, pauses = None, 0
+        while done is None:   # the world returns at each pause, within about 0.1 s of a loss
+            pauses += 1
+            for h in world.step():
+                if isinstance(h, PhaseStarted) and h.phase == "inner" and not frozen:
+                    os.kill(pid, signal.SIGSTOP)   # the process is alive but makes no progress
+                    frozen[pid] = time.monotonic()
+                elif isinstance(h, Loss):
+                    lost.append((h, time.monotonic()))
+                elif isinstance(h, StepDone):
+                    done = h
+        res = done.result
+        assert pauses > 20   # it returned all along the ~6 s phase, not only at its end
         assert frozen
         assert [(x.replica_id, x.rule, x.phase) for x, _ in lost] == [(1, "stalled", "inner")]
         assert "no heartbeat" in lost[0][0].reason

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from elastic.events import RunEnded, RunStarted
 from elastic.ledger import Ledger, read_events
 from elastic.report import build_report, cost_so_far, summary_table, write_report
 from tests.elastic.test_recipe import run_cli
@@ -156,8 +157,8 @@ def test_read_events_of_missing_file(tmp_path):
 def test_ledger_appends_and_reads_back(tmp_path):
     path = tmp_path / "run" / "events.jsonl"
     ledger = Ledger(path)
-    first = ledger.append("run_started", run="r")
-    ledger.append("run_ended", status="completed", wall_s=1.0)
+    first = ledger.append(RunStarted(run="r", recipe="tiny", recipe_digest="0" * 16))
+    ledger.append(RunEnded(status="completed", wall_s=1.0))
     ledger.close()
     assert read_events(path) == ledger.events
     assert ledger.events[0] == first and first["type"] == "run_started" and isinstance(first["t"], float)
@@ -171,7 +172,7 @@ def test_ledger_reopened_after_a_torn_line_keeps_new_events(tmp_path):
         f.write('{"t": 1700000400.0, "type": "outer_st')
     ledger = Ledger(path)
     assert ledger.events == run_events(ended=False)
-    ledger.append("run_ended", status="completed", wall_s=1.0)
+    ledger.append(RunEnded(status="completed", wall_s=1.0))
     ledger.close()
     assert read_events(path)[-1]["type"] == "run_ended"
     assert read_events(path) == ledger.events

@@ -30,7 +30,7 @@ def test_learning_rate_at_each_token_count_as_the_world_grows_from_one_to_three(
     try:
         ids = nodes(3)
         world.add_replicas([("vm0", ids[0])])
-        results = [world.step()]
+        results = [world.run_step()[0]]
         joiners = [world.start_replica(f"vm{i}", ids[i]) for i in (1, 2)]
         deadline = time.monotonic() + 120
         while world.joining and time.monotonic() < deadline:
@@ -39,7 +39,7 @@ def test_learning_rate_at_each_token_count_as_the_world_grows_from_one_to_three(
             time.sleep(0.1)   # polling the joiners' setup with a deadline
         assert sorted(world.replicas) == [0] + [j.replica_id for j in joiners]
         while not world.done():
-            results.append(world.step())
+            results.append(world.run_step()[0])
         assert [len(r.replicas) for r in results] == [1, 3, 3, 3]
         tokens = 0
         for res in results:

@@ -24,7 +24,7 @@ def run_world(recipe, nodes, identical_data=False):
         ids = nodes(recipe.world.replicas, cpus=recipe.world.ranks_per_replica)
         world.add_replicas([(f"vm{i}", node_id) for i, node_id in enumerate(ids)])
         while not world.done():
-            world.step()
+            world.run_step()
         states = {rid: world.call_replica(rep, "full_state")[0] for rid, rep in world.replicas.items()}
         placements = {rid: world.call_replica(rep, "param_placements") for rid, rep in world.replicas.items()}
         return world, states, placements
@@ -152,23 +152,23 @@ def test_notice_deadlines_end_the_phase_for_every_member_or_sit_the_late_out(nod
         a, b = sorted(world.replicas)
         # A deadline in the future ends the next phase for both (the noticed one contributes).
         world.request_stop(a, time.time() + 0.3)
-        res = world.step()
+        res = world.run_step()[0]
         assert res.replicas == [a, b] and all(0 < n < 400 for n in res.steps_done.values()), res.steps_done
         assert world.inner_step == max(res.steps_done.values())
         # A request meant for that phase never touches the next one.
-        res = world.step()
+        res = world.run_step()[0]
         assert res.steps_done == {a: 400, b: 400}
         # A deadline already passed: the noticed replica sits the step out, the other trains it whole.
         cursor = world.cursor
         world.request_stop(b, time.time() - 1)
-        res = world.step()
+        res = world.run_step()[0]
         assert res.replicas == [a] and res.idle == [b] and res.steps_done == {a: 400}
         assert world.cursor == cursor + 400 * recipe.train.batch_size      # no lease for the one sitting out
         # Every member late: no step is taken, and the result says who leaves.
         world.release(b)
         world.request_stop(a, time.time() - 1)
         step, inner = world.outer_step, world.inner_step
-        res = world.step()
+        res = world.run_step()[0]
         assert res.replicas == [] and res.idle == [a] and (world.outer_step, world.inner_step) == (step, inner)
     finally:
         world.shutdown()
@@ -181,7 +181,7 @@ def run_losses(recipe, nodes):
         ids = nodes(recipe.world.replicas, cpus=1)
         world.add_replicas([(f"vm{i}", node_id) for i, node_id in enumerate(ids)])
         while not world.done():
-            res = world.step()
+            res = world.run_step()[0]
         states = {rid: world.call_replica(rep, "full_state")[0] for rid, rep in world.replicas.items()}
         return sum(res.losses) / len(res.losses), states, res
     finally:

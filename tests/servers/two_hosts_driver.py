@@ -20,7 +20,7 @@ def main(ns: str, host_ip: str, peer_ip: str, overrides: dict) -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
-    from elastic.world import World
+    from elastic.world import Loss, World
     from tests.conftest import tiny_recipe
 
     t0 = time.monotonic()
@@ -44,20 +44,20 @@ def main(ns: str, host_ip: str, peer_ip: str, overrides: dict) -> dict:
                 raise TimeoutError(f"the namespace's raylet did not join: {alive}")
             time.sleep(0.1)   # polling the cluster's membership with a deadline
         formed_s = time.monotonic() - t0
-        lost = []
-        world = World(tiny_recipe(**{"world.replicas": 2, **overrides}), on_loss=lost.append)
+        world = World(tiny_recipe(**{"world.replicas": 2, **overrides}))
         t1 = time.monotonic()
         world.add_replicas([("host", alive[host_ip]), ("peer", alive[peer_ip])])
-        steps = []
+        happened, steps = world.take_events(), []
         while not world.done():
-            res = world.step()
+            res, in_step = world.run_step()
+            happened += in_step
             steps.append(None if res is None else sorted(res.replicas))
             if res is None or not res.replicas:
                 break
         states = {rid: world.call_replica(rep, "full_state")[0] for rid, rep in world.replicas.items()}
         same = len(states) == 2 and all(
             (a == b).all().item() for a, b in zip(*(list(s.values()) for s in states.values())))
-        return {"steps": steps, "lost": [(x.replica_id, x.reason, x.phase) for x in lost],
+        return {"steps": steps, "lost": [(x.replica_id, x.reason, x.phase) for x in happened if isinstance(x, Loss)],
                 "replicas_on": {rid: rep.instance_id for rid, rep in world.replicas.items()},
                 "identical_theta": same, "cluster_s": round(formed_s, 2),
                 "train_s": round(time.monotonic() - t1, 2)}

@@ -1,0 +1,561 @@
+"""Every event a run's ledger holds, with its fields: the one list of them.
+
+An event is a frozen dataclass; `Ledger.append` takes one and writes it as a JSON line
+`{"t": unix seconds, "type": TYPE, **fields}` (every field, None included). Constructing an event
+with a field missing or one too many raises TypeError, and the ledger refuses any object that is
+not a declared event: a new event is a new class here, never a bare string elsewhere.
+
+Views (report, status, report.html, the live terminal, metrics, the market's estimates) read the
+JSON records back as dicts and compare their `"type"` with the classes' `TYPE`: a ledger written
+by an older version (fewer optional fields) still reads. Fields keep the names the on-disk format
+has always had; units are in the names where a field has one (`_s` seconds, `_usd` dollars,
+`usd_per_hour`); `t`, `deadline`, `launched_at` and `released_at` are unix seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+EVENTS: dict[str, type[Event]] = {}   # TYPE -> class, every declared event
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Event:
+    """Base of every ledger event (not one itself)."""
+
+    TYPE: ClassVar[str] = ""
+
+    def record(self, t: float) -> dict:
+        """The ledger's JSON record of this event at unix time `t` (seconds)."""
+        return {"t": t, "type": self.TYPE,
+                **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
+
+
+def _event(type_: str):
+    """Declare an event class with its on-disk `type` string."""
+    def wrap(cls):
+        cls = dataclasses.dataclass(frozen=True, kw_only=True)(cls)
+        if type_ in EVENTS:
+            raise TypeError(f"event type {type_!r} declared twice")
+        cls.TYPE = type_
+        EVENTS[type_] = cls
+        return cls
+    return wrap
+
+
+def declared(event: Any) -> bool:
+    """Whether `event` is an instance of a declared event class (not a subclass, not a string)."""
+    return EVENTS.get(getattr(type(event), "TYPE", None)) is type(event)
+
+
+def parse(record: dict) -> Event:
+    """The typed event of a JSON record (`t` dropped). Raises TypeError for an undeclared type or
+    a missing or unknown field (tests check that what a run wrote is what this module declares)."""
+    fields = {k: v for k, v in record.items() if k not in ("t", "type")}
+    cls = EVENTS.get(record.get("type"))
+    if cls is None:
+        raise TypeError(f"undeclared event type {record.get('type')!r}")
+    return cls(**fields)
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+@_event("run_started")
+class RunStarted(Event):
+    """A driver started (again, on a restart) writing this ledger.
+
+    Args:
+        run: the run's name. recipe: the recipe's name. recipe_digest: its digest.
+        pid: the driver's process id on `host` (None: runs elsewhere, or in-process from code).
+        host: the driver's host name.
+        target_replicas: `world.replicas`. ranks_per_replica: `world.ranks_per_replica`.
+        head: where the driver runs: `local` or `controller` (a cloud VM).
+    """
+
+    run: str
+    recipe: str
+    recipe_digest: str
+    pid: int | None = None
+    host: str | None = None
+    target_replicas: int | None = None
+    ranks_per_replica: int | None = None
+    head: str = "local"
+
+
+@_event("run_planned")
+class RunPlanned(Event):
+    """What `elastic plan` said at the start (the report's plan-against-actual).
+
+    Args:
+        replicas: planned placements (dicts of `Placement.to_dict`).
+        useful_tokens_per_s: expected training tokens per second. tokens_per_s_source: where that
+            figure came from. usd_per_hour: the planned world's price. expected_hours,
+        expected_usd: to finish. tokens_needed: tokens the run trains.
+    """
+
+    replicas: list
+    useful_tokens_per_s: float
+    tokens_per_s_source: str
+    usd_per_hour: float
+    expected_hours: float
+    expected_usd: float
+    tokens_needed: int
+
+
+@_event("run_ended")
+class RunEnded(Event):
+    """The run ended. Args: status: `completed`, `failed`, `budget_exhausted`,
+    `insufficient_capacity` or `interrupted`. wall_s: seconds the run took (None from code)."""
+
+    status: str
+    wall_s: float | None = None
+
+
+@_event("error")
+class Error(Event):
+    """Something went wrong that the user must read. Args: message: one line."""
+
+    message: str
+
+
+@_event("network_started")
+class NetworkStarted(Event):
+    """The local overlay network is up. Args: tag: its namespace tag. head_ip: the head's address."""
+
+    tag: str
+    head_ip: str
+
+
+@_event("cluster_started")
+class ClusterStarted(Event):
+    """The Ray cluster is up. Args: address: its GCS address. session_dir: Ray's session directory."""
+
+    address: str
+    session_dir: str
+
+
+@_event("controller_started")
+class ControllerStarted(Event):
+    """The controller VM (the Ray head and the driver) was started.
+    Args: instance_id: its VM. cloud, region: where."""
+
+    instance_id: str
+    cloud: str
+    region: str
+
+
+# -- nodes -----------------------------------------------------------------------------------------
+
+@_event("node_launched")
+class NodeLaunched(Event):
+    """A VM was rented (billed from `launched_at`).
+
+    Args:
+        instance_id: the provider's id. ray_node_id: its Ray node (None: never joined, or a
+            controller). role: `replica` or `controller`. launched_at: unix seconds. joined: it
+            joined the Ray cluster.
+        cloud, region, zone, instance_type, gpu, gpus, cpus, spot, usd_per_hour,
+        on_demand_usd_per_hour: the offer it was rented from (`Offer.vm_fields`).
+    """
+
+    instance_id: str
+    ray_node_id: str | None
+    role: str
+    launched_at: float
+    joined: bool
+    cloud: str
+    region: str
+    zone: str
+    instance_type: str
+    gpu: str
+    gpus: int
+    cpus: int
+    spot: bool
+    usd_per_hour: float
+    on_demand_usd_per_hour: float
+
+
+@_event("node_price")
+class NodePrice(Event):
+    """The price in effect for a held VM changed (spot prices move).
+    Args: instance_id: the VM. usd_per_hour: its price from now on."""
+
+    instance_id: str
+    usd_per_hour: float
+
+
+@_event("node_rebalance")
+class NodeRebalance(Event):
+    """The provider warned of elevated interruption risk (no deadline; recorded only).
+    Args: instance_id: the VM. replica: its replica, if any."""
+
+    instance_id: str
+    replica: int | None
+
+
+@_event("node_notice")
+class NodeNotice(Event):
+    """A preemption notice. Args: instance_id: the VM. deadline: unix seconds it goes at.
+    notice_s: seconds of notice given. replica: its replica, if any."""
+
+    instance_id: str
+    deadline: float
+    notice_s: float
+    replica: int | None
+
+
+@_event("node_preempted")
+class NodePreempted(Event):
+    """The provider took a VM back. Args: instance_id: the VM. with_notice: a notice came first.
+    replica: its replica, if any."""
+
+    instance_id: str
+    with_notice: bool
+    replica: int | None
+
+
+@_event("node_released")
+class NodeReleased(Event):
+    """The run let a VM go. Args: instance_id: the VM. released_at: unix seconds it was released,
+    when not the event's time (a VM that never joined)."""
+
+    instance_id: str
+    released_at: float | None = None
+
+
+@_event("node_join_timeout")
+class NodeJoinTimeout(Event):
+    """A rented VM never joined the cluster. Args: instance_id: the VM. timeout_s:
+    `resources.join_timeout_s`."""
+
+    instance_id: str
+    timeout_s: float
+
+
+@_event("capacity_error")
+class CapacityRefused(Event):
+    """A launch was refused for capacity (the offer rests). Args: zone, instance_type: the offer.
+    message: what the provider said."""
+
+    zone: str
+    instance_type: str
+    message: str
+
+
+@_event("launch_failed")
+class LaunchFailed(Event):
+    """A launch failed for another reason (the offer rests). Args: zone, instance_type: the offer.
+    message: the error."""
+
+    zone: str
+    instance_type: str
+    message: str
+
+
+@_event("launch_held_back")
+class LaunchHeldBack(Event):
+    """Launches are held back. Args: reason: `capacity` (then held: VMs held or on their way,
+    message) or `budget.max_usd` (then spent_usd: USD spent, usd_per_hour: the next VM's price)."""
+
+    reason: str
+    held: int | None = None
+    message: str | None = None
+    spent_usd: float | None = None
+    usd_per_hour: float | None = None
+
+
+@_event("market_unavailable")
+class MarketUnavailable(Event):
+    """A cloud that answered before fails to list offers now. Args: cloud: which. message: why."""
+
+    cloud: str
+    message: str
+
+
+@_event("market_available")
+class MarketAvailable(Event):
+    """A cloud's offers answer again. Args: cloud: which."""
+
+    cloud: str
+
+
+# -- the world -------------------------------------------------------------------------------------
+
+@_event("replica_starting")
+class ReplicaStarting(Event):
+    """A replica's actors are being created on a new VM. Args: replica: its id. instance_id: the VM."""
+
+    replica: int
+    instance_id: str
+
+
+@_event("replica_copying")
+class ReplicaCopying(Event):
+    """A joiner copies its state from a member in the background.
+    Args: replica, instance_id: the joiner. donor: the member. outer_step: the world's outer steps."""
+
+    replica: int
+    instance_id: str
+    donor: int
+    outer_step: int
+
+
+@_event("replica_joined")
+class ReplicaJoined(Event):
+    """A replica became a member. Args: replica, instance_id: it. outer_step: the world's outer
+    steps. epoch: the membership epoch. source: where its state came from. setup_s: seconds from
+    its start to joining."""
+
+    replica: int
+    instance_id: str
+    outer_step: int
+    epoch: int
+    source: str
+    setup_s: float
+
+
+@_event("replica_lost")
+class ReplicaLost(Event):
+    """The world lost a replica (see `world.Loss`). Args: replica, instance_id: it. reason: what
+    happened. rule: which rule removed it. phase: `inner`, `sync`, `idle` or `setup`.
+    lost_inner_steps: inner steps of work it took with it. outer_step: the world's outer steps."""
+
+    replica: int
+    instance_id: str
+    reason: str
+    rule: str
+    phase: str
+    lost_inner_steps: int
+    outer_step: int
+
+
+@_event("replica_drained")
+class ReplicaDrained(Event):
+    """A noticed (or moved) replica gave its last step and left. Args: replica, instance_id: it.
+    outer_step: the step it contributed to last. steps_done: inner steps it took in it."""
+
+    replica: int
+    instance_id: str
+    outer_step: int
+    steps_done: int | None
+
+
+@_event("replica_move")
+class ReplicaMove(Event):
+    """A replica moves to a cheaper offer (rented first; the old one drains once it joined).
+    Args: drain_instance_id: the VM it leaves. zone, instance_type, usd_per_hour: the new offer.
+    usd_per_mtok_before, usd_per_mtok_after: USD per million tokens before and after."""
+
+    drain_instance_id: str
+    zone: str
+    instance_type: str
+    usd_per_hour: float
+    usd_per_mtok_before: float
+    usd_per_mtok_after: float
+
+
+@_event("world_target")
+class WorldTarget(Event):
+    """The world's target size grew. Args: replicas: the new target. reason: the rule
+    (`budget.max_hours`). hours_to_finish: hours the planner expects with it."""
+
+    replicas: int
+    reason: str
+    hours_to_finish: float
+
+
+@_event("world_formed")
+class WorldFormed(Event):
+    """The members changed before an outer step. Args: epoch: the membership epoch. replicas:
+    member ids. outer_step: the world's outer steps. params: the model's parameters."""
+
+    epoch: int
+    replicas: list
+    outer_step: int
+    params: int
+
+
+@_event("world_restored")
+class WorldRestored(Event):
+    """Every replica was lost; the world starts again. Args: from_step: the checkpoint's step (0:
+    the initial state). uri: the checkpoint's location (None: no checkpoint)."""
+
+    from_step: int
+    uri: str | None
+
+
+@_event("resumed")
+class Resumed(Event):
+    """`--resume` loaded a checkpoint. Args: from_step: its step. uri: where. saved_replicas,
+    saved_ranks: the world that saved it."""
+
+    from_step: int
+    uri: str
+    saved_replicas: int | None
+    saved_ranks: int | None
+
+
+@_event("capacity_wait_started")
+class CapacityWaitStarted(Event):
+    """Training paused: fewer than `world.min_replicas` alive. Args: replicas: alive.
+    min_replicas: the minimum."""
+
+    replicas: int
+    min_replicas: int
+
+
+@_event("capacity_wait_ended")
+class CapacityWaitEnded(Event):
+    """The capacity wait ended. Args: waited_s: seconds waited. replicas: alive. gave_up: the wait
+    timed out (or the budget could not pay): the run stops."""
+
+    waited_s: float
+    replicas: int
+    gave_up: bool = False
+
+
+@_event("budget_exhausted")
+class BudgetExhausted(Event):
+    """The run stops for its budget. Args: reason: which limit and why. outer_step: the world's
+    outer steps."""
+
+    reason: str
+    outer_step: int
+
+
+# -- training --------------------------------------------------------------------------------------
+
+@_event("outer_step")
+class OuterStep(Event):
+    """An outer step was applied (see `world.StepResult`).
+
+    Args:
+        outer_step, inner_step: the world's counters after it. epoch: the membership epoch.
+        replicas: contributing replica ids. losses: mean loss per inner step. tokens: tokens it
+        trained. tokens_total: the run's. inner_s, sync_s: seconds of its phases. bytes_sent:
+        pseudo-gradient bytes a rank sent. network_s: seconds in the sync's collectives.
+        data_cursor: next unleased sample. steps_done: {replica: inner steps}.
+        inner_s_by_replica: {replica: seconds of its inner phase}.
+    """
+
+    outer_step: int
+    inner_step: int
+    epoch: int
+    replicas: list
+    losses: list
+    tokens: int
+    tokens_total: int
+    inner_s: float
+    sync_s: float
+    bytes_sent: int
+    network_s: float
+    data_cursor: int
+    steps_done: dict
+    inner_s_by_replica: dict
+
+
+@_event("sync_failed")
+class SyncFailed(Event):
+    """An outer all-reduce attempt did not complete. Args: outer_step: the step under way.
+    attempt: 1-based. failures: {replica id: {"stage", "addr", "error"}}."""
+
+    outer_step: int
+    attempt: int
+    failures: dict
+
+
+@_event("sync_retried")
+class SyncRetried(Event):
+    """An outer step needed more than one all-reduce attempt. Args: outer_step: it. attempts: how many."""
+
+    outer_step: int
+    attempts: int
+
+
+@_event("validation")
+class Validation(Event):
+    """Validation of θ_outer. Args: outer_step, tokens_total: when. loss: mean loss. perplexity:
+    exp(loss). tokens: tokens evaluated. seconds: the slowest rank's time."""
+
+    outer_step: int
+    tokens_total: int
+    loss: float
+    perplexity: float
+    tokens: int
+    seconds: float
+
+
+@_event("validation_failed")
+class ValidationFailed(Event):
+    """A validation could not run (its replica was lost). Args: outer_step: when. message: why."""
+
+    outer_step: int
+    message: str
+
+
+# -- checkpoints -----------------------------------------------------------------------------------
+
+@_event("checkpoint_saved")
+class CheckpointSaved(Event):
+    """Phase 1 of a checkpoint (training waits). Args: step: the outer step. stall_s: seconds
+    training waited. write_s: seconds the write took. local: the staging directory. replica: the
+    replica that saved it."""
+
+    step: int
+    stall_s: float
+    write_s: float
+    local: str
+    replica: int
+
+
+@_event("checkpoint_uploaded")
+class CheckpointUploaded(Event):
+    """Phase 2: the checkpoint is durable (manifest written). Args: step: it. uri: where.
+    bytes: its size. files: its files. seconds: upload time. mb_per_s: upload rate."""
+
+    step: int
+    uri: str
+    bytes: int
+    files: int
+    seconds: float
+    mb_per_s: float
+
+
+@_event("checkpoint_upload_failed")
+class CheckpointUploadFailed(Event):
+    """Phase 2 failed (never loaded). Args: step: it. message: why."""
+
+    step: int
+    message: str
+
+
+@_event("checkpoint_upload_abandoned")
+class CheckpointUploadAbandoned(Event):
+    """The run ended during phase 2 (the last complete checkpoint stands). Args: step: it."""
+
+    step: int
+
+
+@_event("checkpoint_failed")
+class CheckpointFailed(Event):
+    """Phase 1 failed (the saving replica was lost). Args: step: it. message: why."""
+
+    step: int
+    message: str
+
+
+@_event("checkpoint_skipped")
+class CheckpointSkipped(Event):
+    """A checkpoint that could not be loaded was passed over. Args: step: it (None: unreadable).
+    message: why."""
+
+    step: int | None
+    message: str
+
+
+@_event("checkpoint_deleted")
+class CheckpointDeleted(Event):
+    """An old checkpoint was pruned (`checkpoint.keep_last`). Args: step: it."""
+
+    step: int
