@@ -38,4 +38,29 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
     return best
 
 
-__all__ = ["GPT", "GPTConfig", "build_model", "shard_units"]
+def wrap_blocks(model: nn.Module, compile: bool, checkpoint: bool) -> int:
+    """Per repeated block (`shard_units`), in place: with `checkpoint`, recompute its activations
+    in the backward pass (torch.utils.checkpoint, non-reentrant); with `compile`, compile it
+    (`nn.Module.compile`, which keeps the parameter names, so state dicts and checkpoints are those
+    of the eager model). Compiling block by block, not the whole model, keeps graphs small and
+    lets FSDP2's per-block hooks stay outside them. Call before `fully_shard`. Returns the blocks
+    wrapped."""
+    blocks = shard_units(model) if compile or checkpoint else []
+    for block in blocks:
+        if checkpoint:
+            block.forward = _checkpointed(block.forward)
+        if compile:
+            block.compile()
+    return len(blocks)
+
+
+def _checkpointed(forward):
+    """`forward` whose activations are recomputed in the backward pass instead of kept."""
+    from torch.utils.checkpoint import checkpoint
+
+    def run(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return run
+
+
+__all__ = ["GPT", "GPTConfig", "build_model", "shard_units", "wrap_blocks"]
