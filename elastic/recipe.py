@@ -402,9 +402,9 @@ class CheckpointSection(_Section):
     keep_last: int = Field(3, ge=1)
     """Keep the newest K complete checkpoints; older ones are deleted (never the newest)."""
     local_dir: str | None = None
-    """Phase 1 writes here on the saving node before training goes on: a path on fast local disk,
-    or `shm` for /dev/shm (RAM; needs room for one replica's state). Empty: the temp directory.
-    Phase 2 then uploads to `uri` in the background."""
+    """The saving node writes its snapshot here beside training: a path on fast local disk, or `shm`
+    for /dev/shm (RAM; needs room for one replica's state). Empty: the temp directory. Phase 2
+    then uploads to `uri` in the background."""
     upload_threads: int = Field(8, ge=1, le=64)
     """Files each rank uploads at once in phase 2 (large files also go up in parallel parts)."""
 

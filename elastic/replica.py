@@ -558,7 +558,10 @@ class RankWorker:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         t0 = time.monotonic()
-        self.wait_saved()
+        try:
+            self.wait_saved()
+        except Exception as exc:   # that checkpoint is lost (its upload reports it); this one starts afresh
+            log.warning("the previous checkpoint write failed: %s", exc)
         model_sd, optim_sd = get_state_dict(self._model, self._opt)
         momentum = self._outer.momentum()
         if momentum is None:  # no momentum (outer_momentum 0, or before the first step): save zeros
@@ -582,8 +585,9 @@ class RankWorker:
 
     def wait_saved(self) -> None:
         """Block until the write `save_checkpoint` started has ended (at once when none is under
-        way); raises what the write raised."""
-        saving, self._saving = self._saving, None
+        way); raises what the write raised. Safe from several actor threads at once (the upload's
+        and the next save's)."""
+        saving = self._saving
         if saving is not None:
             saving.result()
 
