@@ -40,17 +40,19 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
 
 def wrap_blocks(model: nn.Module, compile: bool, checkpoint: bool) -> int:
     """Per repeated block (`shard_units`), in place: with `checkpoint`, recompute its activations
-    in the backward pass (torch.utils.checkpoint, non-reentrant); with `compile`, compile it
-    (`nn.Module.compile`, which keeps the parameter names, so state dicts and checkpoints are those
-    of the eager model). Compiling block by block, not the whole model, keeps graphs small and
-    lets FSDP2's per-block hooks stay outside them. Call before `fully_shard`. Returns the blocks
-    wrapped."""
+    in the backward pass (torch.utils.checkpoint, non-reentrant); with `compile`, compile its
+    `forward` (`torch.compile`). Only `forward` is replaced: the parameter names stay (state dicts
+    and checkpoints are the eager model's), and FSDP2's per-block hooks run outside the compiled
+    graph. Compiling block by block, not the whole model, keeps graphs small (one per block
+    shape). Returns the blocks wrapped."""
+    import torch
+
     blocks = shard_units(model) if compile or checkpoint else []
     for block in blocks:
         if checkpoint:
             block.forward = _checkpointed(block.forward)
         if compile:
-            block.compile()
+            block.forward = torch.compile(block.forward)
     return len(blocks)
 
 
