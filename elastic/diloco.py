@@ -3,8 +3,8 @@
 Each rank of a replica holds the outer (global) parameters θ for *its own shard* of the model,
 as one flat fp32 tensor: on the CPU (pinned when the model is on a GPU), or on the GPU
 (`train.outer_device`). After H inner steps the pseudo-gradient Δ = θ − θ_local is formed in
-a preallocated flat buffer (beside θ, then copied to a host buffer for the sync), averaged over the replicas alive at this outer step (one outer group per
-rank, shard r of every replica talking to shard r of every other; how Δ travels is the codec's
+a preallocated flat buffer (beside θ, then copied to a host buffer for the sync), averaged over
+the replicas alive at this outer step (one outer group per rank, shard r of every replica talking to shard r of every other; how Δ travels is the codec's
 business, elastic/outer_sync.py), and an outer Nesterov SGD step updates θ; θ is then copied back
 into the model's local shards.
 
@@ -173,7 +173,8 @@ class OuterState:
         """θ_outer, the outer momentum and the codec's error feedback of this shard (for a joining
         replica's same rank)."""
         m, e = self.momentum(), self.codec.error
-        return {"theta": self.theta.data.to("cpu", copy=True), "momentum": None if m is None else m.to("cpu", copy=True),
+        return {"theta": self.theta.data.to("cpu", copy=True),
+                "momentum": None if m is None else m.to("cpu", copy=True),
                 "error": None if e is None else e.clone()}
 
     def load(self, state: dict) -> None:
