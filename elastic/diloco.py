@@ -4,9 +4,9 @@ Each rank of a replica holds the outer (global) parameters θ for *its own shard
 as one flat fp32 tensor: on the CPU (pinned when the model is on a GPU), or on the GPU
 (`train.outer_device`). After H inner steps the pseudo-gradient Δ = θ − θ_local is formed in
 a preallocated flat buffer (beside θ, then copied to a host buffer for the sync), averaged over
-the replicas alive at this outer step (one outer group per rank, shard r of every replica talking to shard r of every other; how Δ travels is the codec's
-business, elastic/outer_sync.py), and an outer Nesterov SGD step updates θ; θ is then copied back
-into the model's local shards.
+the replicas alive at this outer step (one outer group per rank, shard r of every replica talking
+to shard r of every other; how Δ travels is the codec's business, elastic/outer_sync.py), and an
+outer Nesterov SGD step updates θ; θ is then copied back into the model's local shards.
 
 The outer group is a standalone gloo process group over a prefix of a store the driver owns, keyed
 by the membership epoch: when replicas come or go the driver bumps the epoch and every survivor
