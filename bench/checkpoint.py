@@ -5,8 +5,8 @@ throughput against a plain single-stream boto3 upload of the same bytes.
 
 A real world (1 replica × 1 rank) of a model with >= 100 MB of training state (parameters, inner
 AdamW, outer momentum) on the local Ray cluster saves to an S3 server (moto, on 127.0.0.1) while it
-keeps training. For each checkpoint: stall_s (the driver waits for phase 1: DCP to node-local
-storage), durable_s (from the start of the save until the manifest is written), and phase-2 MB/s.
+keeps training. For each checkpoint: stall_s (the driver waits for phase 1: the snapshot into
+host memory; the DCP write to node-local storage runs beside training), durable_s (from the start of the save until the manifest is written), and phase-2 MB/s.
 Then the same files go up once with `upload_file` and `TransferConfig(use_threads=False)` (one
 stream, no parallel parts). Goal: stall <= 10% of time-to-durable.
 """

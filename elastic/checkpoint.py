@@ -1,13 +1,14 @@
 """Phased, sharded checkpoints at a storage URI (`file://`, a path, `s3://`, `gs://`).
 
-Phase 1 (blocking, fast): the lead replica's ranks write their torch.distributed.checkpoint shards
-(model, inner AdamW, outer momentum, inner step) and their RNG state to fast node-local storage
-(`checkpoint.local_dir`). Training goes on as soon as that is done.
+Phase 1 (blocking, fast): the lead replica's ranks copy their state (model, inner AdamW, outer
+momentum, inner step) into host memory and write their RNG state; training goes on as soon as that
+is done. Beside training, each rank writes its torch.distributed.checkpoint shards of that copy to
+fast node-local storage (`checkpoint.local_dir`); a rank's next save waits for that write.
 
-Phase 2 (background): each rank uploads the files it wrote, in parallel (multipart for large ones),
+Phase 2 (background): once its write is done, each rank uploads the files it wrote, in parallel (multipart for large ones),
 hashing them as it goes; when every rank is done the driver writes the manifest `elastic.json` (step,
 counters, data cursor, recipe digest, world layout, every file with size and sha256). A checkpoint
-exists only once its manifest does, so a node lost mid-upload leaves a partial directory that
+exists only once its manifest does, so a node lost mid-write or mid-upload leaves a partial directory that
 nothing loads and that retention deletes later.
 
 Layout at the URI: `step-00000010/{__0_0.distcp, .metadata, rng-0.json, ..., elastic.json}`.
@@ -442,7 +443,8 @@ class Checkpointer:
         return self._pending["step"] if self._pending else None
 
     def save(self, world, lead, recipe) -> None:
-        """Phase 1 on `lead` (blocking), then start phase 2. Waits first for an upload still under way."""
+        """Phase 1 on `lead` (blocking: the snapshot), then start phase 2 (each rank uploads once its
+        write is done). Waits first for a write or upload still under way."""
         t0 = time.monotonic()
         self.wait()
         step = world.outer_step

@@ -318,7 +318,7 @@ class SampleStream:
 
     def __init__(self, source, seq_len: int, seed: int, shuffle: bool = True):
         self._src = ArraySource([source]) if isinstance(source, np.ndarray) else source
-        self._seq_len = seq_len
+        self.seq_len = seq_len
         self._seed = seed
         self._shuffle = shuffle
         self._per_shard = np.array([max(0, (n - 1) // seq_len) for n in self._src.tokens], dtype=np.int64)
@@ -354,7 +354,7 @@ class SampleStream:
         self._set_epoch(epoch)
         k = int(np.searchsorted(self._starts, pos, side="right")) - 1
         shard = int(self._order[k])
-        return shard, self._within(shard, pos - int(self._starts[k])) * self._seq_len
+        return shard, self._within(shard, pos - int(self._starts[k])) * self.seq_len
 
     def shards(self, start: int, count: int) -> set[int]:
         """The shards samples `start .. start+count-1` read (whole epochs: every shard)."""
@@ -380,7 +380,7 @@ class SampleStream:
 
     def batch(self, start: int, count: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Samples `start .. start+count-1` as int64 [count, seq_len + 1] (inputs = [:, :-1])."""
-        n = self._seq_len + 1
+        n = self.seq_len + 1
         if out is None:
             out = torch.empty(count, n, dtype=torch.int64)
         rows = out.numpy()   # shares out's memory: numpy widens the token ids into it with no temporary
@@ -388,6 +388,57 @@ class SampleStream:
             shard, w = self.locate(start + i)
             rows[i] = self._src.array(shard)[w: w + n]
         return out
+
+
+class BatchPrefetcher:
+    """The batches of an inner phase, one step ahead of training: `put` cuts a batch from the
+    stream into a host buffer and, on CUDA, copies it to the device from pinned memory without
+    blocking the host (a copy from pageable memory would wait for the GPU's queue to drain);
+    `take` hands out the batches in the order they were put. The inner loop puts batch h+1 right
+    after it has queued step h, so the host cuts it while the GPU computes.
+
+    Buffers rotate over `slots` (2: the batch in use and the one being filled); a host buffer is
+    refilled only once its last copy has run (a CUDA event per slot), and a device buffer only by
+    a copy queued after the step that read it (same stream). Nothing is allocated per batch.
+
+    Args:
+        stream: the `SampleStream` the batches are cut from.
+        rows: sequences per batch.
+        device: where the batches are used (CPU: the host buffers themselves, no copy).
+        slots: buffers in rotation.
+    """
+
+    def __init__(self, stream: SampleStream, rows: int, device: torch.device, slots: int = 2):
+        cuda = device.type == "cuda"
+        cols = stream.seq_len + 1
+        self._stream, self._rows, self._cuda = stream, rows, cuda
+        self._host = [torch.empty(rows, cols, dtype=torch.int64, pin_memory=cuda) for _ in range(slots)]
+        self._dev = [torch.empty(rows, cols, dtype=torch.int64, device=device) for _ in range(slots)] if cuda else self._host
+        self._copied = [torch.cuda.Event() for _ in range(slots)] if cuda else None
+        self._ready: list[int] = []   # slots put and not yet taken, in order
+        self._next_slot = 0
+
+    def reset(self) -> None:
+        """Forget batches put and not taken (an inner phase cut short by a stop)."""
+        self._ready.clear()
+
+    def put(self, start: int) -> None:
+        """Cut samples `start .. start+rows-1` and start their copy to the device."""
+        if len(self._ready) >= len(self._host):
+            raise RuntimeError("every prefetch buffer holds a batch not yet taken")
+        i = self._next_slot
+        self._next_slot = (i + 1) % len(self._host)
+        if self._cuda:
+            self._copied[i].synchronize()   # the slot's previous copy has read the host buffer
+        self._stream.batch(start, self._rows, out=self._host[i])
+        if self._cuda:
+            self._dev[i].copy_(self._host[i], non_blocking=True)
+            self._copied[i].record()
+        self._ready.append(i)
+
+    def take(self) -> torch.Tensor:
+        """The oldest batch put and not yet taken, on the device (valid until `slots - 1` more puts)."""
+        return self._dev[self._ready.pop(0)]
 
 
 def open_stream(data, seq_len: int, seed: int, split: str = "train") -> SampleStream:

@@ -1,11 +1,12 @@
 """DiLoCo outer state of one rank, and the reconfigurable outer process group.
 
 Each rank of a replica holds the outer (global) parameters θ for *its own shard* of the model,
-as one flat fp32 CPU tensor. After H inner steps the pseudo-gradient Δ = θ − θ_local is formed in
-a preallocated flat buffer, averaged over the replicas alive at this outer step (one outer group per
-rank, shard r of every replica talking to shard r of every other; how Δ travels is the codec's
-business, elastic/outer_sync.py), and an outer Nesterov SGD step updates θ; θ is then copied back
-into the model's local shards.
+as one flat fp32 tensor: on the CPU (pinned when the model is on a GPU), or on the GPU
+(`train.outer_device`). After H inner steps the pseudo-gradient Δ = θ − θ_local is formed in
+a preallocated flat buffer (beside θ, then copied to a host buffer for the sync), averaged over
+the replicas alive at this outer step (one outer group per rank, shard r of every replica talking
+to shard r of every other; how Δ travels is the codec's business, elastic/outer_sync.py), and an
+outer Nesterov SGD step updates θ; θ is then copied back into the model's local shards.
 
 The outer group is a standalone gloo process group over a prefix of a store the driver owns, keyed
 by the membership epoch: when replicas come or go the driver bumps the epoch and every survivor
@@ -29,13 +30,30 @@ log = logging.getLogger(__name__)
 
 
 def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """dst[i].copy_(src[i]) for every i: one fused call when all share a device, else one by one
-    (θ_outer lives on the CPU while a GPU replica's shards live on the GPU)."""
-    if dst and dst[0].device == src[0].device:
+    """dst[i].copy_(src[i]) for every i: one fused call when all share a device, else queued one
+    by one and waited for once (θ_outer in pinned host memory, a GPU replica's shards on the GPU:
+    the copies run back to back, and the host buffer is free again when this returns)."""
+    if not dst:
+        return
+    if dst[0].device == src[0].device:
         torch._foreach_copy_(dst, src)
-    else:
-        for d, t in zip(dst, src):
-            d.copy_(t)
+        return
+    for d, t in zip(dst, src):
+        d.copy_(t, non_blocking=True)
+    gpu = dst[0].device if dst[0].is_cuda else src[0].device
+    torch.cuda.current_stream(gpu).synchronize()
+
+
+def outer_device(choice: str, device: torch.device, numel: int) -> torch.device:
+    """Where θ_outer, the outer momentum and the outer step live (`train.outer_device`) for a rank
+    training on `device` with `numel` values in its shard: the CPU for a CPU rank; `auto` puts
+    them on the GPU when their 12 bytes per value (θ, momentum, Δ in fp32) fit in a quarter of its
+    memory (the rest is the model's, its optimizer's and the activations')."""
+    if device.type != "cuda" or choice == "cpu":
+        return torch.device("cpu")
+    if choice == "cuda" or 12 * numel <= torch.cuda.get_device_properties(device).total_memory // 4:
+        return device
+    return torch.device("cpu")
 
 
 def local_shard(p: torch.Tensor) -> torch.Tensor:
@@ -54,24 +72,31 @@ class OuterState:
         nesterov: Nesterov momentum.
         codec: how Δ crosses to the other replicas (`elastic.outer_sync.make_codec(numel, ...)`);
             None: a float32 all-reduce.
+        device: where θ, the outer momentum and the outer step live (`outer_device`); Δ for the
+            sync is always on the host (the outer group is gloo), pinned when the model is on a GPU.
     """
 
     def __init__(self, params: list[nn.Parameter], lr: float, momentum: float, nesterov: bool,
-                 codec: Callable[[int], object] | None = None):
+                 codec: Callable[[int], object] | None = None, device: torch.device | str = "cpu"):
         self._locals = [local_shard(p) for p in params]
         sizes = [t.numel() for t in self._locals]
         self.numel = sum(sizes)
-        self.theta = nn.Parameter(torch.empty(self.numel, dtype=torch.float32), requires_grad=False)
-        self.delta = torch.zeros(self.numel, dtype=torch.float32)
+        pin = any(t.is_cuda for t in self._locals)
+        self.theta = nn.Parameter(torch.empty(self.numel, dtype=torch.float32, device=device, pin_memory=pin and
+                                              torch.device(device).type == "cpu"), requires_grad=False)
+        self.delta = torch.zeros(self.numel, dtype=torch.float32, pin_memory=pin)
+        # Δ beside θ: the step's gradient. The host `delta` itself when θ is on the host; on the
+        # GPU a buffer of its own, copied to and from `delta` around the sync.
+        self._grad = self.delta if self.theta.device.type == "cpu" else torch.zeros_like(self.theta.data)
         self._theta_views = [v.view(t.shape) for v, t in zip(self.theta.data.split(sizes), self._locals)]
-        self._delta_views = [v.view(t.shape) for v, t in zip(self.delta.split(sizes), self._locals)]
+        self._grad_views = [v.view(t.shape) for v, t in zip(self._grad.split(sizes), self._locals)]
         # The codec reduces into its own buffers, never into Δ or its error feedback: an attempt
         # that a member dies in leaves both intact for the retry over the survivors.
         self.codec = codec(self.numel) if codec is not None else Dense(self.numel, torch.float32)
         self._average: torch.Tensor | None = None
         self.bytes_sent = 0     # by this rank in the last reduce
         self.network_s = 0.0    # inside its collectives
-        self.theta.grad = self.delta
+        self.theta.grad = self._grad
         self.optimizer = torch.optim.SGD([self.theta], lr=lr, momentum=momentum, nesterov=nesterov)
         copy_all(self._theta_views, self._locals)
         self._pg: dist.ProcessGroup | None = None
@@ -81,8 +106,10 @@ class OuterState:
 
     def form_pseudo_gradient(self) -> None:
         """Δ = θ_outer − θ_local, into the preallocated buffer (kept until an outer step applies it)."""
-        copy_all(self._delta_views, self._locals)
-        self.delta.sub_(self.theta.data).neg_()
+        copy_all(self._grad_views, self._locals)
+        self._grad.sub_(self.theta.data).neg_()
+        if self._grad is not self.delta:
+            copy_all([self.delta], [self._grad])
         self.pending = True
         self.reduced = False
 
@@ -128,6 +155,8 @@ class OuterState:
     def step_with_delta(self) -> None:
         """An outer step with the averaged Δ already in `delta` (a joiner replaying a step the
         world took): what `apply` does, without the all-reduce or the codec's commit."""
+        if self._grad is not self.delta:
+            copy_all([self._grad], [self.delta])   # waited for: a joiner's replay refills delta next
         self.optimizer.step()
         copy_all(self._locals, self._theta_views)
         self.pending = self.reduced = False
@@ -144,7 +173,8 @@ class OuterState:
         """θ_outer, the outer momentum and the codec's error feedback of this shard (for a joining
         replica's same rank)."""
         m, e = self.momentum(), self.codec.error
-        return {"theta": self.theta.data.clone(), "momentum": None if m is None else m.clone(),
+        return {"theta": self.theta.data.to("cpu", copy=True),
+                "momentum": None if m is None else m.to("cpu", copy=True),
                 "error": None if e is None else e.clone()}
 
     def load(self, state: dict) -> None:
@@ -153,7 +183,7 @@ class OuterState:
         the members' mean residual, and a copy keeps that mean, where zeros would dilute it."""
         self.theta.data.copy_(state["theta"])
         if state.get("momentum") is not None:
-            self.optimizer.state[self.theta]["momentum_buffer"] = state["momentum"].clone()
+            self.optimizer.state[self.theta]["momentum_buffer"] = state["momentum"].to(self.theta.device, copy=True)
         if self.codec.error is not None and state.get("error") is not None:
             self.codec.error.copy_(state["error"])
         copy_all(self._locals, self._theta_views)

@@ -182,6 +182,19 @@ class TrainSection(_Section):
     """Use Nesterov momentum for the outer step (DiLoCo paper: yes)."""
     seed: int = Field(0, ge=0)
     """Seed for initial weights and the data order."""
+    compile: bool | Literal["auto"] = "auto"
+    """Compile each transformer block with `torch.compile` (the model's repeated blocks, found as
+    FSDP2 finds them; for `model.hf` too). `auto`: on when the rank trains on a GPU, off on CPU
+    (where compiling a small model costs more than it saves)."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in the backward pass instead of keeping them
+    (torch.utils.checkpoint per block): about a third more compute for a model or batch that does
+    not fit in GPU memory otherwise."""
+    outer_device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where θ_outer, the outer momentum and the outer SGD step live on a GPU rank. `cuda`: on the
+    GPU (the fastest step; 12 bytes per parameter of this rank's shard); `cpu`: in pinned host
+    memory. `auto`: the GPU when those 12 bytes per parameter fit in a quarter of its memory, else
+    the host. CPU ranks always keep them on the CPU."""
 
     @model_validator(mode="after")
     def _check(self) -> "TrainSection":
@@ -378,9 +391,9 @@ class CheckpointSection(_Section):
     keep_last: int = Field(3, ge=1)
     """Keep the newest K complete checkpoints; older ones are deleted (never the newest)."""
     local_dir: str | None = None
-    """Phase 1 writes here on the saving node before training goes on: a path on fast local disk,
-    or `shm` for /dev/shm (RAM; needs room for one replica's state). Empty: the temp directory.
-    Phase 2 then uploads to `uri` in the background."""
+    """The saving node writes its snapshot here beside training: a path on fast local disk, or `shm`
+    for /dev/shm (RAM; needs room for one replica's state). Empty: the temp directory. Phase 2
+    then uploads to `uri` in the background."""
     upload_threads: int = Field(8, ge=1, le=64)
     """Files each rank uploads at once in phase 2 (large files also go up in parallel parts)."""
 

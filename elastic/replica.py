@@ -158,6 +158,15 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(tensor(state["cuda"]))
 
 
+def _gated(write, gate: Path):
+    """`write` that first waits until the file `gate` exists (fault injection: a stuck disk)."""
+    def run(*args, **kwargs):
+        while not gate.exists():
+            time.sleep(0.05)
+        return write(*args, **kwargs)
+    return run
+
+
 class RankWorker:
     """Ray actor body for one rank (wrapped with `ray.remote` by the world)."""
 
@@ -173,8 +182,10 @@ class RankWorker:
         self._progress = 0   # inner steps and sync stages done: what the heartbeat reports
         self._snapshots: dict[int, dict] = {}   # joiner replica id -> what it copies from this donor
         self._pulled_momentum = None             # a joiner's copied outer momentum, until replayed
-        # Fault injection for tests (a slow VM): seconds added to every inner step.
+        # Fault injection for tests: seconds added to every inner step (a slow VM), and a file
+        # every checkpoint write waits for before it writes (a stuck disk).
         self._step_delay_s = float(os.environ.get("ELASTIC_FAULT_STEP_DELAY_S", "0") or 0)
+        self._write_gate = os.environ.get("ELASTIC_FAULT_WRITE_GATE")
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -185,10 +196,13 @@ class RankWorker:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        from elastic.data import open_stream
-        from elastic.diloco import OuterState
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        from torch.distributed.tensor import DTensor
+
+        from elastic.data import BatchPrefetcher, open_stream
+        from elastic.diloco import OuterState, local_shard, outer_device
         from elastic.outer_sync import make_codec
-        from elastic.models import build_model, shard_units
+        from elastic.models import build_model, shard_units, wrap_blocks
         from elastic.recipe import Recipe
 
         t0 = time.monotonic()
@@ -211,37 +225,52 @@ class RankWorker:
         dist.init_process_group(backend, store=replica_store, rank=spec.rank, world_size=spec.ranks,
                                 timeout=timeout)
         mesh = init_device_mesh(self._device.type, (spec.ranks,))
+        # Checkpoint writes run in a thread beside training: their collectives (DCP's plan
+        # exchange) go over a gloo group of their own, never interleaved with FSDP's.
+        self._ckpt_pg = dist.new_group(backend="gloo")
 
         # Same seed on every replica: every replica starts from the same θ.
         torch.manual_seed(recipe.train.seed)
         with torch.device(self._device):
             model = build_model(recipe.model)
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else MixedPrecisionPolicy()
-        if spec.ranks > 1 or cuda:
+        t = recipe.train
+        wrap_blocks(model, compile=cuda if t.compile == "auto" else t.compile, checkpoint=t.activation_checkpointing)
+        if spec.ranks > 1:
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else MixedPrecisionPolicy()
             for unit in shard_units(model):
                 fully_shard(unit, mesh=mesh, mp_policy=mp)
             fully_shard(model, mesh=mesh, mp_policy=mp)
-        # else: one CPU rank has nothing to shard, and FSDP2's per-module hooks and DTensor
-        # bookkeeping cost ~10% of a small model's step (bench/overhead.py). Plain parameters
-        # save and load through DCP the same way (as full tensors, resharded on load).
+        # else: one rank has nothing to shard, and FSDP2's per-module hooks and DTensor
+        # bookkeeping cost ~10% of a small model's step on CPU (bench/overhead.py) and ~23% on
+        # one H100 (issue 20). Plain parameters save and load through DCP the same way (as full
+        # tensors, resharded on load); on CUDA they train in fp32 under bf16 autocast.
+        self._autocast = cuda and spec.ranks == 1
         self._model = model
         self._params = list(model.parameters())
-        t = recipe.train
         decay = [p for p in self._params if p.dim() >= 2]
         no_decay = [p for p in self._params if p.dim() < 2]
+        # Fused AdamW (one kernel for every parameter) where the parameters are plain CUDA tensors.
+        fused = cuda and not any(isinstance(p, DTensor) for p in self._params)
         self._opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": t.inner_weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=t.inner_lr, betas=t.inner_betas, foreach=True)
+            lr=t.inner_lr, betas=t.inner_betas, **({"fused": True} if fused else {"foreach": True}))
         w = recipe.world
+        local_numel = sum(local_shard(p).numel() for p in self._params)
         self._outer = OuterState(self._params, t.outer_lr, t.outer_momentum, t.outer_nesterov,
                                  lambda numel: make_codec(numel, w.sync, w.sync_dtype, w.error_feedback,
-                                                          w.sync_density, w.sync_decay))
+                                                          w.sync_density, w.sync_decay),
+                                 device=outer_device(t.outer_device, self._device, local_numel))
 
         self._data = open_stream(recipe.data, t.seq_len, t.seed)
         self._val = None   # the validation stream, opened at the first `evaluate`
         self._per_rank = t.batch_size // spec.ranks
         self._micro = t.micro_batch_size or self._per_rank
-        self._batch = torch.empty(self._per_rank, t.seq_len + 1, dtype=torch.int64)
+        self._prefetch = BatchPrefetcher(self._data, self._per_rank, self._device)
+        # Phase 1 of a checkpoint copies the state into these host buffers (pinned on CUDA), kept
+        # from one save to the next; the write runs beside training (`_saving`).
+        self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                    use_async_staging=False, use_non_blocking_copy=cuda))
+        self._saving = None
         self._losses = torch.zeros(t.inner_steps, dtype=torch.float32, device=self._device)
         self._stop_flag = torch.zeros(1)
         self._lrs = [0.0] * t.inner_steps
@@ -270,12 +299,17 @@ class RankWorker:
         t0 = time.monotonic()
         self._phase_step = inner_step
         spec, t = self._spec, self._recipe.train
-        opt, batch, losses, lrs = self._opt, self._batch, self._losses, self._lrs
+        opt, prefetch, losses, lrs = self._opt, self._prefetch, self._losses, self._lrs
         lease = t.inner_steps * t.batch_size
         self._data.fetch(lease_start, lease)   # a no-op once prefetched, or for local tokens
         if next_lease is not None:
             self._data.prefetch(next_lease, lease)
+        first = lease_start + spec.rank * self._per_rank   # this rank's first sample of step 0
+        prefetch.reset()
+        prefetch.put(first)
         steps = 0
+        # Nothing in this loop waits for the GPU: the losses stay on the device until the phase
+        # ends, and the next batch is cut and sent while the step just queued runs.
         for h in range(t.inner_steps):
             if self._should_stop():
                 break
@@ -283,13 +317,13 @@ class RankWorker:
             lrs[h] = lr
             for group in opt.param_groups:
                 group["lr"] = lr
-            first = lease_start + h * t.batch_size + spec.rank * self._per_rank
-            self._data.batch(first, self._per_rank, out=batch)
-            losses[h] = self._accumulate(batch.to(self._device, non_blocking=True))
+            losses[h] = self._accumulate(prefetch.take())
             if t.grad_clip is not None:
                 torch.nn.utils.clip_grad_norm_(self._params, t.grad_clip, foreach=True)
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if h + 1 < t.inner_steps:
+                prefetch.put(first + (h + 1) * t.batch_size)
             steps += 1
             self._progress += 1
             if self._step_delay_s:
@@ -311,11 +345,21 @@ class RankWorker:
         for i, chunk in enumerate(chunks):
             if sync is not None and len(chunks) > 1:
                 sync(i == len(chunks) - 1)
-            logits = model(chunk[:, :-1])
+            with self._forward_precision():
+                logits = model(chunk[:, :-1])
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), chunk[:, 1:].reshape(-1))
             (loss / len(chunks)).backward()
             total = total + loss.detach()
         return total / len(chunks)
+
+    def _forward_precision(self):
+        """bf16 autocast for a one-rank CUDA replica's forward (its parameters are fp32; under
+        FSDP2 the mixed-precision policy casts them instead); nothing on CPU."""
+        import contextlib
+
+        import torch
+
+        return torch.autocast("cuda", dtype=torch.bfloat16) if self._autocast else contextlib.nullcontext()
 
     def evaluate(self) -> dict:
         """Loss of the current θ (θ_outer between outer steps) on the first `eval.windows` windows
@@ -339,7 +383,8 @@ class RankWorker:
             with torch.no_grad():
                 for start in range(first, first + share, self._micro):
                     chunk = self._val.batch(start, min(self._micro, first + share - start)).to(self._device)
-                    logits = self._model(chunk[:, :-1])
+                    with self._forward_precision():
+                        logits = self._model(chunk[:, :-1])
                     loss_sum += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                                                       chunk[:, 1:].reshape(-1), reduction="sum"))
                     tokens += chunk[:, 1:].numel()
@@ -502,14 +547,21 @@ class RankWorker:
                 for name, p in self._model.named_parameters()}
 
     def save_checkpoint(self, path: str) -> dict:
-        """Write this replica's model, inner optimizer, outer momentum and the sync's error feedback
-        with torch.distributed.checkpoint (a collective over the replica's ranks). Call after an
-        outer sync, when θ_local = θ_outer."""
+        """Phase 1: snapshot this replica's model, inner optimizer, outer momentum and the sync's
+        error feedback into host memory, then write them to `path` with
+        torch.distributed.checkpoint in a thread beside training (`wait_saved` joins it; a
+        collective over the replica's ranks on their checkpoint group). Waits first for the
+        previous write: its snapshot buffers are the ones reused. Call after an outer sync, when
+        θ_local = θ_outer. Returns the seconds training was held (the snapshot)."""
         import torch
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         t0 = time.monotonic()
+        try:
+            self.wait_saved()
+        except Exception as exc:   # that checkpoint is lost (its upload reports it); this one starts afresh
+            log.warning("the previous checkpoint write failed: %s", exc)
         model_sd, optim_sd = get_state_dict(self._model, self._opt)
         momentum = self._outer.momentum()
         if momentum is None:  # no momentum (outer_momentum 0, or before the first step): save zeros
@@ -518,12 +570,26 @@ class RankWorker:
                  "inner_step": torch.tensor(self._inner_step)}
         if self._outer.codec.error is not None:   # this rank's error feedback, resharded like momentum
             state["outer_error"] = self._per_param(self._outer.codec.error)
-        # Phase 1 only stages the shards for upload: no fsync (a node that dies loses them anyway).
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=False, thread_count=2))
         # RNG state is per rank (not sharded): a small file beside the shards, restored when the
         # loading world has a rank of the same number.
+        Path(path).mkdir(parents=True, exist_ok=True)
         Path(f"{path}/rng-{self._spec.rank}.json").write_text(json.dumps(_rng_state()))
+        # The shards are only staged for upload: no fsync (a node that dies loses them anyway).
+        # async_save copies `state` into the stager's buffers before it returns.
+        writer = dcp.FileSystemWriter(path, sync_files=False, thread_count=2)
+        if self._write_gate:
+            writer.write_data = _gated(writer.write_data, Path(self._write_gate))
+        self._saving = dcp.async_save(state, storage_writer=writer, process_group=self._ckpt_pg,
+                                      async_stager=self._stager)
         return {"seconds": time.monotonic() - t0}
+
+    def wait_saved(self) -> None:
+        """Block until the write `save_checkpoint` started has ended (at once when none is under
+        way); raises what the write raised. Safe from several actor threads at once (the upload's
+        and the next save's)."""
+        saving = self._saving
+        if saving is not None:
+            saving.result()
 
     def _per_param(self, flat) -> dict:
         """A flat tensor over this rank's shard (outer momentum, error feedback) as one tensor per
@@ -532,9 +598,11 @@ class RankWorker:
                 in zip(self._model.named_parameters(), self._outer.shard_views(flat))}
 
     def upload_checkpoint(self, local: str, uri: str, step: int, threads: int) -> list[dict]:
-        """Phase 2: upload the files this rank wrote in phase 1 (runs beside training)."""
+        """Phase 2: once phase 1's write has ended, upload the files this rank wrote (runs beside
+        training)."""
         from elastic import checkpoint as ckpt
 
+        self.wait_saved()
         names = ckpt.rank_files(Path(local), self._spec.rank)
         return ckpt.upload(uri, Path(local), step, names, threads)
 

@@ -38,4 +38,31 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
     return best
 
 
-__all__ = ["GPT", "GPTConfig", "build_model", "shard_units"]
+def wrap_blocks(model: nn.Module, compile: bool, checkpoint: bool) -> int:
+    """Per repeated block (`shard_units`), in place: with `checkpoint`, recompute its activations
+    in the backward pass (torch.utils.checkpoint, non-reentrant); with `compile`, compile its
+    `forward` (`torch.compile`). Only `forward` is replaced: the parameter names stay (state dicts
+    and checkpoints are the eager model's), and FSDP2's per-block hooks run outside the compiled
+    graph. Compiling block by block, not the whole model, keeps graphs small (one per block
+    shape). Returns the blocks wrapped."""
+    import torch
+
+    blocks = shard_units(model) if compile or checkpoint else []
+    for block in blocks:
+        if checkpoint:
+            block.forward = _checkpointed(block.forward)
+        if compile:
+            block.forward = torch.compile(block.forward)
+    return len(blocks)
+
+
+def _checkpointed(forward):
+    """`forward` whose activations are recomputed in the backward pass instead of kept."""
+    from torch.utils.checkpoint import checkpoint
+
+    def run(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return run
+
+
+__all__ = ["GPT", "GPTConfig", "build_model", "shard_units", "wrap_blocks"]

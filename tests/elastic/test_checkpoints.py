@@ -118,6 +118,44 @@ def test_node_lost_during_upload_leaves_the_previous_checkpoint(nodes, local_clu
         assert torch.equal(got["after"][k], at_two[k]), k
 
 
+def test_node_lost_during_the_write_leaves_the_previous_checkpoint(nodes, local_cluster, tmp_path, monkeypatch):
+    """Phase 1 only snapshots the state; the write runs beside training. The saving node dies
+    while its write is stuck: nothing of that step reaches the destination, and the previous
+    complete checkpoint is what loads."""
+    gate = tmp_path / "gate"
+    gate.touch()
+    monkeypatch.setenv("ELASTIC_FAULT_WRITE_GATE", str(gate))   # nodes started from here on wait on it
+    uri = str(tmp_path / "ckpts")
+    saver = ckpt.Checkpointer(uri, str(tmp_path / "staging"), keep_last=3, threads=2,
+                              ledger=Ledger(tmp_path / "events.jsonl"), run="test")
+    recipe = tiny_recipe(**{"train.outer_steps": 4})
+    world = trained_world(recipe, nodes, steps=1)
+    try:
+        lead = world.lead_replica()
+        saver.save(world, lead, recipe)
+        assert saver.wait(timeout_s=120)
+        at_one = world.call_replica(lead, "full_state")[0]
+        gate.unlink()                                  # the next write sticks
+        world.step()
+        saver.save(world, lead, recipe)                # returns once the state is in host memory
+        assert saver.uploading == 2
+        world.step()                                   # training goes on beside the write
+        local_cluster.remove_node(lead.node_id, graceful=False)
+        assert saver.wait(timeout_s=120)
+    finally:
+        world.shutdown()
+    events = read_events(tmp_path / "events.jsonl")
+    assert [e["step"] for e in events if e["type"] == "checkpoint_uploaded"] == [1]
+    assert [e["step"] for e in events if e["type"] == "checkpoint_upload_failed"] == [2]
+    store = open_storage(uri)
+    assert [c["step"] for c in ckpt.listing(store)] == [1]
+    assert ckpt.latest(store)["step"] == 1
+    monkeypatch.delenv("ELASTIC_FAULT_WRITE_GATE")
+    got = load_into_new_world(recipe, nodes, uri, 1, str(tmp_path / "staging-new"))
+    for k in at_one:
+        assert torch.equal(got["after"][k], at_one[k]), k
+
+
 def error_feedback(rep) -> torch.Tensor:
     return ray.get(rep.actors[0].outer_state.remote())["error"]
 

@@ -9,7 +9,7 @@ import uuid
 import numpy as np
 import pytest
 
-from elastic.data import SampleStream, ShardIndex, ShardSource, read_index, upload_shards
+from elastic.data import BatchPrefetcher, SampleStream, ShardIndex, ShardSource, read_index, upload_shards
 from elastic.errors import UserError
 from tests.servers.object_stores import RecordingProxy
 
@@ -138,3 +138,30 @@ def test_bad_index_is_one_line(tmp_path):
     (d / "index.json").write_text('{"format": "elastic-tokens", "dtype": "int8", "splits": {}}')
     with pytest.raises(UserError, match="dtype 'int8'"):
         read_index(f"file://{d}")
+
+
+def test_prefetching_returns_exactly_the_batches_the_lease_names_in_order():
+    """As the inner loop drives it: batch h+1 is put while batch h is in use; every batch taken is
+    this rank's slice of its step's samples, and the one in use is not overwritten by the next."""
+    import torch
+
+    stream = SampleStream(np.arange(5000, dtype=np.uint16), seq_len=16, seed=3)
+    lease_start, steps, batch_size, rank, per_rank = 40, 6, 8, 1, 4
+    pre = BatchPrefetcher(stream, per_rank, torch.device("cpu"))
+    first = lease_start + rank * per_rank
+    want = [stream.batch(first + h * batch_size, per_rank) for h in range(steps)]
+    pre.put(first)
+    for h in range(steps):
+        got = pre.take()
+        if h + 1 < steps:
+            pre.put(first + (h + 1) * batch_size)
+        assert torch.equal(got, want[h]), h
+    pre.put(first)          # a phase cut short leaves a batch behind; the next phase starts afresh
+    pre.reset()
+    pre.put(first + batch_size)
+    pre.put(first + 2 * batch_size)
+    assert torch.equal(pre.take(), want[1]) and torch.equal(pre.take(), want[2])
+    pre.put(first)
+    pre.put(first)
+    with pytest.raises(RuntimeError):
+        pre.put(first)      # every buffer holds a batch not yet taken
