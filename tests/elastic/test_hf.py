@@ -101,6 +101,34 @@ def recipe_file(path: Path, **sections) -> Path:
     return path
 
 
+def wandb_history(run_dir: Path) -> list[dict]:
+    """The history rows of the one offline W&B run under `run_dir`, read from its `.wandb` file: a
+    LevelDB-style log (a 7-byte file header, 32 KiB blocks, records split into chunks each with a
+    7-byte header: crc32, length, type) of `Record` protobufs; wandb ships the protobuf classes
+    but no reader any more."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    [path] = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", data[:7]
+    block, pos, chunks, rows = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:             # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunks, pos = chunks + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):                       # FULL, or LAST of FIRST/MIDDLE/LAST
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunks)
+            chunks = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append({"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.history.item})
+    return rows
+
+
 def losses(run_dir: Path) -> list[float]:
     return [x for e in read_events(run_dir / "events.jsonl") if e["type"] == "outer_step" for x in e["losses"]]
 
@@ -116,8 +144,10 @@ def test_hf_model_trains_validates_exports_and_continues(workspace, s3_server, t
     run1 = tmp_path / "run1"
     r1 = recipe_file(tmp_path / "scratch.yaml", model={"hf": str(workspace / "model"), "init": "scratch"},
                      data={"uri": uri}, train={"micro_batch_size": 1}, world={"ranks_per_replica": 2},
-                     eval={"every_outer_steps": 2, "windows": 16})
-    out = run_cli("launch", str(r1), "--run-dir", str(run1), cwd=tmp_path, timeout=400)
+                     eval={"every_outer_steps": 2, "windows": 16},
+                     logging={"wandb": {"project": "elastic-test", "mode": "offline"}})
+    # W&B offline: no network (WANDB_MODE pins it even if the recipe said online).
+    out = run_cli("launch", str(r1), "--run-dir", str(run1), cwd=tmp_path, timeout=400, WANDB_MODE="offline")
     assert out.returncode == 0, out.stdout + out.stderr
     l1 = losses(run1)
     assert len(l1) == 20 and sum(l1[-5:]) / 5 < l1[0] - 1.0, l1
@@ -135,6 +165,11 @@ def test_hf_model_trains_validates_exports_and_continues(workspace, s3_server, t
     assert [round(s.value, 4) for s in tb.Scalars("val/loss")] == [round(e["loss"], 4) for e in val]
     for tag in ("train/loss", "train/tokens_per_s", "world/replicas", "cost/usd", "cost/usd_per_hour"):
         assert len(tb.Scalars(tag)) == 4, tag
+    # The same scalars in the offline W&B run under the run directory, for `wandb sync`.
+    history = wandb_history(run1)
+    assert [h["_step"] for h in history] == [1, 2, 3, 4]
+    assert [round(h["val/loss"], 4) for h in history if "val/loss" in h] == [round(e["loss"], 4) for e in val]
+    assert [round(h["train/loss"], 4) for h in history] == [round(s.value, 4) for s in tb.Scalars("train/loss")]
 
     # Export: save_pretrained that AutoModelForCausalLM loads, with the logits of θ_outer.
     exported = tmp_path / "exported"
