@@ -90,8 +90,8 @@ IDLE_NODES = 3   # the most plain nodes one test asks for
 
 def _environment() -> int:
     """A node's workers inherit the environment it was started in (endpoints, fault injection):
-    a node is reused only where this is unchanged."""
-    return hash(tuple(sorted(os.environ.items())))
+    a node is reused only where this is unchanged (but for the name of the test pytest keeps there)."""
+    return hash(tuple(sorted((k, v) for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST")))
 
 
 @pytest.fixture
