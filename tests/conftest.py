@@ -109,12 +109,12 @@ def nodes(local_cluster, idle_nodes):
         plain, env = (cpus, gpus) == (1, 0), _environment()
         ids = []
         for node_id, node_env in list(idle_nodes):
-            if node_env != env or not local_cluster.is_alive(node_id):   # of no use any more
+            if plain and node_env == env and len(ids) < n:
                 idle_nodes.remove((node_id, node_env))
-                local_cluster.remove_node(node_id)
-            elif plain and len(ids) < n:
-                idle_nodes.remove((node_id, node_env))
-                ids.append(node_id)
+                if local_cluster.is_alive(node_id):
+                    ids.append(node_id)
+                else:
+                    local_cluster.remove_node(node_id)
         ids += [local_cluster.add_node(cpus=cpus, gpus=gpus, labels={"elastic.cloud": "local"}, resources={},
                                        object_store_bytes=80 * 1024 * 1024) for _ in range(n - len(ids))]
         given.extend((node_id, env, plain) for node_id in ids)
@@ -127,9 +127,13 @@ def nodes(local_cluster, idle_nodes):
 
         return available_resources_per_node().get(node_id, {}).get("CPU", 0) == 1
 
+    now = _environment()   # as the test leaves it (its monkeypatching undone)
+    for node_id, env in [x for x in idle_nodes if x[1] != now]:   # idle in an environment gone for good
+        idle_nodes.remove((node_id, env))
+        local_cluster.remove_node(node_id)
     deadline = time.monotonic() + 10   # killed actors hand their CPU back within moments
     for node_id, env, plain in given:
-        keep = plain and env == _environment() and len(idle_nodes) < IDLE_NODES and local_cluster.is_alive(node_id)
+        keep = plain and env == now and len(idle_nodes) < IDLE_NODES and local_cluster.is_alive(node_id)
         while keep and not cpu_free(node_id) and time.monotonic() < deadline:
             time.sleep(0.1)   # polling the node's free resources with a deadline
         if keep and cpu_free(node_id) and local_cluster.is_alive(node_id):
