@@ -73,22 +73,73 @@ def local_cluster():
     cluster.shutdown()
 
 
+@pytest.fixture(scope="session")
+def idle_nodes(local_cluster):
+    """Plain local nodes (1 CPU, no GPU) a test gave back whole, each with the environment it was
+    started in, for the next test that asks for such nodes in that same environment: a raylet and
+    its agents take seconds of a 2-core machine to start, and most tests only place actors on them.
+    At most IDLE_NODES are kept; removed at the end of the session."""
+    idle: list[tuple[str, int]] = []
+    yield idle
+    for node_id, _ in idle:
+        local_cluster.remove_node(node_id)
+
+
+IDLE_NODES = 3   # the most plain nodes one test asks for
+
+
+def _environment() -> int:
+    """A node's workers inherit the environment it was started in (endpoints, fault injection):
+    a node is reused only where this is unchanged (but for the name of the test pytest keeps there)."""
+    return hash(tuple(sorted((k, v) for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST")))
+
+
 @pytest.fixture
-def nodes(local_cluster):
-    """`nodes(n, cpus, gpus)` starts n local nodes for this test (gpus: Ray's count, fake on a CPU
-    machine); all are removed afterwards."""
-    started = []
+def nodes(local_cluster, idle_nodes):
+    """`nodes(n, cpus, gpus)` gives this test n live local nodes started in the current environment
+    with nothing running on them (gpus: Ray's count, fake on a CPU machine); plain ones (1 CPU, no
+    GPU) may be idle nodes of an earlier test. Afterwards a plain node is kept idle only if it is
+    alive, its environment is still the current one and its CPU is free again (its actors are
+    gone); every other node is removed."""
+    import time
+
+    given: list[tuple[str, int, bool]] = []
 
     def start(n: int, cpus: int = 1, gpus: int = 0) -> list[str]:
-        ids = [local_cluster.add_node(cpus=cpus, gpus=gpus, labels={"elastic.cloud": "local"}, resources={},
-                                      object_store_bytes=80 * 1024 * 1024) for _ in range(n)]
-        started.extend(ids)
+        plain, env = (cpus, gpus) == (1, 0), _environment()
+        ids = []
+        for node_id, node_env in list(idle_nodes):
+            if plain and node_env == env and len(ids) < n:
+                idle_nodes.remove((node_id, node_env))
+                if local_cluster.is_alive(node_id):
+                    ids.append(node_id)
+                else:
+                    local_cluster.remove_node(node_id)
+        ids += [local_cluster.add_node(cpus=cpus, gpus=gpus, labels={"elastic.cloud": "local"}, resources={},
+                                       object_store_bytes=80 * 1024 * 1024) for _ in range(n - len(ids))]
+        given.extend((node_id, env, plain) for node_id in ids)
         return ids
 
     yield start
-    for node_id in started:
-        local_cluster.remove_node(node_id)
 
+    def cpu_free(node_id: str) -> bool:
+        from ray._private.state import available_resources_per_node
+
+        return available_resources_per_node().get(node_id, {}).get("CPU", 0) == 1
+
+    now = _environment()   # as the test leaves it (its monkeypatching undone)
+    for node_id, env in [x for x in idle_nodes if x[1] != now]:   # idle in an environment gone for good
+        idle_nodes.remove((node_id, env))
+        local_cluster.remove_node(node_id)
+    deadline = time.monotonic() + 10   # killed actors hand their CPU back within moments
+    for node_id, env, plain in given:
+        keep = plain and env == now and len(idle_nodes) < IDLE_NODES and local_cluster.is_alive(node_id)
+        while keep and not cpu_free(node_id) and time.monotonic() < deadline:
+            time.sleep(0.1)   # polling the node's free resources with a deadline
+        if keep and cpu_free(node_id) and local_cluster.is_alive(node_id):
+            idle_nodes.append((node_id, env))
+        else:
+            local_cluster.remove_node(node_id)
 
 
 @pytest.fixture

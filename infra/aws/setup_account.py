@@ -6,7 +6,9 @@ Creates, with the credentials of an administrator (not the ones elastic runs wit
 - the checkpoint bucket (public access blocked, encrypted at rest);
 - IAM policy `elastic-driver` (driver-policy.json: prices, run/terminate only instances tagged
   `elastic:run`, pass only the two roles below, the run token parameters, the bucket) and policy
-  `elastic-node` (node-policy.json: the bucket and the run token parameters, nothing else);
+  `elastic-node` (node-policy.json: the bucket and the run token parameters, nothing else); both
+  may also read (list and get, never write) the buckets given with `--data-bucket`, which hold the
+  token shards of `data.uri` (made by `elastic prepare-data` with your own credentials);
 - roles + instance profiles `elastic-node` (for training VMs) and `elastic-controller` (for the
   controller VM, carrying the driver policy);
 - in every region given, a security group `elastic-nodes` in the default VPC whose members accept
@@ -16,7 +18,8 @@ Creates, with the credentials of an administrator (not the ones elastic runs wit
 Then prints the recipe's `aws:` section and the policy to attach to the user elastic runs as.
 Review driver-policy.json and node-policy.json before running this. Usage:
 
-    python3 infra/aws/setup_account.py --bucket my-elastic-ckpts --region us-east-1 --region us-west-2
+    python3 infra/aws/setup_account.py --bucket my-elastic-ckpts --region us-east-1 --region us-west-2 \\
+        [--data-bucket my-token-shards]
 """
 
 from __future__ import annotations
@@ -29,8 +32,16 @@ HERE = Path(__file__).resolve().parent
 GROUP = "elastic-nodes"
 
 
-def _policy(name: str, bucket: str) -> str:
-    return (HERE / name).read_text(encoding="utf-8").replace("${BUCKET}", bucket)
+def _policy(name: str, bucket: str, data_buckets: list[str]) -> str:
+    """The reviewed policy file with `${BUCKET}` the checkpoint bucket and each resource naming
+    `${DATA_BUCKET}` repeated for every data bucket (a statement left naming none is dropped)."""
+    doc = json.loads((HERE / name).read_text(encoding="utf-8").replace("${BUCKET}", bucket))
+    for st in doc["Statement"]:
+        resources = [st["Resource"]] if isinstance(st["Resource"], str) else st["Resource"]
+        st["Resource"] = [r.replace("${DATA_BUCKET}", b) for r in resources
+                          for b in (data_buckets if "${DATA_BUCKET}" in r else [""])]
+    doc["Statement"] = [st for st in doc["Statement"] if st["Resource"]]
+    return json.dumps(doc)
 
 
 def _exists(exc, *codes) -> bool:
@@ -131,13 +142,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bucket", required=True, help="checkpoint bucket name (created if missing)")
     p.add_argument("--region", action="append", required=True, help="region to prepare (repeatable); the first "
                                                                     "holds the bucket")
+    p.add_argument("--data-bucket", action="append", default=[],
+                   help="bucket of token shards (data.uri: s3://BUCKET/...) the driver and nodes may read (repeatable)")
     p.add_argument("--ssh-cidr", help="also admit SSH from this CIDR (e.g. 203.0.113.7/32); default: no SSH")
     args = p.parse_args(argv)
     session = boto3.session.Session()
     ensure_bucket(session.client("s3", region_name=args.region[0]), args.bucket, args.region[0])
     iam = session.client("iam", region_name=args.region[0])
-    driver_arn = ensure_policy(iam, "elastic-driver", _policy("driver-policy.json", args.bucket))
-    node_arn = ensure_policy(iam, "elastic-node", _policy("node-policy.json", args.bucket))
+    driver_arn = ensure_policy(iam, "elastic-driver", _policy("driver-policy.json", args.bucket, args.data_bucket))
+    node_arn = ensure_policy(iam, "elastic-node", _policy("node-policy.json", args.bucket, args.data_bucket))
     ensure_role(iam, "elastic-node", node_arn)
     ensure_role(iam, "elastic-controller", driver_arn)
     for region in args.region:

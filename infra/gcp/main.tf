@@ -9,6 +9,7 @@
 #     plus the checkpoint bucket. Run `elastic` as it (a key, impersonation, or the controller VM).
 #   - service account elastic-node: what a training VM may do: the checkpoint bucket, and reading
 #     secrets named elastic-* (its run's Ray cluster token). Nothing else.
+#   - both may read (never write) the token-shard buckets in -var 'data_buckets=["B"]' (data.uri).
 #   - firewall rule elastic-ray-internal: every TCP/UDP port (Ray's GCS, raylets, object transfers,
 #     workers, torch.distributed) open only between VMs tagged elastic-node; nothing from outside.
 #   - the checkpoint bucket (uniform access, no public access).
@@ -34,6 +35,12 @@ variable "bucket_location" {
   description = "Location of the checkpoint bucket."
   type        = string
   default     = "US"
+}
+
+variable "data_buckets" {
+  description = "Existing buckets of token shards (data.uri: gs://BUCKET/...) the driver and the nodes may read, never write."
+  type        = list(string)
+  default     = []
 }
 
 variable "network" {
@@ -150,6 +157,15 @@ resource "google_storage_bucket_iam_member" "ckpt" {
   bucket   = google_storage_bucket.checkpoints.name
   role     = "roles/storage.objectAdmin"
   member   = "serviceAccount:${each.value}"
+}
+
+# The token shards of data.uri (written by `elastic prepare-data` with your own credentials): read
+# only. Keyed by bucket and account name, both known at plan time (the emails are not).
+resource "google_storage_bucket_iam_member" "data" {
+  for_each = { for pair in setproduct(var.data_buckets, ["driver", "node"]) : "${pair[0]}/${pair[1]}" => pair }
+  bucket   = each.value[0]
+  role     = "roles/storage.objectViewer"
+  member   = "serviceAccount:${each.value[1] == "driver" ? google_service_account.driver.email : google_service_account.node.email}"
 }
 
 # -- network --------------------------------------------------------------------------------------

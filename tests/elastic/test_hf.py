@@ -1,12 +1,13 @@
 """Hugging Face causal LMs end to end, as a user runs them (no network: a tiny Llama-style config
 and a BPE tokenizer trained here): `prepare-data` onto the moto S3 server, `elastic launch` from
-scratch with validation and TensorBoard, `elastic export`, and a second run continuing from the
-exported weights."""
+scratch with validation, TensorBoard and W&B (offline), `elastic export`, a second run continuing
+from the exported weights, and a third resuming the first from a checkpoint on the same samples."""
 
 from __future__ import annotations
 
 import json
 import random
+import shutil
 import uuid
 from pathlib import Path
 
@@ -145,6 +146,34 @@ def recipe_file(path: Path, **sections) -> Path:
     return path
 
 
+def wandb_history(run_dir: Path) -> list[dict]:
+    """The history rows of the one offline W&B run under `run_dir`, read from its `.wandb` file: a
+    LevelDB-style log (a 7-byte file header, 32 KiB blocks, records split into chunks each with a
+    7-byte header: crc32, length, type) of `Record` protobufs; wandb ships the protobuf classes
+    but no reader any more."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    [path] = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", data[:7]
+    block, pos, chunks, rows = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:             # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunks, pos = chunks + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):                       # FULL, or LAST of FIRST/MIDDLE/LAST
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunks)
+            chunks = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append({"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.history.item})
+    return rows
+
+
 def losses(run_dir: Path) -> list[float]:
     return [x for e in read_events(run_dir / "events.jsonl") if e["type"] == "outer_step" for x in e["losses"]]
 
@@ -156,12 +185,16 @@ def test_hf_model_trains_validates_exports_and_continues(workspace, s3_server, t
     uri = f"s3://hf-{uuid.uuid4().hex[:8]}/tok"
     prepare([workspace / "docs.jsonl"], str(workspace / "tok"), uri, val_fraction=0.1, shard_tokens=3000)
 
-    # From scratch: two ranks (FSDP2 over the decoder layers), micro-batches, validation every 2 steps.
+    # From scratch: two ranks (FSDP2 over the decoder layers), micro-batches, validation and a
+    # checkpoint every 2 steps.
     run1 = tmp_path / "run1"
-    r1 = recipe_file(tmp_path / "scratch.yaml", model={"hf": str(workspace / "model"), "init": "scratch"},
-                     data={"uri": uri}, train={"micro_batch_size": 1}, world={"ranks_per_replica": 2},
-                     eval={"every_outer_steps": 2, "windows": 16})
-    out = run_cli("launch", str(r1), "--run-dir", str(run1), cwd=tmp_path, timeout=400)
+    scratch = {"model": {"hf": str(workspace / "model"), "init": "scratch"}, "data": {"uri": uri},
+               "train": {"micro_batch_size": 1}, "world": {"ranks_per_replica": 2},
+               "eval": {"every_outer_steps": 2, "windows": 16}, "checkpoint": {"every_outer_steps": 2}}
+    r1 = recipe_file(tmp_path / "scratch.yaml", **scratch,
+                     logging={"wandb": {"project": "elastic-test", "mode": "offline"}})
+    # W&B offline: no network (WANDB_MODE pins it even if the recipe said online).
+    out = run_cli("launch", str(r1), "--run-dir", str(run1), cwd=tmp_path, timeout=400, WANDB_MODE="offline")
     assert out.returncode == 0, out.stdout + out.stderr
     l1 = losses(run1)
     assert len(l1) == 20 and sum(l1[-5:]) / 5 < l1[0] - 1.0, l1
@@ -179,6 +212,11 @@ def test_hf_model_trains_validates_exports_and_continues(workspace, s3_server, t
     assert [round(s.value, 4) for s in tb.Scalars("val/loss")] == [round(e["loss"], 4) for e in val]
     for tag in ("train/loss", "train/tokens_per_s", "world/replicas", "cost/usd", "cost/usd_per_hour"):
         assert len(tb.Scalars(tag)) == 4, tag
+    # The same scalars in the offline W&B run under the run directory, for `wandb sync`.
+    history = wandb_history(run1)
+    assert [h["_step"] for h in history] == [1, 2, 3, 4]
+    assert [round(h["val/loss"], 4) for h in history if "val/loss" in h] == [round(e["loss"], 4) for e in val]
+    assert [round(h["train/loss"], 4) for h in history] == [round(s.value, 4) for s in tb.Scalars("train/loss")]
 
     # Export: save_pretrained that AutoModelForCausalLM loads, with the logits of θ_outer.
     exported = tmp_path / "exported"
@@ -204,6 +242,22 @@ def test_hf_model_trains_validates_exports_and_continues(workspace, s3_server, t
     l2 = losses(run2)
     assert l2[0] < l1[0] - 1.0 and abs(l2[0] - sum(l1[-5:]) / 5) < 0.5, (l1, l2)
     assert sum(l2[-3:]) / 3 < sum(l2[:3]) / 3, l2
+
+    # --resume from run 1's step-2 checkpoint (alone in a directory of its own): the resumed run
+    # reads the same samples from the shards as run 1 did in steps 3 and 4, so it has the same
+    # losses (another batch would differ by percents) and the same validation loss at step 4.
+    resume_from = tmp_path / "resume-from"
+    shutil.copytree(run1 / "checkpoints" / "step-00000002", resume_from / "step-00000002")
+    run3 = tmp_path / "run3"
+    out = run_cli("launch", str(recipe_file(tmp_path / "resume.yaml", **scratch)), "--run-dir", str(run3),
+                  "--set", f"checkpoint.uri=file://{resume_from}", "--resume", cwd=tmp_path, timeout=400)
+    assert out.returncode == 0, out.stdout + out.stderr
+    events = read_events(run3 / "events.jsonl")
+    assert [e["from_step"] for e in events if e["type"] == "resumed"] == [2]
+    assert [e["outer_step"] for e in events if e["type"] == "outer_step"] == [3, 4]
+    assert losses(run3) == pytest.approx(l1[10:], rel=1e-4), (l1[10:], losses(run3))
+    [val3] = [e for e in events if e["type"] == "validation"]
+    assert val3["outer_step"] == 4 and val3["loss"] == pytest.approx(val[-1]["loss"], rel=1e-4)
 
 
 def test_bad_sources_fail_validate_in_one_line(workspace, tmp_path):

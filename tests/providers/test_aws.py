@@ -401,7 +401,8 @@ def test_account_setup_is_idempotent_and_its_output_launches(aws_env, tmp_path):
     """infra/aws/setup_account.py against moto: bucket, policies, roles, profiles, security groups;
     run twice; its recipe section is accepted by a launch (nodes get the profile and the group)."""
     script = REPO / "infra" / "aws" / "setup_account.py"
-    args = [sys.executable, str(script), "--bucket", "ckpt-bucket", "--region", "us-east-1", "--region", "us-west-2"]
+    args = [sys.executable, str(script), "--bucket", "ckpt-bucket", "--region", "us-east-1", "--region", "us-west-2",
+            "--data-bucket", "shards-bucket"]
     for _ in range(2):
         env = cli_env(**aws_env.env)
         proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
@@ -409,12 +410,18 @@ def test_account_setup_is_idempotent_and_its_output_launches(aws_env, tmp_path):
     section = json.loads(proc.stdout[proc.stdout.index("{"):proc.stdout.rindex("}") + 1])
     iam = boto3.client("iam", region_name="us-east-1")
     policies = {p["PolicyName"]: p for p in iam.list_policies(Scope="Local")["Policies"]}
-    node_doc = iam.get_policy_version(PolicyArn=policies["elastic-node"]["Arn"],
-                                      VersionId=policies["elastic-node"]["DefaultVersionId"])["PolicyVersion"]["Document"]
-    node_doc = json.loads(node_doc) if isinstance(node_doc, str) else node_doc
-    s3_resources = [r for st in node_doc["Statement"] if any(a.startswith("s3:") for a in st["Action"])
-                    for r in st["Resource"]]
-    assert s3_resources == ["arn:aws:s3:::ckpt-bucket", "arn:aws:s3:::ckpt-bucket/*"]   # the bucket only
+    for name in ("elastic-node", "elastic-driver"):
+        doc = iam.get_policy_version(PolicyArn=policies[name]["Arn"],
+                                     VersionId=policies[name]["DefaultVersionId"])["PolicyVersion"]["Document"]
+        doc = json.loads(doc) if isinstance(doc, str) else doc
+        s3_access = {r: sorted(st["Action"]) for st in doc["Statement"] if any(a.startswith("s3:") for a in st["Action"])
+                     for r in st["Resource"]}
+        # The checkpoint bucket read and written; the shards of data.uri only read; no other bucket.
+        read_write = ["s3:DeleteObject", "s3:GetObject", "s3:ListBucket", "s3:PutObject"]
+        assert s3_access == {"arn:aws:s3:::ckpt-bucket": read_write, "arn:aws:s3:::ckpt-bucket/*": read_write,
+                             "arn:aws:s3:::shards-bucket": ["s3:GetObject", "s3:ListBucket"],
+                             "arn:aws:s3:::shards-bucket/*": ["s3:GetObject", "s3:ListBucket"]}, (name, s3_access)
+        assert "${" not in json.dumps(doc)
     ec2 = boto3.client("ec2", region_name="us-west-2")
     [group] = ec2.describe_security_groups(Filters=[{"Name": "group-name", "Values": ["elastic-nodes"]}])["SecurityGroups"]
     [rule] = group["IpPermissions"]
