@@ -283,6 +283,12 @@ class CloudProvider:
         out, self._events = self._events, []
         return out
 
+    def remove_run_resources(self, run: str, wait_s: float = 0.0) -> list[str]:
+        """Delete what run `run` owns in this cloud besides its VMs (secrets, roles, network rules),
+        once its VMs are terminated; returns one line per thing left. Clouds whose runs own
+        nothing else return []."""
+        return []
+
     def stop_launches(self) -> None:
         """Launches still waiting for their node give up now (their VMs are terminated)."""
         self._stop.set()
