@@ -9,8 +9,8 @@
 #     plus the checkpoint bucket. Run `elastic` as it (a key, impersonation, or the controller VM).
 #   - service account elastic-node: what a training VM may do: the checkpoint bucket, and reading
 #     secrets named elastic-* (its run's Ray cluster token). Nothing else.
-#   - firewall rule elastic-ray-internal: every TCP/UDP port (Ray's GCS, raylets, object transfers,
-#     workers, torch.distributed) open only between VMs tagged elastic-node; nothing from outside.
+#   - custom role elastic.driverFirewalls: the driver creates and deletes only firewall rules named
+#     elastic-run-*, one per run (every TCP/UDP port among that run's VMs only; no shared rule).
 #   - the checkpoint bucket (uniform access, no public access).
 #   - the APIs elastic calls: Compute Engine, Cloud Billing (price catalog), Secret Manager, Storage.
 
@@ -154,16 +154,25 @@ resource "google_storage_bucket_iam_member" "ckpt" {
 
 # -- network --------------------------------------------------------------------------------------
 
-resource "google_compute_firewall" "ray_internal" {
-  name        = "elastic-ray-internal"
-  network     = var.network
-  direction   = "INGRESS"
-  description = "Ray and torch.distributed between elastic's VMs (tag elastic-node) only."
-  source_tags = [local.node_tag]
-  target_tags = [local.node_tag]
-  allow { protocol = "tcp" }
-  allow { protocol = "udp" }
-  allow { protocol = "icmp" }
+# No project-wide rule opens ports among elastic's VMs: each run creates its own rule
+# `elastic-run-<run>` (every TCP/UDP port from VMs tagged elastic-run-<run> to VMs with that tag,
+# nothing else) and deletes it when it ends, so one run's VMs cannot reach another's.
+resource "google_project_iam_custom_role" "driver_firewalls" {
+  role_id     = "elastic.driverFirewalls"
+  title       = "elastic driver: its runs' firewall rules"
+  description = "Create and delete the per-run firewall rules elastic-run-*."
+  permissions = ["compute.firewalls.create", "compute.firewalls.delete", "compute.firewalls.get",
+                 "compute.networks.updatePolicy", "compute.globalOperations.get"]
+}
+
+resource "google_project_iam_member" "driver_firewalls" {
+  project = var.project
+  role    = google_project_iam_custom_role.driver_firewalls.id
+  member  = "serviceAccount:${google_service_account.driver.email}"
+  condition {
+    title      = "elastic run rules only"
+    expression = "resource.type != \"compute.googleapis.com/Firewall\" || resource.name.extract(\"firewalls/{name}\").startsWith(\"elastic-run-\")"
+  }
 }
 
 resource "google_compute_firewall" "ssh" {
