@@ -24,6 +24,7 @@ import os
 import subprocess
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from datetime import datetime
 
@@ -146,8 +147,9 @@ def end_self(cloud: str, instance_id: str) -> None:
     """End this VM now. AWS: TerminateInstances on itself where the VM's role allows it, else the
     OS shutdown, which terminates it (VMs are launched with InstanceInitiatedShutdownBehavior
     terminate; `infra/aws/node-policy.json` grants no TerminateInstances, so shutdown is the path
-    there). Elsewhere: the OS shutdown (a GCP VM stops: no GPU or vCPU billing; `elastic down
-    --orphans` deletes it, and its max run duration would)."""
+    there). GCP: instances.delete on itself with the VM's own service account (a token from the
+    metadata server), so its disk goes too; where that is refused, the OS shutdown (the VM stops:
+    no GPU or vCPU billing; `elastic down --orphans` deletes it)."""
     if cloud == "aws":
         try:
             import boto3
@@ -161,7 +163,40 @@ def end_self(cloud: str, instance_id: str) -> None:
             return
         except Exception as exc:   # no boto3, no region, refused: the shutdown below ends it too
             log.warning("could not terminate itself through the API (%s): shutting down", exc)
+    elif cloud == "gcp":
+        try:
+            delete_gcp_self(instance_id)
+            log.warning("deleted %s (itself)", instance_id)
+            return
+        except Exception as exc:   # no service account, refused, API out of reach: stop it at least
+            log.warning("could not delete itself through the API (%s): shutting down", exc)
     halt()
+
+
+def delete_gcp_self(name: str) -> None:
+    """DELETE this GCP VM through the Compute API, as the VM's own service account: project, zone
+    and an access token come from the metadata server. The API is `ELASTIC_GCP_COMPUTE_ENDPOINT`
+    only when that is loopback (tests); the token goes nowhere else than Google's API."""
+    from providers.gcp import COMPUTE_ENDPOINT_ENV, METADATA_URL, METADATA_URL_ENV
+
+    base = os.environ.get(METADATA_URL_ENV, METADATA_URL).rstrip("/")
+
+    def read(path: str) -> str:
+        status, value = _http("GET", f"{base}/{path}", {"Metadata-Flavor": "Google"})
+        if status != 200:
+            raise OSError(f"metadata {path}: HTTP {status}")
+        return value
+
+    project, zone = read("project/project-id"), read("instance/zone")
+    token = read("instance/service-accounts/default/token")
+    endpoint = os.environ.get(COMPUTE_ENDPOINT_ENV, "")
+    host = urllib.parse.urlparse(endpoint).hostname if endpoint else None
+    api = endpoint.rstrip("/") if host in ("127.0.0.1", "localhost", "::1") else "https://compute.googleapis.com"
+    status, body = _http("DELETE", f"{api}/compute/v1/projects/{project}/zones/{zone.rsplit('/', 1)[-1]}"
+                                   f"/instances/{name}",
+                         {"Authorization": f"Bearer {json.loads(token)['access_token']}"}, timeout_s=30.0)
+    if status >= 300:
+        raise OSError(f"instances.delete answered {status}: {body[:200]}")
 
 
 def forward(instance_id: str, notice: dict) -> None:

@@ -152,6 +152,9 @@ class GCPFake:
         self.requests: list[dict] = []                # every request: method, path, query, body
         self.insert_errors: dict[str, tuple[str, str]] = {}   # zone -> ("operation" | "http", code)
         self.metadata = {"preempted": "FALSE", "maintenance-event": "NONE"}
+        # What a VM's metadata server says of its project, zone and service account (a test sets
+        # the zone and token of the VM it plays).
+        self.vm_metadata = {"project/project-id": project}
         # Called (in a thread of its own) when a VM is created / deleted: a test can "boot" a VM as
         # a local Ray node labelled with its name, and stop it again.
         self.on_insert = None   # (name, body) -> None
@@ -261,7 +264,8 @@ class GCPFake:
                 if u.path.startswith("/computeMetadata/"):
                     return self._send(*fake._metadata(u.path, query, self.headers))
                 with fake._lock:
-                    fake.requests.append({"method": method, "path": u.path, "query": query, "body": body})
+                    fake.requests.append({"method": method, "path": u.path, "query": query, "body": body,
+                                          "authorization": self.headers.get("Authorization")})
                     if fake._rate_limited > 0:
                         fake._rate_limited -= 1
                         return self._send(429, _error(429, "Rate Limit Exceeded", "rateLimitExceeded"))
@@ -458,6 +462,8 @@ class GCPFake:
     def _metadata(self, path: str, query: dict, headers) -> tuple[int, object, dict]:
         if headers.get("Metadata-Flavor") != "Google":
             return 403, "Missing Metadata-Flavor:Google header", {}
+        if path.removeprefix("/computeMetadata/v1/") in self.vm_metadata:   # project, zone, token
+            return 200, self.vm_metadata[path.removeprefix("/computeMetadata/v1/")], {"Metadata-Flavor": "Google"}
         key = path.removeprefix("/computeMetadata/v1/instance/")
         if key not in self.metadata:
             return 404, "not found", {}
