@@ -129,6 +129,26 @@ resource "google_project_iam_member" "node_secrets" {
   }
 }
 
+# Autodown: a node whose driver is gone deletes itself (VM and boot disk) rather than only stopping
+# (a stopped VM still pays for its disk). IAM cannot say "itself", so the grant covers instances
+# named elastic-*; what a node could do with it is delete elastic's VMs, never create or read them.
+resource "google_project_iam_custom_role" "node_self_delete" {
+  role_id     = "elastic.nodeSelfDelete"
+  title       = "elastic node: delete itself"
+  description = "Autodown: a training VM whose driver is gone deletes its own instance."
+  permissions = ["compute.instances.delete", "compute.zoneOperations.get"]
+}
+
+resource "google_project_iam_member" "node_self_delete" {
+  project = var.project
+  role    = google_project_iam_custom_role.node_self_delete.id
+  member  = "serviceAccount:${google_service_account.node.email}"
+  condition {
+    title      = "elastic instances only"
+    expression = "resource.type != \"compute.googleapis.com/Instance\" || resource.name.extract(\"instances/{name}\").startsWith(\"elastic-\")"
+  }
+}
+
 # The driver starts VMs that run as elastic-node, and may act as no other account.
 resource "google_service_account_iam_member" "driver_acts_as_node" {
   service_account_id = google_service_account.node.name
