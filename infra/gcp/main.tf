@@ -3,12 +3,14 @@
 #   terraform init && terraform apply -var project=MY-PROJECT -var bucket=MY-CKPT-BUCKET
 #
 # Creates:
-#   - service account elastic-driver: what `elastic` itself may do (custom role elastic.driver:
-#     create/list/delete instances and read zones, machine and accelerator types, operations;
-#     create secrets, and write/delete only those named elastic-*; act as elastic-node only),
-#     plus the checkpoint bucket. Run `elastic` as it (a key, impersonation, or the controller VM).
-#   - service account elastic-node: what a training VM may do: the checkpoint bucket, and reading
-#     secrets named elastic-* (its run's Ray cluster token). Nothing else.
+#   - service account elastic-driver: what `elastic` itself may do (custom roles elastic.driver and
+#     elastic.driverInstances: list instances, and create/label/delete only instances named
+#     elastic-*; read zones, machine and accelerator types, operations; create secrets, and
+#     write/delete only those named elastic-*; act as elastic-node only), plus the checkpoint
+#     bucket. Run `elastic` as it (a key, impersonation, or the controller VM).
+#   - service account elastic-node: what a training VM may do: the checkpoint bucket, reading
+#     secrets named elastic-* (its run's Ray cluster token), deleting instances named elastic-*
+#     (autodown deletes the VM itself). Nothing else.
 #   - custom role elastic.driverFirewalls: the driver creates and deletes only firewall rules named
 #     elastic-run-*, one per run (every TCP/UDP port among that run's VMs only; no shared rule).
 #   - the checkpoint bucket (uniform access, no public access).
@@ -83,9 +85,9 @@ resource "google_project_iam_custom_role" "driver" {
   title       = "elastic driver"
   description = "Rent, label, list and delete elastic's VMs; read the machine catalog."
   permissions = [
-    "compute.instances.create", "compute.instances.delete", "compute.instances.get", "compute.instances.list",
-    "compute.instances.setLabels", "compute.instances.setMetadata", "compute.instances.setTags",
-    "compute.instances.setServiceAccount", "compute.disks.create", "compute.images.useReadOnly",
+    # Instance permissions that change or delete a VM are in elastic.driverInstances below, limited
+    # to the instances elastic names elastic-*; creating is conditioned the same way there.
+    "compute.instances.get", "compute.instances.list", "compute.disks.create", "compute.images.useReadOnly",
     "compute.subnetworks.use", "compute.subnetworks.useExternalIp", "compute.networks.use",
     "compute.networks.useExternalIp", "compute.zoneOperations.get", "compute.zones.list",
     "compute.machineTypes.list", "compute.acceleratorTypes.list",
@@ -106,6 +108,26 @@ resource "google_project_iam_member" "driver_compute" {
   project = var.project
   role    = google_project_iam_custom_role.driver.id
   member  = "serviceAccount:${google_service_account.driver.email}"
+}
+
+# Only the instances elastic creates (every name starts elastic-): the driver cannot delete,
+# relabel or re-point any other VM of the project.
+resource "google_project_iam_custom_role" "driver_instances" {
+  role_id     = "elastic.driverInstances"
+  title       = "elastic driver: its own instances"
+  description = "Create, label, tag and delete instances named elastic-*."
+  permissions = ["compute.instances.create", "compute.instances.delete", "compute.instances.setLabels",
+                 "compute.instances.setMetadata", "compute.instances.setTags", "compute.instances.setServiceAccount"]
+}
+
+resource "google_project_iam_member" "driver_instances" {
+  project = var.project
+  role    = google_project_iam_custom_role.driver_instances.id
+  member  = "serviceAccount:${google_service_account.driver.email}"
+  condition {
+    title      = "elastic instances only"
+    expression = "resource.type != \"compute.googleapis.com/Instance\" || resource.name.extract(\"instances/{name}\").startsWith(\"elastic-\")"
+  }
 }
 
 # The run's Ray token: the driver creates and deletes secrets named elastic-*, and nothing else.
