@@ -39,7 +39,7 @@ def _keep_signal_handlers():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
         yield
     finally:

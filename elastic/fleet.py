@@ -117,6 +117,7 @@ def _run_target(run: str) -> tuple[str, list[str] | None, list[str]]:
     return run, None, []
 
 
+SCOPE_WAIT_S = 180.0     # how long `down` waits for terminated VMs to let go of their run's network group
 HEARTBEAT_TAG_S = 60.0   # real seconds between two heartbeats the driver writes on its run's VMs in the cloud
 
 
@@ -164,9 +165,11 @@ def down(args, out, err) -> int:
         raise UserError("elastic down: no cloud is configured: "
                         + "; ".join(f"{n}: {_configured(n)}" for n in cloud_names()))
     found = []   # (provider, instance)
+    built = []
     for name in names:
         recipe = _pseudo_recipe(run or "orphans", [name], regions=regions)
         provider = build(name, recipe, None, run or "orphans")
+        built.append(provider)
         for inst in (provider.list_instances(run) if run else provider.find_instances(None)):
             found.append((provider, inst))
     if args.orphans:
@@ -177,6 +180,8 @@ def down(args, out, err) -> int:
     what = f"run {run}" if run else "orphaned runs"
     if not found:
         out.print(f"nothing to terminate for {what} in {', '.join(names)}", highlight=False)
+        if run:   # a run whose VMs are gone may still own a token, a role, a network group
+            _remove_run_resources([(p, run) for p in built], out)
         return 0
     t = Table(title=f"instances of {what}", title_justify="left")
     for col in ("cloud", "region", "instance", "type", "run", "role", "launched (UTC)"):
@@ -196,4 +201,12 @@ def down(args, out, err) -> int:
     for p, i in found:
         p.terminate(i.instance_id)
     out.print(f"terminated {len(found)} instance(s)", highlight=False)
+    _remove_run_resources(list(dict.fromkeys((p, i.run) for p, i in found)), out)
     return 0
+
+
+def _remove_run_resources(pairs, out) -> None:
+    """What runs owned besides VMs (tokens, roles, network groups), removed once their VMs are."""
+    for provider, run in pairs:
+        for line in provider.remove_run_resources(run, wait_s=SCOPE_WAIT_S):
+            out.print(f"left {line}; run `elastic down {run}` again later", highlight=False)

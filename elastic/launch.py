@@ -56,25 +56,30 @@ def prepare_run_dir(run_dir: Path) -> None:
         raise UserError(f"{run_dir}: cannot create run directory: {exc.strerror}") from None
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)   # besides Ctrl-C: end the run cleanly on these
+
+
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 @contextmanager
 def _signals_raise_interrupt():
-    """SIGTERM behaves like Ctrl-C inside the block (KeyboardInterrupt in the main thread).
-    LocalCluster keeps Ray from replacing this handler (see elastic.cluster)."""
-    old = signal.signal(signal.SIGTERM, _raise_interrupt)
+    """SIGTERM and SIGHUP (a closed terminal or SSH session) behave like Ctrl-C inside the block
+    (KeyboardInterrupt in the main thread): the run releases every node and writes its report.
+    LocalCluster keeps Ray from replacing these handlers (see elastic.cluster)."""
+    old = {s: signal.signal(s, _raise_interrupt) for s in STOP_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, old)
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 @contextmanager
 def _signals_ignored():
     """Cleanup must finish: a second Ctrl-C must not leave nodes behind."""
-    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, *STOP_SIGNALS)}
     try:
         yield
     finally:

@@ -186,6 +186,11 @@ class Provider(Protocol):
         needs where the cloud's API says); [] when nothing is in the way. Read-only calls only:
         it rents nothing and writes nothing."""
 
+    def remove_run_resources(self, run: str, wait_s: float = 0.0) -> list[str]:
+        """Delete what `run` owns in this cloud besides its VMs (token secret, its own role or
+        network rules), once its VMs are terminated, waiting up to `wait_s` for VMs still shutting
+        down to let go of them; returns one line per thing left (`elastic down`)."""
+
     def stop_launches(self) -> None:
         """Launches still under way give up now (the run is ending)."""
 
@@ -224,6 +229,10 @@ class BaseProvider:
         from elastic.errors import UserError
 
         raise UserError(f"resources.head: controller is not available on {self.name}; set resources.head: local")
+
+    def remove_run_resources(self, run: str, wait_s: float = 0.0) -> list[str]:
+        """A run owns nothing here besides its VMs."""
+        return []
 
     def stop_launches(self) -> None:
         """Launches return on their own."""

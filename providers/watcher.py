@@ -87,9 +87,9 @@ def halt() -> None:
 
 def end_self(cloud: str, instance_id: str) -> None:
     """End this VM now: through its cloud's API where the VM may (`providers/<cloud>/watcher.py`'s
-    `terminate_self`), else the OS shutdown (AWS VMs are launched with
-    InstanceInitiatedShutdownBehavior terminate; a GCP VM stops: no GPU or vCPU billing, and
-    `elastic down --orphans` or its max run duration deletes it)."""
+    `terminate_self`: a GCP VM deletes itself, disk included), else the OS shutdown (AWS VMs are
+    launched with InstanceInitiatedShutdownBehavior terminate; a GCP VM stops: no GPU or vCPU
+    billing, and `elastic down --orphans` or its max run duration deletes it)."""
     if not cloud_watcher(cloud).terminate_self(instance_id):
         halt()
 

@@ -5,15 +5,15 @@ Creates, with the credentials of an administrator (not the ones elastic runs wit
 
 - the checkpoint bucket (public access blocked, encrypted at rest);
 - IAM policy `elastic-driver` (driver-policy.json: prices, run/terminate only instances tagged
-  `elastic:run`, pass only the two roles below, the run token parameters, the bucket) and policy
-  `elastic-node` (node-policy.json: the bucket and the run token parameters, nothing else); both
-  may also read (list and get, never write) the buckets given with `--data-bucket`, which hold the
-  token shards of `data.uri` (made by `elastic prepare-data` with your own credentials);
-- roles + instance profiles `elastic-node` (for training VMs) and `elastic-controller` (for the
-  controller VM, carrying the driver policy);
-- in every region given, a security group `elastic-nodes` in the default VPC whose members accept
-  TCP only from other members (Ray, its object transfers and torch.distributed stay inside),
-  plus SSH from one CIDR if asked.
+  `elastic:run`, create per-run roles `elastic-run-*` only with the `elastic-node` boundary, per-run
+  security groups tagged `elastic:run`, the run token parameters, the bucket) and policy
+  `elastic-node` (node-policy.json: the most any node may do — the bucket, the run token
+  parameters — used as the permissions boundary of every run's own node role); both may also read
+  (list and get, never write) the buckets given with `--data-bucket`, which hold the token shards
+  of `data.uri` (made by `elastic prepare-data` with your own credentials);
+- role + instance profile `elastic-controller` (for the controller VM, carrying the driver policy);
+- with --ssh-cidr, in every region given, a security group `elastic-access` in the default VPC that
+  admits SSH from that CIDR (each run creates its own group for traffic among its VMs).
 
 Then prints the recipe's `aws:` section and the policy to attach to the user elastic runs as.
 Review driver-policy.json and node-policy.json before running this. Usage:
@@ -29,7 +29,7 @@ import json
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-GROUP = "elastic-nodes"
+GROUP = "elastic-access"
 
 
 def _policy(name: str, bucket: str, data_buckets: list[str]) -> str:
@@ -107,7 +107,7 @@ def ensure_role(iam, name: str, policy_arn: str) -> None:
             raise
 
 
-def ensure_group(ec2, region: str, ssh_cidr: str | None) -> str:
+def ensure_group(ec2, region: str, ssh_cidr: str) -> str:
     from botocore.exceptions import ClientError
 
     vpcs = ec2.describe_vpcs(Filters=[{"Name": "isDefault", "Values": ["true"]}])["Vpcs"]
@@ -121,12 +121,9 @@ def ensure_group(ec2, region: str, ssh_cidr: str | None) -> str:
         print(f"{region}: security group {GROUP} exists ({gid})")
     else:
         gid = ec2.create_security_group(GroupName=GROUP, VpcId=vpc,
-                                        Description="elastic: TCP only among members (Ray, torch.distributed)")["GroupId"]
+                                        Description="elastic: SSH from the user's address")["GroupId"]
         print(f"{region}: created security group {GROUP} ({gid})")
-    rules = [{"IpProtocol": "tcp", "FromPort": 0, "ToPort": 65535, "UserIdGroupPairs": [{"GroupId": gid}]}]
-    if ssh_cidr:
-        rules.append({"IpProtocol": "tcp", "FromPort": 22, "ToPort": 22, "IpRanges": [{"CidrIp": ssh_cidr}]})
-    for rule in rules:
+    for rule in [{"IpProtocol": "tcp", "FromPort": 22, "ToPort": 22, "IpRanges": [{"CidrIp": ssh_cidr}]}]:
         try:
             ec2.authorize_security_group_ingress(GroupId=gid, IpPermissions=[rule])
         except ClientError as exc:
@@ -144,22 +141,23 @@ def main(argv: list[str] | None = None) -> int:
                                                                     "holds the bucket")
     p.add_argument("--data-bucket", action="append", default=[],
                    help="bucket of token shards (data.uri: s3://BUCKET/...) the driver and nodes may read (repeatable)")
-    p.add_argument("--ssh-cidr", help="also admit SSH from this CIDR (e.g. 203.0.113.7/32); default: no SSH")
+    p.add_argument("--ssh-cidr", help="admit SSH from this CIDR (e.g. 203.0.113.7/32) through a group elastic-access; "
+                                     "default: no SSH")
     args = p.parse_args(argv)
     session = boto3.session.Session()
     ensure_bucket(session.client("s3", region_name=args.region[0]), args.bucket, args.region[0])
     iam = session.client("iam", region_name=args.region[0])
     driver_arn = ensure_policy(iam, "elastic-driver", _policy("driver-policy.json", args.bucket, args.data_bucket))
-    node_arn = ensure_policy(iam, "elastic-node", _policy("node-policy.json", args.bucket, args.data_bucket))
-    ensure_role(iam, "elastic-node", node_arn)
+    ensure_policy(iam, "elastic-node", _policy("node-policy.json", args.bucket, args.data_bucket))
     ensure_role(iam, "elastic-controller", driver_arn)
-    for region in args.region:
-        ensure_group(session.client("ec2", region_name=region), region, args.ssh_cidr)
+    section = {"node_role_boundary": "elastic-node", "controller_instance_profile": "elastic-controller"}
+    if args.ssh_cidr:
+        for region in args.region:
+            ensure_group(session.client("ec2", region_name=region), region, args.ssh_cidr)
+        section["security_group"] = GROUP
     print("\nAttach the policy", driver_arn, "to the IAM user or role you run `elastic` as.")
     print("Then put this in your recipe:\n")
-    print(json.dumps({"resources": {"regions": args.region},
-                      "aws": {"instance_profile": "elastic-node", "controller_instance_profile": "elastic-controller",
-                              "security_group": GROUP}}, indent=2))
+    print(json.dumps({"resources": {"regions": args.region}, "aws": section}, indent=2))
     print(f"\n(checkpoint.uri: s3://{args.bucket}/<run name> once s3:// checkpoints are available)")
     return 0
 

@@ -3,15 +3,17 @@
 #   terraform init && terraform apply -var project=MY-PROJECT -var bucket=MY-CKPT-BUCKET
 #
 # Creates:
-#   - service account elastic-driver: what `elastic` itself may do (custom role elastic.driver:
-#     create/list/delete instances and read zones, machine and accelerator types, operations;
-#     create secrets, and write/delete only those named elastic-*; act as elastic-node only),
-#     plus the checkpoint bucket. Run `elastic` as it (a key, impersonation, or the controller VM).
-#   - service account elastic-node: what a training VM may do: the checkpoint bucket, and reading
-#     secrets named elastic-* (its run's Ray cluster token). Nothing else.
+#   - service account elastic-driver: what `elastic` itself may do (custom roles elastic.driver and
+#     elastic.driverInstances: list instances, and create/label/delete only instances named
+#     elastic-*; read zones, machine and accelerator types, operations; create secrets, and
+#     write/delete only those named elastic-*; act as elastic-node only), plus the checkpoint
+#     bucket. Run `elastic` as it (a key, impersonation, or the controller VM).
+#   - service account elastic-node: what a training VM may do: the checkpoint bucket, reading
+#     secrets named elastic-* (its run's Ray cluster token), deleting instances named elastic-*
+#     (autodown deletes the VM itself). Nothing else.
 #   - both may read (never write) the token-shard buckets in -var 'data_buckets=["B"]' (data.uri).
-#   - firewall rule elastic-ray-internal: every TCP/UDP port (Ray's GCS, raylets, object transfers,
-#     workers, torch.distributed) open only between VMs tagged elastic-node; nothing from outside.
+#   - custom role elastic.driverFirewalls: the driver creates and deletes only firewall rules named
+#     elastic-run-*, one per run (every TCP/UDP port among that run's VMs only; no shared rule).
 #   - the checkpoint bucket (uniform access, no public access).
 #   - the APIs elastic calls: Compute Engine, Cloud Billing (price catalog), Secret Manager, Storage.
 
@@ -90,9 +92,9 @@ resource "google_project_iam_custom_role" "driver" {
   title       = "elastic driver"
   description = "Rent, label, list and delete elastic's VMs; read the machine catalog."
   permissions = [
-    "compute.instances.create", "compute.instances.delete", "compute.instances.get", "compute.instances.list",
-    "compute.instances.setLabels", "compute.instances.setMetadata", "compute.instances.setTags",
-    "compute.instances.setServiceAccount", "compute.disks.create", "compute.images.useReadOnly",
+    # Instance permissions that change or delete a VM are in elastic.driverInstances below, limited
+    # to the instances elastic names elastic-*; creating is conditioned the same way there.
+    "compute.instances.get", "compute.instances.list", "compute.disks.create", "compute.images.useReadOnly",
     "compute.subnetworks.use", "compute.subnetworks.useExternalIp", "compute.networks.use",
     "compute.networks.useExternalIp", "compute.zoneOperations.get", "compute.zones.list",
     "compute.machineTypes.list", "compute.acceleratorTypes.list",
@@ -115,6 +117,26 @@ resource "google_project_iam_member" "driver_compute" {
   member  = "serviceAccount:${google_service_account.driver.email}"
 }
 
+# Only the instances elastic creates (every name starts elastic-): the driver cannot delete,
+# relabel or re-point any other VM of the project.
+resource "google_project_iam_custom_role" "driver_instances" {
+  role_id     = "elastic.driverInstances"
+  title       = "elastic driver: its own instances"
+  description = "Create, label, tag and delete instances named elastic-*."
+  permissions = ["compute.instances.create", "compute.instances.delete", "compute.instances.setLabels",
+                 "compute.instances.setMetadata", "compute.instances.setTags", "compute.instances.setServiceAccount"]
+}
+
+resource "google_project_iam_member" "driver_instances" {
+  project = var.project
+  role    = google_project_iam_custom_role.driver_instances.id
+  member  = "serviceAccount:${google_service_account.driver.email}"
+  condition {
+    title      = "elastic instances only"
+    expression = "resource.type != \"compute.googleapis.com/Instance\" || resource.name.extract(\"instances/{name}\").startsWith(\"elastic-\")"
+  }
+}
+
 # The run's Ray token: the driver creates and deletes secrets named elastic-*, and nothing else.
 resource "google_project_iam_member" "driver_secrets" {
   project = var.project
@@ -133,6 +155,26 @@ resource "google_project_iam_member" "node_secrets" {
   condition {
     title      = "elastic secrets only"
     expression = "resource.name.startsWith(\"${local.secret_prefix}\")"
+  }
+}
+
+# Autodown: a node whose driver is gone deletes itself (VM and boot disk) rather than only stopping
+# (a stopped VM still pays for its disk). IAM cannot say "itself", so the grant covers instances
+# named elastic-*; what a node could do with it is delete elastic's VMs, never create or read them.
+resource "google_project_iam_custom_role" "node_self_delete" {
+  role_id     = "elastic.nodeSelfDelete"
+  title       = "elastic node: delete itself"
+  description = "Autodown: a training VM whose driver is gone deletes its own instance."
+  permissions = ["compute.instances.delete", "compute.zoneOperations.get"]
+}
+
+resource "google_project_iam_member" "node_self_delete" {
+  project = var.project
+  role    = google_project_iam_custom_role.node_self_delete.id
+  member  = "serviceAccount:${google_service_account.node.email}"
+  condition {
+    title      = "elastic instances only"
+    expression = "resource.type != \"compute.googleapis.com/Instance\" || resource.name.extract(\"instances/{name}\").startsWith(\"elastic-\")"
   }
 }
 
@@ -170,16 +212,25 @@ resource "google_storage_bucket_iam_member" "data" {
 
 # -- network --------------------------------------------------------------------------------------
 
-resource "google_compute_firewall" "ray_internal" {
-  name        = "elastic-ray-internal"
-  network     = var.network
-  direction   = "INGRESS"
-  description = "Ray and torch.distributed between elastic's VMs (tag elastic-node) only."
-  source_tags = [local.node_tag]
-  target_tags = [local.node_tag]
-  allow { protocol = "tcp" }
-  allow { protocol = "udp" }
-  allow { protocol = "icmp" }
+# No project-wide rule opens ports among elastic's VMs: each run creates its own rule
+# `elastic-run-<run>` (every TCP/UDP port from VMs tagged elastic-run-<run> to VMs with that tag,
+# nothing else) and deletes it when it ends, so one run's VMs cannot reach another's.
+resource "google_project_iam_custom_role" "driver_firewalls" {
+  role_id     = "elastic.driverFirewalls"
+  title       = "elastic driver: its runs' firewall rules"
+  description = "Create and delete the per-run firewall rules elastic-run-*."
+  permissions = ["compute.firewalls.create", "compute.firewalls.delete", "compute.firewalls.get",
+                 "compute.networks.updatePolicy", "compute.globalOperations.get"]
+}
+
+resource "google_project_iam_member" "driver_firewalls" {
+  project = var.project
+  role    = google_project_iam_custom_role.driver_firewalls.id
+  member  = "serviceAccount:${google_service_account.driver.email}"
+  condition {
+    title      = "elastic run rules only"
+    expression = "resource.type != \"compute.googleapis.com/Firewall\" || resource.name.extract(\"firewalls/{name}\").startsWith(\"elastic-run-\")"
+  }
 }
 
 resource "google_compute_firewall" "ssh" {

@@ -17,13 +17,19 @@ class AWSSection(Section):
     ami_ssm_parameter: str = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
     """Public SSM parameter naming the AMI to boot when `ami` is empty (default: AWS's GPU deep
     learning base AMI, NVIDIA driver and CUDA included)."""
+    node_role_boundary: str | None = None
+    """Name of the IAM managed policy that bounds each run's node role (`infra/aws/setup_account.py`
+    creates `elastic-node`). Set: every run gets its own role and instance profile
+    `elastic-run-<run>`, allowed only its own token parameter, its `checkpoint.uri` prefix and its
+    `data.uri` prefix (read), and deleted when the run ends. Empty: `instance_profile`."""
     instance_profile: str | None = None
-    """IAM instance profile for the nodes (`infra/aws/`: reads the checkpoint bucket and the run's
-    token parameter only). Empty: none."""
+    """A fixed IAM instance profile for the nodes, shared by every run that names it (prefer
+    `node_role_boundary`, which scopes each run to its own token and prefixes). Empty: none."""
     security_group: str | None = None
-    """Name of the security group for nodes and the controller, looked up in each region
-    (`infra/aws/setup_account.py` creates `elastic-nodes`: every port open only among its own
-    members). Empty: the VPC's default group."""
+    """Name of a security group added beside the run's own one, looked up in each region (e.g.
+    `elastic-access` from `infra/aws/setup_account.py --ssh-cidr`, for SSH). Every run always gets
+    its own group `elastic-run-<run>` per region, open only among the run's own VMs. Empty: only
+    the run's group."""
     subnet_ids: dict[str, str] = Field(default_factory=dict)
     """Subnet per availability zone (`us-east-1a: subnet-…`). Empty: the default VPC's subnet of
     the zone."""

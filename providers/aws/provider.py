@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 
 from elastic.errors import UserError
+from providers.aws.scope import RunScope
 from providers.base import CapacityError, Instance, Offer
 from providers.aws.config import AWSSection
 from providers.cloud import (CONTROLLER_TEMPLATE, CloudProvider, cached_json, head_address, heartbeat_time,
@@ -70,6 +71,8 @@ _GONE_STATES = {"shutting-down", "terminated", "stopping", "stopped"}
 # Service Quotas codes of EC2 vCPU limits: (instance family, spot) -> quota code.
 QUOTA_CODES = {("G", True): "L-3819A6DF", ("P", True): "L-7212CCBC", ("G", False): "L-DB2E81BA",
                ("P", False): "L-417A185B"}
+# Seconds between RunInstances tries while a new instance profile propagates through IAM (~10 s).
+PROFILE_WAITS_S = (2.0, 4.0, 8.0, 16.0)
 MAX_ATTEMPTS = 8   # botocore adaptive retries (throttling, 5xx): the client waits, not our code
 
 _MISSING_CREDENTIALS = ("no AWS credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE "
@@ -129,6 +132,8 @@ class AWSProvider(CloudProvider):
         self._groups: dict[str, str] = {}              # region -> security group id
         self._types: dict[str, dict] = {}              # region -> instance type -> (gpus, vcpus)
         self._memo: tuple[float, tuple, list[Offer]] | None = None
+        self._scope = RunScope(self, run_name)       # the run's own role and security groups
+        self._scoped = False                         # this process created (part of) them
 
     # -- clients and errors ----------------------------------------------------------------------
 
@@ -431,12 +436,19 @@ class AWSProvider(CloudProvider):
         if offer.spot:
             req["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": {
                 "SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}}
-        if aws.instance_profile:
+        self._scoped = True
+        if aws.node_role_boundary:
+            req["IamInstanceProfile"] = {"Name": self._scope.instance_profile()}
+        elif aws.instance_profile:
             req["IamInstanceProfile"] = {"Name": aws.instance_profile}
+        subnet = aws.subnet_ids.get(offer.zone)
+        # The run's own group (its VMs reach one another and nothing else), and the account's
+        # group beside it when the recipe names one (e.g. SSH from the user's address).
+        req["SecurityGroupIds"] = [self._scope.security_group(offer.region, subnet)]
         if aws.security_group:
-            req["SecurityGroupIds"] = [self._security_group(offer.region)]
-        if offer.zone in aws.subnet_ids:
-            req["SubnetId"] = aws.subnet_ids[offer.zone]
+            req["SecurityGroupIds"].append(self._security_group(offer.region))
+        if subnet:
+            req["SubnetId"] = subnet
         if aws.key_name:
             req["KeyName"] = aws.key_name
         return req
@@ -446,7 +458,7 @@ class AWSProvider(CloudProvider):
 
         req = self.run_request(offer, run, role, self.user_data(offer, run, role))
         try:
-            resp = self._call("ec2", offer.region, "run_instances", **req)
+            resp = self._run_instances(offer.region, req)
         except ClientError as exc:
             code = exc.response.get("Error", {}).get("Code", "")
             if code in CAPACITY_CODES:
@@ -458,6 +470,39 @@ class AWSProvider(CloudProvider):
                  "spot" if offer.spot else "on-demand")
         return Instance(instance_id=vm["InstanceId"], offer=offer, run=run, role=role, launched_at=time.time(),
                         labels={t["Key"]: t["Value"] for t in req["TagSpecifications"][0]["Tags"]})
+
+    def _run_instances(self, region: str, req: dict) -> dict:
+        """RunInstances, retried while a just-created instance profile is not yet visible to EC2
+        (IAM is eventually consistent: AWS answers InvalidParameterValue for some seconds)."""
+        from botocore.exceptions import ClientError
+
+        for wait_s in PROFILE_WAITS_S:
+            try:
+                return self._call("ec2", region, "run_instances", **req)
+            except ClientError as exc:
+                err = exc.response.get("Error", {})
+                if err.get("Code") != "InvalidParameterValue" or "instance profile" not in err.get("Message", "").lower() \
+                        or self._stop.wait(wait_s):
+                    raise
+        return self._call("ec2", region, "run_instances", **req)
+
+    def iam_region(self) -> str:
+        """The region IAM and STS calls go to (IAM is global)."""
+        return HOME_REGION
+
+    def remove_run_resources(self, run: str, wait_s: float = 0.0) -> list[str]:
+        """Delete what run `run` owned besides VMs: its token parameter, role, instance profile and
+        security groups (waiting up to `wait_s` for VMs that are shutting down to let go of them).
+        Returns what was left (one line each)."""
+        left = []
+        for region in self.regions():
+            try:
+                self._call("ssm", region, "delete_parameter", Name=self.token_parameter(run))
+            except Exception as exc:
+                if "ParameterNotFound" not in str(exc):
+                    left.append(f"token parameter {self.token_parameter(run)} in {region}: {exc}")
+        scope = self._scope if run == self.run_name else RunScope(self, run)
+        return left + scope.remove(self.regions(), wait_s=wait_s)
 
     def controller_region(self) -> str:
         aws = self.recipe.aws
@@ -495,7 +540,7 @@ class AWSProvider(CloudProvider):
         """Start the controller VM (does not wait for it: it is not a node of this machine's
         cluster). Returns the Instance."""
         offer, req = self.controller_request(run, recipe_text)
-        vm = self._call("ec2", offer.region, "run_instances", **req)["Instances"][0]
+        vm = self._run_instances(offer.region, req)["Instances"][0]
         log.info("controller %s (%s in %s)", vm["InstanceId"], offer.instance_type, offer.region)
         zone = vm.get("Placement", {}).get("AvailabilityZone") or offer.zone
         offer = Offer(**{**offer.to_dict(), "zone": zone})
@@ -562,6 +607,9 @@ class AWSProvider(CloudProvider):
             except Exception as exc:
                 log.warning("could not delete %s in %s: %s", self.token_parameter(self.run_name), region, exc)
             self._tokens.discard(region)
+        if self._scoped:   # the run's role and groups go with it (a group a VM still holds stays for `down`)
+            self._scope.remove(self.regions())
+            self._scoped = False
 
 
 def _instance_from(vm: dict, region: str) -> Instance:

@@ -35,8 +35,9 @@ class GCPSection(Section):
     subnetwork: str | None = None
     """Subnetwork (`regions/REGION/subnetworks/NAME`); needed for custom-mode networks."""
     network_tags: list[str] = Field(default_factory=lambda: ["elastic-node"])
-    """Network tags on every node; the firewall rule of `infra/gcp/` opens the Ray ports only
-    between VMs with these tags."""
+    """Network tags on every node besides the run's own tag `elastic-run-<run>` (whose firewall
+    rule, created by the run, opens every port among the run's VMs only); e.g. the SSH rule of
+    `infra/gcp/` targets `elastic-node`."""
     external_ip: bool = True
     """Give each node an ephemeral external IP (needed to install packages without Cloud NAT)."""
     service_account: str | None = None

@@ -163,6 +163,17 @@ def label_value(text: str) -> str:
     return re.sub(r"[^a-z0-9_-]", "-", text.lower())[:63]
 
 
+def run_network_tag(run: str) -> str:
+    """The network tag (and firewall rule name) of run `run`'s VMs: `elastic-run-<slug>`, a valid
+    tag (`[a-z]([-a-z0-9]{0,61}[a-z0-9])?`) kept distinct for long names by a digest."""
+    slug = re.sub(r"[^a-z0-9-]+", "-", run.lower()).strip("-") or "run"
+    tag = f"elastic-run-{slug}"
+    if len(tag) > 63:
+        import hashlib
+        tag = f"elastic-run-{slug[:38].strip('-')}-{hashlib.sha256(run.encode()).hexdigest()[:12]}"
+    return tag
+
+
 def _instance_name(run: str, role: str) -> str:
     """A valid, unique instance name: `[a-z]([-a-z0-9]{0,61}[a-z0-9])?`."""
     slug = re.sub(r"[^a-z0-9-]+", "-", run.lower()).strip("-")[:36].strip("-") or "run"
@@ -289,6 +300,8 @@ class GCPProvider(CloudProvider):
         self._memo: tuple[float, tuple, list[Offer]] | None = None
         self.secrets_endpoint = _endpoint(section.secrets_endpoint, SECRETS_ENDPOINT_ENV)
         self._tokens: set[str] = set()        # runs whose token secret this provider created
+        self._firewalls: set[str] = set()     # runs whose firewall rule this provider created
+        self._firewall_lock = threading.Lock()
         self._token_lock = threading.Lock()
 
     @classmethod
@@ -346,6 +359,7 @@ class GCPProvider(CloudProvider):
                     cls = {"instances": compute_v1.InstancesClient, "zones": compute_v1.ZonesClient,
                            "machine_types": compute_v1.MachineTypesClient,
                            "zone_operations": compute_v1.ZoneOperationsClient,
+                           "firewalls": compute_v1.FirewallsClient,
                            "accelerator_types": compute_v1.AcceleratorTypesClient}[kind]
                     self._clients[kind] = cls(**self._client_kwargs(self.compute_endpoint))
             return self._clients[kind]
@@ -576,7 +590,8 @@ class GCPProvider(CloudProvider):
             machine_type=f"zones/{zone}/machineTypes/{offer.instance_type}",
             scheduling=scheduling,
             labels={"elastic-run": label_value(run), "elastic-role": label_value(role), "elastic-managed": "true"},
-            tags=compute_v1.Tags(items=list(s.network_tags)),
+            # The run's own tag: its firewall rule opens every port among the run's VMs only.
+            tags=compute_v1.Tags(items=[*s.network_tags, run_network_tag(run)]),
             network_interfaces=[nic],
             disks=[compute_v1.AttachedDisk(
                 boot=True, auto_delete=True,
@@ -645,21 +660,58 @@ class GCPProvider(CloudProvider):
             "parent": f"projects/{project}/secrets/{name}", "payload": {"data": value.encode()}},
             retry=self._retry()))
 
-    def close(self) -> None:
-        """Stop launches waiting for their node, and delete the run's token secret."""
+    def _ensure_firewall(self, run: str) -> None:
+        """Create the run's firewall rule (once): ingress on every TCP and UDP port from VMs tagged
+        with the run's tag to VMs tagged with it, nothing else; another run's VMs cannot reach these."""
+        from google.api_core import exceptions
+        from google.cloud import compute_v1
+
+        tag = run_network_tag(run)
+        with self._firewall_lock:
+            if run in self._firewalls:
+                return
+            rule = compute_v1.Firewall(
+                name=tag, network=self.section.network, direction="INGRESS", priority=1000,
+                source_tags=[tag], target_tags=[tag],
+                allowed=[compute_v1.Allowed(I_p_protocol="tcp"), compute_v1.Allowed(I_p_protocol="udp")],
+                description=f"elastic: every port among the VMs of run {run} only")
+            client = self._client("firewalls")
+            try:
+                self._call("insert firewall rule", lambda: client.insert(
+                    project=self.project, firewall_resource=rule, retry=self._retry()))
+                log.info("gcp: created firewall rule %s", tag)
+            except exceptions.Conflict:
+                pass   # left by an earlier run of the same name: the same rule
+            self._firewalls.add(run)
+
+    def remove_run_resources(self, run: str, wait_s: float = 0.0) -> list[str]:
+        """Delete what run `run` owned besides VMs: its token secret and its firewall rule. Returns
+        what was left (one line each)."""
         from google.api_core import exceptions
 
-        super().close()
-        for run in list(self._tokens):
+        left = []
+        for what, fn in (("secret " + self.token_secret(run), lambda: self._client("secrets").delete_secret(
+                             name=f"projects/{self.project}/secrets/{self.token_secret(run)}", retry=self._retry())),
+                         ("firewall rule " + run_network_tag(run), lambda: self._client("firewalls").delete(
+                             project=self.project, firewall=run_network_tag(run), retry=self._retry()))):
             try:
-                client = self._client("secrets")
-                self._call("delete secret", lambda: client.delete_secret(
-                    name=f"projects/{self.project}/secrets/{self.token_secret(run)}", retry=self._retry()))
+                self._call("delete " + what, fn)
             except exceptions.NotFound:
                 pass
-            except Exception as exc:   # teardown goes on; the secret is named in the log to delete by hand
-                log.warning("gcp: could not delete secret %s: %s", self.token_secret(run), exc)
-            self._tokens.discard(run)
+            except Exception as exc:   # teardown goes on; what is left is named to delete by hand
+                left.append(f"{what}: {exc}")
+        with self._firewall_lock:
+            self._firewalls.discard(run)
+        self._tokens.discard(run)
+        for line in left:
+            log.warning("gcp: left %s", line)
+        return left
+
+    def close(self) -> None:
+        """Stop launches waiting for their node, and delete the run's token secret and firewall rule."""
+        super().close()
+        for run in sorted(self._tokens | self._firewalls):
+            self.remove_run_resources(run)
 
     def controller_offer(self) -> Offer:
         """The on-demand CPU VM that runs the Ray head and the driver (`resources.head: controller`),
@@ -701,6 +753,7 @@ class GCPProvider(CloudProvider):
                 service_account: str | None = None) -> Instance:
         from google.api_core import exceptions
 
+        self._ensure_firewall(run)
         name = _instance_name(run, role)
         body = self.instance_body(name, offer, run, role, startup_script or self.startup_script(offer, run, role),
                                   service_account=service_account)

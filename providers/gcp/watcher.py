@@ -94,5 +94,37 @@ def poll(base: str | None = None, wait_s: float = 5.0) -> dict | None:
 
 
 def terminate_self(instance_id: str) -> bool:
-    """A node's service account may not delete VMs (`infra/gcp/`): the OS shutdown stops it."""
-    return False
+    """DELETE this VM (disk included) through the Compute API as the VM's own service account:
+    project, zone and an access token come from the metadata server (`infra/gcp/` lets nodes
+    delete instances named elastic-*). The API is `ELASTIC_GCP_COMPUTE_ENDPOINT` only when that
+    is loopback (tests); the token goes nowhere but Google's API. True when it did; False (the OS
+    shutdown then stops the VM) when that is refused or out of reach."""
+    import json
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    from providers.gcp.provider import COMPUTE_ENDPOINT_ENV
+
+    base = metadata_url()
+
+    def read(path: str) -> str:
+        req = urllib.request.Request(f"{base}/{path}", headers={"Metadata-Flavor": "Google"})
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return resp.read().decode().strip()
+
+    try:
+        project, zone = read("project/project-id"), read("instance/zone").rsplit("/", 1)[-1]
+        token = json.loads(read("instance/service-accounts/default/token"))["access_token"]
+        endpoint = os.environ.get(COMPUTE_ENDPOINT_ENV, "")
+        local = urllib.parse.urlparse(endpoint).hostname in ("127.0.0.1", "localhost", "::1")
+        api = endpoint.rstrip("/") if local else "https://compute.googleapis.com"
+        req = urllib.request.Request(f"{api}/compute/v1/projects/{project}/zones/{zone}/instances/{instance_id}",
+                                     method="DELETE", headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(req, timeout=30):
+            pass
+    except (OSError, ValueError, KeyError) as exc:   # HTTPError (refused) is an OSError too
+        log.warning("could not delete itself through the API (%s): shutting down", exc)
+        return False
+    log.warning("deleted %s (itself)", instance_id)
+    return True

@@ -184,7 +184,21 @@ def test_launch_refuses_a_run_dir_that_holds_a_run(tmp_path):
     assert (run_dir / "events.jsonl").read_text() == '{"t": 1, "type": "run_started", "run": "x"}\n'
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_sigterm_and_sighup_end_a_run_as_ctrl_c_does():
+    """Inside a run, SIGTERM (docker stop, systemd) and SIGHUP (a closed SSH session) raise the
+    KeyboardInterrupt that Ctrl-C raises, so the run releases its nodes (end to end below, with
+    SIGHUP); outside, the handlers are as they were."""
+    from elastic.launch import _signals_raise_interrupt
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    with _signals_raise_interrupt():
+        assert signal.getsignal(signal.SIGTERM) is signal.getsignal(signal.SIGHUP) is not signal.SIG_DFL
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGTERM)
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP], ids=["ctrl-c", "sighup"])
 def test_interrupt_releases_every_node_and_reports(tmp_path, sig):
     run_dir = tmp_path / "run"
     # Spot prices move during the run (a fast, volatile simulated market).

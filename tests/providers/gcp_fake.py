@@ -152,11 +152,15 @@ class GCPFake:
         self.requests: list[dict] = []                # every request: method, path, query, body
         self.insert_errors: dict[str, tuple[str, str]] = {}   # zone -> ("operation" | "http", code)
         self.metadata = {"preempted": "FALSE", "maintenance-event": "NONE"}
+        # What a VM's metadata server says of its project, zone and service account (a test sets
+        # the zone and token of the VM it plays).
+        self.vm_metadata = {"project/project-id": project}
         # Called (in a thread of its own) when a VM is created / deleted: a test can "boot" a VM as
         # a local Ray node labelled with its name, and stop it again.
         self.on_insert = None   # (name, body) -> None
         self.on_delete = None   # (name) -> None
         self.secrets: dict[str, dict] = {}            # Secret Manager: id -> labels, version payloads
+        self.firewalls: dict[str, dict] = {}          # firewall rule name -> rule resource
         self.denied: list[str] = []                   # path patterns answered 403 (permission)
         self.quotas: dict[str, dict[str, float]] = {}  # region -> {metric: limit} (regions.get)
         self._by_request_id: dict[str, dict] = {}
@@ -260,7 +264,8 @@ class GCPFake:
                 if u.path.startswith("/computeMetadata/"):
                     return self._send(*fake._metadata(u.path, query, self.headers))
                 with fake._lock:
-                    fake.requests.append({"method": method, "path": u.path, "query": query, "body": body})
+                    fake.requests.append({"method": method, "path": u.path, "query": query, "body": body,
+                                          "authorization": self.headers.get("Authorization")})
                     if fake._rate_limited > 0:
                         fake._rate_limited -= 1
                         return self._send(429, _error(429, "Rate Limit Exceeded", "rateLimitExceeded"))
@@ -323,6 +328,8 @@ class GCPFake:
                 if flt.match(inst):
                     items.setdefault(f"zones/{inst['zone'].rsplit('/', 1)[-1]}", {"instances": []})["instances"].append(inst)
             return 200, {"items": items}
+        if m := re.fullmatch(r"global/firewalls(?:/([^/]+))?", rest):
+            return self._firewall(method, base, m[1], body)
         m = re.fullmatch(r"zones/([^/]+)/(instances|operations)(?:/([^/]+))?(/wait|/setLabels)?", rest)
         if not m:
             return 404, _error(404, f"no such path {path}", "notFound")
@@ -416,6 +423,29 @@ class GCPFake:
         if fn is not None:
             threading.Thread(target=fn, args=args, daemon=True).start()
 
+    def _firewall(self, method: str, base: str, name: str | None, body) -> tuple[int, dict]:
+        """Firewall rules: insert (409 when the name exists), get, list, delete; a global
+        operation, done at once, is the answer to a change."""
+        if method == "GET":
+            if name is None:
+                return 200, {"items": list(self.firewalls.values())}
+            rule = self.firewalls.get(name)
+            return (200, rule) if rule else (404, _error(404, f"firewall {name} not found", "notFound"))
+        if method == "POST" and name is None:
+            if body["name"] in self.firewalls:
+                return 409, _error(409, f"The resource 'firewalls/{body['name']}' already exists", "alreadyExists")
+            self.firewalls[body["name"]] = {**body, "selfLink": f"{base}/global/firewalls/{body['name']}"}
+            target = body["name"]
+        elif method == "DELETE" and name is not None:
+            if self.firewalls.pop(name, None) is None:
+                return 404, _error(404, f"firewall {name} not found", "notFound")
+            target = name
+        else:
+            return 400, _error(400, f"{method} on firewalls", "badRequest")
+        op_name = f"operation-{next(self._ids)}"
+        return 200, {"kind": "compute#operation", "name": op_name, "status": "DONE", "progress": 100,
+                     "selfLink": f"{base}/global/operations/{op_name}", "targetLink": f"{base}/global/firewalls/{target}"}
+
     def _operation(self, base: str, zone: str, kind: str, target: str, error: str | None = None) -> dict:
         name = f"operation-{int(time.time() * 1000)}-{next(self._ids)}"
         op = {"kind": "compute#operation", "id": str(next(self._ids)), "name": name, "operationType": kind,
@@ -432,6 +462,8 @@ class GCPFake:
     def _metadata(self, path: str, query: dict, headers) -> tuple[int, object, dict]:
         if headers.get("Metadata-Flavor") != "Google":
             return 403, "Missing Metadata-Flavor:Google header", {}
+        if path.removeprefix("/computeMetadata/v1/") in self.vm_metadata:   # project, zone, token
+            return 200, self.vm_metadata[path.removeprefix("/computeMetadata/v1/")], {"Metadata-Flavor": "Google"}
         key = path.removeprefix("/computeMetadata/v1/instance/")
         if key not in self.metadata:
             return 404, "not found", {}

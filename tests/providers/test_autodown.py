@@ -33,6 +33,24 @@ def state(instance_id: str) -> str:
     return next(vm["State"]["Name"] for vm in instances("us-west-2") if vm["InstanceId"] == instance_id)
 
 
+def _beating_driver(address: str, env: dict) -> subprocess.Popen:
+    """A driver that beats as Driver._heartbeat does, in a process of its own for the test to kill."""
+    return subprocess.Popen([sys.executable, "-c", (
+        "import ray, time\nfrom providers.watcher import beat\n"
+        f"ray.init(address={address!r}, log_to_driver=False)\n"
+        "while True:\n    beat()\n    time.sleep(0.5)\n")], cwd=REPO, env=env)
+
+
+def _wait_for_beats(n: int = 10) -> None:
+    from ray.experimental import internal_kv
+
+    beats, deadline = set(), time.monotonic() + 60
+    while len(beats) < n and time.monotonic() < deadline:   # ~5 s of a live driver: > autodown_after_s
+        beats.add(internal_kv._internal_kv_get(HEARTBEAT_KV_KEY))
+        time.sleep(0.1)
+    assert len(beats) >= n, "the driver never beat"
+
+
 def test_a_driver_killed_with_sigkill_leaves_no_vm_billing(aws_env, imds, local_cluster):
     aws_env.rules.append(price_rule)
     p = provider(aws_recipe(**{"resources.regions": "[us-west-2]", "resources.autodown_after_s": 3}), run="run-kill")
@@ -47,24 +65,13 @@ def test_a_driver_killed_with_sigkill_leaves_no_vm_billing(aws_env, imds, local_
     imds.paths["/latest/meta-data/placement/region"] = "us-west-2"
 
     env = cli_env(**aws_env.env, ELASTIC_IMDS_URL=imds.url, ELASTIC_HALT_CMD="true")
-    # The driver: beats as Driver._heartbeat does, in a process of its own that the test kills.
-    driver = subprocess.Popen([sys.executable, "-c", (
-        "import ray, time\nfrom providers.watcher import beat\n"
-        f"ray.init(address={local_cluster.address!r}, log_to_driver=False)\n"
-        "while True:\n    beat()\n    time.sleep(0.5)\n")], cwd=REPO, env=env)
+    driver = _beating_driver(local_cluster.address, env)
     # The VM's watcher, started as infra/bootstrap.sh.tmpl starts it.
     watcher = subprocess.Popen([sys.executable, "-m", "providers.watcher", "--cloud", "aws", "--instance-id", vm,
                                 "--address", local_cluster.gcs_address, "--autodown-after-s", "3"],
                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        from ray.experimental import internal_kv
-
-        beats, deadline = set(), time.monotonic() + 60
-        while len(beats) < 10 and time.monotonic() < deadline:   # ~5 s of a live driver: > autodown_after_s
-            value = internal_kv._internal_kv_get(HEARTBEAT_KV_KEY)
-            beats.add(value)
-            time.sleep(0.1)
-        assert len(beats) >= 10, "the driver never beat"
+        _wait_for_beats()
         assert watcher.poll() is None and state(vm) == "running"   # a live driver's VM stays
         driver.send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
@@ -95,3 +102,40 @@ def test_gcp_vms_carry_the_hard_limit(gcp_fake):
     assert vm["scheduling"]["instanceTerminationAction"] == "DELETE"
     script = {i["key"]: i["value"] for i in vm["metadata"]["items"]}["startup-script"]
     assert "shutdown -h +120" in script and "--autodown-after-s 90 " in script
+
+
+def test_a_gcp_vm_deletes_itself_when_its_driver_is_killed(gcp_fake, local_cluster):
+    """GCP: the VM's watcher, seeing no heartbeat for autodown_after_s after kill -9 of the driver,
+    deletes its own instance through the Compute API with the VM's service-account token (disk
+    included), with no command from anyone."""
+    from tests.providers.test_gcp import _offer, _provider
+
+    p, recipe = _provider(run="run-gkill", **{"resources.accelerators": "L4:1", "resources.autodown_after_s": 3})
+    inst = p._create(_offer(p, recipe), "run-gkill", "replica")
+    gcp_fake.vm_metadata.update({"instance/zone": f"projects/1234/zones/{inst.offer.zone}",
+                                 "instance/service-accounts/default/token":
+                                     '{"access_token": "vm-sa-token", "expires_in": 3599, "token_type": "Bearer"}'})
+    env = cli_env(**gcp_fake.env(), ELASTIC_HALT_CMD="false")   # a shutdown would fail: the API must do it
+    driver = _beating_driver(local_cluster.address, env)
+    watcher = subprocess.Popen([sys.executable, "-m", "providers.watcher", "--cloud", "gcp", "--instance-id",
+                                inst.instance_id, "--address", local_cluster.gcs_address, "--autodown-after-s", "3"],
+                               cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for_beats()
+        assert watcher.poll() is None and inst.instance_id in gcp_fake.instances   # a live driver's VM stays
+        driver.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        driver.wait(timeout=10)
+        out, _ = watcher.communicate(timeout=3 + 60)
+        took_s = time.monotonic() - killed_at
+        assert inst.instance_id not in gcp_fake.instances, out
+        assert watcher.returncode == 0 and f"deleted {inst.instance_id} (itself)" in out, out
+        [delete] = [r for r in gcp_fake.requests if r["method"] == "DELETE" and r["path"].endswith(inst.instance_id)]
+        assert delete["authorization"] == "Bearer vm-sa-token"
+        print(f"GCP VM deleted itself {took_s:.1f} s after kill -9 of the driver (autodown_after_s 3)")
+    finally:
+        for proc in (driver, watcher):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+        p.close()

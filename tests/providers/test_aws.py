@@ -398,11 +398,12 @@ def test_head_controller_starts_an_on_demand_controller_vm_that_down_stops(aws_e
 # -- infra/aws ---------------------------------------------------------------------------------------
 
 def test_account_setup_is_idempotent_and_its_output_launches(aws_env, tmp_path):
-    """infra/aws/setup_account.py against moto: bucket, policies, roles, profiles, security groups;
-    run twice; its recipe section is accepted by a launch (nodes get the profile and the group)."""
+    """infra/aws/setup_account.py against moto: bucket, policies, the controller's role, the SSH
+    group; run twice; its recipe section is accepted by a launch (the node gets its run's own
+    profile, bounded by elastic-node, its run's own group and the SSH group)."""
     script = REPO / "infra" / "aws" / "setup_account.py"
     args = [sys.executable, str(script), "--bucket", "ckpt-bucket", "--region", "us-east-1", "--region", "us-west-2",
-            "--data-bucket", "shards-bucket"]
+            "--data-bucket", "shards-bucket", "--ssh-cidr", "203.0.113.7/32"]
     for _ in range(2):
         env = cli_env(**aws_env.env)
         proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
@@ -422,31 +423,35 @@ def test_account_setup_is_idempotent_and_its_output_launches(aws_env, tmp_path):
                              "arn:aws:s3:::shards-bucket": ["s3:GetObject", "s3:ListBucket"],
                              "arn:aws:s3:::shards-bucket/*": ["s3:GetObject", "s3:ListBucket"]}, (name, s3_access)
         assert "${" not in json.dumps(doc)
+    assert "elastic-node" not in {r["RoleName"] for r in iam.list_roles()["Roles"]}   # a boundary, no shared role
     ec2 = boto3.client("ec2", region_name="us-west-2")
-    [group] = ec2.describe_security_groups(Filters=[{"Name": "group-name", "Values": ["elastic-nodes"]}])["SecurityGroups"]
+    [group] = ec2.describe_security_groups(Filters=[{"Name": "group-name", "Values": ["elastic-access"]}])["SecurityGroups"]
     [rule] = group["IpPermissions"]
-    assert [p["GroupId"] for p in rule["UserIdGroupPairs"]] == [group["GroupId"]] and rule["IpRanges"] == []
-    # The printed section, used by a recipe: the VM gets the node profile and the group.
+    assert (rule["FromPort"], rule["ToPort"], rule["IpRanges"]) == (22, 22, [{"CidrIp": "203.0.113.7/32"}])
+    assert rule["UserIdGroupPairs"] == []       # no open ports among all elastic VMs of all runs
+    # The printed section, used by a recipe: the VM gets its run's profile and groups.
     aws_env.rules.append(price_rule)
-    p = provider(aws_recipe(**{"resources.regions": "[us-west-2]", "aws.instance_profile": section["aws"]["instance_profile"],
-                               "aws.security_group": section["aws"]["security_group"]}), run="run-infra")
+    p = provider(aws_recipe(**{"resources.regions": "[us-west-2]", **{f"aws.{k}": v for k, v in section["aws"].items()}}),
+                 run="run-infra")
     inst = p._create(p.offers(p.recipe.resources)[0], "run-infra", "replica")
     [vm] = instances("us-west-2", "run-infra")
-    assert vm["InstanceId"] == inst.instance_id and vm["IamInstanceProfile"]["Arn"].endswith("/elastic-node")
-    assert [g["GroupId"] for g in vm["SecurityGroups"]] == [group["GroupId"]]
+    assert vm["InstanceId"] == inst.instance_id and vm["IamInstanceProfile"]["Arn"].endswith("/elastic-run-run-infra")
+    names = {g["GroupName"] for g in vm["SecurityGroups"]}
+    assert names == {"elastic-run-run-infra", "elastic-access"}
 
 
 def test_driver_policy_allows_every_call_the_provider_makes():
     import re as _re
 
-    source = (REPO / "providers" / "aws.py").read_text()
-    calls = set(_re.findall(r'_call\("ec2", [\w.]+, "(\w+)"', source)) | set(_re.findall(r'get_paginator\("(\w+)"\)', source))
-    calls |= {"describe_regions"} if "describe_regions" in source else set()
-    actions = {"ec2:" + "".join(w.capitalize() for w in c.split("_")) for c in calls}
-    actions |= {"ssm:" + "".join(w.capitalize() for w in c.split("_"))
-                for c in _re.findall(r'_call\("ssm", [\w.]+, "(\w+)"', source)}
+    source = "".join((REPO / "providers" / "aws" / f).read_text() for f in ("provider.py", "scope.py"))
+    calls = _re.findall(r'\bcall\("(ec2|ssm|iam|sts)", [\w.]+, "(\w+)"', source.replace("_call(", "call("))
+    calls += [("ec2", c) for c in _re.findall(r'get_paginator\("(\w+)"\)', source)]
+    calls += [("ec2", "describe_regions")] if "describe_regions" in source else []
+    actions = {f"{svc}:" + "".join(w.capitalize() for w in c.split("_")) for svc, c in calls}
+    assert {"iam:CreateRole", "ec2:CreateSecurityGroup", "ssm:PutParameter", "sts:GetCallerIdentity"} <= actions
     doc = json.loads((REPO / "infra" / "aws" / "driver-policy.json").read_text())
-    allowed = {a for st in doc["Statement"] for a in ([st["Action"]] if isinstance(st["Action"], str) else st["Action"])}
+    allowed = {a for st in doc["Statement"] if st["Effect"] == "Allow"
+               for a in ([st["Action"]] if isinstance(st["Action"], str) else st["Action"])}
     assert actions and actions <= allowed, sorted(actions - allowed)
 
 
@@ -492,3 +497,108 @@ def test_launch_returns_once_the_vms_node_joins_and_notices_arrive(aws_env, loca
     finally:
         local_cluster.remove_node(node_id)
         p.close()
+
+
+# -- runs scoped from each other: own role, own token, own prefix, own security group ----------------
+
+def _permits(policy: dict, action: str, resource: str, **conditions: str) -> bool:
+    """Whether `policy` allows `action` on `resource`, by moto's IAM policy evaluator."""
+    from moto.iam.access_control import IAMPolicy, PermissionResult
+
+    result = IAMPolicy(json.dumps(policy)).is_action_permitted(action, resource,
+                                                   incoming_condition_values=conditions or None)
+    return result == PermissionResult.PERMITTED
+
+
+def _token_exists(run: str, region: str = "us-west-2") -> bool:
+    ssm = boto3.client("ssm", region_name=region)
+    try:
+        ssm.get_parameter(Name=f"/elastic/{run}/ray-token")
+        return True
+    except ssm.exceptions.ParameterNotFound:
+        return False
+
+
+def test_each_run_gets_its_own_role_token_prefix_and_security_group(aws_env, monkeypatch):
+    """Two runs in one account: each VM carries its run's own instance profile, whose role (bounded
+    by the reviewed elastic-node policy) reads only its own token and writes only under its own
+    checkpoint prefix; each VM sits in its run's own security group, open only to that group.
+    When a run ends, its role, profile, group and token are gone; the other run's stay."""
+    aws_env.rules.append(price_rule)
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "secret-token-value")
+    iam = boto3.client("iam", region_name="us-east-1")
+    boundary = (REPO / "infra" / "aws" / "node-policy.json").read_text()
+    boundary = boundary.replace("${BUCKET}", "ckpts").replace("${DATA_BUCKET}", "shards")
+    iam.create_policy(PolicyName="elastic-node", PolicyDocument=boundary)
+    runs = {}
+    for run in ("run-a", "run-b"):
+        recipe = aws_recipe(**{"resources.regions": "[us-west-2]", "aws.node_role_boundary": "elastic-node",
+                               "checkpoint.uri": f"s3://ckpts/team/{run}"})
+        p = provider(recipe, run=run)
+        inst = p._create(p.offers(recipe.resources)[0], run, "replica")
+        runs[run] = (p, inst)
+    vms = {vm["InstanceId"]: vm for vm in instances("us-west-2")}
+    ec2 = boto3.client("ec2", region_name="us-west-2")
+    groups = {}
+    for run, (p, inst) in runs.items():
+        vm = vms[inst.instance_id]
+        assert vm["IamInstanceProfile"]["Arn"].endswith(f"/elastic-run-{run}")
+        role = iam.get_role(RoleName=f"elastic-run-{run}")["Role"]
+        assert role["PermissionsBoundary"]["PermissionsBoundaryArn"].endswith(":policy/elastic-node")
+        doc = iam.get_role_policy(RoleName=f"elastic-run-{run}", PolicyName="run")["PolicyDocument"]
+        doc = json.loads(doc) if isinstance(doc, str) else doc
+        other = "run-b" if run == "run-a" else "run-a"
+        token = "arn:aws:ssm:us-west-2:123456789012:parameter/elastic/{}/ray-token"
+        both = [doc, json.loads(boundary)]   # what the node may do: its inline policy within the boundary
+        assert all(_permits(d, "ssm:GetParameter", token.format(run)) for d in both)
+        assert not _permits(doc, "ssm:GetParameter", token.format(other))        # run A denied run B's token
+        assert _permits(doc, "s3:PutObject", f"arn:aws:s3:::ckpts/team/{run}/step-1/shard-0")
+        assert not _permits(doc, "s3:PutObject", f"arn:aws:s3:::ckpts/team/{other}/step-1/shard-0")
+        assert not _permits(doc, "s3:GetObject", f"arn:aws:s3:::ckpts/team/{other}/manifest.json")
+        [gid] = [g["GroupId"] for g in vm["SecurityGroups"]]
+        [group] = ec2.describe_security_groups(GroupIds=[gid])["SecurityGroups"]
+        assert group["GroupName"] == f"elastic-run-{run}"
+        sources = {pair["GroupId"] for perm in group["IpPermissions"] for pair in perm["UserIdGroupPairs"]}
+        assert sources == {gid} and all(perm.get("IpRanges") == [] for perm in group["IpPermissions"])
+        assert {perm["IpProtocol"] for perm in group["IpPermissions"]} == {"tcp", "udp"}
+        groups[run] = gid
+        # The token went to the run's own parameter, never into the user data.
+        ssm = boto3.client("ssm", region_name="us-west-2")
+        assert ssm.get_parameter(Name=f"/elastic/{run}/ray-token", WithDecryption=True)["Parameter"]["Value"] \
+            == "secret-token-value"
+        assert "secret-token-value" not in base64.b64decode(
+            ec2.describe_instance_attribute(InstanceId=inst.instance_id, Attribute="userData")["UserData"]["Value"]).decode()
+    assert groups["run-a"] != groups["run-b"]
+    # run-a ends: its VM is terminated, then what it owned besides goes; run-b keeps all of its own.
+    p, inst = runs["run-a"]
+    p.terminate(inst.instance_id)
+    p.close()
+    roles = {r["RoleName"] for r in iam.list_roles()["Roles"]}
+    profiles = {i["InstanceProfileName"] for i in iam.list_instance_profiles()["InstanceProfiles"]}
+    assert "elastic-run-run-a" not in roles | profiles
+    assert "elastic-run-run-b" in roles and "elastic-run-run-b" in profiles
+    names = {g["GroupName"] for g in ec2.describe_security_groups()["SecurityGroups"]}
+    assert "elastic-run-run-a" not in names and "elastic-run-run-b" in names
+    assert not _token_exists("run-a") and _token_exists("run-b")
+
+
+def test_down_removes_a_dead_runs_role_group_and_token(aws_env, monkeypatch):
+    """A driver killed with SIGKILL cleans nothing up: `elastic down RUN --yes` terminates the
+    VMs and then deletes the run's token, role, instance profile and security group."""
+    aws_env.rules.extend([price_rule, three_regions])
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "t0k3n")
+    iam = boto3.client("iam", region_name="us-east-1")
+    boundary = (REPO / "infra" / "aws" / "node-policy.json").read_text()
+    iam.create_policy(PolicyName="elastic-node",
+                      PolicyDocument=boundary.replace("${BUCKET}", "b").replace("${DATA_BUCKET}", "d"))
+    recipe = aws_recipe(**{"resources.regions": "[us-west-2]", "aws.node_role_boundary": "elastic-node"})
+    p = provider(recipe, run="run-dead")
+    p._create(p.offers(recipe.resources)[0], "run-dead", "replica")   # and then the driver dies
+    assert _token_exists("run-dead") and iam.get_role(RoleName="elastic-run-run-dead")
+    proc = aws_cli("down", "run-dead", "--yes", env={**aws_env.env, "AWS_DEFAULT_REGION": "us-west-2"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "elastic-run-run-dead" not in {r["RoleName"] for r in iam.list_roles()["Roles"]}
+    assert not iam.list_instance_profiles()["InstanceProfiles"]
+    ec2 = boto3.client("ec2", region_name="us-west-2")
+    assert "elastic-run-run-dead" not in {g["GroupName"] for g in ec2.describe_security_groups()["SecurityGroups"]}
+    assert not _token_exists("run-dead")

@@ -166,6 +166,7 @@ def test_stockout_and_quota_are_capacity_errors(gcp_fake, mode, code):
 def test_rate_limits_retried_by_api_core_one_vm(gcp_fake):
     p, recipe = _provider(**{"resources.accelerators": "L4:1"})
     offer = _offer(p, recipe)
+    p._ensure_firewall("run-1")   # the run's firewall rule exists: the 429s below meet the insert
     gcp_fake.rate_limit(3)
     t0 = time.monotonic()
     inst = p._create(offer, "run-1", "replica")
@@ -388,6 +389,40 @@ def test_cluster_token_goes_to_secret_manager_not_metadata(gcp_fake, monkeypatch
         assert "tok-secret-789" not in json.dumps(body)
     p.close()                                                          # the run's end deletes it
     assert name not in gcp_fake.secrets
+
+
+def test_each_run_gets_a_firewall_rule_open_only_among_its_own_vms(gcp_fake, monkeypatch):
+    """Two runs in one project: each VM carries its run's own network tag, and the run's firewall
+    rule admits traffic from that tag to that tag only, so run A's VMs cannot reach run B's. The
+    run's end deletes its rule and token; `elastic down RUN` does for a run whose driver died."""
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "tok")
+    from providers.gcp import run_network_tag
+
+    a, recipe = _provider(run="run-a", **{"resources.accelerators": "L4:1"})
+    b, _ = _provider(run="run-b", **{"resources.accelerators": "L4:1"})
+    offer = _offer(a, recipe)
+    vms = {run: [p._create(offer, run, "replica") for _ in range(2)] for run, p in (("run-a", a), ("run-b", b))}
+    assert set(gcp_fake.firewalls) == {run_network_tag("run-a"), run_network_tag("run-b")}
+    for run in ("run-a", "run-b"):
+        tag = run_network_tag(run)
+        rule = gcp_fake.firewalls[tag]
+        assert (rule["sourceTags"], rule["targetTags"], rule["direction"]) == ([tag], [tag], "INGRESS")
+        assert "sourceRanges" not in rule                      # nothing from outside the run's VMs
+        assert sorted(x["IPProtocol"] for x in rule["allowed"]) == ["tcp", "udp"]
+        for inst in vms[run]:
+            tags = gcp_fake.instances[inst.instance_id]["tags"]["items"]
+            other = run_network_tag("run-b" if run == "run-a" else "run-a")
+            assert tag in tags and other not in tags
+    assert sum(1 for r in gcp_fake.requests if r["path"].endswith("/global/firewalls")
+               and r["method"] == "POST") == 2                 # one rule per run, not per VM
+    for inst in vms["run-a"]:
+        a.terminate(inst.instance_id)
+    a.close()
+    assert set(gcp_fake.firewalls) == {run_network_tag("run-b")} and a.token_secret("run-a") not in gcp_fake.secrets
+    # run-b's driver dies: `elastic down run-b --yes` removes VMs, then its rule and token.
+    proc = run_cli("down", "run-b", "--yes", env=cli_env(**gcp_fake.env()))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not gcp_fake.instances and not gcp_fake.firewalls and b.token_secret("run-b") not in gcp_fake.secrets
 
 
 def test_head_controller_starts_an_on_demand_controller_vm_that_down_stops(gcp_fake, gcs_server, tmp_path):
