@@ -671,7 +671,7 @@ class GCPProvider(CloudProvider):
             if run in self._firewalls:
                 return
             rule = compute_v1.Firewall(
-                name=tag, network=self.section.network, direction="INGRESS", priority=1000,
+                name=tag, network=self.config.network, direction="INGRESS", priority=1000,
                 source_tags=[tag], target_tags=[tag],
                 allowed=[compute_v1.Allowed(I_p_protocol="tcp"), compute_v1.Allowed(I_p_protocol="udp")],
                 description=f"elastic: every port among the VMs of run {run} only")
