@@ -239,6 +239,9 @@ def test_launch_list_notice_release_leaves_nothing(cloud, provider):
     provider.terminate(inst.instance_id)   # idempotent
     assert provider.list_instances(run) == []
     assert cloud.booting(run) == []
+    # What the run owned besides the VM (token, its own network rules) goes too, and twice is fine.
+    assert provider.remove_run_resources(run) == []
+    assert provider.remove_run_resources(run) == []
 
 
 def test_capacity_refusal_is_a_capacity_error(cloud, local_cluster):
