@@ -416,11 +416,49 @@ def replan_all(quotes: list[Quote], held: list[tuple[str, Quote]], recipe, remai
         left_h = hours_to_finish(evaluate([q for _, q in held], recipe), recipe, progress) if held else 0.0
         remaining_hours = left_h if 0 < left_h < float("inf") else 1.0
     moves: list[Move] = []
-    held = list(held)
+    start = list(held)
     for _ in range(len(held)):
         move = replan(quotes, held, recipe, remaining_hours, progress)
         if move is None:
             break
         moves.append(move)
         held = [(iid, q) for iid, q in held if iid != move.drain] + [(f"<for {move.drain}>", move.add)]
+    # A held region missing from the quotes rests after a spike of preemptions (`Market.quotes`):
+    # a wave is under way there, so the world leaves it whole, ahead of the rest of the wave.
+    offered = {q.offer.region for q in quotes}
+    if moves or all(q.offer.region in offered for _, q in start):
+        return moves
+    return _move_world(quotes, start, recipe, remaining_hours, progress)
+
+
+def _move_world(quotes: list[Quote], held: list[tuple[str, Quote]], recipe, remaining_hours: float,
+                progress: Progress) -> list[Move]:
+    """The whole world moved at once, for a world whose region is hit by a wave of preemptions
+    (`replan_all` asks only then): one replica at a time cannot leave a region or a throughput
+    class (the rest would sync across regions or wait on it), so replacements went on being rented
+    into the wave. It moves when the plan for a fresh world (`plan`: budget.max_hours kept) has the
+    same size, is `planner.min_saving` cheaper per useful token (the wave's learnt risk counts) and
+    the saving over `remaining_hours` pays every new VM's boot and join. Asked on every re-plan
+    instead, it chased price noise: 5-10 % dearer on bench/traces/make_traces.py's storms traces."""
+    if not held or not quotes:
+        return []
+    p = recipe.planner
+    now = evaluate([q for _, q in held], recipe)
+    fresh = plan(quotes, recipe, progress=progress)   # within budget.max_hours, as any plan
+    if len(fresh.quotes) != len(held) or fresh.usd_per_mtok > now.usd_per_mtok * (1 - p.min_saving):
+        return []
+    saving_usd_per_h = (now.usd_per_mtok - fresh.usd_per_mtok) * fresh.useful_tokens_per_s * 3600 / 1e6
+    if saving_usd_per_h * remaining_hours <= fresh.usd_per_hour * p.recovery_s / 3600:
+        return []
+    # Most expensive first, each paired with a place of the fresh world (held places kept).
+    order = sorted(held, key=lambda h: -usd_per_mtok(h[1], recipe))
+    places = sorted(fresh.quotes, key=lambda q: usd_per_mtok(q, recipe))
+    kept = Counter(q.key for _, q in held)
+    moves = []
+    for iid, q in order:
+        if kept[q.key] and any(f.key == q.key for f in places):
+            kept[q.key] -= 1
+            places.remove(next(f for f in places if f.key == q.key))
+            continue
+        moves.append(Move(places.pop(0), iid, now.usd_per_mtok, fresh.usd_per_mtok))
     return moves

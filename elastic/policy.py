@@ -12,8 +12,10 @@ included), how far the run is and what it has spent. The rules, each written onc
   the planner says (`planner.choose_launch`);
 - **re-plan**: once `planner.replan_every_s` has passed since the last one and the world is steady
   (nothing booting, renting, leaving or moving), grow the target if the deadline needs it and move
-  the replicas a clearly cheaper offer beats (`planner.replan_all`; the new VM first, the old one
-  drains once the new one trains);
+  the replicas a clearly cheaper offer beats (`planner.replan_all`; the whole world when its region
+  rests after a spike of preemptions). The new VM is rented; the old one leaves at once (`Release`)
+  when its tokens cost more than the new VM's, boot included (`planner.leaves_at_once`), else
+  drains once the new one trains;
 - **budget**: a launch must leave the spend within budget.max_usd for its cloud's billing minimum
   (or until the budget is next checked, when longer) of every held VM and the new one
   (`launch_fits_budget`, inside `decide`); an outer step (or a wait) must not carry the spend past

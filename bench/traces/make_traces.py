@@ -62,7 +62,7 @@ markets whose events strike at random times and places, not at whatever was chea
   node-hour for an exponential 1 h, its capacity cut to 0-2 VMs half the time; each cloud, at 1 per
   48 h (`waves`: 1 per 20 h), every region at once, 2-5 per node-hour for an exponential 45 min.
 - Assumed, as spot markets are said to behave (demand shows in the price before capacity runs
-  out): a wave's region sees its spot prices climb 30-60 % over the 45 min before it.
+  out): a wave's region sees its spot prices climb steadily to +60 % over the 45 min before it.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from elastic.market import Market, Quote, load_history, save_history
-from elastic.planner import (choose_launch, evaluate, launch_usd_per_mtok, leaves_at_once, lifetime_h, plan, replan,
-                             replan_all, usd_per_mtok)
+from elastic.planner import (Progress, choose_launch, evaluate, launch_usd_per_mtok, leaves_at_once, lifetime_h, plan,
+                             replan, replan_all, usd_per_mtok)
 from providers.base import Offer
 from tests.conftest import tiny_recipe
 
@@ -139,6 +139,23 @@ def test_a_new_vms_boot_is_spread_over_its_expected_lifetime():
     # A spiked replica leaves at once; one a little dearer than a stormy replacement stays.
     assert leaves_at_once(quote(offer("r1a", 40.0), 0.1), calm, r)
     assert not leaves_at_once(quote(offer("r1a", 11.0), 0.1), stormy, r)
+
+
+def test_a_world_whose_region_is_hit_by_a_wave_leaves_it_whole():
+    r = recipe(**{"planner.min_saving": 0.25})
+    h100 = offer("r1a", 25.0, it="h100x8", gpu="H100")
+    a100 = offer("r2a", 5.0)                          # half the H100s' price per token, another region
+    held = [(f"i{k}", quote(h100, 2.0)) for k in range(4)]
+    # r1 still offered: one A100 among the H100s would slow them all, so nothing moves.
+    assert replan_all([quote(h100), quote(a100)], held, r, remaining_hours=10) == []
+    # r1 rests after a spike of preemptions (the market leaves it out): the whole world leaves.
+    moves = replan_all([quote(a100)], held, r, remaining_hours=10)
+    assert sorted(m.drain for m in moves) == ["i0", "i1", "i2", "i3"] and {m.add.offer.zone for m in moves} == {"r2a"}
+    # Not to a world that would finish after budget.max_hours, nor for a saving under min_saving.
+    late = recipe(**{"planner.min_saving": 0.25, "train.token_budget": 4_000_000_000, "budget.max_hours": 10})
+    assert replan_all([quote(a100)], held, late, progress=Progress(hours=1.0)) == []
+    assert replan_all([quote(offer("r2a", 9.0))], [(f"i{k}", quote(h100)) for k in range(4)], r,
+                      remaining_hours=10) == []
 
 
 def _launched(iid, zone, t, spot=True):
