@@ -396,7 +396,7 @@ def test_each_run_gets_a_firewall_rule_open_only_among_its_own_vms(gcp_fake, mon
     rule admits traffic from that tag to that tag only, so run A's VMs cannot reach run B's. The
     run's end deletes its rule and token; `elastic down RUN` does for a run whose driver died."""
     monkeypatch.setenv("RAY_AUTH_TOKEN", "tok")
-    from providers.gcp import run_network_tag
+    from providers.gcp.provider import run_network_tag
 
     a, recipe = _provider(run="run-a", **{"resources.accelerators": "L4:1"})
     b, _ = _provider(run="run-b", **{"resources.accelerators": "L4:1"})
