@@ -1,15 +1,20 @@
 """The simulator replays the driver: one recipe and one trace, run by `elastic simulate`'s elastic
 policy and by the real driver on the local simulated-spot provider (`local.market` replaying the
-trace); both execute `policy.decide`, so they take the same actions in the same order. Each bills
-through `elastic.billing`: the simulator's cost is its ledger's cost as the report prices it."""
+trace); both execute `policy.decide`, so they take the same actions in the same order. Both bill through
+`elastic.billing`: the simulator's cost is its ledger's cost as the report prices it, and the
+driver's ledger prices its VMs as the trace does."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
+from elastic import billing
 from elastic.driver import run_attached
 from elastic.report import build_report, cost_so_far
-from elastic.simulate import simulate
+from elastic.simulate import TraceMarket, simulate
+from providers.simmarket import read_trace_rows
 from tests.conftest import tiny_recipe
 
 pytestmark = pytest.mark.slow
@@ -72,17 +77,34 @@ def test_the_simulator_takes_the_drivers_actions_and_bills_as_the_report(local_c
 
     # The driver: the market's own clock barely moves (compression 0.001); the test moves it past
     # the drop once the world trains, as the trace's time passes in the simulator.
+    jumped_at = []
+
     def prices_drop(driver, phase, members):
         if driver.world.outer_step == 2 and phase == "inner":
             with driver.provider._lock:
                 if driver.provider.market.sim_time_s < DROP_S:
                     driver.provider.market.advance(DROP_S / 0.001)
+                    jumped_at.append(time.time())
 
     status, events = run_attached(recipe, local_cluster, tmp_path / "run", on_phase=prices_drop, run_name="replay")
     assert status == "completed"
     driven = actions(events)
     assert [a for a in driven if a[0] == "launch"] == [a for a in expected if a[0] == "launch"]
     assert [a for a in driven if a[0] == "move"] == [a for a in expected if a[0] == "move"]
-    # The driver's running cost (what its budget checks read) is the report's cost.
-    last = events[-1]["t"]
-    assert cost_so_far(events, last) == pytest.approx(build_report(events)["cost_usd"], abs=1e-6)
+    # One bill: the driver's ledger, priced by the report, is what `elastic.billing` charges for the
+    # driver's VMs at the trace's prices (the market's clock stood at 0 until the jump, at DROP_S
+    # after), within the second the driver takes to read a moved price.
+    market = TraceMarket(read_trace_rows(trace), recipe)
+    ended = {e["instance_id"]: e["t"] for e in events if e["type"] in ("node_released", "node_preempted")}
+    traced_usd = 0.0
+    for e in (e for e in events if e["type"] == "node_launched"):
+        start, stop = e.get("launched_at") or e["t"], ended[e["instance_id"]]
+        before, after = (market.state(e["zone"], e["instance_type"], t).spot_usd_per_hour for t in (0.0, DROP_S))
+        segments = [(start, after if start >= jumped_at[0] else before)]
+        if start < jumped_at[0] < stop and after != before:
+            segments.append((jumped_at[0], after))
+        traced_usd += billing.vm_usd(e["cloud"], segments, stop, ended=True)
+    assert any(e["type"] == "node_price" for e in events)
+    assert build_report(events)["cost_usd"] == pytest.approx(traced_usd, abs=1e-3)
+    # And the driver's running cost (what its budget checks read) is the report's cost.
+    assert cost_so_far(events, events[-1]["t"]) == pytest.approx(build_report(events)["cost_usd"], abs=1e-6)
