@@ -3,7 +3,7 @@
 No training runs: a replica trains `planner.tokens_per_s` (the recipe's figure), in inner phases of
 `train.inner_steps × batch_size × seq_len` tokens. Preemptions are drawn from the trace's
 `preempt_per_hour` with a seeded generator; capacity is the trace's; a spot VM on `aws` gets a
-120 s notice and on `gcp` 30 s (its provider's `notice_s`). The `elastic` policy runs the same code the driver
+120 s notice and on `gcp` 30 s (`notice_s`). The `elastic` policy runs the same code the driver
 uses: the market (risks learnt from the preemptions it sees, capacity cool-downs, region
 cool-downs), the planner (`plan` for the world's size under budget.max_hours, `choose_launch`,
 `replan`) and the budget check before every launch and every outer step, so no run ends above
