@@ -12,9 +12,10 @@
 - **Errors**: stock-outs and quota (`ZONE_RESOURCE_POOL_EXHAUSTED`, `QUOTA_EXCEEDED`, ...) are a
   `CapacityError` (the driver cools the offer down and tries the next); rate limits and transient
   5xx are retried by google-api-core's `Retry`; missing credentials are one clear line.
-- **Preemption**: each VM's watcher (`providers.watcher --cloud gcp`) waits on the metadata
-  server's `instance/preempted` and `instance/maintenance-event` (providers/gcp/watcher.py) and forwards the
-  notice to the driver through the Ray cluster; the driver also polls instance status as a fallback.
+- **Preemption**: each VM's watcher (`providers.watcher --cloud gcp`, its poller in
+  providers/gcp/watcher.py) waits on the metadata server's `instance/preempted` and
+  `instance/maintenance-event` and forwards the notice to the driver through the Ray cluster; the
+  driver also polls instance status as a fallback.
 
 - **Token and controller**: the run's Ray cluster token goes to Secret Manager (the node reads it
   with its service account), never into metadata; `resources.head: controller` starts an
@@ -43,9 +44,9 @@ from urllib.parse import urlparse
 from elastic.errors import UserError
 from elastic.section import LOOPBACK_HOSTS, endpoint_problem
 from providers.base import CapacityError, Instance, Offer
-from providers.gcp.config import GCPSection
 from providers.cloud import (CONTROLLER_TEMPLATE, CloudProvider, cached_json, head_address, heartbeat_time,
                              labels_arg, quote, render_bootstrap, usable_price)
+from providers.gcp.config import GCPSection
 
 log = logging.getLogger(__name__)
 
