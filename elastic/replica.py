@@ -158,6 +158,63 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(tensor(state["cuda"]))
 
 
+def _host_snapshot(cuda: bool):
+    """The stager of a rank's checkpoints (`dcp.async_save`'s phase 1): a copy of the state dict
+    in host buffers made at the first save and refilled at every later one (pinned on CUDA, where
+    the copies from the GPU are queued without blocking and waited for once). DTensors stay
+    DTensors on their mesh, holding a host copy of their local shard. (torch's `DefaultStager`
+    cannot copy the DTensors of a sharded CPU replica, and its `BlockingAsyncStager` pins always.)"""
+    import torch
+    from torch.distributed.checkpoint.staging import AsyncStager
+    from torch.distributed.tensor import DTensor
+
+    class HostSnapshot(AsyncStager):
+        _synchronize_after_execute = False
+
+        def __init__(self):
+            self._copies: dict[tuple, torch.Tensor] = {}   # path in the state dict -> host copy
+
+        def stage(self, state_dict):
+            with torch.no_grad():
+                staged = self._copy(state_dict, ())
+            if cuda:
+                torch.cuda.synchronize()
+            return staged
+
+        def _copy(self, obj, path: tuple):
+            if isinstance(obj, dict):
+                return {k: self._copy(v, path + (k,)) for k, v in obj.items()}
+            if isinstance(obj, list):
+                return [self._copy(v, path + (i,)) for i, v in enumerate(obj)]
+            if not isinstance(obj, torch.Tensor):
+                return obj
+            copy = self._copies.get(path)
+            if copy is None or copy.shape != obj.shape or copy.dtype != obj.dtype:
+                copy = self._copies[path] = self._host_like(obj)
+            (copy.to_local() if isinstance(copy, DTensor) else copy).copy_(
+                obj.to_local() if isinstance(obj, DTensor) else obj.detach(), non_blocking=cuda)
+            return copy
+
+        @staticmethod
+        def _host_like(obj):
+            if not isinstance(obj, DTensor):
+                return torch.empty(obj.shape, dtype=obj.dtype, pin_memory=cuda)
+            if obj.device.type == "cpu":
+                return DTensor.from_local(torch.empty_like(obj.to_local()), obj.device_mesh, obj.placements,
+                                          shape=obj.shape, stride=obj.stride(), run_check=False)
+            host = obj.to("cpu")   # on the same mesh, its local shard on the host (as torch's own stagers do)
+            host._local_tensor = torch.empty_like(host._local_tensor).pin_memory()
+            return host
+
+        def synchronize_staging(self) -> None:
+            pass
+
+        def close(self) -> None:
+            self._copies.clear()
+
+    return HostSnapshot()
+
+
 def _gated(write, gate: Path):
     """`write` that first waits until the file `gate` exists (fault injection: a stuck disk)."""
     def run(*args, **kwargs):
@@ -196,7 +253,6 @@ class RankWorker:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
         from torch.distributed.tensor import DTensor
 
         from elastic.data import BatchPrefetcher, open_stream
@@ -268,8 +324,7 @@ class RankWorker:
         self._prefetch = BatchPrefetcher(self._data, self._per_rank, self._device)
         # Phase 1 of a checkpoint copies the state into these host buffers (pinned on CUDA), kept
         # from one save to the next; the write runs beside training (`_saving`).
-        self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                    use_async_staging=False, use_non_blocking_copy=cuda))
+        self._stager = _host_snapshot(cuda)
         self._saving = None
         self._losses = torch.zeros(t.inner_steps, dtype=torch.float32, device=self._device)
         self._stop_flag = torch.zeros(1)
