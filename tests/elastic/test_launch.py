@@ -277,8 +277,7 @@ def test_resume_continues_from_the_latest_checkpoint_in_another_world_shape(tmp_
     first_losses = json.loads((tmp_path / "first" / "report.json").read_text())
     assert report["loss_last"] < first_losses["loss_first"]
     # The newest checkpoint altered in storage (same size, one byte flipped): the node's hash check
-    # refuses it and the run resumes from the one before, saying so in the ledger. (One replica
-    # from here on: the shapes were tested above, and a second would only rent and copy.)
+    # refuses it and the run resumes from the one before, saying so in the ledger.
     store = open_storage(uri)
     before = [c["step"] for c in ckpt.listing(store) if c["complete"]][-2]
     shard = "step-00000006/__0_0.distcp"
@@ -286,7 +285,7 @@ def test_resume_continues_from_the_latest_checkpoint_in_another_world_shape(tmp_
     data[len(data) // 2] ^= 0xFF
     store.write_bytes(shard, bytes(data))
     third = launch(tmp_path / "third", *SMALL, "--set", "train.outer_steps=6", "--set", f"checkpoint.uri={uri}",
-                   "--set", "world.replicas=1", "--resume")
+                   "--resume")
     out, _ = third.communicate(timeout=300)
     assert third.returncode == 0, out
     events = read_events(tmp_path / "third" / "events.jsonl")
@@ -296,7 +295,7 @@ def test_resume_continues_from_the_latest_checkpoint_in_another_world_shape(tmp_
     assert [e["outer_step"] for e in events if e["type"] == "outer_step"] == list(range(before + 1, 7))
     # Resuming a run whose checkpoint is already at train.outer_steps trains nothing more.
     fourth = launch(tmp_path / "fourth", *SMALL, "--set", "train.outer_steps=6", "--set", f"checkpoint.uri={uri}",
-                    "--set", "world.replicas=1", "--resume")
+                    "--resume")
     out, _ = fourth.communicate(timeout=300)
     assert fourth.returncode == 0, out
     events = read_events(tmp_path / "fourth" / "events.jsonl")
