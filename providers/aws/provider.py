@@ -21,9 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 
 from elastic.errors import UserError
-from providers.aws.scope import RunScope
-from providers.base import CapacityError, Instance, Offer
 from providers.aws.config import AWSSection
+from providers.aws.scope import RunScope
 from providers.base import CapacityError, Instance, Offer
 from providers.cloud import (CONTROLLER_TEMPLATE, CloudProvider, cached_json, head_address, heartbeat_time,
                              labels_arg, quote, render_bootstrap, usable_price)
