@@ -41,9 +41,10 @@ class GCPSection(Section):
     external_ip: bool = True
     """Give each node an ephemeral external IP (needed to install packages without Cloud NAT)."""
     service_account: str | None = None
-    """Service account email the nodes run as (`infra/gcp/` creates one that may only read and write
-    the checkpoint bucket and read the run's cluster token). Empty: none (the VM gets no Google
-    credentials at all)."""
+    """Service account email the nodes run as (`infra/gcp/` creates `elastic-node`, which may only
+    read and write the checkpoint bucket, read the buckets of `data_buckets`, read runs' cluster
+    tokens and delete instances named elastic-* (autodown deletes the VM itself)). Empty: none (the
+    VM gets no Google credentials at all, and autodown can only stop it)."""
     price_cache_ttl_s: float = Field(86400.0, ge=0)
     """How long prices and the machine-type catalog read from the APIs are reused from the disk
     cache, in seconds (GCP changes spot prices at most about monthly)."""
