@@ -165,6 +165,11 @@ class GCPHarness(Harness):
 def cloud(request, local_cluster):
     """The harness of each registered provider, over the real local Ray cluster."""
     name = request.param
+    # Its object store's server first: that session fixture sets the environment for good, and a
+    # test's own settings (aws_env, gcp_fake) are undone over it afterwards.
+    store = {"s3": "s3_server", "gs": "gcs_server"}.get(provider_class(name).storage_scheme)
+    if store is not None:
+        request.getfixturevalue(store)
     if name == "local":
         harness = LocalHarness(local_cluster)
     elif name == "aws":
@@ -268,7 +273,7 @@ def test_close_is_idempotent_and_stops_launches(cloud, local_cluster):
 
 # -- storage: the object store a URI scheme names --------------------------------------------------------
 
-def test_storage_backend_round_trips_an_object(cloud, request, tmp_path):
+def test_storage_backend_round_trips_an_object(cloud):
     from elastic.errors import UserError
     from elastic.storage import open_storage
 
@@ -277,7 +282,6 @@ def test_storage_backend_round_trips_an_object(cloud, request, tmp_path):
         with pytest.raises(UserError, match="no object store"):
             cls.open_storage(f"x://bucket/{cloud.name}", "bucket", cloud.name, True)
         return
-    request.getfixturevalue({"s3": "s3_server", "gs": "gcs_server"}[cls.storage_scheme])
     storage = open_storage(f"{cls.storage_scheme}://conformance-{cloud.name}/run", create=True)
     try:
         storage.write_bytes("a/manifest.json", b'{"step": 1}')
