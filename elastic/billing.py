@@ -28,16 +28,18 @@ class Terms:
     increment_s: float
 
 
-# AWS (Linux) and GCP bill per second with a one-minute minimum; the local market per second.
-TERMS = {"local": Terms(minimum_s=0.0, increment_s=1.0),
-         "aws": Terms(minimum_s=60.0, increment_s=1.0),
-         "gcp": Terms(minimum_s=60.0, increment_s=1.0)}
-DEFAULT_TERMS = Terms(minimum_s=60.0, increment_s=1.0)   # a cloud not listed: as the big ones bill
+DEFAULT_TERMS = Terms(minimum_s=60.0, increment_s=1.0)   # a cloud not registered (a trace may name any)
 
 
 def terms(cloud: str) -> Terms:
-    """The billing terms of `cloud`."""
-    return TERMS.get(cloud, DEFAULT_TERMS)
+    """The billing terms of `cloud`: its provider's `billing_minimum_s` and `billing_increment_s`
+    (AWS and GCP: per second with a one-minute minimum; the local market per second)."""
+    from providers import PROVIDERS, provider_class
+
+    if cloud not in PROVIDERS:
+        return DEFAULT_TERMS
+    cls = provider_class(cloud)
+    return Terms(minimum_s=cls.billing_minimum_s, increment_s=cls.billing_increment_s)
 
 
 def billed_s(cloud: str, held_s: float, ended: bool) -> float:

@@ -20,10 +20,13 @@ def test_minimum_applies_once_a_vm_is_gone_and_never_while_held():
 def test_increment_rounds_a_finished_hold_up_to_whole_increments(monkeypatch):
     assert billing.billed_s("local", 61.2, ended=True) == 62.0
     assert billing.billed_s("aws", 120.0, ended=True) == 120.0    # a whole number is not rounded up
-    monkeypatch.setitem(billing.TERMS, "hourly", billing.Terms(minimum_s=3600.0, increment_s=3600.0))
-    assert billing.billed_s("hourly", 3601.0, ended=True) == 7200.0
+    # A cloud that bills by the hour (its provider's figures are what the bill reads).
+    from providers import provider_class
+    monkeypatch.setattr(provider_class("gcp"), "billing_minimum_s", 3600.0)
+    monkeypatch.setattr(provider_class("gcp"), "billing_increment_s", 3600.0)
+    assert billing.billed_s("gcp", 3601.0, ended=True) == 7200.0
     # The seconds short of the increment bill at the last price.
-    assert billing.vm_usd("hourly", [(0.0, 1.0), (1800.0, 3.0)], stop_s=3601.0, ended=True) == \
+    assert billing.vm_usd("gcp", [(0.0, 1.0), (1800.0, 3.0)], stop_s=3601.0, ended=True) == \
         pytest.approx(0.5 + 1801 * 3 / 3600 + 3599 * 3 / 3600)
 
 
