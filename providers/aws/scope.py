@@ -179,7 +179,13 @@ class RunScope:
         import time
 
         left = []
-        call, home = self._p._call, self._p.iam_region()
+        home = self._p.iam_region()
+
+        def call(service: str, region: str, action: str, **kwargs):
+            # The client itself, not the provider's `_call`: its error codes (NoSuchEntity: already
+            # gone; DependencyViolation: still held) decide what happens next.
+            return getattr(self._p.client(service, region), action)(**kwargs)
+
         for step, kwargs in (("remove_role_from_instance_profile", {"InstanceProfileName": self.name,
                                                                     "RoleName": self.name}),
                              ("delete_instance_profile", {"InstanceProfileName": self.name}),

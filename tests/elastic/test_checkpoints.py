@@ -136,10 +136,10 @@ def test_node_lost_during_the_write_leaves_the_previous_checkpoint(nodes, local_
         assert saver.wait(timeout_s=120)
         at_one = world.call_replica(lead, "full_state")[0]
         gate.unlink()                                  # the next write sticks
-        world.step()
+        world.run_step()
         saver.save(world, lead, recipe)                # returns once the state is in host memory
         assert saver.uploading == 2
-        world.step()                                   # training goes on beside the write
+        world.run_step()                               # training goes on beside the write
         local_cluster.remove_node(lead.node_id, graceful=False)
         assert saver.wait(timeout_s=120)
     finally:

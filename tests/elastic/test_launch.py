@@ -325,11 +325,13 @@ def test_no_capacity_ends_insufficient_capacity_with_a_report(tmp_path):
 def test_terminal_tells_the_story_of_preemptions_and_joins(tmp_path):
     """local-preemptible, small and fast: the transcript has one line per node rented, notice,
     preemption, join and committed checkpoint (as many as the ledger holds), then the summary and the
-    report path. Preemptions are drawn at random: a run that drew none is run again (at most 3)."""
+    report path. Preemptions are drawn at random (about one a node every 10 s here, half with a
+    notice): a run that drew none is run again with another seed (at most 3)."""
     for attempt in range(3):
         run_dir = tmp_path / f"run{attempt}"
         proc = launch(run_dir, *SMALL, "--set", "train.outer_steps=12", "--set", "train.inner_steps=5",
                       "--set", "local.market.first_preemption_after_s=300", "--set", "checkpoint.every_outer_steps=6",
+                      "--set", "local.market.preempt_per_hour=6", "--set", f"local.market.seed={11 + attempt}",
                       recipe="recipes/local-preemptible.yaml",
                       env={"ELASTIC_CACHE": str(tmp_path / "cache"), "COLUMNS": "80"})
         out, _ = proc.communicate(timeout=300)
