@@ -41,6 +41,14 @@ def _beating_driver(address: str, env: dict) -> subprocess.Popen:
         "while True:\n    beat()\n    time.sleep(0.5)\n")], cwd=REPO, env=env)
 
 
+def _stop(*procs: subprocess.Popen) -> None:
+    """Kill what a test started that is still running (every exit path)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
 def _wait_for_beats(n: int = 10) -> None:
     from ray.experimental import internal_kv
 
@@ -84,10 +92,7 @@ def test_a_driver_killed_with_sigkill_leaves_no_vm_billing(aws_env, imds, local_
         assert watcher.returncode == 0 and "terminated " + vm in out, out
         print(f"VM terminated {took_s:.1f} s after kill -9 of the driver (autodown_after_s 3)")
     finally:
-        for proc in (driver, watcher):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
+        _stop(driver, watcher)
         p.close()
 
 
@@ -134,8 +139,5 @@ def test_a_gcp_vm_deletes_itself_when_its_driver_is_killed(gcp_fake, local_clust
         assert delete["authorization"] == "Bearer vm-sa-token"
         print(f"GCP VM deleted itself {took_s:.1f} s after kill -9 of the driver (autodown_after_s 3)")
     finally:
-        for proc in (driver, watcher):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
+        _stop(driver, watcher)
         p.close()
