@@ -26,9 +26,9 @@ from elastic.events import (
     RunStarted, SyncRetried, Validation, WorldFormed, WorldRestored)
 from elastic.ledger import LedgerError, read_events, SHAPE_ERRORS
 
-# Estimate rates (list prices, standard class, USD): object storage per GB-month by URI scheme
-# (local disks are part of the VM price) and traffic between regions per GB.
-STORAGE_USD_PER_GB_MONTH = {"s3": 0.023, "gs": 0.020}
+# Estimate rate (list price, USD) of traffic between regions per GB. Object storage is priced by
+# the provider whose URI scheme a checkpoint's is (`providers.storage_usd_per_gb_month`); local
+# disks are part of the VM price.
 EGRESS_USD_PER_GB = 0.02
 _MONTH_S = 30 * 86400
 WASTE_CAUSES = ("preemption", "capacity_wait", "checkpoint_stalls", "never_joined")
@@ -154,14 +154,18 @@ def _breakdown(instances: list[dict], key: str) -> dict:
 
 
 def _estimates(events: list[dict], vms: dict[str, dict], end: float) -> dict:
-    """Storage and egress: estimates from bytes moved, at the list rates above."""
+    """Storage and egress: estimates from bytes moved, at the providers' storage list prices and
+    the egress rate above."""
+    from providers import storage_usd_per_gb_month
+
+    storage_rates = storage_usd_per_gb_month()
     deleted = {e["step"]: e["t"] for e in events if e["type"] == CheckpointDeleted.TYPE}
     written, storage_usd = 0, 0.0
     for e in events:
         if e["type"] == CheckpointUploaded.TYPE:
             written += e["bytes"]
             scheme = e["uri"].partition("://")[0]
-            rate = STORAGE_USD_PER_GB_MONTH.get(scheme, 0.0)
+            rate = storage_rates.get(scheme, 0.0)
             kept_s = max(0.0, deleted.get(e["step"], end) - e["t"])
             storage_usd += e["bytes"] / 1e9 * rate * kept_s / _MONTH_S
     start = next((e for e in events if e["type"] == RunStarted.TYPE), {})
@@ -179,7 +183,7 @@ def _estimates(events: list[dict], vms: dict[str, dict], end: float) -> dict:
                 cross += e.get("bytes_sent", 0) * ranks * len(regions)
     return {"checkpoint_bytes_written": written, "checkpoint_storage_usd": round(storage_usd, 6),
             "cross_region_sync_bytes": cross, "egress_usd": round(cross / 1e9 * EGRESS_USD_PER_GB, 6),
-            "storage_usd_per_gb_month": STORAGE_USD_PER_GB_MONTH, "egress_usd_per_gb": EGRESS_USD_PER_GB}
+            "storage_usd_per_gb_month": storage_rates, "egress_usd_per_gb": EGRESS_USD_PER_GB}
 
 
 def _sync_traffic(events: list[dict], steps: list[dict]) -> dict:

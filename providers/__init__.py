@@ -43,6 +43,12 @@ def notice_s(cloud: str) -> float:
     return provider_class(cloud).notice_s if cloud in PROVIDERS else 0.0
 
 
+def storage_usd_per_gb_month() -> dict[str, float]:
+    """URI scheme -> its object store's list price, USD per GB-month (each provider's
+    `storage_usd_per_gb_month`), for every provider with an object store."""
+    return {scheme: provider_class(name).storage_usd_per_gb_month for scheme, name in storage_schemes().items()}
+
+
 def storage_schemes() -> dict[str, str]:
     """URI scheme -> provider name, for every provider with an object store (`s3` -> `aws`, …)."""
     out = {}

@@ -120,6 +120,9 @@ class Provider(Protocol):
     """Seconds of the billing granularity past the minimum (1: per second)."""
     storage_scheme: str | None
     """URI scheme of its object store (`s3`, `gs`), None without one (`open_storage`)."""
+    storage_usd_per_gb_month: float
+    """List price of its object store (standard class), USD per GB-month: the report's estimate of
+    what checkpoints kept there cost; 0 without one."""
 
     @classmethod
     def accelerator_models(cls) -> set[str]:
@@ -203,6 +206,7 @@ class BaseProvider:
     provider that does override them. Everything else each provider implements itself."""
 
     storage_scheme: str | None = None
+    storage_usd_per_gb_month: float = 0.0
 
     @classmethod
     def configured(cls) -> str | None:

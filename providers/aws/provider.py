@@ -116,6 +116,7 @@ class AWSProvider(CloudProvider):
     billing_minimum_s = 60.0    # Linux VMs bill per second with a one-minute minimum
     billing_increment_s = 1.0
     storage_scheme = "s3"
+    storage_usd_per_gb_month = 0.023   # S3 Standard, first 50 TB, us-east-1 list price
 
     def __init__(self, recipe, cluster, run_name: str):
         super().__init__(recipe, cluster, run_name)

@@ -288,6 +288,7 @@ class GCPProvider(CloudProvider):
     billing_minimum_s = 60.0    # Compute Engine bills per second with a one-minute minimum
     billing_increment_s = 1.0
     storage_scheme = "gs"
+    storage_usd_per_gb_month = 0.020   # Cloud Storage Standard, regional list price
 
     def __init__(self, recipe, cluster, run_name: str):
         super().__init__(recipe, cluster, run_name)
