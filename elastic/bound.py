@@ -6,10 +6,12 @@ tokens on the trace by a given time. It keeps the costs the simulator charges ev
 policy can dodge, and drops the rest in the policy's favour:
 - kept: the trace's prices, each VM billed from launch, `planner.recovery_s` of boot (paid, no
   tokens) for every VM started, preemptions at the trace's rates (a preempted VM is gone: going on
-  means booting another), at most `world.max_replicas` VMs, each offer's capacity;
+  means booting another) with the seconds short of its cloud's billing minimum that a VM preempted
+  early still bills (`elastic.billing`), at most `world.max_replicas` VMs, each offer's capacity;
 - dropped: uncertainty about prices (the whole trace is known in advance), the slowest replica
   setting the world's pace, the outer sync and its cross-region cost, work lost without a notice,
-  `world.min_replicas`, and decisions between the trace's rows (made at row starts).
+  `world.min_replicas`, decisions between the trace's rows (made at row starts), the minimum of a
+  VM the policy lets go itself (rows are longer than a minimum) and the rounding to increments.
 
 Method. Each of the `world.max_replicas` slots is a small Markov decision process over the trace's
 rows: at each row start it is off or holds one VM of one offer; moving to another offer boots a new
@@ -28,6 +30,7 @@ import math
 
 import numpy as np
 
+from elastic import billing
 from elastic.market import recipe_tokens_per_s
 from elastic.planner import allowed, run_tokens
 
@@ -36,7 +39,7 @@ UNLIMITED = 1e9   # capacity of an offer the trace gives none for
 
 def _arrays(recipe, market, finish_h: float | None):
     """Per row (until `finish_h`) and offer: USD/h (inf where the recipe does not allow it),
-    capacity, preemptions per hour; seconds per row; tokens/s per offer."""
+    capacity, preemptions per hour; seconds per row; tokens/s and billing minimum (s) per offer."""
     times = market.times()
     limit_s = (finish_h if finish_h is not None else recipe.budget.max_hours or math.inf) * 3600
     spot = recipe.resources.spot
@@ -54,8 +57,11 @@ def _arrays(recipe, market, finish_h: float | None):
         usd.append([o.usd_per_hour if allowed(o, recipe.resources) else math.inf for o in row])
         cap.append([o.capacity if o.capacity is not None else UNLIMITED for o in row])
         rate.append([market.state(o.zone, o.instance_type, t).preempt_per_hour if spot else 0.0 for o in row])
-    tps = [recipe_tokens_per_s(o, recipe.planner) for o in market.offers(0.0, spot)]
-    return np.array(usd), np.array(cap, float), np.array(rate), np.array(row_s), np.array(tps)
+    first = market.offers(0.0, spot)
+    tps = [recipe_tokens_per_s(o, recipe.planner) for o in first]
+    minimum_s = [billing.terms(o.cloud).minimum_s for o in first]
+    return (np.array(usd), np.array(cap, float), np.array(rate), np.array(row_s), np.array(tps),
+            np.array(minimum_s, float))
 
 
 def _expected_min(rate_per_h, seconds):
@@ -65,15 +71,19 @@ def _expected_min(rate_per_h, seconds):
         return np.where(r > 0, -np.expm1(-r * seconds) / np.where(r > 0, r, 1), seconds)
 
 
-def _slot(usd, rate, row_s, tps, lam, mu, boot_s):
+def _slot(usd, rate, row_s, tps, lam, mu, boot_s, minimum_s):
     """One slot's best schedule for token price `lam` and capacity prices `mu`: its expected
-    cost − lam·tokens + mu·presence, the expected presence at each offer and row, expected tokens."""
+    cost − lam·tokens + mu·presence, the expected presence at each offer and row, expected tokens.
+    `minimum_s`: each offer's billing minimum."""
     n, m = usd.shape
     there = _expected_min(rate, row_s[:, None])                  # seconds a VM present at row start stays
     gone = -np.expm1(-rate * row_s[:, None] / 3600)               # P(preempted within the row)
     run = (usd * there + mu * row_s[:, None]) / 3600 - lam * tps * there
     run = np.where(np.isfinite(usd), run, math.inf)
     boot = lam * tps * _expected_min(rate, boot_s)                # tokens a fresh VM forgoes, priced
+    # A fresh VM preempted at τ before its cloud's minimum still bills the minimum: E[(min − τ)⁺].
+    short_usd = np.where(np.isfinite(usd), usd * (minimum_s - _expected_min(rate, minimum_s)) / 3600, 0.0)
+    boot = boot + short_usd
 
     stay = np.zeros((n, m), bool)
     leave = np.zeros((n, m), bool)
@@ -127,7 +137,7 @@ def lower_bound_usd_per_mtok(recipe, market, finish_h: float | None = None, iter
     """USD per 1M tokens below which no policy's expected cost can go on this market (a
     `simulate.TraceMarket`), training the run's tokens by `finish_h` (default budget.max_hours,
     else the trace's end). inf: not even every slot on its fastest offer trains them in time."""
-    usd, cap, rate, row_s, tps = _arrays(recipe, market, finish_h)
+    usd, cap, rate, row_s, tps, minimum_s = _arrays(recipe, market, finish_h)
     slots, boot_s, needed = recipe.world.max_replicas, recipe.planner.recovery_s, run_tokens(recipe)
     if _most_tokens(usd, cap, row_s, tps, slots) < needed:
         return math.inf
@@ -136,7 +146,7 @@ def lower_bound_usd_per_mtok(recipe, market, finish_h: float | None = None, iter
     best, lam = -math.inf, 1e-7
 
     def tokens_at(price):
-        return slots * _slot(usd, rate, row_s, tps, price, mu, boot_s)[2]
+        return slots * _slot(usd, rate, row_s, tps, price, mu, boot_s, minimum_s)[2]
 
     for k in range(iterations):
         # λ: the least token price at which the slots train what the run needs.
@@ -151,7 +161,7 @@ def lower_bound_usd_per_mtok(recipe, market, finish_h: float | None = None, iter
             mid = (lo + hi) / 2
             lo, hi = (lo, mid) if tokens_at(mid) >= needed else (mid, hi)
         lam = hi
-        value, presence, _ = _slot(usd, rate, row_s, tps, lam, mu, boot_s)
+        value, presence, _ = _slot(usd, rate, row_s, tps, lam, mu, boot_s, minimum_s)
         unused = np.where(capped, cap, 0.0) * row_s[:, None] / 3600
         best = max(best, slots * value + lam * needed - (mu * unused).sum())
         # Capacity prices: up where the slots crowd an offer, down where they leave room.

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from elastic import billing
 from elastic.market import Quote, recipe_tokens_per_s
 
 
@@ -87,7 +88,7 @@ class Placement:
         sync_penalty_s: the part of `phase_s` due to spreading over regions/clouds.
         tokens_needed: tokens the run trains (train.token_budget, or outer_steps × replicas × phase tokens).
         expected_hours: hours to train `tokens_needed` at the useful rate.
-        expected_usd: USD for that.
+        expected_usd: USD for that, as `elastic.billing` bills the world's VMs (`expected_vm_usd`).
         feasible: at least world.min_replicas could be placed.
         warnings: what the user should know (budget, time, capacity).
     """
@@ -154,8 +155,17 @@ def evaluate(quotes: list[Quote], recipe) -> Placement:
     if pl.useful_tokens_per_s > 0:
         pl.usd_per_mtok = pl.usd_per_hour / (pl.useful_tokens_per_s * 3600) * 1e6
         pl.expected_hours = pl.tokens_needed / pl.useful_tokens_per_s / 3600
-        pl.expected_usd = pl.usd_per_hour * pl.expected_hours
+        pl.expected_usd = sum(expected_vm_usd(q, pl.expected_hours) for q in quotes)
     return pl
+
+
+def expected_vm_usd(q: Quote, hours: float) -> float:
+    """USD one replica's place in the world bills over `hours` (`elastic.billing`): a VM of `q`,
+    replaced after each of its expected preemptions, each VM billed its expected share of the time
+    but at least its cloud's minimum (VMs preempted within a minute each bill a whole one)."""
+    vms = 1 + q.preempt_per_hour * hours
+    billed_s = billing.billed_s(q.offer.cloud, hours * 3600 / vms, ended=True)
+    return vms * billed_s * q.offer.usd_per_hour / 3600
 
 
 def _fill(ranked: list[Quote], held: list[Quote], n: int, k: int, planner) -> list[Quote]:

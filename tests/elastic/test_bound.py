@@ -3,6 +3,8 @@ known by hand, and against the simulator's own policies."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from elastic.bound import lower_bound_usd_per_mtok
@@ -41,6 +43,19 @@ def test_boots_and_preemptions_raise_it_but_not_past_a_known_schedule(tmp_path):
     assert raw(9.0) < bound(r, calm) <= one_vm
     # Every preemption means paying another boot.
     assert bound(r, risky) > bound(r, calm)
+
+
+def test_a_vm_preempted_within_its_clouds_minimum_bills_the_minimum(tmp_path):
+    # No boot; a VM lives a minute on average (60 preemptions per hour). Billed per second from the
+    # first (local), the bound is the raw price; on gcp each VM also bills the seconds short of its
+    # one-minute minimum, E[(60 − τ)⁺] = 60/e s for every 60 s it is expected to live.
+    r = recipe(**{"planner.recovery_s": 0})
+    per_second = [row(h * 3600, "r1a", 9.0, rate=60.0, cloud="local") for h in range(400)]
+    with_minimum = [row(h * 3600, "r1a", 9.0, rate=60.0, cloud="gcp") for h in range(400)]
+    local = bound(r, write_trace(tmp_path / "local.csv", per_second))
+    gcp = bound(r, write_trace(tmp_path / "gcp.csv", with_minimum))
+    assert local == pytest.approx(raw(9.0), rel=1e-4)
+    assert gcp == pytest.approx(raw(9.0) * (1 + math.exp(-1)), rel=1e-3)
 
 
 def test_capacity_sends_the_rest_to_the_dearer_offer(tmp_path):

@@ -274,3 +274,18 @@ def test_budget_max_hours_buys_faster_gpus_or_more_replicas_only_when_needed():
     steps = recipe(**{**base, "train.token_budget": "null", "train.outer_steps": 1000, "budget.max_hours": 1})
     assert len(plan([a100], steps).quotes) == 4
 
+
+
+def test_the_estimate_bills_each_vm_its_clouds_minimum():
+    # One replica on a VM preempted every 10 s on average for about 100 s: about eleven VMs, each
+    # billed aws's one-minute minimum, not the 100 s held.
+    r = recipe(**{"world.replicas": 1, "world.min_replicas": 1, "planner.recovery_s": 0,
+                  "train.token_budget": 2_400_000, "train.inner_steps": 1, "train.batch_size": 1})
+    pl = evaluate([quote(offer("r1a", 36.0), risk=360.0)], r)
+    vms = 1 + 360.0 * pl.expected_hours
+    assert pl.expected_usd == pytest.approx(vms * 60 * 36.0 / 3600, rel=1e-6)
+    assert pl.expected_usd > 5 * pl.usd_per_hour * pl.expected_hours
+    # On a cloud billing per second from the first, the hours at the price (each VM's last second
+    # rounded up).
+    local = evaluate([quote(offer("r1a", 36.0, cloud="local"), risk=360.0)], r)
+    assert local.usd_per_hour * local.expected_hours <= local.expected_usd < pl.expected_usd / 5
