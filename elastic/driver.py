@@ -77,6 +77,7 @@ class Driver:
         self._target = 0                                 # the world's target size (policy.Retarget)
         self._planned = False                            # the policy sized the world for budget.max_hours
         self._restored = False   # the world was restored after losing every replica
+        self._checkpointed_step = 0                      # outer step of the newest checkpoint saved or restored
         self._price: dict[str, float] = {}               # held instance id -> USD/h last recorded
         self._price_poll_at = 0.0
         self._beat_stop = threading.Event()             # ends the heartbeat thread (release_all)
@@ -223,7 +224,8 @@ class Driver:
         return Snapshot(self.recipe, now, self._t0, nodes=tuple(nodes), pending=tuple(self._launching.values()),
                         quotes=tuple(quotes), progress=self._progress(), spent_usd=self._spent(now),
                         refusals=tuple(self._refusals), target_replicas=self._target, planned=self._planned,
-                        last_replan_s=self._replanned_at, budget_horizon_s=self._last_step_s)
+                        last_replan_s=self._replanned_at, budget_horizon_s=self._last_step_s,
+                        checkpointed_step=self._checkpointed_step)
 
     def decide(self) -> None:
         """Gather a snapshot, ask the policy (`policy.decide`) and do what it says: rent (in the
@@ -482,6 +484,7 @@ class Driver:
                     # Nothing was kept: start over from θ0 (fresh data; tokens count what is kept).
                     self.world.restore({"step": 0, "inner_step": 0, "data_cursor": self.world.cursor,
                                         "tokens": 0})
+                    self._checkpointed_step = 0
                     self.world.admit_fresh(rep)
                     source = "initial state (no checkpoint yet)"
                     self.ledger.append(WorldRestored(from_step=0, uri=None))
@@ -517,7 +520,9 @@ class Driver:
         for manifest in found:
             self.world.restore(manifest)
             try:
-                return self.world.admit(rep, checkpoint=(self.ckpt.uri, manifest, self.ckpt.staging)), manifest
+                source = self.world.admit(rep, checkpoint=(self.ckpt.uri, manifest, self.ckpt.staging))
+                self._checkpointed_step = manifest["step"]
+                return source, manifest
             except ckpt.CheckpointError as exc:
                 cause = getattr(exc, "cause", None) or exc   # a rank's error arrives wrapped by Ray
                 self.ledger.append(CheckpointSkipped(step=manifest["step"],
@@ -593,7 +598,6 @@ class Driver:
         self._metrics = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
         from elastic.metrics import Metrics
         scalars = Metrics(recipe, self.run_dir, ledger)
-        every = recipe.checkpoint.every_outer_steps
         train_s, last_step_s = 0.0, 0.0
         view.phase(f"renting {recipe.world.replicas} node(s), starting replicas")
         try:
@@ -602,8 +606,8 @@ class Driver:
                 self.admit_joiners()
                 if not self.wait_for_capacity(view):
                     self.end_message = self._capacity_message()
-                    if world.replicas and world.outer_step > 0:
-                        self.checkpoint(view)
+                    if world.replicas:
+                        self._checkpoint_if_due(view, ending=True)
                     if self._budget_held_back:
                         ledger.append(BudgetExhausted(
                             outer_step=world.outer_step,
@@ -616,8 +620,7 @@ class Driver:
                 reason = self._over_budget(last_step_s)
                 if reason:
                     ledger.append(BudgetExhausted(reason=reason, outer_step=world.outer_step))
-                    if world.outer_step > 0:
-                        self.checkpoint(view)
+                    self._checkpoint_if_due(view, ending=True)
                     return "budget_exhausted"
                 members = sorted(world.replicas)
                 if members != self._members:
@@ -643,14 +646,13 @@ class Driver:
                                         steps_done=res.steps_done,
                                         inner_s_by_replica={r: round(s, 4) for r, s in res.inner_s_by_replica.items()}))
                 self._write_metrics(res)
+                self._checkpoint_if_due(view)   # before the replicas leaving go: they may be all there is
                 self._release_drained(res)
                 view.step(res, world, world.tokens / train_s if train_s else 0.0,
                           cost_so_far(ledger.events, time.time()))
                 evals = recipe.eval.every_outer_steps
                 if evals and (world.outer_step % evals == 0 or world.done()):
                     self.validate(view)
-                if (every and world.outer_step % every == 0) or world.done():
-                    self.checkpoint(view)
         finally:
             self._metrics.close()
             scalars.close()
@@ -704,6 +706,13 @@ class Driver:
         stop = stop_for_budget(self._snapshot(), next_step_s)
         return stop.reason if stop else None
 
+    def _checkpoint_if_due(self, view, ending: bool = False) -> None:
+        """Checkpoint when the policy says (`policy.checkpoint_due`; `ending`: the run stops now)."""
+        from elastic.policy import checkpoint_due
+
+        if checkpoint_due(self._snapshot(), ending) is not None:
+            self.checkpoint(view)
+
     def checkpoint(self, view) -> None:
         """Phase 1 now (training waits), phase 2 in the background (see elastic.checkpoint)."""
         if self.ckpt.uploading is not None:
@@ -714,6 +723,7 @@ class Driver:
         lead = self.world.replicas[steady[0] if steady else min(self.world.replicas)]
         try:
             self.ckpt.save(self.world, lead, self.recipe)
+            self._checkpointed_step = self.world.outer_step
         except Exception as exc:  # the saving replica was lost mid-save: the partial one is ignored
             self.ledger.append(CheckpointFailed(step=self.world.outer_step, message=str(exc).splitlines()[0][:200]))
 

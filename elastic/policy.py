@@ -19,7 +19,12 @@ included), how far the run is and what it has spent. The rules, each written onc
 - **budget**: a launch must leave the spend within budget.max_usd for its cloud's billing minimum
   (or until the budget is next checked, when longer) of every held VM and the new one
   (`launch_fits_budget`, inside `decide`); an outer step (or a wait) must not carry the spend past
-  budget.max_usd nor the run past budget.max_hours (`stop_for_budget`, asked before each step).
+  budget.max_usd nor the run past budget.max_hours (`stop_for_budget`, asked before each step);
+- **checkpoint**: at an outer-step boundary with progress not saved yet, save every
+  `checkpoint.every_outer_steps`, when the run has trained what it needs, when every replica
+  training is leaving (their notices came: the world is about to empty and would restart from the
+  last checkpoint), and when the run ends early (`checkpoint_due`, asked at each boundary before
+  the leaving replicas go, and when the run stops).
 """
 
 from __future__ import annotations
@@ -88,6 +93,7 @@ class Snapshot:
         planned: the target was sized for budget.max_hours at least once.
         last_replan_s: when the policy last re-planned.
         budget_horizon_s: seconds until the budget is next checked (the last outer step's length).
+        checkpointed_step: the outer step of the newest checkpoint saved (or restored from); 0: none.
     """
 
     recipe: object
@@ -103,6 +109,7 @@ class Snapshot:
     planned: bool = False
     last_replan_s: float = float("-inf")
     budget_horizon_s: float = 0.0
+    checkpointed_step: int = 0
 
 
 @dataclass(frozen=True)
@@ -156,6 +163,19 @@ class StopForBudget:
 
 
 @dataclass(frozen=True)
+class Checkpoint:
+    """Save the world's state now, at this outer-step boundary.
+
+    Args:
+        reason: `schedule` (checkpoint.every_outer_steps), `final` (the run trained what it
+            needs), `leaving` (every replica training is about to go), `ending` (the run stops
+            early: budget, capacity).
+    """
+
+    reason: str
+
+
+@dataclass(frozen=True)
 class Release:
     """Let the replica on `instance_id` leave at the next step boundary and release its VM: the old
     replica of `move`, not worth keeping while its replacement (the `Rent` that follows) boots."""
@@ -164,7 +184,9 @@ class Release:
     move: Move
 
 
-Action = Rent | Release | Retarget | Replan | HoldBack   # what `decide` returns; `stop_for_budget` the other one
+Action = Rent | Release | Retarget | Replan | HoldBack   # what `decide` returns
+# `stop_for_budget` and `checkpoint_due` return the other two (StopForBudget, Checkpoint): each is
+# asked at its own moment of an outer step, `decide` whenever the world may need capacity.
 
 
 # -- the rules -------------------------------------------------------------------------------------
@@ -202,6 +224,36 @@ def stop_for_budget(s: Snapshot, span_s: float) -> StopForBudget | None:
     if b.max_usd is not None and s.spent_usd + usd_per_hour_held(s) * span_s / 3600 > b.max_usd:
         return StopForBudget(f"budget.max_usd (${b.max_usd:.2f}) would be passed by the next outer step "
                              f"(spent ${s.spent_usd:.4f})")
+    return None
+
+
+def finished(s: Snapshot) -> bool:
+    """The run trained what it needs: train.token_budget tokens, else train.outer_steps steps."""
+    t = s.recipe.train
+    if t.token_budget is not None:
+        return s.progress.tokens >= t.token_budget
+    return s.progress.outer_steps >= t.outer_steps
+
+
+def checkpoint_due(s: Snapshot, ending: bool = False) -> Checkpoint | None:
+    """The checkpoint rule, asked at each outer-step boundary once the step's replicas contributed
+    (before the leaving ones go), and with `ending` when the run stops early: a `Checkpoint` when
+    some progress is not saved yet and the schedule (`checkpoint.every_outer_steps`) says so, the
+    run is finished, every replica training is leaving (their notices came: the world would
+    otherwise restart from the last checkpoint), or the run ends; else None."""
+    step = s.progress.outer_steps
+    if step <= s.checkpointed_step:
+        return None
+    if ending:
+        return Checkpoint("ending")
+    if finished(s):
+        return Checkpoint("final")
+    every = s.recipe.checkpoint.every_outer_steps
+    if every and step % every == 0:
+        return Checkpoint("schedule")
+    training = [n for n in s.nodes if n.ready]
+    if training and all(n.leaving for n in training):
+        return Checkpoint("leaving")
     return None
 
 

@@ -33,11 +33,12 @@ import random
 
 from elastic import billing
 from elastic.errors import UserError
-from elastic.events import CapacityRefused, NodeLaunched, NodePreempted, NodePrice, NodeReleased, ReplicaMove
+from elastic.events import (CapacityRefused, CheckpointSaved, NodeLaunched, NodePreempted, NodePrice, NodeReleased,
+                            ReplicaMove)
 from elastic.market import Market, Quote, offer_key, recipe_tokens_per_s
 from elastic.planner import Progress, allowed, evaluate, run_tokens, tokens_per_phase
-from elastic.policy import (HoldBack, Node, Refusal, Release, Rent, Replan, Retarget, Snapshot, decide,
-                            launch_fits_budget, stop_for_budget)
+from elastic.policy import (HoldBack, Node, Refusal, Release, Rent, Replan, Retarget, Snapshot, checkpoint_due,
+                            decide, launch_fits_budget, stop_for_budget)
 from providers import notice_s
 from providers.base import Offer
 
@@ -255,13 +256,22 @@ class _Run:
 
     def train_phase(self, members: list[_Node], dt: float, share: float = 1.0) -> None:
         """Credit one outer step to `members` (they all kept their work; `share` of a whole inner
-        phase each when a notice ended it early), checkpoint on schedule."""
+        phase each when a notice ended it early)."""
         self.tokens += round(self.tpp * len(members) * share)
         self.useful_node_s += dt * len(members)
         self.phases += 1
-        every = self.recipe.checkpoint.every_outer_steps
-        if every and self.phases % every == 0:
-            self.ckpt_tokens, self.ckpt_phases = self.tokens, self.phases
+
+    def checkpoint_if_due(self, leaving: tuple[Node, ...] = (), ending: bool = False) -> None:
+        """Checkpoint when the policy says (`policy.checkpoint_due`), as the driver asks it at an
+        outer-step boundary (`leaving`: replicas that contributed and go now) or when the run stops
+        (`ending`). Taken at once: the work since is what a later `restore` loses, and a
+        `checkpoint_saved` is recorded (no stall: the simulator does not time checkpoints)."""
+        snap = self.snapshot(checkpointed_step=self.ckpt_phases)
+        if checkpoint_due(dataclasses.replace(snap, nodes=snap.nodes + leaving), ending) is None:
+            return
+        self.ckpt_tokens, self.ckpt_phases = self.tokens, self.phases
+        self.events.append(CheckpointSaved(step=self.phases, stall_s=0.0, write_s=0.0, local="",
+                                           replica=0).record(self.t))
 
     def restore(self) -> None:
         """Back to the last checkpoint (or the start): the work since is lost."""
@@ -392,12 +402,17 @@ def _elastic(run: _Run) -> None:
             break                             # a price rise made the rest of the phase unaffordable
         if share is not None:   # the noticed replica and every member still alive contributed
             run.train_phase([m for m in members if m.iid not in lost or m.iid in gone], run.t - start, share)
+            run.checkpoint_if_due(leaving=tuple(Node(iid, Quote(n.offer, 0.0, "trace"), n.launched_at, leaving=True,
+                                                     notice_deadline_s=run.t) for iid, n in gone.items()))
             continue
         kept = [m for m in members if m.iid not in lost]
         if kept:
             run.train_phase(kept, dt)
+            run.checkpoint_if_due()
         else:
             run.restore()                     # every replica lost: the world restarts from the checkpoint
+    if run.status is not None and any(n.ready_at <= run.t for n in run.nodes.values()):
+        run.checkpoint_if_due(ending=True)
     run.release_all()
 
 
@@ -454,6 +469,7 @@ def _whole_job(run: _Run, spot: bool, on_loss: str) -> None:
                 break
             if not lost:
                 run.train_phase(members, dt)
+                run.checkpoint_if_due()
         if lost:
             run.restore()
             if on_loss == "next-region":

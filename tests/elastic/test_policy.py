@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from elastic.planner import Progress
-from elastic.policy import (HoldBack, Node, Refusal, Release, Rent, Replan, Retarget, Snapshot, decide, due,
-                            launch_fits_budget, stop_for_budget)
+from elastic.policy import (Checkpoint, HoldBack, Node, Refusal, Release, Rent, Replan, Retarget, Snapshot,
+                            checkpoint_due, decide, due, launch_fits_budget, stop_for_budget)
 from tests.elastic.test_planner import offer, quote, recipe
 
 T = 10_000.0   # the snapshot's clock, seconds
@@ -122,3 +122,25 @@ def test_deadline_grows_the_world_at_a_replan():
     assert grown and grown[0].grown and grown[0].replicas > 4
     assert rents(acts) == ["r1a"] * (grown[0].replicas - 4)
     assert grown[0].hours_to_finish == pytest.approx(grown[0].hours_to_finish)
+
+
+def test_checkpoints_on_schedule_at_the_end_before_the_world_leaves_and_when_stopping():
+    r = recipe(**{"checkpoint.every_outer_steps": 5, "train.outer_steps": 12, "train.token_budget": "null"})
+
+    def at(step, nodes=held(2), saved=0):
+        return snap(r, nodes, progress=Progress(outer_steps=step, hours=T / 3600), checkpointed_step=saved)
+
+    assert [step for step in range(13) if checkpoint_due(at(step))] == [5, 10, 12]
+    assert checkpoint_due(at(5)) == Checkpoint("schedule") and checkpoint_due(at(12)) == Checkpoint("final")
+    # Nothing new since the last one (saved, or restored from): nothing to save.
+    assert checkpoint_due(at(10, saved=10)) is None and checkpoint_due(at(12, saved=12)) is None
+    # Every replica training has a notice: they contribute, then the world empties. Save first.
+    noticed = held(2, leaving=True, notice_deadline_s=T + 30)
+    assert checkpoint_due(at(7, noticed)) == Checkpoint("leaving")
+    # One of them noticed, or a replacement still booting: the world goes on, nothing extra.
+    assert checkpoint_due(at(7, noticed[:1] + held(1))) is None
+    assert checkpoint_due(at(7, held(1, ready=False) + noticed[:1])) == Checkpoint("leaving")
+    # The run stops early (budget, capacity): its progress is saved, once.
+    assert checkpoint_due(at(7), ending=True) == Checkpoint("ending")
+    assert checkpoint_due(at(7, saved=7), ending=True) is None
+    assert checkpoint_due(at(0), ending=True) is None
