@@ -78,6 +78,8 @@ class Driver:
         self._planned = False                            # the policy sized the world for budget.max_hours
         self._restored = False   # the world was restored after losing every replica
         self._checkpointed_step = 0                      # outer step of the newest checkpoint saved or restored
+        self._step_started_s: float | None = None       # unix time the outer step under way began
+        self._budget_stop: str | None = None            # a price rise mid-step stopped the run (why)
         self._price: dict[str, float] = {}               # held instance id -> USD/h last recorded
         self._price_poll_at = 0.0
         self._beat_stop = threading.Event()             # ends the heartbeat thread (release_all)
@@ -374,11 +376,34 @@ class Driver:
         if now < self._price_poll_at or not self._price:
             return
         self._price_poll_at = now + PRICE_POLL_S
+        rose = False
         for p in self.providers.values():
             for iid, usd in p.prices(list(self._price)).items():
                 if iid in self._price and round(usd, 6) != self._price[iid]:
+                    rose |= round(usd, 6) > self._price[iid]
                     self._price[iid] = round(usd, 6)
                     self.ledger.append(NodePrice(instance_id=iid, usd_per_hour=round(usd, 6)))
+        if rose:
+            self._stop_mid_step_for_budget()
+
+    def _stop_mid_step_for_budget(self) -> None:
+        """A price rose during an inner phase: when the rest of the step (the last step's length
+        less the time it has run) would cross the budget (`policy.stop_for_budget`), every member
+        ends its phase now and syncs what it trained, and the run stops at the step's end, not one
+        step later. (Between steps the check before each step does it; the first step has no
+        length to go by yet.)"""
+        from elastic.policy import stop_for_budget
+
+        if self._step_started_s is None or self.world.phase != "inner" or self._budget_stop:
+            return
+        left_s = max(0.0, self._step_started_s + self._last_step_s - time.time())
+        stop = stop_for_budget(self._snapshot(), left_s)
+        if stop is None:
+            return
+        self._budget_stop = f"{stop.reason}: a price rose during outer step {self.world.outer_step + 1}"
+        now = time.time()
+        for rid in list(self.world.replicas):
+            self.world.request_stop(rid, now)
 
     @property
     def draining(self) -> set[int]:
@@ -392,11 +417,15 @@ class Driver:
         """One outer step. The world runs it and returns what happened at each pause; the driver
         records that, then does its own work before the world goes on (`tick`: notices, launches,
         renting). Returns the step's `StepResult` (None: every replica was lost)."""
-        while True:
-            done = self._record_world(self.world.step())
-            if done is not None:
-                return done.result
-            self.tick()
+        self._step_started_s = time.time()
+        try:
+            while True:
+                done = self._record_world(self.world.step())
+                if done is not None:
+                    return done.result
+                self.tick()
+        finally:
+            self._step_started_s = None
 
     def _record_world(self, happened: list):
         """Record what the world returned (`World.step`, `World.take_events`); returns its
@@ -617,7 +646,7 @@ class Driver:
                     return "insufficient_capacity"
                 if world.done():   # --resume from a checkpoint already at train.outer_steps
                     break
-                reason = self._over_budget(last_step_s)
+                reason = self._budget_stop or self._over_budget(last_step_s)
                 if reason:
                     ledger.append(BudgetExhausted(reason=reason, outer_step=world.outer_step))
                     self._checkpoint_if_due(view, ending=True)
@@ -646,6 +675,10 @@ class Driver:
                                         steps_done=res.steps_done,
                                         inner_s_by_replica={r: round(s, 4) for r, s in res.inner_s_by_replica.items()}))
                 self._write_metrics(res)
+                if self._budget_stop:   # a price rise ended this step early: stop now, its work saved
+                    ledger.append(BudgetExhausted(reason=self._budget_stop, outer_step=world.outer_step))
+                    self._checkpoint_if_due(view, ending=True)
+                    return "budget_exhausted"
                 self._checkpoint_if_due(view)   # before the replicas leaving go: they may be all there is
                 self._release_drained(res)
                 view.step(res, world, world.tokens / train_s if train_s else 0.0,

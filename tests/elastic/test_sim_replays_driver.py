@@ -108,3 +108,69 @@ def test_the_simulator_takes_the_drivers_actions_and_bills_as_the_report(local_c
     assert build_report(events)["cost_usd"] == pytest.approx(traced_usd, abs=1e-3)
     # And the driver's running cost (what its budget checks read) is the report's cost.
     assert cost_so_far(events, events[-1]["t"]) == pytest.approx(build_report(events)["cost_usd"], abs=1e-6)
+
+
+def test_with_a_preemption_the_same_actions_checkpoint_and_bill_rates(local_cluster, tmp_path):
+    """A preemption drawn by the simulator (seeded) is replayed in the driver at the same outer
+    step: a notice comes to the world's only replica during its first step. Both executors rent
+    the replacement at once, checkpoint the first step before the noticed replica leaves (the
+    policy's `Checkpoint("leaving")`: the world would otherwise restart from nothing), and bill
+    the same VMs at the same prices."""
+    trace = tmp_path / "trace.csv"
+    # r1a is cheapest and, for its first 20 s, preempted 60 times an hour; with seed 8 the
+    # simulator draws one preemption, 1.8 s into the first phase.
+    trace.write_text("timestamp_s,cloud,region,zone,instance_type,gpu,gpus,spot_usd_per_hour,"
+                     "on_demand_usd_per_hour,preempt_per_hour,capacity\n"
+                     "0,local,r1,r1a,cpu,,0,40,120,60,4\n"
+                     "0,local,r1,r1b,cpu,,0,45,120,0,4\n"
+                     "0,local,r2,r2a,cpu,,0,50,120,0,4\n"
+                     "20,local,r1,r1a,cpu,,0,40,120,0,4\n")
+    recipe = tiny_recipe(**{
+        "world.replicas": 1, "world.max_replicas": 4, "train.outer_steps": 6, "train.inner_steps": 4,
+        "checkpoint.every_outer_steps": 0, "local.market.time_compression": 0.001,
+        "local.market.trace": str(trace), "planner.tokens_per_s": "{cpu: 50}", "planner.replan_every_s": 0.5,
+        "planner.recovery_s": 1, "planner.cross_region_sync_s": 0,
+        "local.instance_types": "[{name: cpu, region: r1, zone: r1a}, {name: cpu, region: r1, zone: r1b}, "
+                                "{name: cpu, region: r2, zone: r2a}]"})
+    expected = [("launch", "r1a"), ("launch", "r1a")]
+
+    ledgers: dict[str, list[dict]] = {}
+    sim = simulate(recipe, str(trace), ["elastic"], seed=8, ledgers=ledgers)[0]
+    sim_events = ledgers["elastic"]
+    assert sim["status"] == "completed" and sim["preemptions"] == 1
+    kinds = [e["type"] for e in sim_events]
+    # The preemption falls in the first phase; the first step is saved before the next launch.
+    assert kinds[:4] == ["node_launched", "node_preempted", "checkpoint_saved", "node_launched"]
+    assert actions(sim_events) == expected
+    assert sim_events[2]["step"] == 1
+
+    def notice_in_first_step(driver, phase, members):
+        if driver.world.outer_step == 0 and phase == "inner":
+            (rep,) = driver.world.replicas.values()
+            driver.provider.preempt(rep.instance_id, notice=True)
+
+    status, events = run_attached(recipe, local_cluster, tmp_path / "run", on_phase=notice_in_first_step,
+                                  run_name="replay-preempt")
+    assert status == "completed"
+    assert actions(events) == expected
+    assert [e["step"] for e in events if e["type"] == "checkpoint_saved"][0] == 1
+    # The world emptied when the noticed replica left and restarted from that checkpoint.
+    assert [e["from_step"] for e in events if e["type"] == "world_restored"] == [1]
+
+    # The two bills against each other: the same VMs, each billed at the same price per hour (the
+    # clocks differ: trace seconds of the planner's phases, real seconds of a compressed market);
+    # and each is the report's pricing of its own ledger.
+    sim_report, driver_report = build_report(sim_events), build_report(events)
+    assert sim_report["cost_usd"] == pytest.approx(sim["cost_usd"], abs=1e-4)
+    for ledger, report in ((sim_events, sim_report), (events, driver_report)):
+        assert cost_so_far(ledger, ledger[-1]["t"]) == pytest.approx(report["cost_usd"], abs=1e-6)
+
+    def bill(report):
+        return [(i["zone"], i["mean_usd_per_hour"]) for i in report["instances"]]
+
+    assert bill(sim_report) == bill(driver_report) == [("r1a", 40.0), ("r1a", 40.0)]
+
+    def usd_per_billed_hour(report):
+        return report["cost_usd"] / sum(i["billed_seconds"] for i in report["instances"]) * 3600
+
+    assert usd_per_billed_hour(sim_report) == pytest.approx(usd_per_billed_hour(driver_report), abs=1e-3)
