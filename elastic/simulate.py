@@ -8,7 +8,8 @@ each decision is `policy.decide` on a snapshot of the simulated run (the market'
 region cool-downs, the planner, the cooldown, re-plan and budget rules), its actions executed
 against the trace. VMs bill through `elastic.billing` at the trace's prices; the budget
 (`policy.stop_for_budget`) is checked before every phase and wait and at every change of a held
-VM's price, so no run ends above `budget.max_usd`.
+VM's price, so no run ends above `budget.max_usd`. Every policy checkpoints when
+`policy.checkpoint_due` says (at each phase's end; a restore goes back to the newest).
 
 Policies:
 - `elastic`: the planner's placement; DiLoCo survivors keep training through a preemption. A
@@ -502,7 +503,7 @@ def simulate(recipe, trace_path: str, policies: list[str] | None = None, seed: i
     effective_training_time (kept node-seconds over rented node-seconds), status. `ledgers`, when
     given, receives each policy's ledger-shaped events (in trace seconds), as the driver's ledger
     would hold them: node_launched, node_price, replica_move, capacity_error, node_preempted,
-    node_released."""
+    node_released, checkpoint_saved."""
     market = _market(recipe, trace_path)
     out = []
     for policy in policies or list(POLICIES):
