@@ -635,8 +635,7 @@ class Driver:
                 self.admit_joiners()
                 if not self.wait_for_capacity(view):
                     self.end_message = self._capacity_message()
-                    if world.replicas:
-                        self._checkpoint_if_due(view, ending=True)
+                    self._checkpoint_if_due(view, ending=True)
                     if self._budget_held_back:
                         ledger.append(BudgetExhausted(
                             outer_step=world.outer_step,
@@ -740,10 +739,11 @@ class Driver:
         return stop.reason if stop else None
 
     def _checkpoint_if_due(self, view, ending: bool = False) -> None:
-        """Checkpoint when the policy says (`policy.checkpoint_due`; `ending`: the run stops now)."""
+        """Checkpoint when the policy says (`policy.checkpoint_due`; `ending`: the run stops now)
+        and a replica is there to save it."""
         from elastic.policy import checkpoint_due
 
-        if checkpoint_due(self._snapshot(), ending) is not None:
+        if self.world.replicas and checkpoint_due(self._snapshot(), ending) is not None:
             self.checkpoint(view)
 
     def checkpoint(self, view) -> None:
