@@ -400,7 +400,12 @@ def _elastic(run: _Run) -> None:
                 break
             act(end - run.t)                  # the replacement is rented at once, not at the boundary
         if run.status is not None:
-            break                             # a price rise made the rest of the phase unaffordable
+            # A price rise made the rest of the phase unaffordable: as the driver does, the phase
+            # ends now and the members still there sync what they trained; the run stops.
+            kept = [m for m in members if m.iid not in lost]
+            if run.status == "budget_exhausted" and kept and run.t > start:
+                run.train_phase(kept, run.t - start, min(1.0, (run.t - start) / max(dt - world.sync_penalty_s, 1e-9)))
+            break
         if share is not None:   # the noticed replica and every member still alive contributed
             run.train_phase([m for m in members if m.iid not in lost or m.iid in gone], run.t - start, share)
             run.checkpoint_if_due(leaving=tuple(Node(iid, Quote(n.offer, 0.0, "trace"), n.launched_at, leaving=True,
