@@ -71,19 +71,22 @@ def _expected_min(rate_per_h, seconds):
         return np.where(r > 0, -np.expm1(-r * seconds) / np.where(r > 0, r, 1), seconds)
 
 
-def _slot(usd, rate, row_s, tps, lam, mu, boot_s, minimum_s):
+def _short_usd(usd, rate, minimum_s):
+    """USD a VM booted at each row and offer is expected to bill past its life when preempted
+    before its cloud's `minimum_s`: its price × E[(minimum − τ)⁺]."""
+    return np.where(np.isfinite(usd), usd * (minimum_s - _expected_min(rate, minimum_s)) / 3600, 0.0)
+
+
+def _slot(usd, rate, row_s, tps, lam, mu, boot_s, short_usd):
     """One slot's best schedule for token price `lam` and capacity prices `mu`: its expected
     cost − lam·tokens + mu·presence, the expected presence at each offer and row, expected tokens.
-    `minimum_s`: each offer's billing minimum."""
+    `short_usd`: what a VM booted there bills short of its minimum (`_short_usd`)."""
     n, m = usd.shape
     there = _expected_min(rate, row_s[:, None])                  # seconds a VM present at row start stays
     gone = -np.expm1(-rate * row_s[:, None] / 3600)               # P(preempted within the row)
     run = (usd * there + mu * row_s[:, None]) / 3600 - lam * tps * there
     run = np.where(np.isfinite(usd), run, math.inf)
-    boot = lam * tps * _expected_min(rate, boot_s)                # tokens a fresh VM forgoes, priced
-    # A fresh VM preempted at τ before its cloud's minimum still bills the minimum: E[(min − τ)⁺].
-    short_usd = np.where(np.isfinite(usd), usd * (minimum_s - _expected_min(rate, minimum_s)) / 3600, 0.0)
-    boot = boot + short_usd
+    boot = lam * tps * _expected_min(rate, boot_s) + short_usd    # tokens a fresh VM forgoes, priced; its minimum
 
     stay = np.zeros((n, m), bool)
     leave = np.zeros((n, m), bool)
@@ -138,6 +141,7 @@ def lower_bound_usd_per_mtok(recipe, market, finish_h: float | None = None, iter
     `simulate.TraceMarket`), training the run's tokens by `finish_h` (default budget.max_hours,
     else the trace's end). inf: not even every slot on its fastest offer trains them in time."""
     usd, cap, rate, row_s, tps, minimum_s = _arrays(recipe, market, finish_h)
+    short_usd = _short_usd(usd, rate, minimum_s)
     slots, boot_s, needed = recipe.world.max_replicas, recipe.planner.recovery_s, run_tokens(recipe)
     if _most_tokens(usd, cap, row_s, tps, slots) < needed:
         return math.inf
@@ -146,7 +150,7 @@ def lower_bound_usd_per_mtok(recipe, market, finish_h: float | None = None, iter
     best, lam = -math.inf, 1e-7
 
     def tokens_at(price):
-        return slots * _slot(usd, rate, row_s, tps, price, mu, boot_s, minimum_s)[2]
+        return slots * _slot(usd, rate, row_s, tps, price, mu, boot_s, short_usd)[2]
 
     for k in range(iterations):
         # λ: the least token price at which the slots train what the run needs.
@@ -161,7 +165,7 @@ def lower_bound_usd_per_mtok(recipe, market, finish_h: float | None = None, iter
             mid = (lo + hi) / 2
             lo, hi = (lo, mid) if tokens_at(mid) >= needed else (mid, hi)
         lam = hi
-        value, presence, _ = _slot(usd, rate, row_s, tps, lam, mu, boot_s, minimum_s)
+        value, presence, _ = _slot(usd, rate, row_s, tps, lam, mu, boot_s, short_usd)
         unused = np.where(capped, cap, 0.0) * row_s[:, None] / 3600
         best = max(best, slots * value + lam * needed - (mu * unused).sum())
         # Capacity prices: up where the slots crowd an offer, down where they leave room.

@@ -267,8 +267,13 @@ class _Run:
         outer-step boundary (`leaving`: replicas that contributed and go now) or when the run stops
         (`ending`). Taken at once: the work since is what a later `restore` loses, and a
         `checkpoint_saved` is recorded (no stall: the simulator does not time checkpoints)."""
-        snap = self.snapshot(checkpointed_step=self.ckpt_phases)
-        if checkpoint_due(dataclasses.replace(snap, nodes=snap.nodes + leaving), ending) is None:
+        # The rule reads progress and which nodes train or leave, no price nor spend: a light
+        # snapshot (pricing every held VM at every phase's end doubled the simulator's time).
+        nodes = tuple(Node(n.iid, Quote(n.offer, 0.0, "trace"), n.launched_at, ready=n.ready_at <= self.t)
+                      for n in self.nodes.values())
+        snap = Snapshot(self.recipe, self.t, nodes=nodes + leaving, checkpointed_step=self.ckpt_phases,
+                        progress=Progress(self.tokens, self.phases, self.t / 3600))
+        if checkpoint_due(snap, ending) is None:
             return
         self.ckpt_tokens, self.ckpt_phases = self.tokens, self.phases
         self.events.append(CheckpointSaved(step=self.phases, stall_s=0.0, write_s=0.0, local="",
