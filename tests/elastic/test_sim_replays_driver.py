@@ -117,13 +117,14 @@ def test_with_a_preemption_the_same_actions_checkpoint_and_bill_rates(local_clus
     policy's `Checkpoint("leaving")`: the world would otherwise restart from nothing), and bill
     the same VMs at the same prices."""
     trace = tmp_path / "trace.csv"
-    # r1a is cheapest and, for its first 20 s, preempted 60 times an hour; with seed 8 the
-    # simulator draws one preemption, 1.8 s into the first phase.
+    # r1a is cheapest by far (the risk either executor learns from one preemption does not move the
+    # world) and, for its first 20 s, preempted 60 times an hour; with seed 8 the simulator draws
+    # one preemption, 1.8 s into the first phase.
     trace.write_text("timestamp_s,cloud,region,zone,instance_type,gpu,gpus,spot_usd_per_hour,"
                      "on_demand_usd_per_hour,preempt_per_hour,capacity\n"
                      "0,local,r1,r1a,cpu,,0,40,120,60,4\n"
-                     "0,local,r1,r1b,cpu,,0,45,120,0,4\n"
-                     "0,local,r2,r2a,cpu,,0,50,120,0,4\n"
+                     "0,local,r1,r1b,cpu,,0,90,120,0,4\n"
+                     "0,local,r2,r2a,cpu,,0,100,120,0,4\n"
                      "20,local,r1,r1a,cpu,,0,40,120,0,4\n")
     recipe = tiny_recipe(**{
         "world.replicas": 1, "world.max_replicas": 4, "train.outer_steps": 6, "train.inner_steps": 4,
