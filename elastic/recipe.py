@@ -387,7 +387,9 @@ class CheckpointSection(_Section):
     (file:// must be a filesystem every node sees). Empty: `<run dir>/checkpoints`. A missing bucket
     or directory is created."""
     every_outer_steps: int = Field(10, ge=0)
-    """Save every N outer steps (0: only at the end)."""
+    """Save every N outer steps (0: only at the end). A run also saves when every replica training
+    has a notice (the world would otherwise restart from the last checkpoint) and when it stops
+    early (budget, capacity)."""
     keep_last: int = Field(3, ge=1)
     """Keep the newest K complete checkpoints; older ones are deleted (never the newest)."""
     local_dir: str | None = None
