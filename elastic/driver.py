@@ -678,7 +678,10 @@ class Driver:
                     ledger.append(BudgetExhausted(reason=self._budget_stop, outer_step=world.outer_step))
                     self._checkpoint_if_due(view, ending=True)
                     return "budget_exhausted"
-                self._checkpoint_if_due(view)   # before the replicas leaving go: they may be all there is
+                saved = self._checkpoint_if_due(view)   # before the replicas leaving go: they may be all there is
+                if saved is not None and saved.reason == "leaving":
+                    # Saved from a leaving replica (there is no other): durable before its node goes.
+                    self.finish_checkpoints(view)
                 self._release_drained(res)
                 view.step(res, world, world.tokens / train_s if train_s else 0.0,
                           cost_so_far(ledger.events, time.time()))
@@ -738,13 +741,15 @@ class Driver:
         stop = stop_for_budget(self._snapshot(), next_step_s)
         return stop.reason if stop else None
 
-    def _checkpoint_if_due(self, view, ending: bool = False) -> None:
+    def _checkpoint_if_due(self, view, ending: bool = False):
         """Checkpoint when the policy says (`policy.checkpoint_due`; `ending`: the run stops now)
-        and a replica is there to save it."""
+        and a replica is there to save it; returns the `policy.Checkpoint` taken, or None."""
         from elastic.policy import checkpoint_due
 
-        if self.world.replicas and checkpoint_due(self._snapshot(), ending) is not None:
+        due = checkpoint_due(self._snapshot(), ending) if self.world.replicas else None
+        if due is not None:
             self.checkpoint(view)
+        return due
 
     def checkpoint(self, view) -> None:
         """Phase 1 now (training waits), phase 2 in the background (see elastic.checkpoint)."""

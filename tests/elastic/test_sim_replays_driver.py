@@ -145,18 +145,23 @@ def test_with_a_preemption_the_same_actions_checkpoint_and_bill_rates(local_clus
     assert actions(sim_events) == expected
     assert sim_events[2]["step"] == 1
 
+    noticed = []
+
     def notice_in_first_step(driver, phase, members):
-        if driver.world.outer_step == 0 and phase == "inner":
+        if driver.world.outer_step == 0 and phase == "inner" and not noticed:
             (rep,) = driver.world.replicas.values()
             driver.provider.preempt(rep.instance_id, notice=True)
+            noticed.append(rep.instance_id)
 
     status, events = run_attached(recipe, local_cluster, tmp_path / "run", on_phase=notice_in_first_step,
                                   run_name="replay-preempt")
     assert status == "completed"
     assert actions(events) == expected
     assert [e["step"] for e in events if e["type"] == "checkpoint_saved"][0] == 1
-    # The world emptied when the noticed replica left and restarted from that checkpoint.
+    # The world emptied when the noticed replica left and restarted from that checkpoint (made
+    # durable before the noticed node went).
     assert [e["from_step"] for e in events if e["type"] == "world_restored"] == [1]
+    assert not any(e["type"] == "checkpoint_upload_failed" for e in events)
 
     # The two bills against each other: the same VMs, each billed at the same price per hour (the
     # clocks differ: trace seconds of the planner's phases, real seconds of a compressed market);
