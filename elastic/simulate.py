@@ -139,6 +139,7 @@ class _Run:
         self.ckpt_tokens = 0
         self.phases = 0
         self.ckpt_phases = 0
+        self.ckpt_kept = 0
         self.refused: str | None = None   # why the last launch was refused: "budget" or "capacity"
         self.nodes: dict[str, _Node] = {}
         self.events: list[dict] = []
@@ -146,6 +147,7 @@ class _Run:
         self.moves = 0
         self.useful_node_s = 0.0
         self.rented_node_s = 0.0
+        self.kept: list[tuple[float, float, list[Offer], int]] = []   # (start_s, end_s, members, tokens)
         self.tpp = tokens_per_phase(recipe)
         self.target_tokens = run_tokens(recipe)
         b = recipe.budget
@@ -258,8 +260,10 @@ class _Run:
     def train_phase(self, members: list[_Node], dt: float, share: float = 1.0) -> None:
         """Credit one outer step to `members` (they all kept their work; `share` of a whole inner
         phase each when a notice ended it early)."""
-        self.tokens += round(self.tpp * len(members) * share)
+        tokens = round(self.tpp * len(members) * share)
+        self.tokens += tokens
         self.useful_node_s += dt * len(members)
+        self.kept.append((self.t - dt, self.t, [m.offer for m in members], tokens))
         self.phases += 1
 
     def checkpoint_if_due(self, leaving: tuple[Node, ...] = (), ending: bool = False) -> None:
@@ -275,13 +279,14 @@ class _Run:
                         progress=Progress(self.tokens, self.phases, self.t / 3600))
         if checkpoint_due(snap, ending) is None:
             return
-        self.ckpt_tokens, self.ckpt_phases = self.tokens, self.phases
+        self.ckpt_tokens, self.ckpt_phases, self.ckpt_kept = self.tokens, self.phases, len(self.kept)
         self.events.append(CheckpointSaved(step=self.phases, stall_s=0.0, write_s=0.0, local="",
                                            replica=0).record(self.t))
 
     def restore(self) -> None:
         """Back to the last checkpoint (or the start): the work since is lost."""
         self.tokens, self.phases = self.ckpt_tokens, self.ckpt_phases
+        del self.kept[self.ckpt_kept:]
 
     def quotes_of(self, nodes) -> list[Quote]:
         return [Quote(self.now_offer(n), 0.0, "trace") for n in nodes]
@@ -508,13 +513,16 @@ def bound_usd_per_mtok(recipe, trace_path: str) -> float | None:
 
 
 def simulate(recipe, trace_path: str, policies: list[str] | None = None, seed: int = 0,
-             ledgers: dict[str, list[dict]] | None = None) -> list[dict]:
+             ledgers: dict[str, list[dict]] | None = None, kept: dict[str, list] | None = None,
+             market: TraceMarket | None = None) -> list[dict]:
     """Each policy's figures on the trace: cost_usd, tokens, usd_per_mtok, wall_h, preemptions,
     effective_training_time (kept node-seconds over rented node-seconds), status. `ledgers`, when
     given, receives each policy's ledger-shaped events (in trace seconds), as the driver's ledger
     would hold them: node_launched, node_price, replica_move, capacity_error, node_preempted,
-    node_released, checkpoint_saved."""
-    market = _market(recipe, trace_path)
+    node_released, checkpoint_saved. `kept`, when given, receives each policy's outer steps whose work
+    was kept, as (start_s, end_s, members' offers, tokens), for `bench/policies.py --explain`.
+    `market`: the trace already read (`trace_path` is then unread), or another view of it."""
+    market = market or _market(recipe, trace_path)
     out = []
     for policy in policies or list(POLICIES):
         if policy not in POLICIES:
@@ -531,4 +539,6 @@ def simulate(recipe, trace_path: str, policies: list[str] | None = None, seed: i
         out.append(run.result())
         if ledgers is not None:
             ledgers[policy] = run.events
+        if kept is not None:
+            kept[policy] = run.kept
     return out

@@ -162,6 +162,22 @@ def test_every_replica_lost_restores_from_the_checkpoint(tmp_path):
     assert res["effective_training_time"] < 0.5
 
 
+def test_kept_steps_hold_every_token_trained_and_a_restore_drops_its_steps(tmp_path):
+    # `kept` (what bench/policies.py --explain prices) is the run's own tokens, step by step: on a
+    # market with preemptions (replicas lost, work kept by the survivors) and on one where every
+    # replica is lost again and again (restores from the checkpoint drop the steps since).
+    for rate, cloud, budget in ((1.0, "gcp", "null"), (6.0, "other", 400)):   # "other": no notice
+        trace = write_trace(tmp_path / f"t{rate}.csv", [row(0, "r1a", 9.0, rate=rate, cloud=cloud),
+                                                        row(0, "r2a", 10.0, rate=rate, cloud=cloud)])
+        kept: dict = {}
+        res = simulate(recipe(**{"budget.max_usd": budget}), trace, ["elastic"], seed=1, kept=kept)[0]
+        steps = kept["elastic"]
+        assert steps and all(start < end and offers for start, end, offers, _ in steps)
+        assert [s[0] for s in steps] == sorted(s[0] for s in steps)
+        total = sum(tokens for *_, tokens in steps)
+        assert min(total, 2_000_000_000) == res["tokens"], (rate, total, res)
+
+
 @pytest.mark.parametrize("body, message", [
     ("timestamp_s,cloud\n0,aws\n", "missing columns: region"),
     (",".join(COLUMNS) + "\n", "no rows"),
