@@ -10,7 +10,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -19,7 +18,8 @@ import torch
 import yaml
 
 from elastic.ledger import read_events
-from tests.conftest import cli_env, run_cli
+from tests.conftest import run_cli
+from tests.elastic.test_launch import launch
 from tests.servers.object_stores import RecordingProxy
 
 transformers = pytest.importorskip("transformers", reason="the hf extra is not installed (pip install -e '.[hf]')")
@@ -219,9 +219,7 @@ def test_hf_model_trains_validates_exports_and_continues(workspace, s3_server, t
     shutil.copytree(run1 / "checkpoints" / "step-00000002", resume_from / "step-00000002")
     run3 = tmp_path / "run3"
     r3 = recipe_file(tmp_path / "resume.yaml", **scratch)
-    resumed = subprocess.Popen([sys.executable, "-m", "elastic", "launch", str(r3), "--run-dir", str(run3),
-                                "--set", f"checkpoint.uri=file://{resume_from}", "--resume"],
-                               cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    resumed = launch(run3, "--set", f"checkpoint.uri=file://{resume_from}", "--resume", recipe=str(r3), cwd=tmp_path)
     request.addfinalizer(lambda: interrupt(resumed))
     l1 = losses(run1)
     assert len(l1) == 20 and sum(l1[-5:]) / 5 < l1[0] - 1.0, l1
