@@ -174,8 +174,13 @@ class LocalCluster:
             self._cluster = Cluster(initialize_head=True, shutdown_at_exit=True, head_node_args={
                 "num_cpus": head_cpus, "num_gpus": 0, "include_dashboard": False,
                 "node_ip_address": self.node_ip, "object_store_memory": 100 * 1024 * 1024,
+                # The driver reads no worker output (log_to_driver=False), nothing autoscales this
+                # cluster and nobody scrapes Prometheus here: no log monitor, no autoscaler monitor,
+                # and no metrics export from any node's processes (each costs CPU all run long).
+                "include_log_monitor": False, "no_monitor": True,
                 # Notice a node that died without a word within ~1.5 s, not Ray's default ~15 s.
-                "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3}})
+                "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
+                                   "enable_metrics_collection": False}})
             self.address = self._cluster.address
         else:
             self.address = address

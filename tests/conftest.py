@@ -13,6 +13,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Keep the cache of the default corpus inside the test session, never in the user's home.
 os.environ.setdefault("ELASTIC_CACHE", str(Path(os.environ.get("PYTEST_CACHE_DIR", "/tmp")) / "elastic-test-cache"))
+# Each local node's dashboard agent walks every process on the machine (psutil) every 5 s for a
+# dashboard no test runs; with a dozen nodes up on 2 cores, that is CPU the tests' training wants.
+# Nodes and `elastic launch` subprocesses started by the tests inherit this.
+os.environ.setdefault("REPORTER_UPDATE_INTERVAL_MS", "60000")
 
 
 def events_within(provider, timeout_s: float = 10.0) -> list:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import signal
+import subprocess
 import uuid
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import yaml
 
 from elastic.ledger import read_events
 from tests.conftest import run_cli
+from tests.elastic.test_launch import launch
 from tests.servers.object_stores import RecordingProxy
 
 transformers = pytest.importorskip("transformers", reason="the hf extra is not installed (pip install -e '.[hf]')")
@@ -174,12 +177,24 @@ def wandb_history(run_dir: Path) -> list[dict]:
     return rows
 
 
+def interrupt(proc: subprocess.Popen) -> None:
+    """End a launch the test left running (it failed first) as Ctrl-C does: the run releases its
+    nodes and stops its cluster."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+
+
 def losses(run_dir: Path) -> list[float]:
     return [x for e in read_events(run_dir / "events.jsonl") if e["type"] == "outer_step" for x in e["losses"]]
 
 
 @pytest.mark.slow
-def test_hf_model_trains_validates_exports_and_continues(workspace, s3_server, tmp_path):
+def test_hf_model_trains_validates_exports_and_continues(workspace, s3_server, tmp_path, request):
     from elastic.prepare import prepare
 
     uri = f"s3://hf-{uuid.uuid4().hex[:8]}/tok"
@@ -196,6 +211,16 @@ def test_hf_model_trains_validates_exports_and_continues(workspace, s3_server, t
     # W&B offline: no network (WANDB_MODE pins it even if the recipe said online).
     out = run_cli("launch", str(r1), "--run-dir", str(run1), cwd=tmp_path, timeout=400, WANDB_MODE="offline")
     assert out.returncode == 0, out.stdout + out.stderr
+
+    # --resume from run 1's step-2 checkpoint (alone in a directory of its own), checked last: it
+    # runs beside the checks, the export and run 2 below (nothing it reads or writes is theirs),
+    # so the two clusters' start-ups overlap on the 2-core machine.
+    resume_from = tmp_path / "resume-from"
+    shutil.copytree(run1 / "checkpoints" / "step-00000002", resume_from / "step-00000002")
+    run3 = tmp_path / "run3"
+    r3 = recipe_file(tmp_path / "resume.yaml", **scratch)
+    resumed = launch(run3, "--set", f"checkpoint.uri=file://{resume_from}", "--resume", recipe=str(r3), cwd=tmp_path)
+    request.addfinalizer(lambda: interrupt(resumed))
     l1 = losses(run1)
     assert len(l1) == 20 and sum(l1[-5:]) / 5 < l1[0] - 1.0, l1
     events = read_events(run1 / "events.jsonl")
@@ -243,15 +268,11 @@ def test_hf_model_trains_validates_exports_and_continues(workspace, s3_server, t
     assert l2[0] < l1[0] - 1.0 and abs(l2[0] - sum(l1[-5:]) / 5) < 0.5, (l1, l2)
     assert sum(l2[-3:]) / 3 < sum(l2[:3]) / 3, l2
 
-    # --resume from run 1's step-2 checkpoint (alone in a directory of its own): the resumed run
-    # reads the same samples from the shards as run 1 did in steps 3 and 4, so it has the same
-    # losses (another batch would differ by percents) and the same validation loss at step 4.
-    resume_from = tmp_path / "resume-from"
-    shutil.copytree(run1 / "checkpoints" / "step-00000002", resume_from / "step-00000002")
-    run3 = tmp_path / "run3"
-    out = run_cli("launch", str(recipe_file(tmp_path / "resume.yaml", **scratch)), "--run-dir", str(run3),
-                  "--set", f"checkpoint.uri=file://{resume_from}", "--resume", cwd=tmp_path, timeout=400)
-    assert out.returncode == 0, out.stdout + out.stderr
+    # The resumed run reads the same samples from the shards as run 1 did in steps 3 and 4, so it
+    # has the same losses (another batch would differ by percents) and the same validation loss at
+    # step 4.
+    out, _ = resumed.communicate(timeout=400)
+    assert resumed.returncode == 0, out
     events = read_events(run3 / "events.jsonl")
     assert [e["from_step"] for e in events if e["type"] == "resumed"] == [2]
     assert [e["outer_step"] for e in events if e["type"] == "outer_step"] == [3, 4]

@@ -293,9 +293,10 @@ def test_resume_continues_from_the_latest_checkpoint_in_another_world_shape(tmp_
     assert [e["step"] for e in skipped] == [6] and "does not match its manifest" in skipped[0]["message"]
     assert [e["from_step"] for e in events if e["type"] == "resumed"] == [before]
     assert [e["outer_step"] for e in events if e["type"] == "outer_step"] == list(range(before + 1, 7))
-    # Resuming a run whose checkpoint is already at train.outer_steps trains nothing more.
+    # Resuming a run whose checkpoint is already at train.outer_steps trains nothing more (one
+    # replica, the one that loads the checkpoint, is all it takes to find that out).
     fourth = launch(tmp_path / "fourth", *SMALL, "--set", "train.outer_steps=6", "--set", f"checkpoint.uri={uri}",
-                    "--resume")
+                    "--set", "world.replicas=1", "--resume")
     out, _ = fourth.communicate(timeout=300)
     assert fourth.returncode == 0, out
     events = read_events(tmp_path / "fourth" / "events.jsonl")
