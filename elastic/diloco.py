@@ -231,8 +231,7 @@ class Fragments:
     order) while inner steps go on; its update is applied by the training thread at its apply point
     (`fragment_schedule`). A fragment is applied only if every member of the group reduced it: each
     member counts itself in the driver's store, and the first to see the full count, or anyone to
-    see a failure (a member that failed, a rank that will not start it, the driver dropping a
-    member), settles the fragment's decision key with compare-and-set: `apply` or `abort`, the same
+    see a failure (a member whose collective failed, the driver dropping a member), settles the fragment's decision key with compare-and-set: `apply` or `abort`, the same
     answer for all. A fragment aborted, and every later one of that phase, is left *pending*: its
     Δ is formed again at the end of the phase and synced by the driver's blocking outer sync over
     the survivors (`join_group`, `all_reduce`, `apply`), like the whole model with one fragment.
@@ -258,9 +257,14 @@ class Fragments:
         self._pool = None   # the background sync thread (a one-worker executor), made at first use
         self._phase: dict | None = None   # the inner phase under way (`begin_phase`)
         self.pending: list[int] = [0] if n == 1 else []   # fragments the blocking sync reduces
-        self.bytes_sent = 0     # by this rank this outer step, background and blocking
-        self.network_s = 0.0    # inside the outer group's collectives this outer step
-        self.wait_s = 0.0       # of those, seconds training waited (not overlapped)
+        # This outer step's sync traffic of this rank, streamed and blocking: bytes sent; seconds
+        # the sync was under way (a streamed fragment's from its start to its decision, the
+        # blocking sync's inside its collectives); of those, seconds training waited for it, and
+        # seconds it ran beside inner steps.
+        self.bytes_sent = 0
+        self.network_s = 0.0
+        self.wait_s = 0.0
+        self.overlapped_s = 0.0
 
     # -- the outer group ---------------------------------------------------------------------------
 
@@ -302,6 +306,7 @@ class Fragments:
         self.bytes_sent = base.get("bytes", 0) + sent
         self.network_s = base.get("network_s", 0.0) + net
         self.wait_s = base.get("wait_s", 0.0) + net
+        self.overlapped_s = base.get("overlapped_s", 0.0)
 
     def apply(self) -> None:
         """Phase 2: the outer step of each pending fragment (Δ formed at the end of the phase, so
@@ -322,8 +327,9 @@ class Fragments:
         (unique per epoch, phase and shard)."""
         self._phase = {"store": store, "key": key, "group": group if len(self.parts) > 1 else None,
                        "timeout_s": timeout_s, "shard": shard, "device": device, "started": {},
-                       "settled": set(), "applied": set(), "broken": False, "bytes": 0, "network_s": 0.0, "wait_s": 0.0}
-        self.bytes_sent, self.network_s, self.wait_s = 0, 0.0, 0.0
+                       "settled": set(), "applied": set(), "broken": False, "bytes": 0, "network_s": 0.0, "wait_s": 0.0,
+                       "overlapped_s": 0.0}
+        self.bytes_sent, self.network_s, self.wait_s, self.overlapped_s = 0, 0.0, 0.0, 0.0
 
     def after_inner_step(self, done: int) -> None:
         """`done` inner steps of the phase are done: start the fragment whose sync starts here, apply
@@ -334,24 +340,30 @@ class Fragments:
             return
         for f, (start, apply) in enumerate(self._schedule):
             if done == start:
-                self.parts[f].form_pseudo_gradient()
-                if self._pool is None:
-                    from concurrent.futures import ThreadPoolExecutor
-                    self._pool = ThreadPoolExecutor(1, thread_name_prefix="fragment-sync")
-                ph["started"][f] = self._pool.submit(self._sync_in_background, f)
+                self._start(f)
             if done == apply and f in ph["started"]:
                 self._settle(f)
+
+    def _start(self, f: int) -> None:
+        """Form fragment f's Δ and queue its sync on the background thread."""
+        self.parts[f].form_pseudo_gradient()
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="fragment-sync")
+        self._phase["started"][f] = self._pool.submit(self._sync_in_background, f)
 
     def _settle(self, f: int) -> None:
         """Wait for fragment f's decision; apply it (keeping the steps trained since its Δ) if every
         member reduced it."""
         ph = self._phase
         t0 = time.monotonic()
-        outcome, sent, net = ph["started"][f].result()
+        outcome, sent, busy_s = ph["started"][f].result()
+        waited_s = time.monotonic() - t0
         ph["settled"].add(f)
-        ph["wait_s"] += time.monotonic() - t0
         ph["bytes"] += sent
-        ph["network_s"] += net
+        ph["network_s"] += busy_s
+        ph["wait_s"] += min(waited_s, busy_s)
+        ph["overlapped_s"] += max(0.0, busy_s - waited_s)
         if outcome == "apply":
             self.parts[f].apply(keep_drift=True)
             self._on_apply(f, self.parts[f].averaged)
@@ -359,17 +371,18 @@ class Fragments:
 
     def _sync_in_background(self, f: int) -> tuple[str, int, float]:
         """The background thread's job for fragment f: all-reduce it, then settle its decision.
-        Returns (`apply` or `abort`, bytes sent, seconds in collectives)."""
+        Returns (`apply` or `abort`, bytes sent, seconds from its start to its decision)."""
+        t0 = time.monotonic()
         ph = self._phase
         store, key = ph["store"], f"{ph['key']}/{f}"
         epoch, index, size = ph["group"]
-        sent, net = 0, 0.0
+        sent = 0
         try:
             if ph["broken"]:
                 raise RuntimeError("an earlier fragment of this phase was aborted")
             if size > 1:
                 self.join_group(store, epoch, index, size, ph["timeout_s"], ph["shard"], ph["device"])
-            sent, net = self._reduce(f, index, size)
+            sent, _ = self._reduce(f, index, size)
             store.add(f"{key}/n", 1)
             while not store.check([key]):
                 if int(store.add(f"{key}/n", 0)) >= size:
@@ -383,28 +396,30 @@ class Fragments:
         if outcome != "apply":
             ph["broken"] = True
             self._pg, self._epoch = None, -1   # a collective may be left half done: a fresh group next
-        return outcome, sent, net
+        return outcome, sent, time.monotonic() - t0
 
     def end_phase(self) -> dict:
-        """The inner phase ended (after H steps, or earlier on a notice): settle the fragments whose
-        sync is under way, abort those never started (peers may be waiting on them), and form Δ of
-        every fragment not applied: the pending ones, for the blocking sync. Returns
+        """The inner phase ended (after H steps, or earlier on a notice): start the fragments not
+        started yet (their peers, further along, wait in those collectives: a phase cut short syncs
+        them now, with the Δ it has), settle every fragment in order, and form Δ of every fragment
+        not applied: the pending ones, for the blocking sync. Returns
         {"pending": count, "fresh_group": whether the blocking sync needs a new outer group (a
         background sync was aborted: its group may hold a half-done collective)}."""
         ph = self._phase
         streamed = ph is not None and ph["group"] is not None
         if streamed:
             for f in range(len(self.parts)):
-                if f not in ph["started"]:
-                    ph["store"].compare_set(f"{ph['key']}/{f}", "", "abort")
-                elif f not in ph["settled"]:   # the phase ended before its apply point (a notice)
+                if f not in ph["started"]:   # the phase ended before its start point (a notice)
+                    self._start(f)
+                if f not in ph["settled"]:
                     self._settle(f)
         applied = ph["applied"] if streamed else set()
         self.pending = [f for f in range(len(self.parts)) if f not in applied]
         for f in self.pending:
             self.parts[f].form_pseudo_gradient()
         if ph is not None:
-            self.bytes_sent, self.network_s, self.wait_s = ph["bytes"], ph["network_s"], ph["wait_s"]
+            self.bytes_sent, self.network_s, self.wait_s, self.overlapped_s = (
+                ph["bytes"], ph["network_s"], ph["wait_s"], ph["overlapped_s"])
         return {"pending": len(self.pending), "fresh_group": streamed and bool(self.pending)}
 
     # -- state: one flat vector over all fragments, in parameter order -----------------------------

@@ -532,10 +532,11 @@ class RankWorker:
         except Exception as exc:  # a peer died, timed out or was unreachable: the driver re-forms the group
             return {"ok": False, "stage": stage, "addr": self._node_ip,
                     "error": f"{type(exc).__name__}: {str(exc)[:200]}", "seconds": time.monotonic() - t0,
-                    "bytes": 0, "network_s": 0.0, "wait_s": 0.0}
+                    "bytes": 0, "network_s": 0.0, "wait_s": 0.0, "overlapped_s": 0.0}
         # The outer step's whole traffic: the fragments streamed in the phase and this sync.
-        return {"ok": True, "seconds": time.monotonic() - t0, "bytes": self._outer.bytes_sent,
-                "network_s": self._outer.network_s, "wait_s": self._outer.wait_s}
+        o = self._outer
+        return {"ok": True, "seconds": time.monotonic() - t0, "bytes": o.bytes_sent, "network_s": o.network_s,
+                "wait_s": o.wait_s, "overlapped_s": o.overlapped_s}
 
     def outer_apply(self) -> None:
         """Phase 2: every member reduced, so take the outer step of the pending fragments."""

@@ -122,12 +122,13 @@ class StepResult:
         inner_s: slowest inner phase, seconds.
         sync_s: outer sync (all attempts), seconds.
         bytes_sent: pseudo-gradient bytes each rank sent in the applied sync (the most of any rank).
-        network_s: seconds a rank spent inside the outer group's collectives this step (the most
-            of any rank): the fragments streamed during the inner phase and the blocking sync.
+        network_s: seconds the outer sync was under way on a rank this step (the most of any
+            rank): each streamed fragment's from its start to its decision, and the blocking
+            sync's inside its collectives.
         wait_s: of those, seconds training waited on the network (the blocking sync's, and a
             streamed fragment's not done by its apply point), the most of any rank.
-        overlapped_s: seconds of collectives hidden behind inner steps (network_s − wait_s of the
-            rank that overlapped most).
+        overlapped_s: seconds the streamed fragment syncs ran beside inner steps (the most of any
+            rank).
         sync_attempts: all-reduce attempts (1 when nobody failed).
         steps_done: inner steps each contributing replica took (fewer when cut short by a notice).
         idle: replicas that took no inner step (a notice came before their first): nothing to add.
@@ -697,7 +698,7 @@ class World:
                            for rid in members},
                           {rid: results[(rid, 0)]["lrs"] for rid in members}, tokens_before, step_tokens,
                           max((s["wait_s"] for s in sync_out.values()), default=0.0),
-                          max((max(0.0, s["network_s"] - s["wait_s"]) for s in sync_out.values()), default=0.0))
+                          max((s["overlapped_s"] for s in sync_out.values()), default=0.0))
 
     def lead_replica(self) -> Replica:
         return self.replicas[min(self.replicas)]
