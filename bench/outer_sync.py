@@ -2,19 +2,22 @@
 
     python bench/outer_sync.py [--width 128] [--layers 2] [--outer-steps 12] [--inner-steps 20]
 
-Two DiLoCo replicas of local-tiny's model (grown by --width/--layers) train in this process, one
-after the other, on disjoint leases of the same data order; their outer sync is the project's own
-`OuterState` and codec over a real gloo group on loopback (one thread per replica). Every variant
+Two DiLoCo replicas of local-tiny's model (grown by --width/--layers) train in this process at the
+same time, on disjoint leases of the same data order; their outer sync is the project's own
+`Fragments` (OuterState and codec per fragment) over a real gloo group on loopback (one thread per
+replica, training concurrently, so a fragment's background sync meets its peer's). Every variant
 starts from the same seed and sees the same tokens:
 
     float32, bfloat16, int8 + error feedback, int8 without, fp8 + error feedback,
-    sparse (SparseLoCo: outer lr 1, no momentum) at density 0.03 and 0.01
+    sparse (SparseLoCo: outer lr 1, no momentum) at density 0.03 and 0.01,
+    fragments 4 (Streaming DiLoCo, float32 and int8)
     (`--only NAME ...` runs some of them).
 
 For each: the loss of θ_outer on held-out samples at the end (and the last inner phase's training
 loss), bytes each replica sent over the run, their ratio to float32, and the bytes a data-parallel
 run would have sent for the same tokens (DDP: an all-reduce of the whole bfloat16 gradient every
-inner step). Prints figures; passes or fails nothing.
+inner step), and the seconds a replica spent in the sync's collectives: waited for by training,
+or overlapped with inner steps (streamed fragments). Prints figures; passes or fails nothing.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ VARIANTS = {
                     "train.outer_lr": 1.0},
     "sparse 0.01": {"world.sync": "sparse", "world.sync_density": 0.01, "train.outer_momentum": 0.0,
                     "train.outer_lr": 1.0},
+    # Streaming DiLoCo: the same bytes, synced a quarter at a time while training goes on.
+    "fragments 4": {"world.fragments": 4},
+    "fragments 4 + int8": {"world.fragments": 4, "world.sync_dtype": "int8"},
 }
 REPLICAS = 2
 
@@ -57,14 +63,18 @@ def recipe(args, overrides: dict):
 
 
 def run(r, data, eval_batches, store_port: int, epoch: int, tag: str) -> dict:
-    """Train REPLICAS replicas of recipe `r` with DiLoCo, their outer group keyed by `epoch` (one
-    per variant: a group never reads an earlier one's keys); returns losses and bytes sent."""
-    from elastic.diloco import OuterState
+    """Train REPLICAS replicas of recipe `r` with DiLoCo, one thread each (a fragment's sync in the
+    background needs its peers training at the same time), their outer group keyed by `epoch` (one
+    per variant: a group never reads an earlier one's keys); returns losses, bytes sent and the
+    seconds in the sync's collectives, waited for and overlapped."""
+    from elastic.diloco import Fragments, OuterState
     from elastic.models import build_model
     from elastic.outer_sync import make_codec
-    from elastic.replica import lr_at
+    from elastic.replica import Schedule
 
     t, w, vocab = r.train, r.world, r.model.vocab_size
+    schedule = Schedule.for_recipe(r)
+    step_tokens = REPLICAS * t.batch_size * t.seq_len
     replicas = []
     for _ in range(REPLICAS):
         torch.manual_seed(t.seed)   # every replica starts from the same θ
@@ -73,40 +83,53 @@ def run(r, data, eval_batches, store_port: int, epoch: int, tag: str) -> dict:
         opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": t.inner_weight_decay},
                                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
                                 lr=t.inner_lr, betas=t.inner_betas, foreach=True)
-        outer = OuterState(params, t.outer_lr, t.outer_momentum, t.outer_nesterov,
-                           lambda n: make_codec(n, w.sync, w.sync_dtype, w.error_feedback, w.sync_density, w.sync_decay))
+        outer = Fragments(params, w.fragments, t.inner_steps,
+                          lambda ps: OuterState(ps, t.outer_lr, t.outer_momentum, t.outer_nesterov,
+                                                lambda n: make_codec(n, w.sync, w.sync_dtype, w.error_feedback,
+                                                                     w.sync_density, w.sync_decay)))
         replicas.append((model, params, opt, outer, dist.TCPStore("127.0.0.1", store_port, is_master=False)))
-    total = t.outer_steps * t.inner_steps
-    cursor, sent, network_s, last = 0, 0, 0.0, []
+    per_replica = t.inner_steps * t.batch_size
+    loopback = dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
+    tally = [{"bytes": 0, "network_s": 0.0, "wait_s": 0.0, "overlapped_s": 0.0, "last": []} for _ in range(REPLICAS)]
+    errors = []
+
+    def train(i: int) -> None:
+        model, params, opt, outer, store = replicas[i]
+        try:
+            for step in range(t.outer_steps):
+                lease = (step * REPLICAS + i) * per_replica   # disjoint leases, as the world's
+                outer.begin_phase(store, f"bench/{epoch}/{step}", (epoch, i, REPLICAS), 60, 0, loopback)
+                last = tally[i]["last"] = []
+                for h in range(t.inner_steps):
+                    for g in opt.param_groups:
+                        g["lr"] = schedule.lr((step * t.inner_steps + h) * step_tokens, step_tokens)
+                    batch = data.batch(lease + h * t.batch_size, t.batch_size)
+                    loss = F.cross_entropy(model(batch[:, :-1]).reshape(-1, vocab), batch[:, 1:].reshape(-1))
+                    loss.backward()
+                    torch.nn.utils.clip_grad_norm_(params, t.grad_clip, foreach=True)
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    last.append(loss.item())
+                    outer.after_inner_step(h + 1)
+                outer.end_phase()
+                if outer.pending:
+                    outer.join_group(store, epoch, i, REPLICAS, 60, shard=0, device=loopback)
+                outer.all_reduce(i, REPLICAS)
+                outer.apply()
+                tally[i]["bytes"] += outer.bytes_sent
+                tally[i]["network_s"] += outer.network_s
+                tally[i]["wait_s"] += outer.wait_s
+                tally[i]["overlapped_s"] += outer.overlapped_s
+        except BaseException as exc:
+            errors.append(exc)
+            raise
+
     t0 = time.monotonic()
-    for step in range(t.outer_steps):
-        last = []
-        for model, params, opt, outer, _ in replicas:
-            lease, cursor = cursor, cursor + t.inner_steps * t.batch_size
-            for h in range(t.inner_steps):
-                for g in opt.param_groups:
-                    g["lr"] = lr_at(step * t.inner_steps + h, t.inner_lr, t.warmup_steps, total)
-                batch = data.batch(lease + h * t.batch_size, t.batch_size)
-                loss = F.cross_entropy(model(batch[:, :-1]).reshape(-1, vocab), batch[:, 1:].reshape(-1))
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, t.grad_clip, foreach=True)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                last.append(loss.item())
-            outer.form_pseudo_gradient()
-
-        def sync(i):
-            outer, store = replicas[i][3], replicas[i][4]
-            outer.join_group(store, epoch, i, REPLICAS, 60, shard=0)
-            outer.all_reduce(i, REPLICAS)
-
-        threads = [threading.Thread(target=sync, args=(i,)) for i in range(REPLICAS)]
-        [th.start() for th in threads]
-        [th.join() for th in threads]
-        for _, _, _, outer, _ in replicas:
-            outer.apply()
-        sent += replicas[0][3].bytes_sent
-        network_s += replicas[0][3].network_s
+    threads = [threading.Thread(target=train, args=(i,)) for i in range(REPLICAS)]
+    [th.start() for th in threads]
+    [th.join() for th in threads]
+    if errors:
+        raise errors[0]
     train_s = time.monotonic() - t0
     model = replicas[0][0]
     with torch.no_grad():
@@ -115,8 +138,11 @@ def run(r, data, eval_batches, store_port: int, epoch: int, tag: str) -> dict:
     theta = [o.theta.data for *_, o, _ in replicas]
     assert all(torch.equal(theta[0], th) for th in theta[1:]), f"{tag}: replicas disagree on θ"
     params = sum(p.numel() for p in replicas[0][1])
-    return {"eval": held_out, "train": sum(last) / len(last), "bytes": sent, "network_s": network_s,
-            "train_s": train_s, "params": params, "tokens": cursor * t.seq_len}
+    last = [x for tl in tally for x in tl["last"]]
+    return {"eval": held_out, "train": sum(last) / len(last), "bytes": tally[0]["bytes"],
+            "network_s": max(tl["network_s"] for tl in tally), "wait_s": max(tl["wait_s"] for tl in tally),
+            "overlapped_s": max(tl["overlapped_s"] for tl in tally),
+            "train_s": train_s, "params": params, "tokens": REPLICAS * t.outer_steps * per_replica * t.seq_len}
 
 
 def main() -> None:
@@ -154,13 +180,14 @@ def main() -> None:
           f"H = {t.inner_steps}, {t.outer_steps} outer steps, {p['tokens']:,} tokens; "
           f"data-parallel would send {ddp:,} bytes per replica\n")
     print("| sync | held-out loss | vs float32 | last train loss | bytes sent per replica | float32 / this | "
-          "DDP / this |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          "DDP / this | sync s | waited s | overlapped s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, r in results.items():
         vs = f"{100 * (r['eval'] / ref['eval'] - 1):+.2f} %" if ref else "–"
         ratio = f"{ref['bytes'] / r['bytes']:.1f}×" if ref else "–"
         print(f"| {name} | {r['eval']:.4f} | {vs} | {r['train']:.4f} | {r['bytes']:,} | {ratio} | "
-              f"{ddp / r['bytes']:,.0f}× |")
+              f"{ddp / r['bytes']:,.0f}× | {r['network_s']:.2f} | {r['wait_s']:.2f} | "
+              f"{r['overlapped_s']:.2f} |")
 
 
 if __name__ == "__main__":

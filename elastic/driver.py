@@ -670,7 +670,8 @@ class Driver:
                                         replicas=res.replicas, losses=[round(x, 6) for x in res.losses],
                                         tokens=res.tokens, tokens_total=world.tokens, inner_s=round(res.inner_s, 4),
                                         sync_s=round(res.sync_s, 4), bytes_sent=res.bytes_sent,
-                                        network_s=round(res.network_s, 4), data_cursor=world.cursor,
+                                        network_s=round(res.network_s, 4), wait_s=round(res.wait_s, 4),
+                                        overlapped_s=round(res.overlapped_s, 4), data_cursor=world.cursor,
                                         steps_done=res.steps_done,
                                         inner_s_by_replica={r: round(s, 4) for r, s in res.inner_s_by_replica.items()}))
                 self._write_metrics(res)

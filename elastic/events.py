@@ -434,7 +434,9 @@ class OuterStep(Event):
         outer_step, inner_step: the world's counters after it. epoch: the membership epoch.
         replicas: contributing replica ids. losses: mean loss per inner step. tokens: tokens it
         trained. tokens_total: the run's. inner_s, sync_s: seconds of its phases. bytes_sent:
-        pseudo-gradient bytes a rank sent. network_s: seconds in the sync's collectives.
+        pseudo-gradient bytes a rank sent (streamed fragments and the blocking sync). network_s:
+        seconds the sync was under way on a rank. wait_s: of those, seconds training waited on
+        the network. overlapped_s: seconds streamed fragment syncs ran beside inner steps.
         data_cursor: next unleased sample. steps_done: {replica: inner steps}.
         inner_s_by_replica: {replica: seconds of its inner phase}.
     """
@@ -453,6 +455,8 @@ class OuterStep(Event):
     data_cursor: int
     steps_done: dict
     inner_s_by_replica: dict
+    wait_s: float = 0.0        # absent from ledgers written before streamed fragments
+    overlapped_s: float = 0.0
 
 
 @_event("sync_failed")

@@ -240,6 +240,15 @@ class WorldSection(_Section):
     sync_decay: float = Field(0.95, gt=0, le=1)
     """With `sync: sparse`: the error-feedback accumulator is multiplied by this before each outer
     step's pseudo-gradient is added."""
+    fragments: int = Field(1, ge=1, le=64)
+    """Streaming DiLoCo: the model's parameters split into this many contiguous fragments of about
+    equal size, each with its own outer momentum and sync state (error feedback), synced at
+    staggered points of the inner phase: fragment f's pseudo-gradient is formed after
+    (f+1)·⌊H/N⌋ − τ inner steps (τ = half a slot, ⌊H/(2N)⌋) and all-reduced in the background
+    while training goes on; its outer update is applied after (f+1)·⌊H/N⌋ steps, keeping the
+    steps trained meanwhile. Every fragment is synced once per outer step and the bytes are those
+    of one whole sync, but they cross the network while the GPUs train. 1: one blocking sync at
+    the end of the phase. See docs/architecture.md, "Streamed fragments"."""
     stall_timeout_s: float = Field(120.0, gt=0)
     """A member is lost when no heartbeat of one of its ranks arrived for this long, in seconds
     (every rank publishes one each second with its step counter, during inner phases and syncs
@@ -463,6 +472,9 @@ class _RecipeCore(_Section):
         if mb is not None and per_rank % mb:
             problems.append(f"train.micro_batch_size ({mb}) must divide the sequences each rank takes per step "
                             f"(train.batch_size / world.ranks_per_replica = {per_rank})")
+        if self.world.fragments > 1 and self.train.inner_steps < 2 * self.world.fragments:
+            problems.append(f"world.fragments ({self.world.fragments}) needs train.inner_steps of at least "
+                            f"2 × fragments ({2 * self.world.fragments}): each fragment's sync overlaps half a slot")
         if self.eval.every_outer_steps and self.data.uri is None:
             problems.append("eval.every_outer_steps: validation needs data.uri (a shard directory with a val split)")
         from providers import available

@@ -31,6 +31,13 @@ def heartbeat_key(replica_id: int, rank: int) -> str:
     return f"hb/{replica_id}/{rank}"
 
 
+def fragment_key(epoch: int, inner_step: int, shard: int) -> str:
+    """Prefix of the decision keys of an inner phase's streamed fragment syncs in the driver's
+    store (`elastic.diloco.Fragments`): the phase's membership epoch, its first global inner step,
+    the rank (shard) whose outer group decides."""
+    return f"frag/{epoch}/{inner_step}/{shard}"
+
+
 @dataclass
 class RankSpec:
     """What a rank needs to start.
@@ -256,7 +263,7 @@ class RankWorker:
         from torch.distributed.tensor import DTensor
 
         from elastic.data import BatchPrefetcher, open_stream
-        from elastic.diloco import OuterState, local_shard, outer_device
+        from elastic.diloco import Fragments, OuterState, local_shard, outer_device
         from elastic.outer_sync import make_codec
         from elastic.models import build_model, shard_units, wrap_blocks
         from elastic.recipe import Recipe
@@ -312,10 +319,18 @@ class RankWorker:
             lr=t.inner_lr, betas=t.inner_betas, **({"fused": True} if fused else {"foreach": True}))
         w = recipe.world
         local_numel = sum(local_shard(p).numel() for p in self._params)
-        self._outer = OuterState(self._params, t.outer_lr, t.outer_momentum, t.outer_nesterov,
-                                 lambda numel: make_codec(numel, w.sync, w.sync_dtype, w.error_feedback,
-                                                          w.sync_density, w.sync_decay),
-                                 device=outer_device(t.outer_device, self._device, local_numel))
+        where = outer_device(t.outer_device, self._device, local_numel)
+        # One OuterState (θ_outer, momentum, codec and its error feedback) per fragment.
+        self._outer = Fragments(
+            self._params, w.fragments, t.inner_steps,
+            lambda params: OuterState(params, t.outer_lr, t.outer_momentum, t.outer_nesterov,
+                                      lambda numel: make_codec(numel, w.sync, w.sync_dtype, w.error_feedback,
+                                                               w.sync_density, w.sync_decay), device=where),
+            on_apply=self._log_applied)
+        # The streamed fragment syncs settle their decisions on a store connection of their own
+        # (the background thread polls it while the training thread and the actor's others run).
+        self._sync_store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout) \
+            if w.fragments > 1 else None
 
         self._data = open_stream(recipe.data, t.seq_len, t.seed)
         self._val = None   # the validation stream, opened at the first `evaluate`
@@ -339,15 +354,18 @@ class RankWorker:
     # -- training --------------------------------------------------------------------------------
 
     def inner_phase(self, lease_start: int, inner_step: int, world_tokens: int, step_tokens: int,
-                    next_lease: int | None = None) -> dict:
+                    next_lease: int | None = None, group: tuple[int, int, int] | None = None) -> dict:
         """H inner AdamW steps on samples `lease_start ..` (this rank takes its slice of each batch).
 
         `inner_step` is the global inner step count at the start (names the phase for
         `request_stop`); `world_tokens` the world's trained tokens at the start and `step_tokens`
         what one inner step of the world trains (they drive the LR schedule); `next_lease`, the
         driver's guess of this replica's next lease, whose data is fetched in the background
-        meanwhile. Ends by forming the pseudo-gradient. Returns per-step losses and rates of this
-        rank, tokens and seconds.
+        meanwhile; `group`, (epoch, index, size) of the phase's members: with `world.fragments` > 1
+        the fragments' syncs run over it in the background while the phase trains (None: every
+        fragment waits for the blocking `outer_sync`). Ends by forming the pseudo-gradient of every
+        fragment not yet applied. Returns per-step losses and rates of this rank, tokens, seconds
+        and `sync` (`Fragments.end_phase`'s report).
         """
         import torch
 
@@ -362,6 +380,9 @@ class RankWorker:
         first = lease_start + spec.rank * self._per_rank   # this rank's first sample of step 0
         prefetch.reset()
         prefetch.put(first)
+        outer = self._outer
+        outer.begin_phase(self._sync_store, fragment_key(group[0], inner_step, spec.rank) if group else "", group,
+                          self._recipe.world.sync_timeout_s, spec.rank, self._gloo_device)
         steps = 0
         # Nothing in this loop waits for the GPU: the losses stay on the device until the phase
         # ends, and the next batch is cut and sent while the step just queued runs.
@@ -381,12 +402,13 @@ class RankWorker:
                 prefetch.put(first + (h + 1) * t.batch_size)
             steps += 1
             self._progress += 1
+            outer.after_inner_step(steps)
             if self._step_delay_s:
                 time.sleep(self._step_delay_s)
-        self._outer.form_pseudo_gradient()
+        sync = outer.end_phase()
         self._inner_step = inner_step + steps
         return {"losses": losses[:steps].tolist(), "lrs": lrs[:steps], "steps": steps,
-                "tokens": steps * self._per_rank * t.seq_len, "seconds": time.monotonic() - t0}
+                "tokens": steps * self._per_rank * t.seq_len, "seconds": time.monotonic() - t0, "sync": sync}
 
     def _accumulate(self, tokens):
         """Forward and backward over this rank's batch in micro-batches of `train.micro_batch_size`
@@ -493,14 +515,14 @@ class RankWorker:
             self._stop = (inner_step, min(earlier, stop_at) if phase == inner_step else stop_at)
 
     def outer_sync(self, epoch: int, index: int, size: int) -> dict:
-        """Phase 1 of the outer step: average Δ over the `size` replicas of membership `epoch` (this
-        replica is `index`). Failure is a value: {"ok": False, "stage": "connect" (the group did not
+        """Phase 1 of the outer step: average Δ of the fragments still pending (all, with one
+        fragment) over the `size` replicas of membership `epoch` (this replica is `index`). Failure is a value: {"ok": False, "stage": "connect" (the group did not
         form) or "all_reduce", "addr": this rank's advertised address, "error"}; Δ is kept for a
         retry over the survivors."""
         t0 = time.monotonic()
         stage = "connect"
         try:
-            if size > 1:
+            if size > 1 and self._outer.pending:
                 self._outer.join_group(self._store, epoch, index, size, self._recipe.world.sync_timeout_s,
                                        shard=self._spec.rank, device=self._gloo_device)
             self._progress += 1
@@ -510,17 +532,23 @@ class RankWorker:
         except Exception as exc:  # a peer died, timed out or was unreachable: the driver re-forms the group
             return {"ok": False, "stage": stage, "addr": self._node_ip,
                     "error": f"{type(exc).__name__}: {str(exc)[:200]}", "seconds": time.monotonic() - t0,
-                    "bytes": 0, "network_s": 0.0}
-        return {"ok": True, "seconds": time.monotonic() - t0, "bytes": self._outer.bytes_sent,
-                "network_s": self._outer.network_s}
+                    "bytes": 0, "network_s": 0.0, "wait_s": 0.0, "overlapped_s": 0.0}
+        # The outer step's whole traffic: the fragments streamed in the phase and this sync.
+        o = self._outer
+        return {"ok": True, "seconds": time.monotonic() - t0, "bytes": o.bytes_sent, "network_s": o.network_s,
+                "wait_s": o.wait_s, "overlapped_s": o.overlapped_s}
 
     def outer_apply(self) -> None:
-        """Phase 2: every member reduced, so take the outer step (and log the averaged Δ for the
-        joiners copying from this rank)."""
-        applied = self._outer.averaged.clone() if self._snapshots else None
+        """Phase 2: every member reduced, so take the outer step of the pending fragments."""
         self._outer.apply()
-        for snap in self._snapshots.values():
-            snap["log"].append(applied)
+
+    def _log_applied(self, fragment: int, averaged) -> None:
+        """A fragment's outer step was taken: log its averaged Δ for the joiners copying from this
+        rank (every fragment steps once per outer step, in fragment order)."""
+        if self._snapshots:
+            applied = averaged.to("cpu", copy=True)
+            for snap in self._snapshots.values():
+                snap["log"].append(applied)
 
     # -- joining beside training: θ_outer and the outer momentum from a donor, in chunks ---------
 
@@ -534,7 +562,7 @@ class RankWorker:
 
     def outer_chunk(self, joiner: int, what: str, start: int, end: int):
         """Donor: elements start:end of the snapshot held for `joiner`: `theta`, `momentum`, or
-        `delta:I`, the I-th averaged Δ applied since the snapshot. Runs beside training."""
+        `delta:I`, the I-th averaged Δ applied since the snapshot (of fragment I mod `world.fragments`). Runs beside training."""
         snap = self._snapshots[joiner]
         src = snap["log"][int(what[6:])] if what.startswith("delta:") else snap[what]
         return src[start:end].clone()
@@ -552,10 +580,11 @@ class RankWorker:
         import torch
 
         outer = self._outer
+        self._pulled_theta = torch.zeros(outer.numel)
         self._pulled_momentum = torch.zeros(outer.numel) if momentum else None
-        self._pulled_error = torch.zeros(outer.numel) if outer.codec.error is not None else None
+        self._pulled_error = torch.zeros(outer.numel) if outer.error is not None else None
         chunks = 0
-        for what, dst in (("theta", outer.theta.data), ("momentum", self._pulled_momentum),
+        for what, dst in (("theta", self._pulled_theta), ("momentum", self._pulled_momentum),
                           ("error", self._pulled_error)):
             for start in range(0, outer.numel, chunk_numel) if dst is not None else ():
                 end = min(outer.numel, start + chunk_numel)
@@ -566,18 +595,20 @@ class RankWorker:
 
     def replay_outer(self, donor, joiner: int, steps: int, inner_step: int, chunk_numel: int) -> None:
         """Joiner, at its admission: take the pulled snapshot, then the `steps` outer steps the world
-        applied since, with the averaged Δs the donor logged: the same updates from the same
-        state, so θ_outer and the momentum end equal to every member's."""
+        applied since (each fragment's, in fragment order), with the averaged Δs the donor logged:
+        the same updates from the same state, so θ_outer and the momentum end equal to every
+        member's."""
         import ray
 
         outer = self._outer
-        outer.load({"theta": outer.theta.data, "momentum": self._pulled_momentum, "error": self._pulled_error})
-        for i in range(steps):
-            for start in range(0, outer.numel, chunk_numel):
-                end = min(outer.numel, start + chunk_numel)
-                outer.delta[start:end].copy_(ray.get(donor.outer_chunk.remote(joiner, f"delta:{i}", start, end)))
-            outer.step_with_delta()
-        self._pulled_momentum = self._pulled_error = None
+        outer.load({"theta": self._pulled_theta, "momentum": self._pulled_momentum, "error": self._pulled_error})
+        for i in range(steps * len(outer.parts)):
+            part = outer.parts[i % len(outer.parts)]
+            for start in range(0, part.numel, chunk_numel):
+                end = min(part.numel, start + chunk_numel)
+                part.delta[start:end].copy_(ray.get(donor.outer_chunk.remote(joiner, f"delta:{i}", start, end)))
+            part.step_with_delta()
+        self._pulled_theta = self._pulled_momentum = self._pulled_error = None
         self._inner_step = inner_step
         self._stop = (None, float("inf"))
 
@@ -606,8 +637,8 @@ class RankWorker:
         error feedback into host memory, then write them to `path` with
         torch.distributed.checkpoint in a thread beside training (`wait_saved` joins it; a
         collective over the replica's ranks on their checkpoint group). Waits first for the
-        previous write: its snapshot buffers are the ones reused. Call after an outer sync, when
-        θ_local = θ_outer. Returns the seconds training was held (the snapshot)."""
+        previous write: its snapshot buffers are the ones reused. Call after an outer sync (θ_outer
+        is saved too where streamed fragments leave θ_local ≠ θ_outer). Returns the seconds training was held (the snapshot)."""
         import torch
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -623,8 +654,10 @@ class RankWorker:
             momentum = torch.zeros(self._outer.numel)
         state = {"model": model_sd, "optim": optim_sd, "outer_momentum": self._per_param(momentum),
                  "inner_step": torch.tensor(self._inner_step)}
-        if self._outer.codec.error is not None:   # this rank's error feedback, resharded like momentum
-            state["outer_error"] = self._per_param(self._outer.codec.error)
+        if len(self._outer.parts) > 1:   # streamed fragments keep local progress: θ_local ≠ θ_outer
+            state["outer_theta"] = self._per_param(self._outer.theta)
+        if self._outer.error is not None:   # this rank's error feedback, resharded like momentum
+            state["outer_error"] = self._per_param(self._outer.error)
         # RNG state is per rank (not sharded): a small file beside the shards, restored when the
         # loading world has a rank of the same number.
         Path(path).mkdir(parents=True, exist_ok=True)
@@ -688,15 +721,18 @@ class RankWorker:
         model_sd, optim_sd = get_state_dict(self._model, self._opt)
         state = {"model": model_sd, "optim": optim_sd, "outer_momentum": self._per_param(torch.zeros(self._outer.numel)),
                  "inner_step": torch.tensor(0)}
-        if self._outer.codec.error is not None:
+        if self._outer.error is not None:
             state["outer_error"] = self._per_param(torch.zeros(self._outer.numel))
+        if len(self._outer.parts) > 1:
+            state["outer_theta"] = self._per_param(torch.zeros(self._outer.numel))
         dcp_load(state, path)
         set_state_dict(self._model, self._opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
         def flat(tensors) -> torch.Tensor:
             return torch.cat([local_shard(v).reshape(-1).cpu() for v in tensors])
 
-        self._outer.load({"theta": flat(self._params), "momentum": flat(state["outer_momentum"].values()),
+        theta = flat(state["outer_theta"].values()) if "outer_theta" in state else flat(self._params)
+        self._outer.load({"theta": theta, "momentum": flat(state["outer_momentum"].values()),
                           "error": flat(state["outer_error"].values()) if "outer_error" in state else None})
         self._inner_step = int(state["inner_step"])
         rng = Path(path) / f"rng-{self._spec.rank}.json"

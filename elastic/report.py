@@ -203,7 +203,9 @@ def _sync_traffic(events: list[dict], steps: list[dict]) -> dict:
             "bytes_per_token": round(sent / tokens, 4) if tokens else None,
             "ddp_bytes_per_token": round(ddp / tokens, 4) if tokens and params else None,
             "vs_ddp": round(ddp / sent, 1) if sent and params else None,
-            "network_s": round(sum(e.get("network_s", 0.0) for e in steps), 3)}
+            "network_s": round(sum(e.get("network_s", 0.0) for e in steps), 3),
+            "wait_s": round(sum(e.get("wait_s", 0.0) for e in steps), 3),
+            "overlapped_s": round(sum(e.get("overlapped_s", 0.0) for e in steps), 3)}
 
 
 def _recovery_s(events: list[dict], steps: list[dict]) -> list[float]:
@@ -381,6 +383,7 @@ def headline_rows(report: dict) -> list[tuple[str, str]]:
         ("effective training time", _fmt(report["effective_training_time"], ".1%")),
         ("sync bytes/token (data-parallel ÷ this)",
          f"{_fmt(report['sync']['bytes_per_token'], ',.2f')} ({_fmt(report['sync']['vs_ddp'], ',.0f')}×)"),
+        ("outer sync: waited / overlapped", f"{report['sync']['wait_s']:.1f} s / {report['sync']['overlapped_s']:.1f} s"),
         ("storage + egress (estimate)",
          f"${report['estimates']['checkpoint_storage_usd'] + report['estimates']['egress_usd']:.4f}"),
         *_plan_rows(report.get("plan_vs_actual")),

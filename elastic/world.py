@@ -122,8 +122,13 @@ class StepResult:
         inner_s: slowest inner phase, seconds.
         sync_s: outer sync (all attempts), seconds.
         bytes_sent: pseudo-gradient bytes each rank sent in the applied sync (the most of any rank).
-        network_s: seconds the slowest rank spent inside the applied sync's collectives (waited
-            on: nothing overlaps them yet).
+        network_s: seconds the outer sync was under way on a rank this step (the most of any
+            rank): each streamed fragment's from its start to its decision, and the blocking
+            sync's inside its collectives.
+        wait_s: of those, seconds training waited on the network (the blocking sync's, and a
+            streamed fragment's not done by its apply point), the most of any rank.
+        overlapped_s: seconds the streamed fragment syncs ran beside inner steps (the most of any
+            rank).
         sync_attempts: all-reduce attempts (1 when nobody failed).
         steps_done: inner steps each contributing replica took (fewer when cut short by a notice).
         idle: replicas that took no inner step (a notice came before their first): nothing to add.
@@ -149,6 +154,8 @@ class StepResult:
     lrs: dict = field(default_factory=dict)
     tokens_before: int = 0
     step_tokens: int = 0
+    wait_s: float = 0.0
+    overlapped_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -221,6 +228,7 @@ class World:
         self.params = 0   # the model's parameters, once a replica has set up
         self.phase = "idle"   # "inner" or "sync" while a step is under way
         self._phase_members: list[int] = []   # the replicas of the inner phase under way
+        self._phase_epoch = 0   # the membership epoch that phase began in (its fragments' group)
         self._stop_at: dict[int, float] = {}  # noticed replica -> unix time it must contribute by
         self._happened: list = []   # what happened since `step` or `take_events` last returned it
         self._under_way: Generator | None = None   # the outer step `step` advances
@@ -469,8 +477,23 @@ class World:
         self.joining.pop(rep.replica_id, None)
         self._kill(rep)
         if was_member:
+            if self.phase == "inner" and rep.replica_id in self._phase_members:
+                self._abort_fragments()
             self.epoch += 1
         self._happened.append(Loss(rep.replica_id, rep.instance_id, reason, lost_inner_steps, phase, rule))
+
+    def _abort_fragments(self) -> None:
+        """A member of the inner phase under way is gone: settle every streamed fragment sync of the
+        phase not yet decided as `abort` (survivors waiting for its count go on; the fragments are
+        synced over the survivors at the end of the phase). See elastic.diloco.Fragments."""
+        from elastic.replica import fragment_key
+
+        if self._recipe.world.fragments == 1:
+            return
+        for shard in range(self._recipe.world.ranks_per_replica):
+            key = fragment_key(self._phase_epoch, self.inner_step, shard)
+            for f in range(self._recipe.world.fragments):
+                self._store.compare_set(f"{key}/{f}", "", "abort")
 
     def _kill(self, rep: Replica) -> None:
         # A rank lost inside a multi-rank replica drops the whole replica: its other ranks would
@@ -593,12 +616,15 @@ class World:
         # Each member's lease at the next step if the world stays as it is: its data is prefetched.
         nexts = {rid: self.cursor + (0 if self._identical else i * per_replica) for i, rid in enumerate(members)}
 
-        self.phase, self._phase_members = "inner", members
+        self.phase, self._phase_members, self._phase_epoch = "inner", members, self.epoch
         t0 = time.monotonic()
         # The schedule's token count is the world's: every member trains its steps at the same rates.
         step_tokens = len(members) * t.batch_size * t.seq_len
-        calls = {(rid, r): a.inner_phase.remote(leases[rid], self.inner_step, self.tokens, step_tokens, nexts[rid])
-                 for rid in members for r, a in enumerate(self.replicas[rid].actors)}
+        # Streamed fragments sync during the phase over the outer group of its members.
+        group = (lambda i: (self.epoch, i, len(members))) if self._recipe.world.fragments > 1 else (lambda i: None)
+        calls = {(rid, r): a.inner_phase.remote(leases[rid], self.inner_step, self.tokens, step_tokens, nexts[rid],
+                                                group(i))
+                 for i, rid in enumerate(members) for r, a in enumerate(self.replicas[rid].actors)}
         self._end_phase_by(members)   # a notice came between steps: this phase ends by its deadline
         self._happened.append(PhaseStarted("inner", members))
         yield
@@ -609,6 +635,8 @@ class World:
         # A replica whose notice came before its first inner step has Δ = 0: it sits this sync out
         # (averaging it in would shrink everyone's step).
         idle = sorted({rid for (rid, _), res in results.items() if res["steps"] == 0} | set(late))
+        if any(res["sync"]["fresh_group"] for res in results.values()):
+            self.epoch += 1   # a streamed fragment sync was aborted: its group may hold a half-done collective
         self.phase = "sync"
         t1 = time.monotonic()
         attempts, sync_out = 0, {}
@@ -668,7 +696,9 @@ class World:
                           {rid: results[(rid, 0)]["steps"] for rid in members}, idle,
                           {rid: max(results[(rid, r)]["seconds"] for r in range(len(self.replicas[rid].actors)))
                            for rid in members},
-                          {rid: results[(rid, 0)]["lrs"] for rid in members}, tokens_before, step_tokens)
+                          {rid: results[(rid, 0)]["lrs"] for rid in members}, tokens_before, step_tokens,
+                          max((s["wait_s"] for s in sync_out.values()), default=0.0),
+                          max((s["overlapped_s"] for s in sync_out.values()), default=0.0))
 
     def lead_replica(self) -> Replica:
         return self.replicas[min(self.replicas)]
