@@ -133,7 +133,7 @@ def rank_worker(name: str, steps: int, outer_device: str) -> dict:
         out["tokens_per_s"] = r["tokens"] / r["seconds"]
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        w._outer.form_pseudo_gradient()     # what inner_phase ends with, timed on its own
+        w._outer.end_phase()     # what inner_phase ends with (forming Δ), timed on its own
         form_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         assert w.outer_sync(0, 0, 1)["ok"]

@@ -12,6 +12,10 @@ The outer group is a standalone gloo process group over a prefix of a store the 
 by the membership epoch: when replicas come or go the driver bumps the epoch and every survivor
 builds a fresh group, without touching the replica's own (inner, FSDP) group. Same idea as
 torchft's reconfigurable ProcessGroupGloo; see docs/architecture.md.
+
+`Fragments` holds a rank's outer state as Streaming DiLoCo's fragments (`world.fragments`), one
+`OuterState` each, synced in a background thread during the inner phase; with one fragment it is
+the blocking sync above.
 """
 
 from __future__ import annotations

@@ -178,8 +178,12 @@ def test_a_fragmented_world_trains_like_one_fragment_with_identical_theta(nodes)
 
 
 @pytest.mark.slow
-def test_a_replica_killed_during_a_fragment_sync_is_dropped_and_the_survivors_continue(nodes):
+def test_a_replica_killed_during_a_fragment_sync_is_dropped_and_the_survivors_continue(nodes, monkeypatch):
     import ray
+
+    # Inner steps of 0.1 s (the ranks' fault hook; set before the nodes start): the phase outlasts
+    # the driver's 0.1 s pauses after fragment 0 is decided, so the kill lands inside the phase.
+    monkeypatch.setenv("ELASTIC_FAULT_STEP_DELAY_S", "0.1")
 
     recipe = tiny_recipe(**{"world.replicas": 3, "world.fragments": 4, "train.outer_steps": 3,
                             "train.inner_steps": 8, "world.sync_timeout_s": 10})
