@@ -317,6 +317,13 @@ class GCPProvider(CloudProvider):
         return GCSStorage(uri, bucket, prefix, create)
 
     @classmethod
+    def open_keys(cls, uri: str, bucket: str):
+        """Secret Manager of the project (providers/gcp/storage.py)."""
+        from providers.gcp.storage import SecretKeys
+
+        return SecretKeys(uri)
+
+    @classmethod
     def configured(cls) -> str | None:
         if _is_local(os.environ.get(COMPUTE_ENDPOINT_ENV)) and _is_local(os.environ.get(BILLING_ENDPOINT_ENV)):
             return None

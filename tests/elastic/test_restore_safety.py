@@ -16,7 +16,7 @@ from elastic import checkpoint as ckpt
 from elastic.recipe import load_recipe
 from elastic.storage import open_storage
 from tests.conftest import REPO, run_cli
-from tests.elastic.test_storage import fake_checkpoint
+from tests.elastic.test_storage import fake_checkpoint, reader_keys
 
 
 class _Payload:
@@ -54,7 +54,7 @@ def test_a_manifest_naming_a_path_writes_nothing_outside_staging(uri, tmp_path):
     store = open_storage(uri)
     with pytest.raises(ckpt.CheckpointError, match="not a plain, unique file name"):
         ckpt.read_manifest(store, 2)
-    assert ckpt.latest(store) is None and ckpt.listing(store)[0]["complete"] is False
+    assert ckpt.latest(store, reader_keys(uri, tmp_path)) is None and ckpt.listing(store)[0]["complete"] is False
     # A manifest that got past the parser (say, handed over by a compromised driver) still cannot
     # place a file outside the node's staging directory.
     staging = tmp_path / "a" / "b" / "staging"
@@ -88,7 +88,7 @@ def test_every_file_is_hashed_before_use_file_uri_included(uri, tmp_path):
     open_storage(uri, create=True)
     fake_checkpoint(uri, tmp_path, 2)
     store = open_storage(uri)
-    manifest = ckpt.latest(store)
+    manifest = ckpt.latest(store, reader_keys(uri, tmp_path))
     local = Path(ckpt.fetch(uri, manifest, str(tmp_path / "staging")))
     assert local.is_relative_to(tmp_path / "staging")    # a copy, never the stored files themselves
     assert {p.name for p in local.iterdir()} == {f["name"] for f in manifest["files"]}
@@ -168,7 +168,7 @@ def test_a_new_run_refuses_another_runs_checkpoint_uri(tmp_path):
     assert proc.returncode == 2 and "different model" in proc.stderr, proc.stderr
     assert not (tmp_path / "c").exists()
     # the same model with --resume passes the check (the launch itself is tested in test_launch)
-    ckpt.check_destination(uri, True, ckpt.model_digest(recipe))
+    ckpt.check_destination(uri, True, ckpt.model_digest(recipe), tmp_path / "d")
 
 
 def test_a_corrupt_or_incomplete_newest_checkpoint_is_passed_over(tmp_path):
@@ -178,6 +178,6 @@ def test_a_corrupt_or_incomplete_newest_checkpoint_is_passed_over(tmp_path):
         fake_checkpoint(uri, tmp_path, step)
     os.remove(tmp_path / "ckpt" / ckpt.step_name(6) / "__1_0.distcp")          # incomplete
     tamper_manifest(uri, 4, files=[{"name": "..", "bytes": 1, "sha256": "0" * 64}])   # malformed
-    found, skipped = ckpt.candidates(store)
+    found, skipped = ckpt.candidates(store, reader_keys(uri, tmp_path))
     assert [m["step"] for m in found] == [2]
     assert len(skipped) == 2 and "step-00000006: __1_0.distcp missing" in skipped[0] and "step-00000004" in skipped[1]
