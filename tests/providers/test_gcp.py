@@ -166,7 +166,8 @@ def test_stockout_and_quota_are_capacity_errors(gcp_fake, mode, code):
 def test_rate_limits_retried_by_api_core_one_vm(gcp_fake):
     p, recipe = _provider(**{"resources.accelerators": "L4:1"})
     offer = _offer(p, recipe)
-    p._ensure_firewall("run-1")   # the run's firewall rule exists: the 429s below meet the insert
+    p._ensure_firewall("run-1")   # the run's firewall rule and service account exist: the 429s
+    p._scope("run-1").service_account()   # below meet the insert
     gcp_fake.rate_limit(3)
     t0 = time.monotonic()
     inst = p._create(offer, "run-1", "replica")
