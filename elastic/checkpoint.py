@@ -13,16 +13,20 @@ nothing loads and that retention deletes later.
 
 Layout at the URI: `step-00000010/{__0_0.distcp, .metadata, rng-0.json, ..., elastic.json}`.
 
-Restoring trusts nothing it reads from storage: the manifest must have the expected shape and name
-only plain file names (no path can leave the staging directory), every file is hashed against it
-before use (`file://` too), and nothing is unpickled freely: RNG state is JSON, DCP's metadata is
-read by an unpickler that knows only DCP's own record types, and DCP's non-tensor values by
+Restoring trusts nothing it reads from storage: the manifest must carry an HMAC-SHA256 made with
+the key of the run that wrote it (kept in the secret store of the cloud holding the checkpoints,
+`elastic.storage.open_keys`, which the driver may read and nodes may not), have the expected shape
+and name only plain file names (no path can leave the staging directory); every file is hashed
+against it before use (`file://` too), so nothing reaches a node that the key did not vouch for.
+Even then nothing is unpickled freely: RNG state is JSON, DCP's metadata is read by an unpickler
+that knows only DCP's own record types, and DCP's non-tensor values by
 `torch.load(weights_only=True)`. A checkpoint that fails any check is skipped for the one before.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import io
 import json
 import math
@@ -35,7 +39,7 @@ from pathlib import Path
 
 from elastic.errors import UserError
 from elastic.events import CheckpointDeleted, CheckpointSaved, CheckpointUploadFailed, CheckpointUploaded
-from elastic.storage import Storage, open_storage
+from elastic.storage import KeyStore, Storage, open_keys, open_storage
 
 MANIFEST = "elastic.json"
 _FILE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
@@ -124,21 +128,51 @@ def parse_manifest(data: bytes, step: int) -> dict:
     return m
 
 
-def read_manifest(storage: Storage, step: int) -> dict | None:
+def manifest_mac(manifest: dict, key: bytes) -> str:
+    """HMAC-SHA256 (hex) of the manifest's entries other than `hmac`, as canonical JSON."""
+    body = json.dumps({k: v for k, v in manifest.items() if k != "hmac"}, sort_keys=True,
+                      separators=(",", ":"), allow_nan=False)
+    return hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
+
+
+def authenticate(manifest: dict, keys: KeyStore) -> None:
+    """Check the manifest's HMAC against the key of the run it names (`run`); CheckpointError (one
+    line) when it has none, that run has no key in `keys`, or it does not match. Only a manifest
+    that passes may name anything a node loads."""
+    where = f"{step_name(manifest['step'])}/{MANIFEST}"
+    mac, run = manifest.get("hmac"), manifest.get("run")
+    if not isinstance(mac, str) or not isinstance(run, str) or not run:
+        raise CheckpointError(f"{where}: not authenticated (no HMAC or no run): refused")
+    key = keys.read(run)
+    if key is None:
+        raise CheckpointError(f"{where}: not authenticated: run {run[:80]!r} has no checkpoint key in {keys.where}")
+    if not hmac.compare_digest(mac, manifest_mac(manifest, key)):
+        raise CheckpointError(f"{where}: HMAC does not match run {run[:80]!r}'s key: refused "
+                              "(altered, or not written by that run)")
+
+
+def read_manifest(storage: Storage, step: int, keys: KeyStore | None = None) -> dict | None:
     """The checked manifest of checkpoint `step`, or None when it has none; CheckpointError when
-    it is malformed."""
+    it is malformed, or, given `keys`, not authenticated (see `authenticate`: required before
+    anything it names is loaded)."""
     data = storage.read_bytes(f"{step_name(step)}/{MANIFEST}")
-    return None if data is None else parse_manifest(data, step)
+    if data is None:
+        return None
+    manifest = parse_manifest(data, step)
+    if keys is not None:
+        authenticate(manifest, keys)
+    return manifest
 
 
-def candidates(storage: Storage) -> tuple[list[dict], list[str]]:
-    """The manifests of the complete checkpoints whose files are all present at their recorded
-    sizes, newest first, and one line per checkpoint passed over (malformed or incomplete)."""
+def candidates(storage: Storage, keys: KeyStore) -> tuple[list[dict], list[str]]:
+    """The authenticated manifests of the complete checkpoints whose files are all present at their
+    recorded sizes, newest first, and one line per checkpoint passed over (malformed, not
+    authenticated or incomplete)."""
     found, skipped = [], []
     by_step = _by_step(storage)
     for step in sorted((s for s, files in by_step.items() if MANIFEST in files), reverse=True):
         try:
-            manifest = read_manifest(storage, step)
+            manifest = read_manifest(storage, step, keys)
         except CheckpointError as exc:
             skipped.append(str(exc))
             continue
@@ -152,16 +186,17 @@ def candidates(storage: Storage) -> tuple[list[dict], list[str]]:
     return found, skipped
 
 
-def latest(storage: Storage) -> dict | None:
-    """The manifest of the newest complete checkpoint, or None."""
-    found, _ = candidates(storage)
+def latest(storage: Storage, keys: KeyStore) -> dict | None:
+    """The authenticated manifest of the newest complete checkpoint, or None."""
+    found, _ = candidates(storage, keys)
     return found[0] if found else None
 
 
-def check_destination(uri: str | None, resume: bool, model_digest: str) -> None:
+def check_destination(uri: str | None, resume: bool, model_digest: str, run_dir: Path) -> None:
     """Before a run starts: a new run refuses a `checkpoint.uri` that already holds checkpoints (two
     runs would overwrite each other's shards, and a restore would load the other's); `--resume`
-    needs a complete checkpoint there of the same model. UserError (one line) otherwise."""
+    needs a complete, authenticated checkpoint there (by the key of the run that wrote it, see
+    `open_keys`; the run to be in `run_dir`) of the same model. UserError (one line) otherwise."""
     if not uri:
         if resume:
             raise UserError("--resume: set checkpoint.uri to where the checkpoints are "
@@ -174,13 +209,14 @@ def check_destination(uri: str | None, resume: bool, model_digest: str) -> None:
             raise UserError(f"--resume: no complete checkpoint ({exc})") from None
         return   # a new destination: created when the run starts
     try:
-        found, skipped = candidates(storage)
         if not resume:
-            if _by_step(storage):
-                runs = sorted({str(m.get("run")) for m in found}) or ["an unknown run"]
+            if by_step := _by_step(storage):
+                runs = sorted({str(m.get("run")) for step in by_step
+                               if (m := _unchecked(storage, step)) is not None}) or ["an unknown run"]
                 raise UserError(f"checkpoint.uri {uri} already holds checkpoints (run {', '.join(runs)}): pass "
                                 "--resume to continue from them, or give this run a checkpoint.uri of its own")
             return
+        found, skipped = candidates(storage, open_keys(uri, run_dir))
         if not found:
             why = f" ({skipped[0]})" if skipped else ""
             raise UserError(f"--resume: no complete checkpoint at {uri}{why}")
@@ -189,6 +225,14 @@ def check_destination(uri: str | None, resume: bool, model_digest: str) -> None:
                             f"{found[0].get('run')}) was saved from a different model section than this recipe's")
     finally:
         storage.close()
+
+
+def _unchecked(storage: Storage, step: int) -> dict | None:
+    """The manifest of `step` if it parses (not authenticated: for naming its run in a message)."""
+    try:
+        return read_manifest(storage, step)
+    except CheckpointError:
+        return None
 
 
 def listing(storage: Storage) -> list[dict]:
@@ -425,12 +469,17 @@ class Checkpointer:
         threads: parallel uploads per rank.
         ledger: the run's ledger.
         run: the run's name, recorded in every manifest (`check_destination` reads it).
+        run_dir: the run's directory (for `file://` checkpoints its `checkpoint.key`; see `open_keys`).
     """
 
-    def __init__(self, uri: str, staging: str, keep_last: int, threads: int, ledger, run: str):
+    def __init__(self, uri: str, staging: str, keep_last: int, threads: int, ledger, run: str, run_dir: Path):
         self.uri = uri
         self.run = run
         self.storage = open_storage(uri, create=True)
+        self.keys = open_keys(uri, run_dir)
+        # The run's own key, made (or, for a run of the same name, read back) before training, so a
+        # secret store out of reach is found now rather than at the first checkpoint.
+        self._key = self.keys.create(run)
         self.staging = staging
         self.keep_last = keep_last
         self.threads = threads
@@ -490,6 +539,7 @@ class Checkpointer:
             self._drop_staging(p)
             return
         manifest = {**p["manifest"], "saved_at": time.time(), "files": sorted(files, key=lambda f: f["name"])}
+        manifest["hmac"] = manifest_mac(manifest, self._key)
         self.storage.write_bytes(f"{step_name(p['step'])}/{MANIFEST}", json.dumps(manifest, indent=2).encode())
         seconds = time.monotonic() - p["t0"]
         size = sum(f["bytes"] for f in files)
@@ -508,8 +558,9 @@ class Checkpointer:
             pass  # the lead is gone; its node's staging went with it
 
     def candidates(self) -> tuple[list[dict], list[str]]:
-        """See `candidates`: usable manifests newest first, and the checkpoints passed over."""
-        return candidates(self.storage)
+        """See `candidates`: usable (authenticated) manifests newest first, and the checkpoints
+        passed over."""
+        return candidates(self.storage, self.keys)
 
     def close(self) -> None:
         self.storage.close()

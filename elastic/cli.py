@@ -222,14 +222,14 @@ def _dispatch(args, err) -> int:
             if not ckpt.complete_steps(store):
                 raise UserError(f"--resume: no complete checkpoint at {recipe.checkpoint.uri}")
         from elastic import checkpoint as ckpt
-        ckpt.check_destination(recipe.checkpoint.uri, args.resume, ckpt.model_digest(recipe))
+        run_dir = args.run_dir or default_run_dir(recipe)
+        ckpt.check_destination(recipe.checkpoint.uri, args.resume, ckpt.model_digest(recipe), run_dir)
         from elastic.launch import launch_controller, uses_controller
         if uses_controller(recipe, args.address):
             if args.resume:
                 raise UserError("--resume with resources.head: controller: not supported yet; use head: local")
-            return launch_controller(recipe, args.run_dir or default_run_dir(recipe), out)
-        return launch(recipe, args.run_dir or default_run_dir(recipe), address=args.address, console=out,
-                      resume=args.resume)
+            return launch_controller(recipe, run_dir, out)
+        return launch(recipe, run_dir, address=args.address, console=out, resume=args.resume)
     if args.command == "report":
         from elastic.errors import UserError
         from elastic.ledger import read_events

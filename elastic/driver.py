@@ -62,7 +62,8 @@ class Driver:
         self._t0 = time.time()
         c = recipe.checkpoint
         self.ckpt = ckpt.Checkpointer(ckpt.destination(c.uri, run_dir), ckpt.staging_root(c.local_dir, self.run_name),
-                                      c.keep_last, c.upload_threads, ledger, run=self.run_name)
+                                      c.keep_last, c.upload_threads, ledger, run=self.run_name,
+                                      run_dir=run_dir)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="launch")
         self._launching: dict[Future, object] = {}
         self._refusals: list = []                        # policy.Refusal of launches refused (the cooldown rule)

@@ -24,14 +24,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "merges.txt", "tokenizer.model", "generation_config.json")
 
 
-def load_theta(recipe, uri: str, step: int | None = None):
+def load_theta(recipe, uri: str, run_dir: Path, step: int | None = None):
     """The model of `recipe` on the CPU holding θ_outer of checkpoint `step` (default: the newest
-    complete one) at `uri`. Returns (model, step)."""
+    complete one) at `uri`, its manifest authenticated by the key of the run that wrote it (see
+    `elastic.storage.open_keys`; `run_dir` the run's directory). Returns (model, step)."""
     import torch
 
     from elastic import checkpoint as ckpt
     from elastic.models import build_model
-    from elastic.storage import open_storage
+    from elastic.storage import open_keys, open_storage
 
     storage = open_storage(uri)
     step = ckpt.complete_step(storage, step)
@@ -42,7 +43,11 @@ def load_theta(recipe, uri: str, step: int | None = None):
     with tempfile.TemporaryDirectory(prefix="elastic-export-") as staging, warnings.catch_warnings():
         # No process group on purpose: DCP reads every shard here (and warns that it assumes so).
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        local = ckpt.fetch(uri, ckpt.read_manifest(storage, step), staging)
+        try:
+            manifest = ckpt.read_manifest(storage, step, open_keys(uri, run_dir))
+        except ckpt.CheckpointError as exc:
+            raise UserError(f"{uri}: {exc}") from None
+        local = ckpt.fetch(uri, manifest, staging)
         state = {"model": model.state_dict()}
         ckpt.dcp_load(state, local)   # no pickle from storage beyond DCP's own record types
     model.load_state_dict(state["model"])
@@ -59,7 +64,7 @@ def export(run_dir: Path, to: Path, step: int | None = None) -> dict:
         raise UserError(f"{run_dir}: no recipe.yaml (not a run directory)")
     recipe = Recipe.model_validate(yaml.safe_load(recipe_file.read_text(encoding="utf-8")))
     uri = ckpt.destination(recipe.checkpoint.uri, run_dir)
-    model, step = load_theta(recipe, uri, step)
+    model, step = load_theta(recipe, uri, run_dir, step)
     to.mkdir(parents=True, exist_ok=True)
     if recipe.model.hf is not None:
         from elastic.models.hf import local_dir

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
+import secrets
 import shutil
 from pathlib import Path
 from typing import Iterator
@@ -18,6 +20,8 @@ from typing import Iterator
 from elastic.errors import UserError
 
 CHUNK_BYTES = 8 * 1024 * 1024
+KEY_BYTES = 32          # an HMAC-SHA256 key
+KEY_FILE = "checkpoint.key"
 
 
 def open_storage(uri: str, create: bool = False) -> "Storage":
@@ -149,3 +153,97 @@ class FileStorage(Storage):
                     d.rmdir()  # only once empty
                 except OSError:
                     pass
+
+
+# -- the keys that authenticate checkpoint manifests -------------------------------------------------
+
+def open_keys(uri: str, run_dir: Path) -> "KeyStore":
+    """Where the per-run keys authenticating the manifests at checkpoint `uri` are kept: the secret
+    store of the cloud holding the checkpoints (its provider's `open_keys`: SSM Parameter Store,
+    Secret Manager), or, for `file://` and paths, each run's `<run dir>/checkpoint.key` in the
+    directory holding `run_dir` (run names are run directory names)."""
+    scheme, sep, rest = uri.partition("://")
+    if not sep or scheme == "file":
+        return LocalKeys(Path(run_dir).parent)
+    from providers import provider_class, storage_schemes
+
+    schemes = storage_schemes()
+    if scheme not in schemes:
+        raise UserError(f"{uri}: unsupported scheme {scheme}://")
+    return provider_class(schemes[scheme]).open_keys(uri, rest.partition("/")[0])
+
+
+def key_slug(run: str) -> str:
+    """A secret-store name part for run `run`: its name in `[A-Za-z0-9_-]`, cut short, and a digest
+    of the exact name so two runs never share a key."""
+    return f"{re.sub(r'[^A-Za-z0-9_-]', '-', run)[:40]}-{hashlib.sha256(run.encode()).hexdigest()[:12]}"
+
+
+class KeyStore:
+    """The runs' checkpoint keys (random, KEY_BYTES each), kept where the run's driver may read and
+    write them and its nodes may not. A key outlives its run: its checkpoints do."""
+
+    where: str
+    """Where the keys are, for messages."""
+
+    def __init__(self):
+        self._known: dict[str, bytes] = {}
+
+    def read(self, run: str) -> bytes | None:
+        """Run `run`'s key, or None when it has none here."""
+        if run not in self._known:
+            key = self._read(run)
+            if key is None:
+                return None
+            self._known[run] = key
+        return self._known[run]
+
+    def create(self, run: str) -> bytes:
+        """Run `run`'s key: the stored one (a resumed or restarted run of that name), else a new
+        random one, stored now."""
+        key = self.read(run)
+        if key is None:
+            key = self._known[run] = self._create(run, secrets.token_bytes(KEY_BYTES))
+        return key
+
+    def _read(self, run: str) -> bytes | None:
+        raise NotImplementedError
+
+    def _create(self, run: str, key: bytes) -> bytes:
+        """Store `key` unless one exists already; return the stored one."""
+        raise NotImplementedError
+
+
+class LocalKeys(KeyStore):
+    """Keys in files readable by their owner only: `<root>/<run>/checkpoint.key`."""
+
+    def __init__(self, root: Path):
+        super().__init__()
+        self.root = root
+        self.where = f"{root}/<run>/{KEY_FILE}"
+
+    def _path(self, run: str) -> Path | None:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,200}", run) or run in (".", ".."):
+            return None   # not a run directory's name
+        return self.root / run / KEY_FILE
+
+    def _read(self, run: str) -> bytes | None:
+        path = self._path(run)
+        try:
+            key = path.read_bytes() if path is not None else None
+        except FileNotFoundError:
+            return None
+        return key if key is not None and len(key) == KEY_BYTES else None
+
+    def _create(self, run: str, key: bytes) -> bytes:
+        path = self._path(run)
+        if path is None:
+            raise UserError(f"checkpoint key: run name {run!r} is not a plain directory name")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            return path.read_bytes()
+        with os.fdopen(fd, "wb") as f:
+            f.write(key)
+        return key

@@ -140,6 +140,11 @@ class Provider(Protocol):
         UserError."""
 
     @classmethod
+    def open_keys(cls, uri: str, bucket: str):
+        """The secret store keeping the per-run keys that authenticate the checkpoint manifests at
+        `uri` (an `elastic.storage.KeyStore`): readable by drivers, not by nodes."""
+
+    @classmethod
     def start_network(cls, recipe):
         """Before the run's Ray cluster starts: the network the driver's host joins (the local
         provider's `local.network` lab, with `head_ip` and `down()`), or None."""
@@ -218,6 +223,12 @@ class BaseProvider:
         from elastic.errors import UserError
 
         raise UserError(f"{uri}: the {cls.name} provider has no object store")
+
+    @classmethod
+    def open_keys(cls, uri: str, bucket: str):
+        from elastic.errors import UserError
+
+        raise UserError(f"{uri}: the {cls.name} provider has no secret store")
 
     @classmethod
     def start_network(cls, recipe):

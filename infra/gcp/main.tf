@@ -6,12 +6,20 @@
 #   - service account elastic-driver: what `elastic` itself may do (custom roles elastic.driver and
 #     elastic.driverInstances: list instances, and create/label/delete only instances named
 #     elastic-*; read zones, machine and accelerator types, operations; create secrets, and
-#     write/delete only those named elastic-*; act as elastic-node only), plus the checkpoint
-#     bucket. Run `elastic` as it (a key, impersonation, or the controller VM).
-#   - service account elastic-node: what a training VM may do: the checkpoint bucket, reading
-#     secrets named elastic-* (its run's Ray cluster token), deleting instances named elastic-*
-#     (autodown deletes the VM itself). Nothing else.
+#     write/read/delete only those named elastic-* (run tokens, checkpoint keys); create per-run
+#     service accounts and delete / act as only those named elastic-run-* (and elastic-node); edit
+#     the IAM policies of the checkpoint and data buckets, of elastic-* secrets and instances, to
+#     grant those accounts their run's share), plus the checkpoint bucket. Run `elastic` as it (a
+#     key, impersonation, or the controller VM).
+#   - per run (made by elastic, not here; gcp.run_service_accounts, the default): service account
+#     elastic-run-<run>, which may read its run's token secret, read/write objects under its run's
+#     checkpoint.uri prefix, read under its data.uri prefix, and delete its own VMs. Nothing else.
+#   - service account elastic-node, for gcp.run_service_accounts: false (shared by every run):
+#     the checkpoint bucket, reading run token secrets (elastic-*-ray-token), deleting instances
+#     named elastic-* (autodown deletes the VM itself).
 #   - both may read (never write) the token-shard buckets in -var 'data_buckets=["B"]' (data.uri).
+#   - custom role elastic.nodeSelfDelete, which the driver grants a run's account on each of its
+#     VMs' own policy.
 #   - custom role elastic.driverFirewalls: the driver creates and deletes only firewall rules named
 #     elastic-run-*, one per run (every TCP/UDP port among that run's VMs only; no shared rule).
 #   - the checkpoint bucket (uniform access, no public access).
@@ -92,6 +100,9 @@ resource "google_project_iam_custom_role" "driver" {
   title       = "elastic driver"
   description = "Rent, label, list and delete elastic's VMs; read the machine catalog."
   permissions = [
+    # A service account is created on the project: no name condition can apply to creating one;
+    # what can be done with accounts afterwards is limited to elastic-run-* below.
+    "iam.serviceAccounts.create",
     # Instance permissions that change or delete a VM are in elastic.driverInstances below, limited
     # to the instances elastic names elastic-*; creating is conditioned the same way there.
     "compute.instances.get", "compute.instances.list", "compute.disks.create", "compute.images.useReadOnly",
@@ -107,8 +118,10 @@ resource "google_project_iam_custom_role" "driver" {
 resource "google_project_iam_custom_role" "driver_secrets" {
   role_id     = "elastic.driverSecrets"
   title       = "elastic driver: its run tokens"
-  description = "Add a version to and delete the secrets holding runs' Ray tokens."
-  permissions = ["secretmanager.secrets.get", "secretmanager.secrets.delete", "secretmanager.versions.add"]
+  description = "Runs' Ray tokens and checkpoint keys: add and read versions, set who may read, delete."
+  permissions = ["secretmanager.secrets.get", "secretmanager.secrets.delete", "secretmanager.versions.add",
+                 "secretmanager.versions.access", "secretmanager.secrets.getIamPolicy",
+                 "secretmanager.secrets.setIamPolicy"]
 }
 
 resource "google_project_iam_member" "driver_compute" {
@@ -124,7 +137,8 @@ resource "google_project_iam_custom_role" "driver_instances" {
   title       = "elastic driver: its own instances"
   description = "Create, label, tag and delete instances named elastic-*."
   permissions = ["compute.instances.create", "compute.instances.delete", "compute.instances.setLabels",
-                 "compute.instances.setMetadata", "compute.instances.setTags", "compute.instances.setServiceAccount"]
+                 "compute.instances.setMetadata", "compute.instances.setTags", "compute.instances.setServiceAccount",
+                 "compute.instances.setIamPolicy"]
 }
 
 resource "google_project_iam_member" "driver_instances" {
@@ -137,7 +151,9 @@ resource "google_project_iam_member" "driver_instances" {
   }
 }
 
-# The run's Ray token: the driver creates and deletes secrets named elastic-*, and nothing else.
+# Runs' Ray tokens (elastic-<run>-ray-token) and checkpoint keys (elastic-ckpt-key-<run>): the
+# driver creates, reads, shares (a token, with its run's account) and deletes secrets named
+# elastic-*, and nothing else.
 resource "google_project_iam_member" "driver_secrets" {
   project = var.project
   role    = google_project_iam_custom_role.driver_secrets.id
@@ -148,13 +164,15 @@ resource "google_project_iam_member" "driver_secrets" {
   }
 }
 
+# The shared elastic-node reads run tokens, never checkpoint keys (which authenticate manifests:
+# a node that could read them could forge a checkpoint other runs load).
 resource "google_project_iam_member" "node_secrets" {
   project = var.project
   role    = "roles/secretmanager.secretAccessor"
   member  = "serviceAccount:${google_service_account.node.email}"
   condition {
-    title      = "elastic secrets only"
-    expression = "resource.name.startsWith(\"${local.secret_prefix}\")"
+    title      = "elastic run tokens only"
+    expression = "resource.name.startsWith(\"${local.secret_prefix}\") && resource.name.extract(\"secrets/{name}/\").endsWith(\"-ray-token\")"
   }
 }
 
@@ -178,11 +196,48 @@ resource "google_project_iam_member" "node_self_delete" {
   }
 }
 
-# The driver starts VMs that run as elastic-node, and may act as no other account.
+# The driver starts VMs that run as elastic-node or as a run's own account, and may act as no
+# other account.
 resource "google_service_account_iam_member" "driver_acts_as_node" {
   service_account_id = google_service_account.node.name
   role               = "roles/iam.serviceAccountUser"
   member             = "serviceAccount:${google_service_account.driver.email}"
+}
+
+# Per-run accounts: the driver reads, deletes and acts as only accounts named elastic-run-* (IAM
+# conditions match a service account by its resource name, which carries its email).
+resource "google_project_iam_custom_role" "driver_run_accounts" {
+  role_id     = "elastic.driverRunAccounts"
+  title       = "elastic driver: its runs' service accounts"
+  description = "Read, delete and act as the per-run service accounts elastic-run-*."
+  permissions = ["iam.serviceAccounts.get", "iam.serviceAccounts.delete", "iam.serviceAccounts.actAs"]
+}
+
+resource "google_project_iam_member" "driver_run_accounts" {
+  project = var.project
+  role    = google_project_iam_custom_role.driver_run_accounts.id
+  member  = "serviceAccount:${google_service_account.driver.email}"
+  condition {
+    title      = "elastic run accounts only"
+    expression = "resource.type != \"iam.googleapis.com/ServiceAccount\" || resource.name.extract(\"serviceAccounts/{email}\").startsWith(\"elastic-run-\")"
+  }
+}
+
+# The driver edits the policies of the checkpoint and data buckets to give a run's account its own
+# prefixes (IAM conditions on resource.name, as Cloud Storage documents). IAM cannot bound what such
+# an edit grants: this is the driver's most powerful permission, on these buckets only.
+resource "google_project_iam_custom_role" "driver_bucket_policy" {
+  role_id     = "elastic.driverBucketPolicy"
+  title       = "elastic driver: grant runs their prefixes"
+  description = "Read and set the IAM policy of elastic's buckets."
+  permissions = ["storage.buckets.getIamPolicy", "storage.buckets.setIamPolicy"]
+}
+
+resource "google_storage_bucket_iam_member" "driver_bucket_policy" {
+  for_each = toset(concat([google_storage_bucket.checkpoints.name], var.data_buckets))
+  bucket   = each.value
+  role     = google_project_iam_custom_role.driver_bucket_policy.id
+  member   = "serviceAccount:${google_service_account.driver.email}"
 }
 
 # -- checkpoints ----------------------------------------------------------------------------------
@@ -253,8 +308,9 @@ output "recipe_gcp_section" {
   value       = <<-EOT
     gcp:
       project: ${var.project}
-      service_account: ${google_service_account.node.email}
       controller_service_account: ${google_service_account.driver.email}
+      # nodes run as their run's own account; with run_service_accounts: false, set
+      # service_account: ${google_service_account.node.email}
       network: global/networks/${var.network}
       network_tags: [${local.node_tag}]
     checkpoint:

@@ -150,6 +150,13 @@ class AWSProvider(CloudProvider):
         return S3Storage(uri, bucket, prefix, create)
 
     @classmethod
+    def open_keys(cls, uri: str, bucket: str):
+        """SSM Parameter Store in the bucket's region (providers/aws/storage.py)."""
+        from providers.aws.storage import SSMKeys
+
+        return SSMKeys(uri, bucket)
+
+    @classmethod
     def configured(cls) -> str | None:
         import boto3
 

@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Iterator
 
 from elastic.errors import UserError
-from elastic.storage import CHUNK_BYTES, Storage
+from elastic.storage import CHUNK_BYTES, KeyStore, Storage, key_slug
+
+KEY_PARAMETER_PREFIX = "/elastic-checkpoint-keys/"   # outside /elastic/<run>/*, which a run's nodes may read
 
 
 class S3Storage(Storage):
@@ -78,6 +80,56 @@ class S3Storage(Storage):
         for i in range(0, len(names), 1000):
             batch = [{"Key": self._key(n)} for n in names[i:i + 1000]]
             self._client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+
+
+class SSMKeys(KeyStore):
+    """Checkpoint keys as SecureString parameters `/elastic-checkpoint-keys/<run slug>` of SSM
+    Parameter Store in the bucket's region. The driver's policy reaches them; a run's node role
+    reads only `/elastic/<run>/*`."""
+
+    def __init__(self, uri: str, bucket: str):
+        super().__init__()
+        import boto3
+
+        session = boto3.session.Session()
+        s3 = session.client("s3")
+        try:   # the bucket's own region: the same parameters wherever the driver runs
+            head = s3.head_bucket(Bucket=bucket)
+            region = head["ResponseMetadata"]["HTTPHeaders"].get("x-amz-bucket-region")
+        except _s3_errors() as exc:
+            raise UserError(_s3_message(uri, exc)) from None
+        self.region = region or s3.meta.region_name or "us-east-1"
+        self._ssm = session.client("ssm", region_name=self.region)
+        self.where = f"SSM Parameter Store ({self.region}) under {KEY_PARAMETER_PREFIX}"
+
+    def _call(self, action: str, **kwargs):
+        try:
+            return getattr(self._ssm, action)(**kwargs)
+        except _s3_errors() as exc:
+            if _s3_code(exc) in ("ParameterNotFound", "ParameterAlreadyExists"):
+                raise
+            raise UserError(f"checkpoint key: ssm {action} {kwargs.get('Name')}: {_s3_code(exc) or exc}") from None
+
+    def _read(self, run: str) -> bytes | None:
+        import base64
+
+        try:
+            value = self._call("get_parameter", Name=KEY_PARAMETER_PREFIX + key_slug(run),
+                               WithDecryption=True)["Parameter"]["Value"]
+        except _s3_errors():   # ParameterNotFound
+            return None
+        return base64.b64decode(value)
+
+    def _create(self, run: str, key: bytes) -> bytes:
+        import base64
+
+        try:
+            self._call("put_parameter", Name=KEY_PARAMETER_PREFIX + key_slug(run), Type="SecureString",
+                       Value=base64.b64encode(key).decode(), Overwrite=False,
+                       Description=f"elastic: authenticates the checkpoint manifests of run {run}"[:1024])
+        except _s3_errors():   # ParameterAlreadyExists: another process of this run stored it first
+            return self._read(run)
+        return key
 
 
 def _s3_errors():

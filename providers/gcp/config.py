@@ -40,11 +40,18 @@ class GCPSection(Section):
     `infra/gcp/` targets `elastic-node`."""
     external_ip: bool = True
     """Give each node an ephemeral external IP (needed to install packages without Cloud NAT)."""
+    run_service_accounts: bool = True
+    """Each run's nodes run as a service account of their own, `elastic-run-<run>`, created when
+    the run launches its first node and deleted when it ends (or by `elastic down RUN`): it may read
+    only the run's token secret, read and write only objects under `checkpoint.uri`, read only
+    objects under `data.uri` (IAM conditions on the bucket policies), and delete only its own VMs
+    (autodown). The driver needs the permissions `infra/gcp/` gives `elastic-driver`. False: nodes
+    run as `service_account`, shared by every run."""
     service_account: str | None = None
-    """Service account email the nodes run as (`infra/gcp/` creates `elastic-node`, which may only
-    read and write the checkpoint bucket, read the buckets of `data_buckets`, read runs' cluster
-    tokens and delete instances named elastic-* (autodown deletes the VM itself)). Empty: none (the
-    VM gets no Google credentials at all, and autodown can only stop it)."""
+    """Service account email the nodes run as when `run_service_accounts` is false (`infra/gcp/`
+    creates `elastic-node`, which may read and write the whole checkpoint bucket, read the buckets
+    of `data_buckets`, read every run's cluster token and delete instances named elastic-*). Empty:
+    none (the VM gets no Google credentials at all, and autodown can only stop it)."""
     price_cache_ttl_s: float = Field(86400.0, ge=0)
     """How long prices and the machine-type catalog read from the APIs are reused from the disk
     cache, in seconds (GCP changes spot prices at most about monthly)."""

@@ -47,6 +47,7 @@ from providers.base import CapacityError, Instance, Offer
 from providers.cloud import (CONTROLLER_TEMPLATE, CloudProvider, cached_json, head_address, heartbeat_time,
                              labels_arg, quote, render_bootstrap, usable_price)
 from providers.gcp.config import GCPSection
+from providers.gcp.scope import RunScope
 
 log = logging.getLogger(__name__)
 
@@ -305,6 +306,7 @@ class GCPProvider(CloudProvider):
         self._firewalls: set[str] = set()     # runs whose firewall rule this provider created
         self._firewall_lock = threading.Lock()
         self._token_lock = threading.Lock()
+        self._scopes: dict[str, RunScope] = {}   # runs whose service account this provider made
 
     @classmethod
     def accelerator_models(cls) -> set[str]:
@@ -316,6 +318,13 @@ class GCPProvider(CloudProvider):
         from providers.gcp.storage import GCSStorage
 
         return GCSStorage(uri, bucket, prefix, create)
+
+    @classmethod
+    def open_keys(cls, uri: str, bucket: str):
+        """Secret Manager of the project (providers/gcp/storage.py)."""
+        from providers.gcp.storage import SecretKeys
+
+        return SecretKeys(uri)
 
     @classmethod
     def configured(cls) -> str | None:
@@ -686,12 +695,18 @@ class GCPProvider(CloudProvider):
                 pass   # left by an earlier run of the same name: the same rule
             self._firewalls.add(run)
 
+    def _scope(self, run: str) -> RunScope:
+        with self._token_lock:
+            return self._scopes.setdefault(run, RunScope(self, run))
+
     def remove_run_resources(self, run: str, wait_s: float = 0.0) -> list[str]:
-        """Delete what run `run` owned besides VMs: its token secret and its firewall rule. Returns
-        what was left (one line each)."""
+        """Delete what run `run` owned besides VMs: its service account (and its grants), token
+        secret and firewall rule. Returns what was left (one line each)."""
         from google.api_core import exceptions
 
-        left = []
+        with self._token_lock:
+            scope = self._scopes.pop(run, None) or RunScope(self, run)
+        left = scope.remove() if self.config.run_service_accounts else []
         for what, fn in (("secret " + self.token_secret(run), lambda: self._client("secrets").delete_secret(
                              name=f"projects/{self.project}/secrets/{self.token_secret(run)}", retry=self._retry())),
                          ("firewall rule " + run_network_tag(run), lambda: self._client("firewalls").delete(
@@ -710,9 +725,10 @@ class GCPProvider(CloudProvider):
         return left
 
     def close(self) -> None:
-        """Stop launches waiting for their node, and delete the run's token secret and firewall rule."""
+        """Stop launches waiting for their node, and delete the run's service account, token secret
+        and firewall rule."""
         super().close()
-        for run in sorted(self._tokens | self._firewalls):
+        for run in sorted(self._tokens | self._firewalls | set(self._scopes)):
             self.remove_run_resources(run)
 
     def controller_offer(self) -> Offer:
@@ -756,9 +772,14 @@ class GCPProvider(CloudProvider):
         from google.api_core import exceptions
 
         self._ensure_firewall(run)
+        scope = self._scope(run) if role != "controller" and self.config.run_service_accounts else None
+        if scope is not None:
+            service_account = scope.service_account()
         name = _instance_name(run, role)
         body = self.instance_body(name, offer, run, role, startup_script or self.startup_script(offer, run, role),
                                   service_account=service_account)
+        if scope is not None and run in self._tokens:   # before the VM boots and reads it
+            scope.grant_token(self.token_secret(run))
         client, project = self._client("instances"), self.project
         try:
             # request_id makes a retried insert idempotent: the API creates the VM once.
@@ -771,6 +792,11 @@ class GCPProvider(CloudProvider):
             if code:
                 raise CapacityError(f"{offer.instance_type} in {offer.zone}: {code}") from None
             raise
+        if scope is not None:
+            try:
+                scope.grant_self_delete(offer.zone, name)
+            except UserError as exc:   # the VM runs all the same; its autodown can only stop it
+                log.warning("gcp: %s may not delete itself: %s", name, exc)
         log.info("gcp: %s created in %s (%s, $%.4f/h)", name, offer.zone, offer.instance_type, offer.usd_per_hour)
         return Instance(instance_id=name, offer=offer, run=run, role=role, launched_at=time.time(),
                         labels=dict(body.labels))

@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Iterator
 
 from elastic.errors import UserError
-from elastic.storage import CHUNK_BYTES, Storage
+from elastic.storage import CHUNK_BYTES, KeyStore, Storage, key_slug
+
+KEY_SECRET_PREFIX = "elastic-ckpt-key-"   # a run's node service account reads only its token secret
 
 
 class GCSStorage(Storage):
@@ -74,3 +76,72 @@ class GCSStorage(Storage):
                 self._bucket.blob(self._key(name)).delete()
             except self._gexc.NotFound:
                 pass
+
+
+class SecretKeys(KeyStore):
+    """Checkpoint keys as Secret Manager secrets `elastic-ckpt-key-<run slug>` of the project
+    (`GOOGLE_CLOUD_PROJECT`, else the credentials' own); ELASTIC_GCP_SECRETS_ENDPOINT points it
+    elsewhere, as it does the provider. A run's node service account may access only its token
+    secret, not these."""
+
+    def __init__(self, uri: str):
+        super().__init__()
+        from google.cloud import secretmanager_v1
+
+        from providers.gcp.provider import SECRETS_ENDPOINT_ENV, _credentials_or_line, _endpoint, _is_local
+
+        endpoint = _endpoint(None, SECRETS_ENDPOINT_ENV)
+        kwargs: dict = {"transport": "rest"}
+        project = os.environ.get("GOOGLE_CLOUD_PROJECT") or os.environ.get("CLOUDSDK_CORE_PROJECT")
+        if endpoint:
+            kwargs["client_options"] = {"api_endpoint": endpoint}
+        if _is_local(endpoint):
+            from google.auth.credentials import AnonymousCredentials
+            kwargs["credentials"] = AnonymousCredentials()
+        else:
+            creds, found = _credentials_or_line()
+            if creds is None:
+                raise UserError(f"{uri}: checkpoint keys: {found}")
+            kwargs["credentials"], project = creds, project or found
+        if not project:
+            raise UserError(f"{uri}: checkpoint keys: no project (set GOOGLE_CLOUD_PROJECT)")
+        self._project = project
+        self._client = secretmanager_v1.SecretManagerServiceClient(**kwargs)
+        self.where = f"Secret Manager (project {project}) under {KEY_SECRET_PREFIX}*"
+
+    def _name(self, run: str) -> str:
+        return f"projects/{self._project}/secrets/{KEY_SECRET_PREFIX}{key_slug(run)}"
+
+    def _read(self, run: str) -> bytes | None:
+        import base64
+
+        from google.api_core import exceptions
+        try:
+            data = self._client.access_secret_version(name=self._name(run) + "/versions/latest").payload.data
+        except exceptions.NotFound:
+            return None
+        except exceptions.GoogleAPICallError as exc:
+            raise UserError(f"checkpoint key: read {self._name(run)}: {exc.message}") from None
+        return base64.b64decode(data)
+
+    def _create(self, run: str, key: bytes) -> bytes:
+        from google.api_core import exceptions
+
+        from providers.gcp.provider import label_value
+        try:
+            self._client.create_secret(request={
+                "parent": f"projects/{self._project}", "secret_id": self._name(run).rsplit("/", 1)[-1],
+                "secret": {"replication": {"automatic": {}},
+                           "labels": {"elastic-run": label_value(run), "elastic-managed": "true"}}})
+        except exceptions.AlreadyExists:
+            return self._read(run) or self._add(run, key)   # created by another process of this run
+        except exceptions.GoogleAPICallError as exc:
+            raise UserError(f"checkpoint key: create {self._name(run)}: {exc.message}") from None
+        return self._add(run, key)
+
+    def _add(self, run: str, key: bytes) -> bytes:
+        import base64
+
+        self._client.add_secret_version(request={"parent": self._name(run),
+                                                 "payload": {"data": base64.b64encode(key)}})
+        return key

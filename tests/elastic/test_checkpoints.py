@@ -33,7 +33,7 @@ def s3_saver(tmp_path, staging: str, keep_last: int, threads: int) -> tuple[str,
     """A fresh bucket on the S3 server and a Checkpointer writing to it (ledger in tmp_path)."""
     uri = f"s3://ckpt-{uuid.uuid4().hex[:8]}/run"
     return uri, ckpt.Checkpointer(uri, str(tmp_path / staging), keep_last=keep_last, threads=threads,
-                                  ledger=Ledger(tmp_path / "events.jsonl"), run="test")
+                                  ledger=Ledger(tmp_path / "events.jsonl"), run="test", run_dir=tmp_path / "test")
 
 
 def load_into_new_world(recipe, nodes, uri: str, step: int, staging: str) -> dict:
@@ -66,7 +66,7 @@ def test_checkpoint_resumes_exactly_into_a_different_world_shape(nodes, s3_serve
         world.shutdown()
     events = {e["type"]: e for e in read_events(tmp_path / "events.jsonl")}
     assert events["checkpoint_saved"]["step"] == 2 and events["checkpoint_uploaded"]["bytes"] > 0
-    manifest = ckpt.latest(open_storage(uri))
+    manifest = ckpt.latest(open_storage(uri), saver.keys)
     assert manifest["step"] == 2 and manifest["replicas"] == 2 and manifest["ranks"] == 1
     assert {f["name"] for f in manifest["files"]} >= {".metadata", "__0_0.distcp", "rng-0.json"}
     assert not (tmp_path / "staging-a" / "step-00000002").exists()   # phase-1 copy dropped once durable
@@ -111,7 +111,7 @@ def test_node_lost_during_upload_leaves_the_previous_checkpoint(nodes, local_clu
     assert [e["step"] for e in events if e["type"] == "checkpoint_upload_failed"] == [4]
     store = open_storage(uri)
     assert {c["step"]: c["complete"] for c in ckpt.listing(store)} == {2: True, 4: False}
-    assert ckpt.latest(store)["step"] == 2
+    assert ckpt.latest(store, saver.keys)["step"] == 2
 
     got = load_into_new_world(recipe, nodes, uri, 2, str(tmp_path / "staging-new"))
     for k in at_two:
@@ -127,7 +127,7 @@ def test_node_lost_during_the_write_leaves_the_previous_checkpoint(nodes, local_
     monkeypatch.setenv("ELASTIC_FAULT_WRITE_GATE", str(gate))   # nodes started from here on wait on it
     uri = str(tmp_path / "ckpts")
     saver = ckpt.Checkpointer(uri, str(tmp_path / "staging"), keep_last=3, threads=2,
-                              ledger=Ledger(tmp_path / "events.jsonl"), run="test")
+                              ledger=Ledger(tmp_path / "events.jsonl"), run="test", run_dir=tmp_path / "test")
     recipe = tiny_recipe(**{"train.outer_steps": 4})
     world = trained_world(recipe, nodes, steps=1)
     try:
@@ -149,7 +149,7 @@ def test_node_lost_during_the_write_leaves_the_previous_checkpoint(nodes, local_
     assert [e["step"] for e in events if e["type"] == "checkpoint_upload_failed"] == [2]
     store = open_storage(uri)
     assert [c["step"] for c in ckpt.listing(store)] == [1]
-    assert ckpt.latest(store)["step"] == 1
+    assert ckpt.latest(store, saver.keys)["step"] == 1
     monkeypatch.delenv("ELASTIC_FAULT_WRITE_GATE")
     got = load_into_new_world(recipe, nodes, uri, 1, str(tmp_path / "staging-new"))
     for k in at_one:
@@ -172,7 +172,7 @@ def test_a_joiner_and_a_restore_carry_the_error_feedback(nodes, tmp_path):
     recipe = tiny_recipe(**{"world.replicas": 2, "world.sync_dtype": "int8", "train.outer_steps": 6})
     uri = f"file://{tmp_path}/ckpt"
     saver = ckpt.Checkpointer(uri, str(tmp_path / "staging"), keep_last=2, threads=2,
-                              ledger=Ledger(tmp_path / "events.jsonl"), run="test")
+                              ledger=Ledger(tmp_path / "events.jsonl"), run="test", run_dir=tmp_path / "test")
     world = trained_world(recipe, nodes, steps=2)
     try:
         lead = world.lead_replica()

@@ -10,7 +10,7 @@ import pytest
 
 from elastic import checkpoint as ckpt
 from elastic.errors import UserError
-from elastic.storage import CHUNK_BYTES, open_storage
+from elastic.storage import CHUNK_BYTES, KeyStore, open_keys, open_storage
 from tests.conftest import run_cli
 
 
@@ -19,7 +19,9 @@ def uri(request, tmp_path):
     """A fresh, empty checkpoint destination of each kind."""
     if request.param == "file":
         return f"file://{tmp_path / 'ckpt'}"
-    request.getfixturevalue("s3_server" if request.param == "s3" else "gcs_server")
+    # S3 keeps checkpoint keys in SSM (moto), GCS in Secret Manager (the GCP fake)
+    for server in ("s3_server",) if request.param == "s3" else ("gcs_server", "gcp_fake"):
+        request.getfixturevalue(server)
     return f"{request.param}://ckpt-{uuid.uuid4().hex[:8]}/runs/one"
 
 
@@ -40,9 +42,15 @@ def test_objects_round_trip(uri, tmp_path):
     assert store.list() == {}
 
 
+def reader_keys(uri: str, tmp_path) -> KeyStore:
+    """The checkpoint keys at `uri` as a run in a directory under `tmp_path` finds them."""
+    return open_keys(uri, tmp_path / "reader")
+
+
 def fake_checkpoint(uri: str, tmp_path, step: int, complete: bool = True, **fields) -> dict:
     """A checkpoint made the way ranks and driver make one: phase-2 upload, then the manifest
-    (`fields` override its entries). Returns the manifest."""
+    (`fields` override its entries) authenticated with its run's key (`tmp_path/<run>` the run's
+    directory). Returns the manifest."""
     local = tmp_path / f"local-{step}"
     local.mkdir()
     for name in ("__0_0.distcp", "__1_0.distcp", ".metadata", "rng-0.json"):
@@ -52,6 +60,7 @@ def fake_checkpoint(uri: str, tmp_path, step: int, complete: bool = True, **fiel
         files += ckpt.upload(uri, local, step, ckpt.rank_files(local, rank), threads=2)
     manifest = {"step": step, "inner_step": step * 4, "data_cursor": step * 8, "tokens": step * 1024, "ranks": 2,
                 "replicas": 1, "run": "run-a", "model_digest": "m", "saved_at": 1.0, "files": files, **fields}
+    manifest["hmac"] = ckpt.manifest_mac(manifest, open_keys(uri, tmp_path / manifest["run"]).create(manifest["run"]))
     if complete:
         open_storage(uri).write_bytes(f"{ckpt.step_name(step)}/{ckpt.MANIFEST}", json.dumps(manifest).encode())
     return manifest
@@ -65,7 +74,7 @@ def test_listing_retention_and_verify(uri, tmp_path):
     fake_checkpoint(uri, tmp_path, 8, complete=False)      # one still under way
     listed = {c["step"]: c["complete"] for c in ckpt.listing(store)}
     assert listed == {2: True, 4: True, 5: False, 6: True, 8: False}
-    assert ckpt.latest(store)["step"] == 6
+    assert ckpt.latest(store, reader_keys(uri, tmp_path))["step"] == 6
     # every rank's file is there exactly once, shared ones from rank 0
     assert sorted(f["name"] for f in ckpt.read_manifest(store, 6)["files"]) == \
         [".metadata", "__0_0.distcp", "__1_0.distcp", "rng-0.json"]

@@ -8,7 +8,18 @@ One threaded HTTP server answers, in the REST shapes the real client libraries s
   get / wait. Inserts honour `requestId` (a retried insert creates one VM), and bodies are stored
   so tests read back exactly what was sent.
 - Cloud Billing Catalog (`/v1/services/6F81-5844-456A/skus`), paginated.
-- Secret Manager (`/v1/projects/P/secrets`): create, addVersion, access latest, delete.
+- Secret Manager (`/v1/projects/P/secrets`): create, addVersion, access latest, delete, and the
+  secret's IAM policy (setIamPolicy / getIamPolicy).
+- IAM (`/v1/projects/P/serviceAccounts`): create, get, delete service accounts; `token_of(email)`
+  hands a test the bearer token a VM running as that account would get from its metadata server.
+- Cloud Storage bucket IAM policies (`/storage/v1/b/B/iam`, version 3 with conditions, etag
+  checked); `bucket_allows` evaluates them (the object data itself is the GCS emulator's).
+- Compute instance IAM policies (`instances/NAME/setIamPolicy`).
+
+Requests bearing a service account's token are held to IAM: such a caller may access a secret
+version only if the secret's policy grants it `secretAccessor`, and delete an instance only if that
+instance's policy grants it the self-delete role; anything else is refused 403. Requests without one
+are the driver's (every permission, as in the tests before service accounts existed).
 - The metadata server (`/computeMetadata/v1/instance/preempted|maintenance-event`) with
   `wait_for_change` long polls, as seen from one VM.
 
@@ -161,6 +172,10 @@ class GCPFake:
         self.on_delete = None   # (name) -> None
         self.secrets: dict[str, dict] = {}            # Secret Manager: id -> labels, version payloads
         self.firewalls: dict[str, dict] = {}          # firewall rule name -> rule resource
+        self.service_accounts: dict[str, dict] = {}   # email -> service account resource
+        self.bucket_policies: dict[str, dict] = {}    # bucket -> IAM policy (version, etag, bindings)
+        self.instance_policies: dict[str, dict] = {}  # instance name -> IAM policy
+        self._sa_tokens: dict[str, str] = {}          # bearer token -> service account email
         self.denied: list[str] = []                   # path patterns answered 403 (permission)
         self.quotas: dict[str, dict[str, float]] = {}  # region -> {metric: limit} (regions.get)
         self._by_request_id: dict[str, dict] = {}
@@ -184,7 +199,8 @@ class GCPFake:
     def env(self) -> dict[str, str]:
         """Environment variables that point the provider (and its watcher) here."""
         return {"ELASTIC_GCP_COMPUTE_ENDPOINT": self.url, "ELASTIC_GCP_BILLING_ENDPOINT": self.url,
-                "ELASTIC_GCP_SECRETS_ENDPOINT": self.url,
+                "ELASTIC_GCP_SECRETS_ENDPOINT": self.url, "ELASTIC_GCP_IAM_ENDPOINT": self.url,
+                "ELASTIC_GCP_STORAGE_ENDPOINT": self.url,
                 "ELASTIC_GCP_METADATA_URL": self.metadata_url, "GOOGLE_CLOUD_PROJECT": self.project}
 
     def start(self) -> "GCPFake":
@@ -218,6 +234,29 @@ class GCPFake:
     def calls(self, method: str, pattern: str) -> list[dict]:
         with self._lock:
             return [r for r in self.requests if r["method"] == method and re.search(pattern, r["path"])]
+
+    def token_of(self, email: str) -> str:
+        """The bearer token a VM running as service account `email` gets from its metadata server."""
+        with self._lock:
+            assert email in self.service_accounts, f"fake: no service account {email}"
+            token = f"ya29.fake-{hashlib.sha1(email.encode()).hexdigest()[:16]}"
+            self._sa_tokens[token] = email
+            return token
+
+    def bucket_allows(self, email: str, permission: str, bucket: str, object_name: str | None = None,
+                      list_prefix: str | None = None) -> bool:
+        """Whether the bucket's IAM policy grants `permission` (`storage.objects.get|create|delete|
+        list`) to service account `email` on `object_name` (or, for list, a listing of `list_prefix`),
+        its conditions evaluated as Cloud Storage does for the forms elastic writes."""
+        resource = f"projects/_/buckets/{bucket}" + (f"/objects/{object_name}" if object_name else "")
+        with self._lock:
+            for b in self.bucket_policies.get(bucket, {}).get("bindings", []):
+                if f"serviceAccount:{email}" not in b.get("members", ()) or \
+                        permission not in _STORAGE_ROLES.get(b["role"], ()):
+                    continue
+                if "condition" not in b or _condition_holds(b["condition"]["expression"], resource, list_prefix):
+                    return True
+        return False
 
     def set_metadata(self, key: str, value: str) -> None:
         """Change what the VM's metadata server says (wakes its `wait_for_change` long polls)."""
@@ -266,6 +305,10 @@ class GCPFake:
                 with fake._lock:
                     fake.requests.append({"method": method, "path": u.path, "query": query, "body": body,
                                           "authorization": self.headers.get("Authorization")})
+                    caller = fake._sa_tokens.get((self.headers.get("Authorization") or "").removeprefix("Bearer "))
+                    if caller is not None and not fake._permitted(caller, method, u.path):
+                        return self._send(403, {"error": {"code": 403, "status": "PERMISSION_DENIED",
+                                                          "message": f"Permission denied for {caller} on {u.path}"}})
                     if fake._rate_limited > 0:
                         fake._rate_limited -= 1
                         return self._send(429, _error(429, "Rate Limit Exceeded", "rateLimitExceeded"))
@@ -284,12 +327,31 @@ class GCPFake:
             def do_DELETE(self):
                 self._do("DELETE")
 
+            def do_PUT(self):
+                self._do("PUT")
+
         return Handler
+
+    def _permitted(self, email: str, method: str, path: str) -> bool:
+        """What a caller with service account `email`'s token may do (called with the lock held)."""
+        if m := re.fullmatch(r"/v1/projects/[^/]+/secrets/([^/:]+)/versions/latest:access", path):
+            policy = self.secrets.get(m[1], {}).get("policy", {})
+            return any(b.get("role") == "roles/secretmanager.secretAccessor" and f"serviceAccount:{email}" in
+                       b.get("members", ()) for b in policy.get("bindings", []))
+        if method == "DELETE" and (m := re.fullmatch(r"/compute/v1/projects/[^/]+/zones/[^/]+/instances/([^/]+)", path)):
+            return any(b.get("role", "").endswith("/roles/elastic.nodeSelfDelete") and f"serviceAccount:{email}" in
+                       b.get("members", ()) for b in self.instance_policies.get(m[1], {}).get("bindings", []))
+        return False
 
     def _route(self, method: str, path: str, query: dict, body) -> tuple[int, dict]:
         """Answer one API request (called with the lock held)."""
-        if m := re.fullmatch(r"/v1/projects/([^/]+)/secrets(?:/([^/:]+))?(:addVersion|/versions/latest:access)?", path):
+        if m := re.fullmatch(r"/v1/projects/([^/]+)/secrets(?:/([^/:]+))?(:addVersion|/versions/latest:access|"
+                             r":setIamPolicy|:getIamPolicy)?", path):
             return self._secret(method, m[1], m[2] or query.get("secretId"), m[3], body)
+        if m := re.fullmatch(r"/v1/projects/([^/]+)/serviceAccounts(?:/([^/]+))?", path):
+            return self._service_account(method, m[1], m[2], body)
+        if m := re.fullmatch(r"/storage/v1/b/([^/]+)/iam", path):
+            return self._bucket_policy(method, m[1], body)
         if m := re.fullmatch(rf"/v1/services/{SERVICE}/skus", path):
             start = int(query.get("pageToken") or 0)
             size = min(int(query.get("pageSize") or 5000), self.sku_page_size)
@@ -330,7 +392,7 @@ class GCPFake:
             return 200, {"items": items}
         if m := re.fullmatch(r"global/firewalls(?:/([^/]+))?", rest):
             return self._firewall(method, base, m[1], body)
-        m = re.fullmatch(r"zones/([^/]+)/(instances|operations)(?:/([^/]+))?(/wait|/setLabels)?", rest)
+        m = re.fullmatch(r"zones/([^/]+)/(instances|operations)(?:/([^/]+))?(/wait|/setLabels|/setIamPolicy)?", rest)
         if not m:
             return 404, _error(404, f"no such path {path}", "notFound")
         zone, kind, name, verb = m.groups()
@@ -361,6 +423,9 @@ class GCPFake:
             inst["labelFingerprint"] = _etag(json.dumps(inst["labels"], sort_keys=True))
             self.label_sets.append(name)
             return 200, self._operation(base, zone, "setLabels", name)
+        if method == "POST" and verb == "/setIamPolicy":
+            self.instance_policies[name] = {**body["policy"], "etag": _etag(json.dumps(body["policy"]))}
+            return 200, self.instance_policies[name]
         if method == "DELETE":
             del self.instances[name]
             self._hook(self.on_delete, name)
@@ -391,6 +456,48 @@ class GCPFake:
         if method == "DELETE" and verb is None:
             del self.secrets[name]
             return 200, {}
+        if method == "POST" and verb == ":setIamPolicy":
+            self.secrets[name]["policy"] = {**body["policy"], "etag": _etag(json.dumps(body["policy"]))}
+            return 200, self.secrets[name]["policy"]
+        if verb == ":getIamPolicy":
+            return 200, self.secrets[name].get("policy", {})
+        return 405, _error(405, "method not allowed", "badRequest")
+
+    def _service_account(self, method: str, project: str, email: str | None, body) -> tuple[int, dict]:
+        """IAM service accounts: create (409 when the id is taken), get, delete."""
+        if project != self.project:
+            return 404, _error(404, f"project {project} not found", "notFound")
+        if method == "POST" and email is None:
+            email = f"{body['accountId']}@{project}.iam.gserviceaccount.com"
+            if email in self.service_accounts:
+                return 409, {"error": {"code": 409, "status": "ALREADY_EXISTS",
+                                       "message": f"Service account {body['accountId']} already exists"}}
+            self.service_accounts[email] = {**body.get("serviceAccount", {}), "email": email,
+                                            "name": f"projects/{project}/serviceAccounts/{email}",
+                                            "projectId": project, "uniqueId": str(next(self._ids))}
+            return 200, self.service_accounts[email]
+        if email not in self.service_accounts:
+            return 404, {"error": {"code": 404, "status": "NOT_FOUND", "message": f"{email} not found"}}
+        if method == "GET":
+            return 200, self.service_accounts[email]
+        if method == "DELETE":
+            del self.service_accounts[email]
+            self._sa_tokens = {t: e for t, e in self._sa_tokens.items() if e != email}
+            return 200, {}
+        return 405, _error(405, "method not allowed", "badRequest")
+
+    def _bucket_policy(self, method: str, bucket: str, body) -> tuple[int, dict]:
+        """A bucket's IAM policy: get, and set (412 unless the etag is the current one)."""
+        policy = self.bucket_policies.setdefault(bucket, {
+            "kind": "storage#policy", "resourceId": f"projects/_/buckets/{bucket}", "version": 1,
+            "etag": "CAE=", "bindings": []})
+        if method == "GET":
+            return 200, policy
+        if method == "PUT":
+            if body.get("etag") != policy["etag"]:
+                return 412, _error(412, "Precondition Failed", "conditionNotMet")
+            self.bucket_policies[bucket] = {**body, "etag": _etag(json.dumps(body, sort_keys=True))}
+            return 200, self.bucket_policies[bucket]
         return 405, _error(405, "method not allowed", "badRequest")
 
     def _insert(self, base: str, zone: str, query: dict, body: dict) -> tuple[int, dict]:
@@ -478,6 +585,34 @@ class GCPFake:
                         self._changed.wait(left)
             value = self.metadata[key]
         return 200, value, {"ETag": _etag(value), "Metadata-Flavor": "Google"}
+
+
+# Cloud Storage roles -> the object permissions they carry (the ones elastic grants).
+_STORAGE_ROLES = {
+    "roles/storage.objectViewer": {"storage.objects.get", "storage.objects.list"},
+    "roles/storage.objectUser": {"storage.objects.get", "storage.objects.list", "storage.objects.create",
+                                 "storage.objects.delete", "storage.objects.update"},
+    "roles/storage.objectAdmin": {"storage.objects.get", "storage.objects.list", "storage.objects.create",
+                                  "storage.objects.delete", "storage.objects.update"},
+}
+_RESOURCE_STARTS = re.compile(r'^resource\.name\.startsWith\("([^"]*)"\)$')
+_LIST_STARTS = re.compile(r'^api\.getAttribute\("storage\.googleapis\.com/objectListPrefix", ""\)'
+                          r'\.startsWith\("([^"]*)"\)$')
+
+
+def _condition_holds(expression: str, resource: str, list_prefix: str | None) -> bool:
+    """A condition of `||`-joined `resource.name.startsWith(..)` and objectListPrefix terms, the
+    CEL forms elastic writes; any other form is an error (the fake does not guess)."""
+    for term in (t.strip() for t in expression.split("||")):
+        if m := _RESOURCE_STARTS.match(term):
+            if resource.startswith(m[1]):
+                return True
+        elif m := _LIST_STARTS.match(term):
+            if list_prefix is not None and list_prefix.startswith(m[1]):
+                return True
+        else:
+            raise ValueError(f"fake: condition term {term!r} not understood")
+    return False
 
 
 def _etag(value: str) -> str:

@@ -166,7 +166,8 @@ def test_stockout_and_quota_are_capacity_errors(gcp_fake, mode, code):
 def test_rate_limits_retried_by_api_core_one_vm(gcp_fake):
     p, recipe = _provider(**{"resources.accelerators": "L4:1"})
     offer = _offer(p, recipe)
-    p._ensure_firewall("run-1")   # the run's firewall rule exists: the 429s below meet the insert
+    p._ensure_firewall("run-1")   # the run's firewall rule and service account exist: the 429s
+    p._scope("run-1").service_account()   # below meet the insert
     gcp_fake.rate_limit(3)
     t0 = time.monotonic()
     inst = p._create(offer, "run-1", "replica")
@@ -391,17 +392,59 @@ def test_cluster_token_goes_to_secret_manager_not_metadata(gcp_fake, monkeypatch
     assert name not in gcp_fake.secrets
 
 
-def test_each_run_gets_a_firewall_rule_open_only_among_its_own_vms(gcp_fake, monkeypatch):
+def _node_call(gcp_fake, token: str, method: str, path: str) -> int:
+    """A call from a VM with its service account's token (what gcloud on the node sends): the status."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(gcp_fake.url + path, method=method, headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_each_run_gets_a_firewall_rule_and_a_service_account_of_its_own(gcp_fake, monkeypatch):
     """Two runs in one project: each VM carries its run's own network tag, and the run's firewall
-    rule admits traffic from that tag to that tag only, so run A's VMs cannot reach run B's. The
-    run's end deletes its rule and token; `elastic down RUN` does for a run whose driver died."""
+    rule admits traffic from that tag to that tag only, so run A's VMs cannot reach run B's. Each
+    run's VMs run as its own service account: its token secret only (run A's node is denied run B's
+    token), its checkpoint prefix (read, write) and data prefix (read) only, its own VMs to delete.
+    The run's end deletes its rule, token and account (and the account's grants); `elastic down RUN`
+    does for a run whose driver died."""
     monkeypatch.setenv("RAY_AUTH_TOKEN", "tok")
     from providers.gcp.provider import run_network_tag
+    from providers.gcp.scope import account_id
 
-    a, recipe = _provider(run="run-a", **{"resources.accelerators": "L4:1"})
-    b, _ = _provider(run="run-b", **{"resources.accelerators": "L4:1"})
+    a, recipe = _provider(run="run-a", **{"resources.accelerators": "L4:1", "checkpoint.uri": "gs://ckpt/runs/a"})
+    recipe.data.uri = "gs://shards/tok"   # set past validation, which would read the shards
+    b, _ = _provider(run="run-b", **{"resources.accelerators": "L4:1", "checkpoint.uri": "gs://ckpt/runs/b"})
     offer = _offer(a, recipe)
     vms = {run: [p._create(offer, run, "replica") for _ in range(2)] for run, p in (("run-a", a), ("run-b", b))}
+    email = {run: f"{account_id(run)}@elastic-test.iam.gserviceaccount.com" for run in vms}
+    assert set(gcp_fake.service_accounts) == set(email.values())
+    for run, insts in vms.items():
+        for inst in insts:
+            assert [sa["email"] for sa in gcp_fake.instances[inst.instance_id]["serviceAccounts"]] == [email[run]]
+    node_a = gcp_fake.token_of(email["run-a"])
+    secret = "/v1/projects/elastic-test/secrets/{}/versions/latest:access"
+    assert _node_call(gcp_fake, node_a, "GET", secret.format(a.token_secret("run-a"))) == 200
+    assert _node_call(gcp_fake, node_a, "GET", secret.format(b.token_secret("run-b"))) == 403
+    vm = "/compute/v1/projects/elastic-test/zones/us-central1-a/instances/{}"
+    assert _node_call(gcp_fake, node_a, "DELETE", vm.format(vms["run-b"][0].instance_id)) == 403
+    assert gcp_fake.bucket_allows(email["run-a"], "storage.objects.create", "ckpt", "runs/a/step-00000002/x")
+    assert gcp_fake.bucket_allows(email["run-a"], "storage.objects.list", "ckpt", list_prefix="runs/a/")
+    assert gcp_fake.bucket_allows(email["run-a"], "storage.objects.get", "shards", "tok/shard-0.bin")
+    for permission, bucket, name in (("storage.objects.create", "ckpt", "runs/b/step-00000002/x"),
+                                     ("storage.objects.get", "ckpt", "runs/b/step-00000002/x"),
+                                     ("storage.objects.create", "ckpt", "runs/a2/x"),   # a prefix, not a folder
+                                     ("storage.objects.create", "shards", "tok/shard-0.bin")):
+        assert not gcp_fake.bucket_allows(email["run-a"], permission, bucket, name), (permission, name)
+    assert not gcp_fake.bucket_allows(email["run-a"], "storage.objects.list", "ckpt", list_prefix="runs/b/")
+    assert gcp_fake.bucket_allows(email["run-b"], "storage.objects.create", "ckpt", "runs/b/step-00000002/x")
+    # A node deletes itself (autodown), through its own VM's policy.
+    doomed = vms["run-a"].pop()
+    assert _node_call(gcp_fake, node_a, "DELETE", vm.format(doomed.instance_id)) == 200
     assert set(gcp_fake.firewalls) == {run_network_tag("run-a"), run_network_tag("run-b")}
     for run in ("run-a", "run-b"):
         tag = run_network_tag(run)
@@ -419,10 +462,17 @@ def test_each_run_gets_a_firewall_rule_open_only_among_its_own_vms(gcp_fake, mon
         a.terminate(inst.instance_id)
     a.close()
     assert set(gcp_fake.firewalls) == {run_network_tag("run-b")} and a.token_secret("run-a") not in gcp_fake.secrets
-    # run-b's driver dies: `elastic down run-b --yes` removes VMs, then its rule and token.
+    assert set(gcp_fake.service_accounts) == {email["run-b"]}
+
+    def granted(run):
+        return [b for policy in gcp_fake.bucket_policies.values() for b in policy["bindings"]
+                if f"serviceAccount:{email[run]}" in b["members"]]
+    assert not granted("run-a") and granted("run-b")
+    # run-b's driver dies: `elastic down run-b --yes` removes VMs, then its rule, token and account.
     proc = run_cli("down", "run-b", "--yes", env=cli_env(**gcp_fake.env()))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not gcp_fake.instances and not gcp_fake.firewalls and b.token_secret("run-b") not in gcp_fake.secrets
+    assert not gcp_fake.service_accounts and not granted("run-b")
 
 
 def test_head_controller_starts_an_on_demand_controller_vm_that_down_stops(gcp_fake, gcs_server, tmp_path):
