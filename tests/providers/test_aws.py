@@ -522,7 +522,8 @@ def _token_exists(run: str, region: str = "us-west-2") -> bool:
 def test_each_run_gets_its_own_role_token_prefix_and_security_group(aws_env, monkeypatch):
     """Two runs in one account: each VM carries its run's own instance profile, whose role (bounded
     by the reviewed elastic-node policy) reads only its own token and writes only under its own
-    checkpoint prefix; each VM sits in its run's own security group, open only to that group.
+    checkpoint prefix; each VM sits in its run's own security group, which opens only the overlay's
+    UDP port.
     When a run ends, its role, profile, group and token are gone; the other run's stay."""
     aws_env.rules.append(price_rule)
     monkeypatch.setenv("RAY_AUTH_TOKEN", "secret-token-value")
@@ -558,9 +559,10 @@ def test_each_run_gets_its_own_role_token_prefix_and_security_group(aws_env, mon
         [gid] = [g["GroupId"] for g in vm["SecurityGroups"]]
         [group] = ec2.describe_security_groups(GroupIds=[gid])["SecurityGroups"]
         assert group["GroupName"] == f"elastic-run-{run}"
-        sources = {pair["GroupId"] for perm in group["IpPermissions"] for pair in perm["UserIdGroupPairs"]}
-        assert sources == {gid} and all(perm.get("IpRanges") == [] for perm in group["IpPermissions"])
-        assert {perm["IpProtocol"] for perm in group["IpPermissions"]} == {"tcp", "udp"}
+        # Only the overlay's UDP port is open (to anyone: WireGuard answers only the run's keys).
+        [perm] = group["IpPermissions"]
+        assert (perm["IpProtocol"], perm["FromPort"], perm["ToPort"]) == ("udp", 51820, 51820)
+        assert [r["CidrIp"] for r in perm["IpRanges"]] == ["0.0.0.0/0"] and not perm["UserIdGroupPairs"]
         groups[run] = gid
         # The token went to the run's own parameter, never into the user data.
         ssm = boto3.client("ssm", region_name="us-west-2")

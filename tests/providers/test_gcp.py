@@ -391,10 +391,11 @@ def test_cluster_token_goes_to_secret_manager_not_metadata(gcp_fake, monkeypatch
     assert name not in gcp_fake.secrets
 
 
-def test_each_run_gets_a_firewall_rule_open_only_among_its_own_vms(gcp_fake, monkeypatch):
+def test_each_run_gets_a_firewall_rule_that_opens_only_the_overlay_port(gcp_fake, monkeypatch):
     """Two runs in one project: each VM carries its run's own network tag, and the run's firewall
-    rule admits traffic from that tag to that tag only, so run A's VMs cannot reach run B's. The
-    run's end deletes its rule and token; `elastic down RUN` does for a run whose driver died."""
+    rule admits only the overlay's UDP port to that tag (Ray and torch ports are reachable only
+    inside the overlay, whose keys are the run's own). The run's end deletes its rule and token;
+    `elastic down RUN` does for a run whose driver died."""
     monkeypatch.setenv("RAY_AUTH_TOKEN", "tok")
     from providers.gcp.provider import run_network_tag
 
@@ -406,9 +407,8 @@ def test_each_run_gets_a_firewall_rule_open_only_among_its_own_vms(gcp_fake, mon
     for run in ("run-a", "run-b"):
         tag = run_network_tag(run)
         rule = gcp_fake.firewalls[tag]
-        assert (rule["sourceTags"], rule["targetTags"], rule["direction"]) == ([tag], [tag], "INGRESS")
-        assert "sourceRanges" not in rule                      # nothing from outside the run's VMs
-        assert sorted(x["IPProtocol"] for x in rule["allowed"]) == ["tcp", "udp"]
+        assert (rule["targetTags"], rule["direction"], rule["sourceRanges"]) == ([tag], "INGRESS", ["0.0.0.0/0"])
+        assert rule["allowed"] == [{"IPProtocol": "udp", "ports": ["51820"]}]   # no TCP, no other port
         for inst in vms[run]:
             tags = gcp_fake.instances[inst.instance_id]["tags"]["items"]
             other = run_network_tag("run-b" if run == "run-a" else "run-a")
