@@ -127,6 +127,23 @@ class NetworkStarted(Event):
     head_ip: str
 
 
+@_event("link_measured")
+class LinkMeasured(Event):
+    """A node that joined measured its link to one peer, over the overlay (or whatever path Ray's
+    node addresses take). Args: instance_id, peer_instance_id: the two nodes. site, peer_site:
+    their `cloud/region`. rtt_ms: median round trip of small messages, milliseconds. mbit_s:
+    throughput of a bulk transfer from the node to its peer, Mbit/s. duration_s: how long the
+    transfer ran."""
+
+    instance_id: str
+    peer_instance_id: str
+    site: str
+    peer_site: str
+    rtt_ms: float
+    mbit_s: float
+    duration_s: float
+
+
 @_event("cluster_started")
 class ClusterStarted(Event):
     """The Ray cluster is up. Args: address: its GCS address. session_dir: Ray's session directory."""
