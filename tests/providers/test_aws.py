@@ -190,6 +190,55 @@ def test_launch_request_spot_imdsv2_tags_user_data_then_join_timeout_terminates(
         ssm.get_parameter(Name="/elastic/run-launch/ray-token")
 
 
+def _join(p, offer, run: str):
+    """What the launch path makes for a node of a run with an overlay: a key pair (the private key
+    into the cloud's secret store) and the head as the first peer."""
+    from elastic import overlay
+    from providers.cloud import NodeJoin
+
+    private, public = overlay.keypair()
+    head = overlay.Member("head", overlay.HEAD_IP, overlay.keypair()[1], "198.51.100.7:51820")
+    return private, NodeJoin("100.80.0.2", public, "wg-100-80-0-2", p._put_node_key(offer, run, "wg-100-80-0-2", private),
+                             head)
+
+
+@pytest.mark.skipif(not __import__("shutil").which("wg"), reason="needs wireguard-tools (wg) for key pairs")
+def test_bootstrap_joins_the_overlay_before_ray_with_its_key_from_ssm_never_in_user_data(aws_env):
+    """The node's user data brings up the overlay (head as first peer) before `ray start`, which
+    binds the node's overlay address; the private key is an SSM SecureString under the run's own
+    path (which only the run's node role reads), never in user data, and goes at release."""
+    import subprocess
+
+    aws_env.rules.append(price_rule)
+    p = provider(aws_recipe(**{"resources.regions": "[us-west-2]"}), run="run-wg")
+    offer = p.offers(p.recipe.resources)[0]
+    private, join = _join(p, offer, "run-wg")
+    inst = p._create(offer, "run-wg", "replica", join=join)
+    ec2 = boto3.client("ec2", region_name="us-west-2")
+    raw = ec2.describe_instance_attribute(InstanceId=inst.instance_id, Attribute="userData")["UserData"]["Value"]
+    script = base64.b64decode(raw).decode()
+    assert private not in script and "PrivateKey" not in script
+    up = script.index("python3 -m elastic.overlay up --address \"$OVERLAY_IP\"")
+    assert script.index("OVERLAY_IP=100.80.0.2") < up < script.index("ray start --address=")
+    assert f"--peer {join.head.public_key},100.80.0.1,198.51.100.7:51820 " in script
+    assert "aws ssm get-parameter --region us-west-2 --with-decryption --name /elastic/run-wg/wg-100-80-0-2" in script
+    assert '--node-ip-address="$OVERLAY_IP"' in script and '--overlay-ip "$OVERLAY_IP"' in script
+    ssm = boto3.client("ssm", region_name="us-west-2")
+    param = ssm.get_parameter(Name="/elastic/run-wg/wg-100-80-0-2", WithDecryption=True)["Parameter"]
+    assert param["Type"] == "SecureString" and param["Value"] == private
+    assert subprocess.run(["wg", "pubkey"], input=private + "\n", capture_output=True, text=True).stdout.strip() \
+        == join.public_key
+    public_ip, private_ip = p._addresses(inst)     # the endpoint the driver admits it at
+    vm = instances("us-west-2", "run-wg")[0]
+    assert (public_ip, private_ip) == (vm["PublicIpAddress"], vm["PrivateIpAddress"]) and public_ip
+    p._drop_node_key(offer, "run-wg", join.key_name)
+    with pytest.raises(ssm.exceptions.ParameterNotFound):
+        ssm.get_parameter(Name="/elastic/run-wg/wg-100-80-0-2")
+    p._drop_node_key(offer, "run-wg", join.key_name)   # idempotent
+    p.terminate(inst.instance_id)
+    p.close()
+
+
 @pytest.mark.parametrize("code", ["InsufficientInstanceCapacity", "SpotMaxPriceTooLow",
                                   "MaxSpotInstanceCountExceeded", "VcpuLimitExceeded"])
 def test_capacity_refusals_are_capacity_errors(aws_env, code):

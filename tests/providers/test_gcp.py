@@ -391,6 +391,36 @@ def test_cluster_token_goes_to_secret_manager_not_metadata(gcp_fake, monkeypatch
     assert name not in gcp_fake.secrets
 
 
+@pytest.mark.skipif(not __import__("shutil").which("wg"), reason="needs wireguard-tools (wg) for key pairs")
+def test_startup_script_joins_the_overlay_with_its_key_from_secret_manager_never_in_metadata(gcp_fake):
+    """The startup script brings up the overlay (head as first peer) before `ray start` at the
+    node's overlay address; the private key is a Secret Manager secret of the run, never in the
+    instance's metadata, and goes at release."""
+    from tests.providers.test_aws import _join
+
+    p, recipe = _provider(run="run-wg", **{"resources.accelerators": "L4:1"})
+    offer = _offer(p, recipe)
+    private, join = _join(p, offer, "run-wg")
+    inst = p._create(offer, "run-wg", "replica", join=join)
+    body = gcp_fake.instances[inst.instance_id]
+    script = {i["key"]: i["value"] for i in body["metadata"]["items"]}["startup-script"]
+    assert private not in json.dumps(body)
+    secret = p.node_key_secret("run-wg", join.key_name)
+    assert gcp_fake.secrets[secret]["versions"] == [private]
+    assert gcp_fake.secrets[secret]["labels"]["elastic-run"] == "run-wg"
+    up = script.index(f"gcloud secrets versions access latest --secret={secret} --project=elastic-test | "
+                      "python3 -m elastic.overlay up")
+    assert script.index("OVERLAY_IP=100.80.0.2") < up < script.index("ray start --address=")
+    assert f"--peer {join.head.public_key},100.80.0.1,198.51.100.7:51820 " in script
+    assert '--node-ip-address="$OVERLAY_IP"' in script and '--overlay-ip "$OVERLAY_IP"' in script
+    nic = body["networkInterfaces"][0]
+    assert p._addresses(inst) == (nic["accessConfigs"][0]["natIP"], nic["networkIP"])
+    p._drop_node_key(offer, "run-wg", join.key_name)
+    assert secret not in gcp_fake.secrets
+    p.terminate(inst.instance_id)
+    p.close()
+
+
 def test_each_run_gets_a_firewall_rule_that_opens_only_the_overlay_port(gcp_fake, monkeypatch):
     """Two runs in one project: each VM carries its run's own network tag, and the run's firewall
     rule admits only the overlay's UDP port to that tag (Ray and torch ports are reachable only
