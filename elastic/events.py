@@ -121,7 +121,8 @@ class Error(Event):
 
 @_event("network_started")
 class NetworkStarted(Event):
-    """The local overlay network is up. Args: tag: its namespace tag. head_ip: the head's address."""
+    """The run's overlay is up: a local network lab, or on clouds the head's WireGuard interface.
+    Args: tag: the lab's namespace tag, or the interface's name. head_ip: the head's overlay address."""
 
     tag: str
     head_ip: str

@@ -84,9 +84,10 @@ def _probe(host: str, port: int, duration_s: float) -> dict:
             "mbit_s": round(received * 8 / elapsed / 1e6, 3), "duration_s": round(elapsed, 3)}
 
 
-def measure(node_id: str, peer_node_id: str, duration_s: float = DURATION_S) -> dict:
-    """RTT (median of PINGS, ms) and throughput (Mbit/s) from Ray node `node_id` to `peer_node_id`,
-    over their node addresses. Call from the driver (attached to the cluster)."""
+def measure(node_id: str, peer_node_id: str, duration_s: float | None = None) -> dict:
+    """RTT (median of PINGS, ms) and throughput (Mbit/s, over `duration_s`, default DURATION_S) from
+    Ray node `node_id` to `peer_node_id`, over their node addresses. Call from the driver (attached
+    to the cluster)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -97,6 +98,7 @@ def measure(node_id: str, peer_node_id: str, duration_s: float = DURATION_S) -> 
     try:
         host, port = ray.get(sink.address.remote(), timeout=TIMEOUT_S)
         probe = ray.remote(num_cpus=0)(_probe).options(scheduling_strategy=on(node_id))
+        duration_s = DURATION_S if duration_s is None else duration_s
         return ray.get(probe.remote(host, port, duration_s), timeout=TIMEOUT_S + duration_s)
     finally:
         ray.kill(sink)

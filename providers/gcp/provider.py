@@ -659,7 +659,7 @@ class GCPProvider(CloudProvider):
 
     def site(self, offer: Offer) -> str:
         """The run's VPC network: a GCP VPC spans every region, so all its VMs reach each other privately."""
-        return f"gcp/{self.config.network}"
+        return f"gcp/{self.config.network.rsplit('/', 1)[-1]}"
 
     def token_secret(self, run: str) -> str:
         """The Secret Manager secret holding the run's Ray cluster token."""
