@@ -191,6 +191,11 @@ class Interface:
         """Revoke a peer: its key no longer reaches this node."""
         _run(self.netns, "wg", "set", self.ifname, "peer", public_key, "remove")
 
+    def forward(self) -> None:
+        """Forward packets between this interface's peers (the head relays for nodes that cannot
+        reach each other directly); only this interface, not the host's others."""
+        _run(self.netns, "sysctl", "-qw", f"net.ipv4.conf.{self.ifname}.forwarding=1")
+
     def exists(self) -> bool:
         """Whether the interface is there (e.g. made by the controller's boot script)."""
         return subprocess.run(_cmd(self.netns, "wg", "show", self.ifname), capture_output=True).returncode == 0
@@ -427,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     iface.up(args.address, private, listen_port=args.listen_port, detach=True)
     del private
     if args.forward:
-        _run(None, "sysctl", "-qw", f"net.ipv4.conf.{args.ifname}.forwarding=1")
+        iface.forward()
     if args.peer is not None:
         iface.set_peer(args.peer)
         if args.wait_handshake_s and not wait_handshake(iface, args.peer.public_key, args.wait_handshake_s):

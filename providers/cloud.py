@@ -27,10 +27,9 @@ import re
 import shlex
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
-
-from dataclasses import dataclass
 
 from elastic import overlay
 from elastic.cache import cache_dir, write_json_atomic
@@ -190,8 +189,7 @@ class CloudNetwork:
         else:
             self.iface.read_public_key()
         try:
-            # The head forwards between nodes that cannot reach each other directly (relay).
-            overlay._run(None, "sysctl", "-qw", f"net.ipv4.conf.{self.iface.ifname}.forwarding=1")
+            self.iface.forward()   # the head relays between nodes that cannot reach each other
             self.tag = self.iface.ifname
             self.head_ip = overlay.HEAD_IP
             self.head = overlay.Member("head", overlay.HEAD_IP, self.iface.public_key,
