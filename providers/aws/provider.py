@@ -426,6 +426,17 @@ class AWSProvider(CloudProvider):
         return (f"aws ssm get-parameter --region {quote(offer.region)} --with-decryption --name {quote(param)} "
                 "--query Parameter.Value --output text")
 
+    def _node_key_parameters(self, region: str, run: str) -> list[str]:
+        """Names of the overlay key parameters run `run` holds in `region`."""
+        names, token = [], None
+        while True:
+            page = self._call("ssm", region, "get_parameters_by_path", Path=f"/elastic/{run}/", MaxResults=10,
+                              **({"NextToken": token} if token else {}))
+            names += [p["Name"] for p in page["Parameters"] if p["Name"].rsplit("/", 1)[-1].startswith("wg-")]
+            token = page.get("NextToken")
+            if not token:
+                return names
+
     def _drop_node_key(self, offer: Offer, run: str, name: str) -> None:
         from botocore.exceptions import ClientError
 
@@ -527,9 +538,10 @@ class AWSProvider(CloudProvider):
         return HOME_REGION
 
     def remove_run_resources(self, run: str, wait_s: float = 0.0) -> list[str]:
-        """Delete what run `run` owned besides VMs: its token parameter, role, instance profile and
-        security groups (waiting up to `wait_s` for VMs that are shutting down to let go of them).
-        Returns what was left (one line each)."""
+        """Delete what run `run` owned besides VMs: its token parameter, the overlay keys of nodes
+        that never joined (a driver killed mid-launch), role, instance profile and security groups
+        (waiting up to `wait_s` for VMs that are shutting down to let go of them). Returns what was
+        left (one line each)."""
         left = []
         for region in self.regions():
             try:
@@ -537,6 +549,11 @@ class AWSProvider(CloudProvider):
             except Exception as exc:
                 if "ParameterNotFound" not in str(exc):
                     left.append(f"token parameter {self.token_parameter(run)} in {region}: {exc}")
+            try:
+                for name in self._node_key_parameters(region, run):
+                    self._call("ssm", region, "delete_parameter", Name=name)
+            except Exception as exc:
+                left.append(f"overlay key parameters /elastic/{run}/wg-* in {region}: {exc}")
         scope = self._scope if run == self.run_name else RunScope(self, run)
         return left + scope.remove(self.regions(), wait_s=wait_s)
 

@@ -635,7 +635,8 @@ def test_each_run_gets_its_own_role_token_prefix_and_security_group(aws_env, mon
 
 def test_down_removes_a_dead_runs_role_group_and_token(aws_env, monkeypatch):
     """A driver killed with SIGKILL cleans nothing up: `elastic down RUN --yes` terminates the
-    VMs and then deletes the run's token, role, instance profile and security group."""
+    VMs and then deletes the run's token, its nodes' overlay keys, role, instance profile and
+    security group."""
     aws_env.rules.extend([price_rule, three_regions])
     monkeypatch.setenv("RAY_AUTH_TOKEN", "t0k3n")
     iam = boto3.client("iam", region_name="us-east-1")
@@ -644,7 +645,9 @@ def test_down_removes_a_dead_runs_role_group_and_token(aws_env, monkeypatch):
                       PolicyDocument=boundary.replace("${BUCKET}", "b").replace("${DATA_BUCKET}", "d"))
     recipe = aws_recipe(**{"resources.regions": "[us-west-2]", "aws.node_role_boundary": "elastic-node"})
     p = provider(recipe, run="run-dead")
-    p._create(p.offers(recipe.resources)[0], "run-dead", "replica")   # and then the driver dies
+    offer = p.offers(recipe.resources)[0]
+    p._create(offer, "run-dead", "replica")
+    p._put_node_key(offer, "run-dead", "wg-100-80-0-9", "a-node-key")   # a VM booting, and then the driver dies
     assert _token_exists("run-dead") and iam.get_role(RoleName="elastic-run-run-dead")
     proc = aws_cli("down", "run-dead", "--yes", env={**aws_env.env, "AWS_DEFAULT_REGION": "us-west-2"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -653,3 +656,4 @@ def test_down_removes_a_dead_runs_role_group_and_token(aws_env, monkeypatch):
     ec2 = boto3.client("ec2", region_name="us-west-2")
     assert "elastic-run-run-dead" not in {g["GroupName"] for g in ec2.describe_security_groups()["SecurityGroups"]}
     assert not _token_exists("run-dead")
+    assert not boto3.client("ssm", region_name="us-west-2").get_parameters_by_path(Path="/elastic/run-dead/")["Parameters"]
