@@ -157,7 +157,9 @@ def test_two_nodes_without_public_endpoints_talk_through_the_head(lab):
     handshake with each other: `peers_for` routes each other's overlay address through the head,
     which forwards between its peers; a TCP connection from b to c then works, and c's key is not
     a peer of b's."""
-    h, b, c = lab.add_host("region-a"), lab.add_host("region-b"), lab.add_host("region-a")
+    # b and c sit in region-b (the lab's routers do no hairpin NAT to a public address of their own
+    # region); with no endpoints and no private ones admitted, they have only the head between them.
+    h, b, c = lab.add_host("region-a"), lab.add_host("region-b"), lab.add_host("region-b")
     ifaces = {name: overlay.Interface(host.netns) for name, host in (("h", h), ("b", b), ("c", c))}
     try:
         for i, name in enumerate(("h", "b", "c"), start=1):
