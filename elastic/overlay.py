@@ -117,7 +117,6 @@ class Interface:
 
     def __init__(self, netns: str | None = None, ifname: str | None = None):
         self.netns = netns
-        self.detached = False   # wireguard-go left running on its own (a node's boot): `down` ends it via the link
         self.ifname = ifname or (f"elw{zlib.crc32(netns.encode()):08x}" if netns else IFNAME)
         self.public_key: str | None = None
         self.userspace = False
@@ -154,7 +153,7 @@ class Interface:
     def _start_detached(self) -> None:
         if shutil.which("wireguard-go") is None:
             raise OverlayError("the kernel has no WireGuard and wireguard-go is not installed")
-        self.userspace = self.detached = True
+        self.userspace = True
         # Without WG_PROCESS_FOREGROUND wireguard-go forks, and its parent exits once the device is up.
         _run(self.netns, "wireguard-go", self.ifname)
 

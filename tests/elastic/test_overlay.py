@@ -106,3 +106,38 @@ def test_roster_changes_reach_the_heads_interface_and_a_nodes_watcher_applies_th
         assert set(node_iface.peers()) == {head.public_key, keys[1]}   # revoked on the node too
     finally:
         node_iface.down()
+
+
+@needs_root
+def test_a_nodes_boot_command_brings_the_overlay_up_with_its_key_on_stdin_and_waits_for_the_head(netns):
+    """`python -m elastic.overlay up` as the boot script runs it (in a second namespace, joined to
+    the head's by a veth): the private key arrives on stdin, the head is the first peer, and the
+    command returns once the head answered; it leaves the interface up when it exits."""
+    import sys
+
+    head_ns, head_iface = netns
+    node_ns = f"{head_ns}n"
+    veth = f"{head_ns}v"
+    subprocess.run(["ip", "netns", "add", node_ns], check=True)
+    node_iface = overlay.Interface(node_ns)
+    try:
+        subprocess.run(["ip", "link", "add", veth, "netns", head_ns, "type", "veth", "peer", "name", "eth0",
+                        "netns", node_ns], check=True)
+        for ns, dev, ip in ((head_ns, veth, "192.0.2.1/24"), (node_ns, "eth0", "192.0.2.2/24")):
+            subprocess.run(["ip", "-n", ns, "addr", "add", ip, "dev", dev], check=True)
+            subprocess.run(["ip", "-n", ns, "link", "set", dev, "up"], check=True)
+        head_iface.up(HEAD_IP, overlay.keypair(head_ns)[0], listen_port=51820)
+        private, public = overlay.keypair(node_ns)
+        head_iface.set_peer(overlay.Peer(public, "100.80.0.2"))        # the driver admitted the node
+        cmd = ["ip", "netns", "exec", node_ns, sys.executable, "-m", "elastic.overlay", "up", "--address", "100.80.0.2",
+               "--ifname", node_iface.ifname, "--peer", f"{head_iface.public_key},{HEAD_IP},192.0.2.1:51820",
+               "--wait-handshake-s", "20"]
+        proc = subprocess.run(cmd, input=private + "\n", capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == public and private not in proc.stdout + proc.stderr
+        assert node_iface.handshaken(head_iface.public_key) and head_iface.handshaken(public)
+        empty = subprocess.run(cmd[:-2], input="", capture_output=True, text=True, timeout=60)
+        assert empty.returncode == 2 and "no private key on stdin" in empty.stderr
+    finally:
+        node_iface.down()
+        subprocess.run(["ip", "netns", "del", node_ns], check=False)
