@@ -332,10 +332,10 @@ class Driver:
 
     def _link_peer(self, offer) -> tuple[str, str, str] | None:
         """The peer a node joining from `offer` measures its link to: (instance id, site, Ray node)
-        of a held node on another site when there is one (the pair the planner prices), else of
-        any held node; None for the first node."""
-        held = [(iid, at[0], at[1]) for iid, at in self._joined_at.items() if self.world.replica_on(iid) is not None]
-        return next((h for h in held if h[1] != site(offer)), held[0] if held else None)
+        of a held node on another site (a pair the planner prices); None when every held node sits
+        on its own site (a link inside one site costs the planner nothing: not measured)."""
+        return next(((iid, at[0], at[1]) for iid, at in self._joined_at.items()
+                     if at[0] != site(offer) and self.world.replica_on(iid) is not None), None)
 
     def _measure_link(self, instance_id: str, node_site: str, node_id: str, peer_id: str, peer_site: str,
                       peer_node: str) -> None:

@@ -3,7 +3,8 @@ knows them by (their overlay addresses on a run with an overlay, elastic/netaddr
 
 A zero-CPU actor on the peer node listens on its node address and answers small messages, then
 counts the bytes of a bulk transfer; a zero-CPU task on the measured node pings it and sends for
-`duration_s`. The driver runs one measurement when a node joins (`link_measured` in the ledger);
+`duration_s`. The driver runs one measurement when a node joins, to a held node on another site
+(`link_measured` in the ledger);
 the market turns the measurements into sync seconds per pair of sites, which the planner uses
 instead of its guess (`planner.cross_region_sync_s`).
 """
