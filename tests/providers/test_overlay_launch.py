@@ -9,6 +9,7 @@ Needs root and wireguard-tools (the head's interface is real; CI runs as root)."
 
 from __future__ import annotations
 
+import base64
 import os
 import subprocess
 import threading
@@ -90,7 +91,6 @@ class FakeVMs:
                         if state in ("pending", "running") and iid not in seen:
                             seen.add(iid)
                             raw = ec2.describe_instance_attribute(InstanceId=iid, Attribute="userData")
-                            import base64
                             script = base64.b64decode(raw["UserData"]["Value"]).decode()
                             param = script.split("--with-decryption --name ")[1].split()[0]
 
