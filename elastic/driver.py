@@ -24,8 +24,7 @@ from elastic.errors import UserError
 from elastic.events import (
     BudgetExhausted, CapacityRefused, CapacityWaitEnded, CapacityWaitStarted, CheckpointFailed,
     CheckpointSkipped, CheckpointUploadAbandoned, ClusterStarted, Error, LaunchFailed, LaunchHeldBack, LinkMeasured,
-    MarketAvailable,
-    MarketUnavailable, NetworkStarted, NodeJoinTimeout, NodeLaunched, NodeNotice, NodePreempted, NodePrice,
+    MarketAvailable, MarketUnavailable, NetworkStarted, NodeJoinTimeout, NodeLaunched, NodeNotice, NodePreempted, NodePrice,
     NodeRebalance, NodeReleased, OuterStep, ReplicaCopying, ReplicaDrained, ReplicaJoined, ReplicaLost,
     ReplicaMove, ReplicaStarting, Resumed, RunEnded, RunStarted, SyncFailed, SyncRetried, Validation,
     ValidationFailed, WorldFormed, WorldRestored, WorldTarget)
