@@ -23,13 +23,14 @@ from elastic import checkpoint as ckpt
 from elastic.errors import UserError
 from elastic.events import (
     BudgetExhausted, CapacityRefused, CapacityWaitEnded, CapacityWaitStarted, CheckpointFailed,
-    CheckpointSkipped, CheckpointUploadAbandoned, ClusterStarted, Error, LaunchFailed, LaunchHeldBack, MarketAvailable,
-    MarketUnavailable, NetworkStarted, NodeJoinTimeout, NodeLaunched, NodeNotice, NodePreempted, NodePrice,
+    CheckpointSkipped, CheckpointUploadAbandoned, ClusterStarted, Error, LaunchFailed, LaunchHeldBack, LinkMeasured,
+    MarketAvailable, MarketUnavailable, NetworkStarted, NodeJoinTimeout, NodeLaunched, NodeNotice, NodePreempted, NodePrice,
     NodeRebalance, NodeReleased, OuterStep, ReplicaCopying, ReplicaDrained, ReplicaJoined, ReplicaLost,
     ReplicaMove, ReplicaStarting, Resumed, RunEnded, RunStarted, SyncFailed, SyncRetried, Validation,
     ValidationFailed, WorldFormed, WorldRestored, WorldTarget)
 from elastic.ledger import Ledger
 from elastic.market import offer_key
+from elastic.planner import site
 from elastic.recipe import Recipe
 from elastic.report import cost_so_far
 
@@ -66,6 +67,7 @@ class Driver:
                                       run_dir=run_dir)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="launch")
         self._launching: dict[Future, object] = {}
+        self._joined_at: dict[str, tuple[str, str]] = {}  # instance id -> (site, Ray node) of nodes that joined
         self._refusals: list = []                        # policy.Refusal of launches refused (the cooldown rule)
         self._draining: dict[int, float] = {}            # replica id -> notice deadline (unix)
         self._members: list[int] = []
@@ -325,8 +327,32 @@ class Driver:
             self._record_launch(inst, offer)
             if replaces is not None:
                 self._moves[inst.instance_id] = replaces
+            peer = self._link_peer(offer)
             rep = self.world.start_replica(inst.instance_id, inst.ray_node_id)
             self.ledger.append(ReplicaStarting(replica=rep.replica_id, instance_id=inst.instance_id))
+            self._joined_at[inst.instance_id] = (site(offer), inst.ray_node_id)
+            if peer is not None:
+                self._pool.submit(self._measure_link, inst.instance_id, site(offer), inst.ray_node_id, *peer)
+
+    def _link_peer(self, offer) -> tuple[str, str, str] | None:
+        """The peer a node joining from `offer` measures its link to: (instance id, site, Ray node)
+        of a held node on another site (a pair the planner prices); None when every held node sits
+        on its own site (a link inside one site costs the planner nothing: not measured)."""
+        return next(((iid, at[0], at[1]) for iid, at in self._joined_at.items()
+                     if at[0] != site(offer) and self.world.replica_on(iid) is not None), None)
+
+    def _measure_link(self, instance_id: str, node_site: str, node_id: str, peer_id: str, peer_site: str,
+                      peer_node: str) -> None:
+        """Measure one link (runs in the launch pool: a few seconds beside training) and record it."""
+        from elastic.linkprobe import measure
+
+        try:
+            got = measure(node_id, peer_node)
+        except Exception as exc:   # either node went meanwhile: nothing measured, nothing lost
+            log.info("link %s -> %s not measured: %s", instance_id, peer_id, exc)
+            return
+        self.ledger.append(LinkMeasured(instance_id=instance_id, peer_instance_id=peer_id, site=node_site,
+                                        peer_site=peer_site, **got))
 
     # -- events ----------------------------------------------------------------------------------
 

@@ -121,10 +121,28 @@ class Error(Event):
 
 @_event("network_started")
 class NetworkStarted(Event):
-    """The local overlay network is up. Args: tag: its namespace tag. head_ip: the head's address."""
+    """The run's overlay is up: a local network lab, or on clouds the head's WireGuard interface.
+    Args: tag: the lab's namespace tag, or the interface's name. head_ip: the head's overlay address."""
 
     tag: str
     head_ip: str
+
+
+@_event("link_measured")
+class LinkMeasured(Event):
+    """A node that joined measured its link to one peer, over the overlay (or whatever path Ray's
+    node addresses take). Args: instance_id, peer_instance_id: the two nodes. site, peer_site:
+    their `cloud/region`. rtt_ms: median round trip of small messages, milliseconds. mbit_s:
+    throughput of a bulk transfer from the node to its peer, Mbit/s. duration_s: how long the
+    transfer ran."""
+
+    instance_id: str
+    peer_instance_id: str
+    site: str
+    peer_site: str
+    rtt_ms: float
+    mbit_s: float
+    duration_s: float
 
 
 @_event("cluster_started")

@@ -14,12 +14,13 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
 from pathlib import Path
 
 from elastic.cache import cache_dir, write_json_atomic
 from elastic.events import (
-    NodeLaunched, NodeNotice, NodePreempted, NodeReleased, OuterStep, ReplicaStarting)
+    LinkMeasured, NodeLaunched, NodeNotice, NodePreempted, NodeReleased, OuterStep, ReplicaStarting)
 from providers.base import Offer
 
 Key = tuple[str, str, str, str]   # cloud, region, zone, instance type
@@ -60,6 +61,8 @@ class Quote:
             of other types); None: the recipe's figure.
         speed_source: `measured` (this run or an earlier run of the same workload on this instance
             type) or `estimate` (the recipe's figure, rescaled or not).
+        links: seconds an outer sync spends between two sites ({`cloud/region`, `cloud/region`}),
+            as this run measured them (`planner.measured_links`); the same for every quote.
     """
 
     offer: Offer
@@ -68,10 +71,33 @@ class Quote:
     capacity: int | None = None
     tokens_per_s: float | None = None
     speed_source: str = "estimate"
+    links: Mapping[frozenset, float] = field(default_factory=dict, compare=False, hash=False)
 
     @property
     def key(self) -> Key:
         return offer_key(self.offer)
+
+
+def link_sync_s(rtt_ms: float, mbit_s: float, sync_bytes: int) -> float:
+    """Seconds one outer sync spends crossing a link of `rtt_ms` round trip and `mbit_s`: a ring
+    all-reduce sends about twice the pseudo-gradient over each link (reduce-scatter, then
+    all-gather), and waits a round trip in each half."""
+    return 2 * sync_bytes * 8 / (max(mbit_s, 1e-6) * 1e6) + 2 * rtt_ms / 1000
+
+
+def measured_links(links: list[dict], sync_bytes: int | None) -> dict[frozenset, float]:
+    """Sync seconds per pair of sites from `link_measured` events (the newest measurement of a pair
+    wins; a pair inside one site is not a cross-region cost), given the bytes one rank sends per
+    outer sync (None: no sync yet, so no cost can be derived and the planner keeps its guess)."""
+    if not sync_bytes:
+        return {}
+    out: dict[frozenset, float] = {}
+    for e in links:
+        pair = frozenset((e["site"], e["peer_site"]))
+        if len(pair) == 2:
+            out[pair] = link_sync_s(e["rtt_ms"], e["mbit_s"], sync_bytes)
+    return out
+
 
 
 class Market:
@@ -100,6 +126,9 @@ class Market:
         self._trained: dict[tuple[str, str], list] = {}          # (cloud, type) -> [tokens, seconds]
         self._measured: dict[tuple[str, str], float] = {}        # (cloud, type) -> tokens/s, from _trained
         self._recipe_scale: float | None = None                  # measured / recipe, geometric mean
+        self._links: list[dict] = []                              # link_measured events
+        self._sync_bytes: int | None = None                      # bytes one rank sent in the last sync
+        self._links_cost: dict[frozenset, float] = {}            # site pair -> sync seconds (measured)
         self._seen = 0
 
     # -- what happened --------------------------------------------------------------------------
@@ -116,8 +145,15 @@ class Market:
                     self._open[e["instance_id"]] = (offer_key(e), e.get("launched_at", t))
             elif kind == ReplicaStarting.TYPE:
                 self._replica_vm[int(e["replica"])] = e["instance_id"]
-            elif kind == OuterStep.TYPE and self._tokens_per_inner_step:
-                self._measure(e)
+            elif kind == OuterStep.TYPE:
+                if e.get("bytes_sent"):
+                    self._sync_bytes = int(e["bytes_sent"])
+                    self._links_cost = measured_links(self._links, self._sync_bytes)
+                if self._tokens_per_inner_step:
+                    self._measure(e)
+            elif kind == LinkMeasured.TYPE:
+                self._links.append(e)
+                self._links_cost = measured_links(self._links, self._sync_bytes)
             elif kind in (NodeNotice.TYPE, NodePreempted.TYPE):
                 iid = e["instance_id"]
                 if iid in self._open and iid not in self._counted:
@@ -203,7 +239,8 @@ class Market:
 
     def quote(self, offer: Offer, now: float) -> Quote:
         rate, source = self.risk(offer, now)
-        return Quote(offer, rate, source, offer.capacity, self.tokens_per_s(offer), self.speed_source(offer))
+        return Quote(offer, rate, source, offer.capacity, self.tokens_per_s(offer), self.speed_source(offer),
+                     self._links_cost)
 
     def quotes(self, offers: list[Offer], now: float) -> list[Quote]:
         """Every offer with its risk, speed and capacity (when known). Regions whose preemptions

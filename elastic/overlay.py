@@ -9,18 +9,30 @@ reaches anyone.
 The interface is kernel WireGuard where the kernel has it, otherwise the userspace
 `wireguard-go` (same `wg` control tool either way). Everything here shells out to `ip`, `wg` and
 `wireguard-go`, optionally inside a network namespace (the local stand-in for separate hosts).
+
+On clouds the driver keeps the run's `Roster` (every member's public facts) and publishes it as the
+peers document in the run's Ray KV; each node's watcher applies it (`apply`), so members learn of
+new peers and forget revoked ones. Who peers with whom is one pure function (`peers_for`): two
+members reach each other directly when either has a public endpoint (or both sit on one private
+network); two without one talk through the head, which forwards between its peers. A node runs
+`python -m elastic.overlay up` at boot (its private key on stdin, never in a file or an argument).
 """
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
+import json
 import logging
 import os
 import shutil
 import subprocess
+import sys
+import threading
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Callable, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +45,9 @@ IFNAME = "elwg0"
 wireguard-go's control socket (/var/run/wireguard/<name>.sock) is shared by all namespaces."""
 KEEPALIVE_S = 25
 UP_TIMEOUT_S = 10.0
+PEERS_KV_KEY = "elastic/overlay/peers"
+"""Ray internal KV key of the run's peers document (the driver writes it, the nodes' watchers read it)."""
+HEAD_IP = "100.80.0.1"
 
 
 class OverlayError(RuntimeError):
@@ -107,12 +122,23 @@ class Interface:
         self.userspace = False
         self._proc: subprocess.Popen | None = None
 
-    def up(self, address: str, private_key: str, listen_port: int = OVERLAY_PORT) -> None:
-        """Create the interface with `address` on the overlay network and `private_key`."""
+    def up(self, address: str, private_key: str, listen_port: int = OVERLAY_PORT, detach: bool = False) -> None:
+        """Create the interface with `address` on the overlay network and `private_key`.
+
+        Args:
+            address: this node's overlay address.
+            private_key: its WireGuard private key (given to `wg` on stdin only).
+            listen_port: UDP port (0: any free one).
+            detach: a userspace interface outlives this process (a node's boot script exits;
+                wireguard-go daemonises itself); otherwise it is this object's child.
+        """
         try:
             _run(self.netns, "ip", "link", "add", self.ifname, "type", "wireguard")
         except OverlayError:
-            self._start_userspace()
+            if detach:
+                self._start_detached()
+            else:
+                self._start_userspace()
         try:
             _run(self.netns, "wg", "set", self.ifname, "private-key", "/dev/stdin", "listen-port",
                  str(listen_port), input_text=private_key + "\n")
@@ -123,6 +149,13 @@ class Interface:
         except BaseException:
             self.down()
             raise
+
+    def _start_detached(self) -> None:
+        if shutil.which("wireguard-go") is None:
+            raise OverlayError("the kernel has no WireGuard and wireguard-go is not installed")
+        self.userspace = True
+        # Without WG_PROCESS_FOREGROUND wireguard-go forks, and its parent exits once the device is up.
+        _run(self.netns, "wireguard-go", self.ifname)
 
     def _start_userspace(self) -> None:
         if shutil.which("wireguard-go") is None:
@@ -157,6 +190,24 @@ class Interface:
         """Revoke a peer: its key no longer reaches this node."""
         _run(self.netns, "wg", "set", self.ifname, "peer", public_key, "remove")
 
+    def forward(self) -> None:
+        """Forward packets between this interface's peers (the head relays for nodes that cannot
+        reach each other directly); only this interface, not the host's others."""
+        _run(self.netns, "sysctl", "-qw", f"net.ipv4.conf.{self.ifname}.forwarding=1")
+
+    def exists(self) -> bool:
+        """Whether the interface is there (e.g. made by the controller's boot script)."""
+        return subprocess.run(_cmd(self.netns, "wg", "show", self.ifname), capture_output=True).returncode == 0
+
+    def read_public_key(self) -> str:
+        """The public key of an interface that exists already (`exists`)."""
+        self.public_key = _run(self.netns, "wg", "show", self.ifname, "public-key").strip()
+        return self.public_key
+
+    def handshaken(self, public_key: str) -> bool:
+        """Whether a WireGuard handshake with the peer `public_key` has completed."""
+        return self.peers().get(public_key, {}).get("latest_handshake", 0) > 0
+
     def peers(self) -> dict[str, dict]:
         """Public key -> {endpoint, allowed_ips, latest_handshake (unix s, 0 never), rx_bytes,
         tx_bytes} as WireGuard reports them."""
@@ -182,3 +233,214 @@ class Interface:
             if self._proc.stderr:
                 self._proc.stderr.close()
             self._proc = None
+
+
+# -- the run's roster: who is on the overlay, and who peers with whom ------------------------------
+
+@dataclass(frozen=True)
+class Member:
+    """A node of a run's overlay, as the peers document lists it: public facts only.
+
+    Args:
+        name: the node's name (its instance id; `head` for the head).
+        overlay_ip: its overlay address.
+        public_key: its WireGuard public key (base64).
+        endpoint: "ip:port" where the internet reaches its overlay port (a VM's public address),
+            or None (no public address: it is reached through the head, or dials out itself).
+        site: the private network it sits on (`aws/us-east-1`, `gcp/default`); members of one site
+            with a `private_endpoint` each reach each other there, not over the internet.
+        private_endpoint: "ip:port" of its overlay port on its site's private network, or None.
+    """
+
+    name: str
+    overlay_ip: str
+    public_key: str
+    endpoint: str | None = None
+    site: str = ""
+    private_endpoint: str | None = None
+
+
+def _direct(a: Member, b: Member) -> str | None:
+    """How `a` reaches `b` directly: b's endpoint as seen from a ("" when b must dial a: only a has
+    an endpoint), or None when neither can start a handshake with the other."""
+    if a.site and a.site == b.site and a.private_endpoint and b.private_endpoint:
+        return b.private_endpoint
+    if b.endpoint:
+        return b.endpoint
+    return "" if a.endpoint else None
+
+
+def peers_for(me: Member, members: Sequence[Member], head_ip: str = HEAD_IP) -> list[Peer]:
+    """The WireGuard peers `me` should hold in a run of `members` (pure).
+
+    Mesh: every pair of members that can reach each other directly (either has a public
+    endpoint, or both sit on one site's private network) are peers of each other, so traffic
+    between two VMs with public addresses never passes the head. Two members that cannot (neither
+    has an endpoint) talk through the head: the other's /32 rides on the head's peer entry
+    (`allowed_ips`), and the head forwards between its peers. The head peers with everyone.
+    """
+    head = next((m for m in members if m.overlay_ip == head_ip), None)
+    relayed: list[str] = []
+    out: list[Peer] = []
+    for other in members:
+        if other.public_key == me.public_key:
+            continue
+        how = _direct(me, other)
+        if how is None and head is not None and head_ip not in (me.overlay_ip, other.overlay_ip):
+            relayed.append(f"{other.overlay_ip}/32")
+            continue
+        out.append(Peer(other.public_key, other.overlay_ip, how or None))
+    if relayed:
+        out = [Peer(p.public_key, p.overlay_ip, p.endpoint, (f"{p.overlay_ip}/32", *relayed))
+               if p.overlay_ip == head_ip else p for p in out]
+    return out
+
+
+def encode_members(members: Sequence[Member]) -> str:
+    """The peers document: JSON, one object per member (public keys and addresses only)."""
+    return json.dumps([asdict(m) for m in sorted(members, key=lambda m: m.overlay_ip)], sort_keys=True)
+
+
+def decode_members(doc: str) -> list[Member]:
+    return [Member(**m) for m in json.loads(doc)]
+
+
+def apply(iface: Interface, me: Member, members: Sequence[Member], head_ip: str = HEAD_IP) -> list[str]:
+    """Bring `iface`'s peers to what `peers_for(me, members)` says: add missing peers, update
+    routes that changed, revoke keys no longer listed. An endpoint WireGuard learnt by roaming is
+    left alone. Returns the public keys revoked."""
+    current = iface.peers()
+    wanted = peers_for(me, members, head_ip)
+    for peer in wanted:
+        have = current.get(peer.public_key)
+        allowed = ",".join(peer.allowed_ips or (f"{peer.overlay_ip}/32",))
+        if have is None or sorted(have["allowed_ips"].split(",")) != sorted(allowed.split(",")) \
+                or (peer.endpoint and not have["endpoint"]):
+            iface.set_peer(peer)
+    keep = {p.public_key for p in wanted}
+    revoked = [key for key in current if key not in keep]
+    for key in revoked:
+        iface.remove_peer(key)
+    return revoked
+
+
+class Roster:
+    """The driver's list of a run's overlay members; every change is applied to the head's own
+    interface and handed to `publish` (the peers document, for the nodes' watchers).
+
+    Args:
+        head: the head as a member (overlay address HEAD_IP).
+        iface: the head's interface (None: nothing to apply here, e.g. in a unit test).
+        publish: called with the peers document after each change (None: not published).
+    """
+
+    def __init__(self, head: Member, iface: Interface | None = None,
+                 publish: Callable[[str], None] | None = None):
+        self.head = head
+        self._iface = iface
+        self._publish = publish
+        self._members: dict[str, Member] = {head.name: head}
+        self._lock = threading.Lock()
+        self._next = ipaddress.ip_address(head.overlay_ip) + 1
+        self._free: list[str] = []
+
+    def allocate_ip(self) -> str:
+        """An overlay address no member holds (a released node's address is reused)."""
+        with self._lock:
+            if self._free:
+                return self._free.pop(0)
+            ip = self._next
+            if ip not in OVERLAY_NET or ip == OVERLAY_NET.broadcast_address:
+                raise OverlayError("the overlay's addresses are used up")
+            self._next += 1
+            return str(ip)
+
+    def release_ip(self, ip: str) -> None:
+        """Give back an address `allocate_ip` handed out that never joined."""
+        with self._lock:
+            if ip not in self._free and all(m.overlay_ip != ip for m in self._members.values()):
+                self._free.append(ip)
+
+    def add(self, member: Member) -> None:
+        """Admit `member` (replacing one of the same name)."""
+        with self._lock:
+            self._members[member.name] = member
+            self._changed()
+
+    def remove(self, name: str) -> Member | None:
+        """Revoke the member `name`: its key leaves the head at once and every node with its next
+        poll of the peers document. Returns it (None when unknown)."""
+        with self._lock:
+            member = self._members.pop(name, None) if name != self.head.name else None
+            if member is not None:
+                self._free.append(member.overlay_ip)
+                self._changed()
+            return member
+
+    def members(self) -> list[Member]:
+        with self._lock:
+            return list(self._members.values())
+
+    def _changed(self) -> None:
+        members = list(self._members.values())
+        if self._iface is not None:
+            apply(self._iface, self.head, members, self.head.overlay_ip)
+        if self._publish is not None:
+            self._publish(encode_members(members))
+
+
+# -- a node's side --------------------------------------------------------------------------------
+
+def _peer_arg(text: str) -> Peer:
+    key, _, rest = text.partition(",")
+    ip, _, endpoint = rest.partition(",")
+    if not key or not ip:
+        raise argparse.ArgumentTypeError(f"--peer {text!r}: expected KEY,OVERLAY_IP[,HOST:PORT]")
+    return Peer(key, ip, endpoint or None)
+
+
+def wait_handshake(iface: Interface, public_key: str, timeout_s: float) -> bool:
+    """Poll until `iface` completed a handshake with `public_key`; False after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not iface.handshaken(public_key):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)   # polling WireGuard's handshake time, bounded by timeout_s
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m elastic.overlay up`: bring this node's interface up (private key on stdin, or made
+    here with --new-key), add the first peer (the head), wait for its handshake, print the public key."""
+    p = argparse.ArgumentParser(prog="python -m elastic.overlay", description="this node's overlay interface")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    up = sub.add_parser("up", help="create the interface")
+    up.add_argument("--address", required=True, help="this node's overlay address")
+    up.add_argument("--listen-port", type=int, default=OVERLAY_PORT)
+    up.add_argument("--ifname", default=IFNAME)
+    up.add_argument("--new-key", action="store_true", help="make the key pair here instead of reading stdin")
+    up.add_argument("--peer", type=_peer_arg, help="KEY,OVERLAY_IP[,HOST:PORT] of the head")
+    up.add_argument("--wait-handshake-s", type=float, default=0.0)
+    up.add_argument("--forward", action="store_true", help="forward between peers (the head relays)")
+    args = p.parse_args(argv)
+    private = keypair()[0] if args.new_key else sys.stdin.readline().strip()
+    if not private:
+        print("elastic.overlay: no private key on stdin", file=sys.stderr)
+        return 2
+    iface = Interface(ifname=args.ifname)
+    iface.up(args.address, private, listen_port=args.listen_port, detach=True)
+    del private
+    if args.forward:
+        iface.forward()
+    if args.peer is not None:
+        iface.set_peer(args.peer)
+        if args.wait_handshake_s and not wait_handshake(iface, args.peer.public_key, args.wait_handshake_s):
+            print(f"elastic.overlay: no handshake with {args.peer.overlay_ip} within "
+                  f"{args.wait_handshake_s:g} s", file=sys.stderr)
+            return 1
+    print(iface.public_key)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

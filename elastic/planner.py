@@ -47,13 +47,24 @@ def allowed(offer, resources) -> bool:
             and (resources.max_usd_per_hour is None or offer.usd_per_hour <= resources.max_usd_per_hour))
 
 
+def site(offer) -> str:
+    """`cloud/region`: the unit a link between replicas is measured and priced in."""
+    return f"{offer.cloud}/{offer.region}"
+
+
 def sync_penalty_s(quotes: list[Quote], planner) -> float:
-    """Extra seconds per outer sync for a world spread over regions (twice that over clouds)."""
-    if len({q.offer.cloud for q in quotes}) > 1:
-        return 2 * planner.cross_region_sync_s
-    if len({q.offer.region for q in quotes}) > 1:
-        return planner.cross_region_sync_s
-    return 0.0
+    """Extra seconds per outer sync for a world spread over sites (`cloud/region`): the slowest
+    pair of its sites sets it. A pair measured in this run (`Quote.links`, from `link_measured`)
+    costs what its measurement says; one not measured costs the recipe's guess,
+    `planner.cross_region_sync_s` (twice that across clouds)."""
+    sites = sorted({site(q.offer) for q in quotes})
+    links = next((q.links for q in quotes if q.links), {})
+    worst = 0.0
+    for i, a in enumerate(sites):
+        for b in sites[i + 1:]:
+            guess = planner.cross_region_sync_s * (2 if a.split("/")[0] != b.split("/")[0] else 1)
+            worst = max(worst, links.get(frozenset((a, b)), guess))
+    return worst
 
 
 def _group(q: Quote, planner) -> tuple:

@@ -363,7 +363,8 @@ class PlannerSection(_Section):
     """Seconds from losing a replica to its replacement training (boot, join, state copy): the
     work one preemption costs on top of the lost inner phase."""
     cross_region_sync_s: float = Field(20.0, ge=0)
-    """Extra seconds an outer sync takes when the world spans regions (twice this across clouds)."""
+    """Extra seconds an outer sync takes when the world spans regions (twice this across clouds):
+    the guess for a pair of regions until the run has measured their link (`link_measured`)."""
     replan_every_s: float = Field(300.0, gt=0)
     """How often a running world re-reads prices and risks and considers moving a replica."""
     min_saving: float = Field(0.25, ge=0, lt=1)

@@ -146,8 +146,9 @@ class Provider(Protocol):
 
     @classmethod
     def start_network(cls, recipe):
-        """Before the run's Ray cluster starts: the network the driver's host joins (the local
-        provider's `local.network` lab, with `head_ip` and `down()`), or None."""
+        """Before the run's Ray cluster starts: the network the driver's host joins, with `tag`,
+        `head_ip` and `down()` (the local provider's `local.network` lab; a cloud's WireGuard overlay
+        with this host as its head, `providers.cloud.CloudNetwork`), or None."""
 
     @classmethod
     def clean_orphans_here(cls) -> list[str]:

@@ -8,6 +8,13 @@ Instance without waiting), `_terminate_vm`, `_vm_states` (what the cloud says of
 preflight, the controller, its storage, its billing and notice figures); `launch`, `terminate`,
 `list_instances`, `find_instances`, `heartbeat`, `prices`, `events`, `stop_launches` and `close`
 come from here.
+
+The overlay (elastic/overlay.py): a cloud run's driver host is the overlay's head (`CloudNetwork`,
+from `start_network`). For each VM the driver makes a WireGuard key pair, hands the private key to
+the cloud's secret store the way it hands over the Ray token (`_put_node_key`: the node reads it
+at boot with its own role, and it is deleted once the node joined), admits the public key on the
+roster once the cloud names the VM's addresses, and revokes it when the VM is released or lost.
+The cloud's half: `_put_node_key`, `_drop_node_key`, `_addresses`, and `join` in `_create`.
 """
 
 from __future__ import annotations
@@ -20,9 +27,11 @@ import re
 import shlex
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from elastic import overlay
 from elastic.cache import cache_dir, write_json_atomic
 from providers.base import BaseProvider, Instance, JoinTimeout, NodeEvent, Offer
 
@@ -30,6 +39,7 @@ log = logging.getLogger(__name__)
 
 PRICE_TTL_S = 300.0          # spot prices on disk are reused for this long
 JOIN_POLL_S = 1.0            # how often a launch looks for its node in the Ray cluster
+ADDRESS_WAIT_S = 30.0       # how long a launch waits for the cloud to name a VM's public address
 STATE_POLL_S = 15.0          # how often events() asks the cloud whether held VMs still run
 NOTICE_KV_PREFIX = "elastic/notice/"   # Ray internal KV key the node's watcher writes, + instance id
 BOOTSTRAP_TEMPLATE = Path(__file__).resolve().parents[1] / "infra" / "bootstrap.sh.tmpl"
@@ -123,6 +133,88 @@ def head_address(cluster) -> str:
     return os.environ.get("ELASTIC_HEAD_ADDRESS") or cluster.address
 
 
+@dataclass(frozen=True)
+class NodeJoin:
+    """What a VM's boot script needs to join the run's overlay (nothing secret).
+
+    Args:
+        overlay_ip: the node's overlay address.
+        public_key: its public key (the private one waits in the secret store).
+        key_name: the name of its private key in the cloud's secret store.
+        key_cmd: shell command printing the private key on the node (with the VM's own role).
+        head: the head as a member (its public key, overlay address, endpoint if any).
+    """
+
+    overlay_ip: str
+    public_key: str
+    key_name: str
+    key_cmd: str
+    head: overlay.Member
+
+
+def join_values(join: NodeJoin | None, token_source: str) -> dict[str, str]:
+    """Bootstrap template values of the overlay step: joining it, `ray start`'s node address and
+    the watcher's overlay argument (comments and nothing when the run has no overlay)."""
+    if join is None:
+        return {"overlay_join": "# No overlay: the head is reached at its own address.",
+                "node_ip_arg": "", "watcher_overlay_arg": ""}
+    head = join.head
+    peer = f"{head.public_key},{head.overlay_ip}" + (f",{head.endpoint}" if head.endpoint else "")
+    return {"overlay_join": (
+        f"# The node's private key was made by the driver and waits in {token_source} ({join.key_name});\n"
+        "# it reaches the interface through a pipe: never a file, an argument or this log.\n"
+        f"OVERLAY_IP={quote(join.overlay_ip)}\n"
+        f"{join.key_cmd} | python3 -m elastic.overlay up --address \"$OVERLAY_IP\" --peer {quote(peer)} "
+        "--wait-handshake-s 600"),
+        "node_ip_arg": '--node-ip-address="$OVERLAY_IP" ', "watcher_overlay_arg": '--overlay-ip "$OVERLAY_IP" '}
+
+
+class CloudNetwork:
+    """A cloud run's overlay on the driver's host, which is the overlay's head: its WireGuard
+    interface (the one the controller's boot script made, else a new one), the roster of members,
+    and the peers document it publishes in the run's Ray KV for the nodes' watchers.
+
+    `ELASTIC_OVERLAY_ENDPOINT` (HOST:PORT, set by the controller's boot script to its public
+    address) is where nodes reach the head; without it (a laptop behind NAT) the head dials each
+    node, and a node without a public address cannot join. Needs root and wireguard-tools (and
+    wireguard-go where the kernel has no WireGuard).
+    """
+
+    def __init__(self):
+        self.iface = overlay.Interface(ifname=overlay.IFNAME)
+        self._owned = not self.iface.exists()
+        if self._owned:   # `head: local`: a fresh interface; its name keeps two runs here apart
+            self.iface = overlay.Interface(ifname=f"elw{os.urandom(4).hex()}")
+            self.iface.up(overlay.HEAD_IP, overlay.keypair()[0], listen_port=0)
+        else:
+            self.iface.read_public_key()
+        try:
+            self.iface.forward()   # the head relays between nodes that cannot reach each other
+            self.tag = self.iface.ifname
+            self.head_ip = overlay.HEAD_IP
+            self.head = overlay.Member("head", overlay.HEAD_IP, self.iface.public_key,
+                                       os.environ.get("ELASTIC_OVERLAY_ENDPOINT") or None)
+            self.roster = overlay.Roster(self.head, self.iface, publish=publish_peers)
+        except BaseException:
+            self.down()
+            raise
+
+    def down(self) -> None:
+        """Remove the interface this run made (a controller's stays with its VM)."""
+        if self._owned:
+            self.iface.down()
+
+
+def publish_peers(doc: str) -> None:
+    """The peers document into the run's Ray KV (the driver is attached by the time nodes join)."""
+    from ray.experimental import internal_kv
+
+    try:
+        internal_kv._internal_kv_put(overlay.PEERS_KV_KEY, doc, overwrite=True)
+    except Exception as exc:   # not attached yet: the next change publishes the whole document again
+        log.warning("overlay: peers document not published: %s", exc)
+
+
 def find_node(instance_id: str) -> str | None:
     """The id of the live Ray node labelled `elastic.instance_id=instance_id`, or None."""
     import ray
@@ -157,6 +249,28 @@ class CloudProvider(BaseProvider):
         self._stop = threading.Event()
         self._last_state_poll = time.monotonic()
         self._controllers: list[Instance] | None = None   # the run's controller VM(s), looked up once
+        self._keys: dict[str, tuple[Offer, str]] = {}   # instance id -> (offer, its key's name) while stored
+
+    @classmethod
+    def start_network(cls, recipe):
+        """The run's overlay with this machine as its head (`CloudNetwork`)."""
+        from elastic.errors import UserError
+
+        missing = overlay.missing_tools()
+        if "wireguard-go" in missing and Path("/sys/module/wireguard").exists():
+            missing.remove("wireguard-go")   # the kernel has WireGuard
+        if os.geteuid() != 0 or missing:
+            why = "root" if os.geteuid() != 0 else "missing " + ", ".join(missing)
+            raise UserError(f"{cls.name}: the run's overlay network needs {why} on this machine (its head); "
+                            "install wireguard-tools and run as root, or use resources.head: controller")
+        try:
+            return CloudNetwork()
+        except overlay.OverlayError as e:
+            raise UserError(f"{cls.name}: the run's overlay network: {e}") from None
+
+    def _network(self) -> CloudNetwork | None:
+        net = self.cluster.network if self.cluster is not None else None
+        return net if isinstance(net, CloudNetwork) else None
 
     def autodown_values(self) -> dict[str, str]:
         """Bootstrap template values of `resources.autodown_after_s` / `max_vm_hours`."""
@@ -165,8 +279,27 @@ class CloudProvider(BaseProvider):
 
     # -- what each cloud implements ---------------------------------------------------------------
 
-    def _create(self, offer: Offer, run: str, role: str) -> Instance:
-        """Rent one VM from `offer` (raise CapacityError when the cloud refuses); do not wait."""
+    def _create(self, offer: Offer, run: str, role: str, join: NodeJoin | None = None) -> Instance:
+        """Rent one VM from `offer` (raise CapacityError when the cloud refuses); do not wait.
+        With `join`, its boot script joins the overlay first (`join_values`)."""
+        raise NotImplementedError
+
+    def _put_node_key(self, offer: Offer, run: str, name: str, private_key: str) -> str:
+        """Store a node's WireGuard private key as secret `name` of run `run` in the cloud's secret
+        store, readable by the run's nodes only; return the shell command that prints it on the node."""
+        raise NotImplementedError
+
+    def _drop_node_key(self, offer: Offer, run: str, name: str) -> None:
+        """Delete a node's private key from the secret store (idempotent)."""
+        raise NotImplementedError
+
+    def _addresses(self, instance: Instance) -> tuple[str | None, str | None]:
+        """(public IP, private IP) of a VM as the cloud names them now (None: not (yet) any)."""
+        raise NotImplementedError
+
+    def site(self, offer: Offer) -> str:
+        """The private network a VM of `offer` sits on (members of one site reach each other at
+        their private addresses)."""
         raise NotImplementedError
 
     def _terminate_vm(self, instance: Instance) -> None:
@@ -192,33 +325,81 @@ class CloudProvider(BaseProvider):
     def launch(self, offer: Offer, run: str, role: str) -> Instance:
         """Rent a VM and wait until its Ray node joins (labelled with its instance id). One that has
         not joined after `resources.join_timeout_s` (or when the run stops) is terminated and
-        JoinTimeout is raised."""
-        inst = self._create(offer, run, role)
+        JoinTimeout is raised. In a run with an overlay, the VM's key is admitted on the roster once
+        the cloud names its addresses (before its node can join) and deleted from the secret
+        store once it joined."""
+        net, join = self._network(), None
+        if net is not None:
+            ip = net.roster.allocate_ip()
+            private, public = overlay.keypair()
+            name = "wg-" + ip.replace(".", "-")
+            join = NodeJoin(ip, public, name, self._put_node_key(offer, run, name, private), net.head)
+            del private
+        try:
+            inst = self._create(offer, run, role, join=join)
+        except BaseException:
+            if join is not None:
+                self._drop_node_key(offer, run, join.key_name)
+                net.roster.release_ip(join.overlay_ip)
+            raise
         with self._lock:
             self._held[inst.instance_id] = inst
+            if join is not None:
+                self._keys[inst.instance_id] = (offer, join.key_name)
         timeout_s = self.recipe.resources.join_timeout_s
         start = time.monotonic()
         deadline = start + timeout_s
+        admitted = join is None
         while not self._stop.is_set() and time.monotonic() < deadline:
+            if not admitted:
+                public_ip, private_ip = self._addresses(inst)
+                if public_ip or time.monotonic() - start > ADDRESS_WAIT_S:
+                    net.roster.add(overlay.Member(
+                        inst.instance_id, join.overlay_ip, join.public_key,
+                        f"{public_ip}:{overlay.OVERLAY_PORT}" if public_ip else None, self.site(offer),
+                        f"{private_ip}:{overlay.OVERLAY_PORT}" if private_ip else None))
+                    admitted = True
             node_id = find_node(inst.instance_id) if self.cluster is not None else None
             if node_id is not None:
                 inst.ray_node_id = node_id
+                self._forget_key(inst.instance_id)   # read at boot; not kept a moment longer
                 return inst
             if self._stop.wait(JOIN_POLL_S):
                 break
         why = "the run stopped" if self._stop.is_set() else f"no Ray node joined within {timeout_s:g} s"
         self.terminate(inst.instance_id)
+        if not admitted:
+            net.roster.release_ip(join.overlay_ip)
         raise JoinTimeout(f"{inst.instance_id} ({offer.instance_type} in {offer.zone}): {why}; terminated",
                           instance=inst, released_at=time.time(), timeout_s=timeout_s,
                           waited_s=round(time.monotonic() - start, 3))
 
     def terminate(self, instance_id: str) -> None:
+        """Release one VM: its overlay key is revoked first, then the VM is deleted."""
+        self._revoke(instance_id)
         with self._lock:
             inst = self._held.pop(instance_id, None) or self._known.get(instance_id)
         if inst is None:
             inst = next((i for i in self.find_instances(self.run_name) if i.instance_id == instance_id), None)
         if inst is not None:
             self._terminate_vm(inst)
+
+    def _forget_key(self, instance_id: str) -> None:
+        with self._lock:
+            stored = self._keys.pop(instance_id, None)
+        if stored is not None:
+            try:
+                self._drop_node_key(stored[0], self.run_name, stored[1])
+            except Exception as exc:   # the run's teardown deletes what is left
+                log.warning("%s: could not delete the overlay key of %s: %s", self.name, instance_id, exc)
+
+    def _revoke(self, instance_id: str) -> None:
+        """The node leaves the overlay: its key off the roster (the head at once, the nodes at their
+        next poll) and out of the secret store."""
+        self._forget_key(instance_id)
+        net = self._network()
+        if net is not None:
+            net.roster.remove(instance_id)
 
     def find_instances(self, run: str | None) -> list[Instance]:
         """Live VMs the cloud says are tagged with `run` (any elastic run when None); remembered so
@@ -278,6 +459,7 @@ class CloudProvider(BaseProvider):
                 states = {}
             for inst in held:
                 if states.get(inst.instance_id) == "gone":
+                    self._revoke(inst.instance_id)
                     with self._lock:
                         self._held.pop(inst.instance_id, None)
                     self._events.append(NodeEvent(inst.instance_id, "preempted", now,

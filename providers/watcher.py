@@ -9,6 +9,10 @@ cluster's KV every few seconds) has not changed for `--autodown-after-s`: a driv
 (AWS launches VMs with InstanceInitiatedShutdownBehavior=terminate; a GCP VM stops, and its
 max run duration deletes it). The heartbeat being unreadable (the head gone) counts as no change.
 
+On a run with an overlay (`--overlay-ip`), each round it also reads the run's peers document
+(`elastic.overlay.PEERS_KV_KEY`, written by the driver) and applies it to this node's WireGuard
+interface: new members become peers, revoked keys are removed.
+
 Each cloud's own half lives in its provider's directory (`providers/<cloud>/watcher.py`: the
 metadata poller and how a VM ends itself); AWS reads IMDSv2 at `ELASTIC_IMDS_URL`, GCP long-polls
 its metadata server at `ELASTIC_GCP_METADATA_URL` (so the loop does not pause between polls
@@ -127,13 +131,58 @@ def cloud_watcher(cloud: str):
     return importlib.import_module(_watcher_module(cloud))
 
 
+def read_peers() -> str | None:
+    """The run's peers document as the driver last published it, or None (unreadable, or none yet)."""
+    try:
+        from ray.experimental import internal_kv
+
+        from elastic.overlay import PEERS_KV_KEY
+
+        value = internal_kv._internal_kv_get(PEERS_KV_KEY)
+    except Exception:   # the head unreachable: keep the peers as they are
+        return None
+    return value.decode() if value is not None else None
+
+
+class PeerSync:
+    """Applies the peers document to this node's interface when it changed.
+
+    Args:
+        overlay_ip: this node's overlay address (it finds itself in the document by it).
+        iface: its interface (default: `elastic.overlay.IFNAME`).
+    """
+
+    def __init__(self, overlay_ip: str, iface=None):
+        from elastic import overlay
+
+        self.overlay_ip = overlay_ip
+        self.iface = iface or overlay.Interface(ifname=overlay.IFNAME)
+        self._applied: str | None = None
+
+    def sync(self, doc: str | None) -> None:
+        from elastic import overlay
+
+        if doc is None or doc == self._applied:
+            return
+        members = overlay.decode_members(doc)
+        me = next((m for m in members if m.overlay_ip == self.overlay_ip), None)
+        if me is None:   # not (or no longer) a member: the driver revoked this node
+            return
+        revoked = overlay.apply(self.iface, me, members)
+        if revoked:
+            log.info("overlay: revoked %d peer(s)", len(revoked))
+        self._applied = doc
+
+
 def watch(cloud: str, instance_id: str, send=forward, poll_s: float = POLL_S, stop=None,
-          autodown_after_s: float | None = None, on_driver_gone=None, poll=None) -> None:
+          autodown_after_s: float | None = None, on_driver_gone=None, poll=None,
+          peers: PeerSync | None = None) -> None:
     """Poll until a notice comes (forward it, keep watching for an interruption after a
     rebalance) or `stop` is set. Metadata errors are logged and retried. With `autodown_after_s`,
     also read the driver's heartbeat each round, and call `on_driver_gone` (shut the VM down) and
     return once it has not changed for that long (default: `end_self`). `poll`: the cloud's
-    poller (default: its watcher module's `poll`)."""
+    poller (default: its watcher module's `poll`). `peers`: keeps the overlay's peers in step with
+    the driver's document."""
     poll = poll or cloud_watcher(cloud).poll
     sent = set()
     autodown = Autodown(autodown_after_s, time.monotonic()) if autodown_after_s else None
@@ -142,6 +191,11 @@ def watch(cloud: str, instance_id: str, send=forward, poll_s: float = POLL_S, st
             log.warning("no heartbeat from the driver for %.0f s: shutting this VM down", autodown.after_s)
             (on_driver_gone or (lambda: end_self(cloud, instance_id)))()
             return
+        if peers is not None:
+            try:
+                peers.sync(read_peers())
+            except Exception as exc:   # a failed `wg set` is retried with the next round
+                log.warning("overlay: peers not applied: %s", exc)
         try:
             notice = poll()
         except (OSError, ValueError, KeyError) as exc:
@@ -164,13 +218,14 @@ def main() -> None:
     p.add_argument("--cloud", required=True, choices=watched_clouds())
     p.add_argument("--instance-id", required=True)
     p.add_argument("--address", required=True, help="the run's Ray head, HOST:PORT")
+    p.add_argument("--overlay-ip", default=None, help="this node's overlay address: apply the run's peers document")
     p.add_argument("--autodown-after-s", type=float, default=None,
                    help="shut this VM down when the driver's heartbeat stops for this long")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     connect(args.address)
     watch(args.cloud, args.instance_id, poll_s=0.0 if cloud_watcher(args.cloud).BLOCKING else POLL_S,
-          autodown_after_s=args.autodown_after_s)
+          autodown_after_s=args.autodown_after_s, peers=PeerSync(args.overlay_ip) if args.overlay_ip else None)
 
 
 if __name__ == "__main__":

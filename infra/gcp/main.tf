@@ -164,15 +164,16 @@ resource "google_project_iam_member" "driver_secrets" {
   }
 }
 
-# The shared elastic-node reads run tokens, never checkpoint keys (which authenticate manifests:
-# a node that could read them could forge a checkpoint other runs load).
+# The shared elastic-node reads run tokens and nodes' overlay keys (elastic-<run>-wg-<ip>), never
+# checkpoint keys (which authenticate manifests: a node that could read them could forge a
+# checkpoint other runs load).
 resource "google_project_iam_member" "node_secrets" {
   project = var.project
   role    = "roles/secretmanager.secretAccessor"
   member  = "serviceAccount:${google_service_account.node.email}"
   condition {
-    title      = "elastic run tokens only"
-    expression = "resource.name.startsWith(\"${local.secret_prefix}\") && resource.name.extract(\"secrets/{name}/\").endsWith(\"-ray-token\")"
+    title      = "elastic run tokens and overlay keys only"
+    expression = "resource.name.startsWith(\"${local.secret_prefix}\") && !resource.name.startsWith(\"${local.secret_prefix}ckpt-key-\") && (resource.name.extract(\"secrets/{name}/\").endsWith(\"-ray-token\") || resource.name.extract(\"secrets/{name}/\").matches(\"-wg-[0-9-]+$\"))"
   }
 }
 

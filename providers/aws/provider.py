@@ -24,8 +24,8 @@ from elastic.errors import UserError
 from providers.aws.config import AWSSection
 from providers.aws.scope import RunScope
 from providers.base import CapacityError, Instance, Offer
-from providers.cloud import (CONTROLLER_TEMPLATE, CloudProvider, cached_json, head_address, heartbeat_time,
-                             labels_arg, quote, render_bootstrap, usable_price)
+from providers.cloud import (CONTROLLER_TEMPLATE, CloudProvider, NodeJoin, cached_json, head_address,
+                             heartbeat_time, join_values, labels_arg, quote, render_bootstrap, usable_price)
 
 log = logging.getLogger(__name__)
 
@@ -408,16 +408,63 @@ class AWSProvider(CloudProvider):
                 f"RAY_AUTH_TOKEN=\"$(aws ssm get-parameter --region {quote(region)} --with-decryption "
                 f"--name {quote(name)} --query Parameter.Value --output text)\"\nexport RAY_AUTH_TOKEN")
 
-    def user_data(self, offer: Offer, run: str, role: str) -> str:
-        """The node's bootstrap script (no credentials in it)."""
+    def user_data(self, offer: Offer, run: str, role: str, join: NodeJoin | None = None) -> str:
+        """The node's bootstrap script (no credentials in it); with `join`, it joins the run's
+        overlay before `ray start`."""
         instance_id_cmd = _imds_cmd("instance-id")
         labels = {"elastic.cloud": "aws", "elastic.region": offer.region, "elastic.zone": offer.zone,
                   "elastic.instance_type": offer.instance_type, "elastic.run": run, "elastic.role": role}
+        source = f"SSM parameter {self.token_parameter(run)}"
         return render_bootstrap(
             run=run, cloud="aws", install=self.recipe.aws.install, instance_id_cmd=instance_id_cmd,
-            token_source=f"SSM parameter {self.token_parameter(run)}", token_cmd=self._token_cmd(offer.region, run),
+            token_source=source, token_cmd=self._token_cmd(offer.region, run),
             head_address=quote(head_address(self.cluster)) if self.cluster is not None else "''",
-            gpus=str(offer.gpus), labels=labels_arg(labels), **self.autodown_values())
+            gpus=str(offer.gpus), labels=labels_arg(labels), **join_values(join, "SSM Parameter Store"),
+            **self.autodown_values())
+
+    def node_key_parameter(self, run: str, name: str) -> str:
+        """The SSM parameter holding a node's overlay private key (under the run's own path, which
+        only the run's node role may read)."""
+        return f"/elastic/{run}/{name}"
+
+    def _put_node_key(self, offer: Offer, run: str, name: str, private_key: str) -> str:
+        param = self.node_key_parameter(run, name)
+        self._call("ssm", offer.region, "put_parameter", Name=param, Value=private_key, Type="SecureString",
+                   Overwrite=True, Description=f"WireGuard key of a node of elastic run {run}")
+        return (f"aws ssm get-parameter --region {quote(offer.region)} --with-decryption --name {quote(param)} "
+                "--query Parameter.Value --output text")
+
+    def _node_key_parameters(self, region: str, run: str) -> list[str]:
+        """Names of the overlay key parameters run `run` holds in `region`."""
+        names, token = [], None
+        while True:
+            page = self._call("ssm", region, "get_parameters_by_path", Path=f"/elastic/{run}/", MaxResults=10,
+                              **({"NextToken": token} if token else {}))
+            names += [p["Name"] for p in page["Parameters"] if p["Name"].rsplit("/", 1)[-1].startswith("wg-")]
+            token = page.get("NextToken")
+            if not token:
+                return names
+
+    def _drop_node_key(self, offer: Offer, run: str, name: str) -> None:
+        from botocore.exceptions import ClientError
+
+        try:
+            self._call("ssm", offer.region, "delete_parameter", Name=self.node_key_parameter(run, name))
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") != "ParameterNotFound":
+                raise
+
+    def _addresses(self, instance: Instance) -> tuple[str | None, str | None]:
+        resp = self._call("ec2", instance.offer.region, "describe_instances",
+                          Filters=[{"Name": "instance-id", "Values": [instance.instance_id]}])
+        for r in resp["Reservations"]:
+            for vm in r["Instances"]:
+                return vm.get("PublicIpAddress"), vm.get("PrivateIpAddress")
+        return None, None
+
+    def site(self, offer: Offer) -> str:
+        """A region's VPC: VMs of one region reach each other at their private addresses."""
+        return f"aws/{offer.region}"
 
     def _tags(self, run: str, role: str) -> list[dict]:
         tags = {"elastic:run": run, "elastic:role": role, "elastic:recipe": self.recipe.name,
@@ -461,10 +508,10 @@ class AWSProvider(CloudProvider):
             req["KeyName"] = aws.key_name
         return req
 
-    def _create(self, offer: Offer, run: str, role: str) -> Instance:
+    def _create(self, offer: Offer, run: str, role: str, join: NodeJoin | None = None) -> Instance:
         from botocore.exceptions import ClientError
 
-        req = self.run_request(offer, run, role, self.user_data(offer, run, role))
+        req = self.run_request(offer, run, role, self.user_data(offer, run, role, join))
         try:
             resp = self._run_instances(offer.region, req)
         except ClientError as exc:
@@ -499,9 +546,10 @@ class AWSProvider(CloudProvider):
         return HOME_REGION
 
     def remove_run_resources(self, run: str, wait_s: float = 0.0) -> list[str]:
-        """Delete what run `run` owned besides VMs: its token parameter, role, instance profile and
-        security groups (waiting up to `wait_s` for VMs that are shutting down to let go of them).
-        Returns what was left (one line each)."""
+        """Delete what run `run` owned besides VMs: its token parameter, the overlay keys of nodes
+        that never joined (a driver killed mid-launch), role, instance profile and security groups
+        (waiting up to `wait_s` for VMs that are shutting down to let go of them). Returns what was
+        left (one line each)."""
         left = []
         for region in self.regions():
             try:
@@ -509,6 +557,11 @@ class AWSProvider(CloudProvider):
             except Exception as exc:
                 if "ParameterNotFound" not in str(exc):
                     left.append(f"token parameter {self.token_parameter(run)} in {region}: {exc}")
+            try:
+                for name in self._node_key_parameters(region, run):
+                    self._call("ssm", region, "delete_parameter", Name=name)
+            except Exception as exc:
+                left.append(f"overlay key parameters /elastic/{run}/wg-* in {region}: {exc}")
         scope = self._scope if run == self.run_name else RunScope(self, run)
         return left + scope.remove(self.regions(), wait_s=wait_s)
 
@@ -532,7 +585,7 @@ class AWSProvider(CloudProvider):
         offer = Offer(cloud="aws", region=region, zone=zones[0], instance_type=aws.controller_instance_type, gpu="",
                       gpus=0, cpus=0, spot=False, usd_per_hour=usd, on_demand_usd_per_hour=usd, read_at=read_at)
         script = render_bootstrap(
-            CONTROLLER_TEMPLATE, run=run, install=aws.install, private_ip_cmd=_imds_cmd("local-ipv4"),
+            CONTROLLER_TEMPLATE, run=run, install=aws.install, public_ip_cmd=_imds_cmd("public-ipv4"),
             cloud="aws", instance_id_cmd=_imds_cmd("instance-id"), **self.autodown_values(),
             instance_profile=aws.controller_instance_profile or "none set: aws.controller_instance_profile",
             recipe_b64=base64.b64encode(recipe_text.encode()).decode())

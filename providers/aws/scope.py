@@ -7,8 +7,11 @@ security group per region. Created when the run first launches, deleted when it 
   `checkpoint.uri` prefix and reading only under its `data.uri` prefix. The role is created with the
   reviewed managed policy `aws.node_role_boundary` as its permissions boundary, so the driver cannot
   give a node more than infra/aws/node-policy.json allows, whatever it writes inline.
-- **Security group `elastic-run-<run>`** per region: every TCP and UDP port open only among the
-  run's own VMs (the group references itself), nothing from other runs' VMs or from outside.
+- **Security group `elastic-run-<run>`** per region: only the overlay's UDP port (51820) open, to
+  the whole internet (IPv4 and IPv6): every byte between the run's nodes, in one VPC or across
+  regions and clouds, is WireGuard (elastic/overlay.py), which answers nothing that does not carry
+  a key the run's driver admitted, so another run's VMs (and anyone else) reach nothing. Ray and
+  torch.distributed ports are open only inside the overlay; no VPC peering is needed.
   `aws.security_group` (SSH, if the account's setup admits it) is added beside it.
 
 Roles and groups cost nothing; a failed deletion is logged and left for `elastic down`.
@@ -24,6 +27,7 @@ import threading
 from urllib.parse import urlparse
 
 from elastic.errors import UserError
+from elastic.overlay import OVERLAY_PORT
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +138,7 @@ class RunScope:
 
     def security_group(self, region: str, subnet_id: str | None) -> str:
         """The run's security group in `region` (created on first use, in the VPC of `subnet_id`
-        or else the region's default VPC): every port open among its members only."""
+        or else the region's default VPC): the overlay's UDP port open, nothing else."""
         with self._lock:
             if region not in self._groups:
                 self._groups[region] = self._create_group(region, subnet_id)
@@ -157,14 +161,15 @@ class RunScope:
             gid = found[0]["GroupId"]
         else:
             gid = call("ec2", region, "create_security_group", GroupName=self.name, VpcId=vpc,
-                       Description=f"elastic: run {self.run}, every port among its own VMs only",
+                       Description=f"elastic: run {self.run}, its overlay's UDP port only",
                        TagSpecifications=[{"ResourceType": "security-group",
                                            "Tags": [{"Key": "elastic:run", "Value": self.run}]}])["GroupId"]
             log.info("created security group %s (%s) in %s", self.name, gid, region)
         try:
             call("ec2", region, "authorize_security_group_ingress", GroupId=gid, IpPermissions=[
-                {"IpProtocol": proto, "FromPort": 0, "ToPort": 65535, "UserIdGroupPairs": [{"GroupId": gid}]}
-                for proto in ("tcp", "udp")])
+                {"IpProtocol": "udp", "FromPort": OVERLAY_PORT, "ToPort": OVERLAY_PORT,
+                 "IpRanges": [{"CidrIp": "0.0.0.0/0", "Description": "elastic overlay (WireGuard)"}],
+                 "Ipv6Ranges": [{"CidrIpv6": "::/0", "Description": "elastic overlay (WireGuard)"}]}])
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") != "InvalidPermission.Duplicate":
                 raise

@@ -42,10 +42,11 @@ from dataclasses import dataclass
 from urllib.parse import urlparse
 
 from elastic.errors import UserError
+from elastic.overlay import OVERLAY_PORT
 from elastic.section import LOOPBACK_HOSTS, endpoint_problem
 from providers.base import CapacityError, Instance, Offer
-from providers.cloud import (CONTROLLER_TEMPLATE, CloudProvider, cached_json, head_address, heartbeat_time,
-                             labels_arg, quote, render_bootstrap, usable_price)
+from providers.cloud import (CONTROLLER_TEMPLATE, CloudProvider, NodeJoin, cached_json, head_address,
+                             heartbeat_time, join_values, labels_arg, quote, render_bootstrap, usable_price)
 from providers.gcp.config import GCPSection
 from providers.gcp.scope import RunScope
 
@@ -601,7 +602,7 @@ class GCPProvider(CloudProvider):
             machine_type=f"zones/{zone}/machineTypes/{offer.instance_type}",
             scheduling=scheduling,
             labels={"elastic-run": label_value(run), "elastic-role": label_value(role), "elastic-managed": "true"},
-            # The run's own tag: its firewall rule opens every port among the run's VMs only.
+            # The run's own tag: its firewall rule opens the overlay's UDP port, nothing else.
             tags=compute_v1.Tags(items=[*s.network_tags, run_network_tag(run)]),
             network_interfaces=[nic],
             disks=[compute_v1.AttachedDisk(
@@ -624,9 +625,10 @@ class GCPProvider(CloudProvider):
                 email=email, scopes=["https://www.googleapis.com/auth/cloud-platform"])]
         return body
 
-    def startup_script(self, offer: Offer, run: str, role: str) -> str:
+    def startup_script(self, offer: Offer, run: str, role: str, join: NodeJoin | None = None) -> str:
         """The node bootstrap (`infra/bootstrap.sh.tmpl`) for one VM: install the project, join the
-        run's Ray head labelled with the instance name, start the notice watcher."""
+        run's overlay (with `join`), join the run's Ray head labelled with the instance name, start
+        the notice watcher."""
         labels = {"elastic.cloud": "gcp", "elastic.region": offer.region, "elastic.zone": offer.zone,
                   "elastic.instance_type": offer.instance_type, "elastic.run": run, "elastic.role": role}
         return render_bootstrap(
@@ -634,7 +636,40 @@ class GCPProvider(CloudProvider):
             instance_id_cmd=f"curl -sf -H 'Metadata-Flavor: Google' {METADATA_URL}/instance/name",
             token_cmd=self._token_cmd(run), token_source="Secret Manager, with the VM's service account",
             head_address=quote(head_address(self.cluster)) if self.cluster is not None else "''",
-            gpus=str(offer.gpus), labels=labels_arg(labels), **self.autodown_values())
+            gpus=str(offer.gpus), labels=labels_arg(labels), **join_values(join, "Secret Manager"),
+            **self.autodown_values())
+
+    def node_key_secret(self, run: str, name: str) -> str:
+        """The Secret Manager secret holding a node's overlay private key."""
+        return f"elastic-{label_value(run)}-{name}"
+
+    def _put_node_key(self, offer: Offer, run: str, name: str, private_key: str) -> str:
+        secret = self.node_key_secret(run, name)
+        self._put_secret(secret, private_key, run)
+        return (f"gcloud secrets versions access latest --secret={quote(secret)} "
+                f"--project={quote(self.project)}")
+
+    def _drop_node_key(self, offer: Offer, run: str, name: str) -> None:
+        from google.api_core import exceptions
+
+        secret = f"projects/{self.project}/secrets/{self.node_key_secret(run, name)}"
+        try:
+            self._call("delete secret", lambda: self._client("secrets").delete_secret(name=secret, retry=self._retry()))
+        except exceptions.NotFound:
+            pass
+
+    def _addresses(self, instance: Instance) -> tuple[str | None, str | None]:
+        vm = self._call("get instance", lambda: self._client("instances").get(
+            project=self.project, zone=instance.offer.zone, instance=instance.instance_id, retry=self._retry()))
+        nic = vm.network_interfaces[0] if vm.network_interfaces else None
+        if nic is None:
+            return None, None
+        public = next((a.nat_i_p for a in nic.access_configs if a.nat_i_p), None)
+        return public, nic.network_i_p or None
+
+    def site(self, offer: Offer) -> str:
+        """The run's VPC network: a GCP VPC spans every region, so all its VMs reach each other privately."""
+        return f"gcp/{self.config.network.rsplit('/', 1)[-1]}"
 
     def token_secret(self, run: str) -> str:
         """The Secret Manager secret holding the run's Ray cluster token."""
@@ -672,8 +707,10 @@ class GCPProvider(CloudProvider):
             retry=self._retry()))
 
     def _ensure_firewall(self, run: str) -> None:
-        """Create the run's firewall rule (once): ingress on every TCP and UDP port from VMs tagged
-        with the run's tag to VMs tagged with it, nothing else; another run's VMs cannot reach these."""
+        """Create the run's firewall rule (once): ingress on the overlay's UDP port (51820) only, from
+        anywhere, to VMs tagged with the run's tag. Everything between the run's nodes (Ray,
+        torch.distributed) runs inside the WireGuard overlay, which answers only keys the run's
+        driver admitted: another run's VMs reach nothing, and no VPC peering is needed."""
         from google.api_core import exceptions
         from google.cloud import compute_v1
 
@@ -683,9 +720,9 @@ class GCPProvider(CloudProvider):
                 return
             rule = compute_v1.Firewall(
                 name=tag, network=self.config.network, direction="INGRESS", priority=1000,
-                source_tags=[tag], target_tags=[tag],
-                allowed=[compute_v1.Allowed(I_p_protocol="tcp"), compute_v1.Allowed(I_p_protocol="udp")],
-                description=f"elastic: every port among the VMs of run {run} only")
+                source_ranges=["0.0.0.0/0"], target_tags=[tag],
+                allowed=[compute_v1.Allowed(I_p_protocol="udp", ports=[str(OVERLAY_PORT)])],
+                description=f"elastic: the overlay's UDP port of run {run}'s VMs")
             client = self._client("firewalls")
             try:
                 self._call("insert firewall rule", lambda: client.insert(
@@ -760,7 +797,8 @@ class GCPProvider(CloudProvider):
         offer = self.controller_offer()
         script = render_bootstrap(
             CONTROLLER_TEMPLATE, run=run, install=s.install,
-            private_ip_cmd=f"curl -sf -H 'Metadata-Flavor: Google' {METADATA_URL}/instance/network-interfaces/0/ip",
+            public_ip_cmd=f"curl -sf -H 'Metadata-Flavor: Google' "
+                          f"{METADATA_URL}/instance/network-interfaces/0/access-configs/0/external-ip",
             cloud="gcp", instance_id_cmd=f"curl -sf -H 'Metadata-Flavor: Google' {METADATA_URL}/instance/name",
             **self.autodown_values(),
             instance_profile=f"service account {s.controller_service_account or 'none set: gcp.controller_service_account'}",
@@ -768,7 +806,7 @@ class GCPProvider(CloudProvider):
         return self._create(offer, run, "controller", script, service_account=s.controller_service_account)
 
     def _create(self, offer: Offer, run: str, role: str, startup_script: str | None = None,
-                service_account: str | None = None) -> Instance:
+                service_account: str | None = None, join: NodeJoin | None = None) -> Instance:
         from google.api_core import exceptions
 
         self._ensure_firewall(run)
@@ -776,10 +814,12 @@ class GCPProvider(CloudProvider):
         if scope is not None:
             service_account = scope.service_account()
         name = _instance_name(run, role)
-        body = self.instance_body(name, offer, run, role, startup_script or self.startup_script(offer, run, role),
+        body = self.instance_body(name, offer, run, role, startup_script or self.startup_script(offer, run, role, join),
                                   service_account=service_account)
         if scope is not None and run in self._tokens:   # before the VM boots and reads it
             scope.grant_token(self.token_secret(run))
+        if scope is not None and join is not None:      # its overlay key, the same way
+            scope.grant_secret(self.node_key_secret(run, join.key_name))
         client, project = self._client("instances"), self.project
         try:
             # request_id makes a retried insert idempotent: the API creates the VM once.

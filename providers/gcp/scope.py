@@ -3,8 +3,9 @@
 (`gcp.run_service_accounts`), deleted when it ends (and by `elastic down RUN` / `--orphans` for a
 run whose driver died).
 
-- **Its token**: `roles/secretmanager.secretAccessor` on the run's own token secret only (the
-  secret's IAM policy), so a node of one run cannot read another run's token.
+- **Its secrets**: `roles/secretmanager.secretAccessor` on the run's own token secret and its
+  nodes' overlay keys only (each secret's IAM policy), so a node of one run cannot read another
+  run's token or keys.
 - **Its checkpoints** (`checkpoint.uri` on gs://): `roles/storage.objectUser` (read, write, delete)
   on the bucket with an IAM condition, as Cloud Storage documents them, limiting it to objects whose
   name starts with the run's prefix, and listings of that prefix.
@@ -158,12 +159,17 @@ class RunScope:
         with self._lock:
             if self._token_granted:
                 return
-            client, name = self._p._client("secrets"), f"projects/{self._p.project}/secrets/{secret}"
-            self._p._call("set the token secret's policy", lambda: client.set_iam_policy(request={
-                "resource": name, "policy": {"bindings": [{"role": "roles/secretmanager.secretAccessor",
-                                                           "members": [f"serviceAccount:{self.email}"]}]}},
-                retry=self._p._retry()))
+            self.grant_secret(secret)
             self._token_granted = True
+
+    def grant_secret(self, secret: str) -> None:
+        """Let the run's account read `secret` (the run's own: its token, or a node's overlay key),
+        by that secret's whole policy: no one else's account is on it."""
+        client, name = self._p._client("secrets"), f"projects/{self._p.project}/secrets/{secret}"
+        self._p._call("set a secret's policy", lambda: client.set_iam_policy(request={
+            "resource": name, "policy": {"bindings": [{"role": "roles/secretmanager.secretAccessor",
+                                                       "members": [f"serviceAccount:{self.email}"]}]}},
+            retry=self._p._retry()))
 
     def grant_self_delete(self, zone: str, instance: str) -> None:
         """Let the run's account delete VM `instance` (autodown), through that VM's own policy."""

@@ -48,6 +48,11 @@ def test_two_regions_train_over_the_overlay_survive_a_preemption_and_leave_nothi
     # Only the overlay crossed the internet between the regions: WireGuard's UDP, never TCP.
     assert out["counters"]["overlay"]["packets"] > 0
     assert out["counters"]["tcp"]["packets"] == 0 and out["counters"]["other_udp"]["packets"] == 0
+    # Each joiner measured its link to the node in the other region, over the overlay (the TCP of
+    # the measurement is inside it: no TCP crossed the bridge above), at the lab's shaped rates.
+    links = [e for e in events if e["type"] == "link_measured"]
+    assert links and all({e["site"], e["peer_site"]} == {"local/region-a", "local/region-b"} for e in links)
+    assert all(e["rtt_ms"] > 0 and 0 < e["mbit_s"] < 1100 for e in links)   # 1000 Mbit/s: the faster uplink
     # The preempted node's key reaches no member any more.
     assert out["key_still_known"] == []
     # Nothing of the run is left on this machine.

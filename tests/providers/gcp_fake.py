@@ -514,8 +514,14 @@ class GCPFake:
         if mode == "operation":
             op = self._operation(base, zone, "insert", name, error=code)
         else:
+            n = next(self._ids)
+            # Addresses as Compute Engine gives them: a private one on the VPC, a public one (here in
+            # TEST-NET-3, never routed) for each access config.
+            nics = [{**nic, "networkIP": f"10.128.{n // 250}.{n % 250 + 2}",
+                     "accessConfigs": [{**ac, "natIP": f"203.0.113.{n % 250 + 2}"} for ac in nic.get("accessConfigs", [])]}
+                    for nic in body.get("networkInterfaces", [])]
             self.instances[name] = {
-                **body, "id": str(next(self._ids)), "kind": "compute#instance", "status": "RUNNING",
+                **body, "networkInterfaces": nics, "id": str(n), "kind": "compute#instance", "status": "RUNNING",
                 "zone": f"{base}/zones/{zone}", "selfLink": f"{base}/zones/{zone}/instances/{name}",
                 "creationTimestamp": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
                 "labelFingerprint": _etag(json.dumps(body.get("labels") or {}, sort_keys=True))}

@@ -190,6 +190,55 @@ def test_launch_request_spot_imdsv2_tags_user_data_then_join_timeout_terminates(
         ssm.get_parameter(Name="/elastic/run-launch/ray-token")
 
 
+def _join(p, offer, run: str):
+    """What the launch path makes for a node of a run with an overlay: a key pair (the private key
+    into the cloud's secret store) and the head as the first peer."""
+    from elastic import overlay
+    from providers.cloud import NodeJoin
+
+    private, public = overlay.keypair()
+    head = overlay.Member("head", overlay.HEAD_IP, overlay.keypair()[1], "198.51.100.7:51820")
+    return private, NodeJoin("100.80.0.2", public, "wg-100-80-0-2", p._put_node_key(offer, run, "wg-100-80-0-2", private),
+                             head)
+
+
+@pytest.mark.skipif(not __import__("shutil").which("wg"), reason="needs wireguard-tools (wg) for key pairs")
+def test_bootstrap_joins_the_overlay_before_ray_with_its_key_from_ssm_never_in_user_data(aws_env):
+    """The node's user data brings up the overlay (head as first peer) before `ray start`, which
+    binds the node's overlay address; the private key is an SSM SecureString under the run's own
+    path (which only the run's node role reads), never in user data, and goes at release."""
+    import subprocess
+
+    aws_env.rules.append(price_rule)
+    p = provider(aws_recipe(**{"resources.regions": "[us-west-2]"}), run="run-wg")
+    offer = p.offers(p.recipe.resources)[0]
+    private, join = _join(p, offer, "run-wg")
+    inst = p._create(offer, "run-wg", "replica", join=join)
+    ec2 = boto3.client("ec2", region_name="us-west-2")
+    raw = ec2.describe_instance_attribute(InstanceId=inst.instance_id, Attribute="userData")["UserData"]["Value"]
+    script = base64.b64decode(raw).decode()
+    assert private not in script and "PrivateKey" not in script
+    up = script.index("python3 -m elastic.overlay up --address \"$OVERLAY_IP\"")
+    assert script.index("OVERLAY_IP=100.80.0.2") < up < script.index("ray start --address=")
+    assert f"--peer {join.head.public_key},100.80.0.1,198.51.100.7:51820 " in script
+    assert "aws ssm get-parameter --region us-west-2 --with-decryption --name /elastic/run-wg/wg-100-80-0-2" in script
+    assert '--node-ip-address="$OVERLAY_IP"' in script and '--overlay-ip "$OVERLAY_IP"' in script
+    ssm = boto3.client("ssm", region_name="us-west-2")
+    param = ssm.get_parameter(Name="/elastic/run-wg/wg-100-80-0-2", WithDecryption=True)["Parameter"]
+    assert param["Type"] == "SecureString" and param["Value"] == private
+    assert subprocess.run(["wg", "pubkey"], input=private + "\n", capture_output=True, text=True).stdout.strip() \
+        == join.public_key
+    public_ip, private_ip = p._addresses(inst)     # the endpoint the driver admits it at
+    vm = instances("us-west-2", "run-wg")[0]
+    assert (public_ip, private_ip) == (vm["PublicIpAddress"], vm["PrivateIpAddress"]) and public_ip
+    p._drop_node_key(offer, "run-wg", join.key_name)
+    with pytest.raises(ssm.exceptions.ParameterNotFound):
+        ssm.get_parameter(Name="/elastic/run-wg/wg-100-80-0-2")
+    p._drop_node_key(offer, "run-wg", join.key_name)   # idempotent
+    p.terminate(inst.instance_id)
+    p.close()
+
+
 @pytest.mark.parametrize("code", ["InsufficientInstanceCapacity", "SpotMaxPriceTooLow",
                                   "MaxSpotInstanceCountExceeded", "VcpuLimitExceeded"])
 def test_capacity_refusals_are_capacity_errors(aws_env, code):
@@ -522,7 +571,8 @@ def _token_exists(run: str, region: str = "us-west-2") -> bool:
 def test_each_run_gets_its_own_role_token_prefix_and_security_group(aws_env, monkeypatch):
     """Two runs in one account: each VM carries its run's own instance profile, whose role (bounded
     by the reviewed elastic-node policy) reads only its own token and writes only under its own
-    checkpoint prefix; each VM sits in its run's own security group, open only to that group.
+    checkpoint prefix; each VM sits in its run's own security group, which opens only the overlay's
+    UDP port.
     When a run ends, its role, profile, group and token are gone; the other run's stay."""
     aws_env.rules.append(price_rule)
     monkeypatch.setenv("RAY_AUTH_TOKEN", "secret-token-value")
@@ -558,9 +608,10 @@ def test_each_run_gets_its_own_role_token_prefix_and_security_group(aws_env, mon
         [gid] = [g["GroupId"] for g in vm["SecurityGroups"]]
         [group] = ec2.describe_security_groups(GroupIds=[gid])["SecurityGroups"]
         assert group["GroupName"] == f"elastic-run-{run}"
-        sources = {pair["GroupId"] for perm in group["IpPermissions"] for pair in perm["UserIdGroupPairs"]}
-        assert sources == {gid} and all(perm.get("IpRanges") == [] for perm in group["IpPermissions"])
-        assert {perm["IpProtocol"] for perm in group["IpPermissions"]} == {"tcp", "udp"}
+        # Only the overlay's UDP port is open (to anyone: WireGuard answers only the run's keys).
+        [perm] = group["IpPermissions"]
+        assert (perm["IpProtocol"], perm["FromPort"], perm["ToPort"]) == ("udp", 51820, 51820)
+        assert [r["CidrIp"] for r in perm["IpRanges"]] == ["0.0.0.0/0"] and not perm["UserIdGroupPairs"]
         groups[run] = gid
         # The token went to the run's own parameter, never into the user data.
         ssm = boto3.client("ssm", region_name="us-west-2")
@@ -584,7 +635,8 @@ def test_each_run_gets_its_own_role_token_prefix_and_security_group(aws_env, mon
 
 def test_down_removes_a_dead_runs_role_group_and_token(aws_env, monkeypatch):
     """A driver killed with SIGKILL cleans nothing up: `elastic down RUN --yes` terminates the
-    VMs and then deletes the run's token, role, instance profile and security group."""
+    VMs and then deletes the run's token, its nodes' overlay keys, role, instance profile and
+    security group."""
     aws_env.rules.extend([price_rule, three_regions])
     monkeypatch.setenv("RAY_AUTH_TOKEN", "t0k3n")
     iam = boto3.client("iam", region_name="us-east-1")
@@ -593,7 +645,9 @@ def test_down_removes_a_dead_runs_role_group_and_token(aws_env, monkeypatch):
                       PolicyDocument=boundary.replace("${BUCKET}", "b").replace("${DATA_BUCKET}", "d"))
     recipe = aws_recipe(**{"resources.regions": "[us-west-2]", "aws.node_role_boundary": "elastic-node"})
     p = provider(recipe, run="run-dead")
-    p._create(p.offers(recipe.resources)[0], "run-dead", "replica")   # and then the driver dies
+    offer = p.offers(recipe.resources)[0]
+    p._create(offer, "run-dead", "replica")
+    p._put_node_key(offer, "run-dead", "wg-100-80-0-9", "a-node-key")   # a VM booting, and then the driver dies
     assert _token_exists("run-dead") and iam.get_role(RoleName="elastic-run-run-dead")
     proc = aws_cli("down", "run-dead", "--yes", env={**aws_env.env, "AWS_DEFAULT_REGION": "us-west-2"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -602,3 +656,4 @@ def test_down_removes_a_dead_runs_role_group_and_token(aws_env, monkeypatch):
     ec2 = boto3.client("ec2", region_name="us-west-2")
     assert "elastic-run-run-dead" not in {g["GroupName"] for g in ec2.describe_security_groups()["SecurityGroups"]}
     assert not _token_exists("run-dead")
+    assert not boto3.client("ssm", region_name="us-west-2").get_parameters_by_path(Path="/elastic/run-dead/")["Parameters"]

@@ -405,13 +405,55 @@ def _node_call(gcp_fake, token: str, method: str, path: str) -> int:
         return exc.code
 
 
+@pytest.mark.skipif(not __import__("shutil").which("wg"), reason="needs wireguard-tools (wg) for key pairs")
+def test_startup_script_joins_the_overlay_with_its_key_from_secret_manager_never_in_metadata(gcp_fake):
+    """The startup script brings up the overlay (head as first peer) before `ray start` at the
+    node's overlay address; the private key is a Secret Manager secret of the run, never in the
+    instance's metadata, and goes at release."""
+    from tests.providers.test_aws import _join
+
+    p, recipe = _provider(run="run-wg", **{"resources.accelerators": "L4:1"})
+    offer = _offer(p, recipe)
+    private, join = _join(p, offer, "run-wg")
+    inst = p._create(offer, "run-wg", "replica", join=join)
+    body = gcp_fake.instances[inst.instance_id]
+    script = {i["key"]: i["value"] for i in body["metadata"]["items"]}["startup-script"]
+    assert private not in json.dumps(body)
+    secret = p.node_key_secret("run-wg", join.key_name)
+    assert gcp_fake.secrets[secret]["versions"] == [private]
+    assert gcp_fake.secrets[secret]["labels"]["elastic-run"] == "run-wg"
+    # The VM reads it as the run's own service account; another run's account cannot.
+    from providers.gcp.scope import account_id
+    access = f"/v1/projects/elastic-test/secrets/{secret}/versions/latest:access"
+    own = gcp_fake.token_of(f"{account_id('run-wg')}@elastic-test.iam.gserviceaccount.com")
+    assert _node_call(gcp_fake, own, "GET", access) == 200
+    other, _ = _provider(run="run-other", **{"resources.accelerators": "L4:1"})
+    vm_other = other._create(_offer(other, recipe), "run-other", "replica")
+    stranger = gcp_fake.token_of(f"{account_id('run-other')}@elastic-test.iam.gserviceaccount.com")
+    assert _node_call(gcp_fake, stranger, "GET", access) == 403
+    up = script.index(f"gcloud secrets versions access latest --secret={secret} --project=elastic-test | "
+                      "python3 -m elastic.overlay up")
+    assert script.index("OVERLAY_IP=100.80.0.2") < up < script.index("ray start --address=")
+    assert f"--peer {join.head.public_key},100.80.0.1,198.51.100.7:51820 " in script
+    assert '--node-ip-address="$OVERLAY_IP"' in script and '--overlay-ip "$OVERLAY_IP"' in script
+    nic = body["networkInterfaces"][0]
+    assert p._addresses(inst) == (nic["accessConfigs"][0]["natIP"], nic["networkIP"])
+    p._drop_node_key(offer, "run-wg", join.key_name)
+    assert secret not in gcp_fake.secrets
+    p.terminate(inst.instance_id)
+    p.close()
+    other.terminate(vm_other.instance_id)
+    other.close()
+
+
 def test_each_run_gets_a_firewall_rule_and_a_service_account_of_its_own(gcp_fake, monkeypatch):
     """Two runs in one project: each VM carries its run's own network tag, and the run's firewall
-    rule admits traffic from that tag to that tag only, so run A's VMs cannot reach run B's. Each
-    run's VMs run as its own service account: its token secret only (run A's node is denied run B's
-    token), its checkpoint prefix (read, write) and data prefix (read) only, its own VMs to delete.
-    The run's end deletes its rule, token and account (and the account's grants); `elastic down RUN`
-    does for a run whose driver died."""
+    rule admits only the overlay's UDP port to that tag (Ray and torch ports are reachable only
+    inside the overlay, whose keys are the run's own). Each run's VMs run as its own service
+    account: its token secret only (run A's node is denied run B's token), its checkpoint prefix
+    (read, write) and data prefix (read) only, its own VMs to delete. The run's end deletes its
+    rule, token and account (and the account's grants); `elastic down RUN` does for a run whose
+    driver died."""
     monkeypatch.setenv("RAY_AUTH_TOKEN", "tok")
     from providers.gcp.provider import run_network_tag
     from providers.gcp.scope import account_id
@@ -449,9 +491,8 @@ def test_each_run_gets_a_firewall_rule_and_a_service_account_of_its_own(gcp_fake
     for run in ("run-a", "run-b"):
         tag = run_network_tag(run)
         rule = gcp_fake.firewalls[tag]
-        assert (rule["sourceTags"], rule["targetTags"], rule["direction"]) == ([tag], [tag], "INGRESS")
-        assert "sourceRanges" not in rule                      # nothing from outside the run's VMs
-        assert sorted(x["IPProtocol"] for x in rule["allowed"]) == ["tcp", "udp"]
+        assert (rule["targetTags"], rule["direction"], rule["sourceRanges"]) == ([tag], "INGRESS", ["0.0.0.0/0"])
+        assert rule["allowed"] == [{"IPProtocol": "udp", "ports": ["51820"]}]   # no TCP, no other port
         for inst in vms[run]:
             tags = gcp_fake.instances[inst.instance_id]["tags"]["items"]
             other = run_network_tag("run-b" if run == "run-a" else "run-a")

@@ -150,3 +150,41 @@ def test_link_delay_takes_netem_or_is_refused_with_a_clear_error_and_nothing_lef
         with pytest.raises(localnet.LabError, match="delay_ms/loss_pct need the netem qdisc"):
             localnet.Lab({"region-a": localnet.Link(delay_ms=20)})
     assert set(localnet.list_namespaces()) == before
+
+
+def test_two_nodes_without_public_endpoints_talk_through_the_head(lab):
+    """Nodes b and c admitted without endpoints (as behind NAT with no public address) cannot
+    handshake with each other: `peers_for` routes each other's overlay address through the head,
+    which forwards between its peers; a TCP connection from b to c then works, and c's key is not
+    a peer of b's."""
+    # b and c sit in region-b (the lab's routers do no hairpin NAT to a public address of their own
+    # region); with no endpoints and no private ones admitted, they have only the head between them.
+    h, b, c = lab.add_host("region-a"), lab.add_host("region-b"), lab.add_host("region-b")
+    ifaces = {name: overlay.Interface(host.netns) for name, host in (("h", h), ("b", b), ("c", c))}
+    try:
+        for i, name in enumerate(("h", "b", "c"), start=1):
+            ifaces[name].up(overlay.overlay_ip(i), overlay.keypair(ifaces[name].netns)[0])
+        ifaces["h"].forward()
+        head = overlay.Member("head", overlay.overlay_ip(1), ifaces["h"].public_key,
+                              f"{h.public_ip}:{overlay.OVERLAY_PORT}")
+        roster = overlay.Roster(head, ifaces["h"])
+        nodes = {name: overlay.Member(name, overlay.overlay_ip(i), ifaces[name].public_key)   # no endpoint
+                 for i, name in ((2, "b"), (3, "c"))}
+        for m in nodes.values():
+            roster.add(m)
+        for name, m in nodes.items():
+            overlay.apply(ifaces[name], m, roster.members(), head_ip=overlay.overlay_ip(1))
+        assert set(ifaces["b"].peers()) == {head.public_key}          # no direct peer c
+        assert set(ifaces["b"].peers()[head.public_key]["allowed_ips"].split(",")) == {
+            f"{overlay.overlay_ip(1)}/32", f"{overlay.overlay_ip(3)}/32"}
+        server = _serve(c.netns, connections=1)
+        try:
+            assert _reach(b.netns, overlay.overlay_ip(3), timeout_s=10)
+        finally:
+            server.kill()
+            server.wait()
+        relayed = ifaces["h"].peers()
+        assert relayed[nodes["b"].public_key]["rx_bytes"] > 0 and relayed[nodes["c"].public_key]["tx_bytes"] > 0
+    finally:
+        for iface in ifaces.values():
+            iface.down()

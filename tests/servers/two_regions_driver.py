@@ -15,11 +15,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def main(run_dir: str, overrides: dict) -> dict:
+    from elastic import linkprobe
     from elastic.cluster import LocalCluster
     from elastic.driver import run_attached
     from elastic.recipe import load_recipe
     from providers.local.provider import LocalProvider
 
+    linkprobe.DURATION_S = 0.5   # a short link measurement: the machine is shared
     recipe = load_recipe(REPO / "recipes" / "local-two-regions.yaml", [f"{k}={v}" for k, v in overrides.items()])
     network = LocalProvider.start_network(recipe)
     cluster = LocalCluster(node_ip=network.head_ip, network=network)
