@@ -418,6 +418,14 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise CheckpointError(f"DCP metadata names {module}.{name}: refused (not a checkpoint record type)")
 
 
+def stored_entries(path: str) -> set[str]:
+    """The top-level entries (`model`, `outer_theta`, …) of the DCP checkpoint in `path`, from its
+    metadata (read by `_MetadataUnpickler`)."""
+    with open(Path(path) / ".metadata", "rb") as f:
+        metadata = _MetadataUnpickler(f).load()
+    return {fqn.split(".", 1)[0] for fqn in metadata.state_dict_metadata}
+
+
 def dcp_load(state: dict, path: str) -> None:
     """`torch.distributed.checkpoint.load(state, checkpoint_id=path)` (a collective over the
     replica's ranks), with the metadata read by `_MetadataUnpickler` and non-tensor values by

@@ -714,7 +714,9 @@ class RankWorker:
         import torch
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        from elastic.checkpoint import CheckpointError, dcp_load
+        import pickle
+
+        from elastic.checkpoint import CheckpointError, dcp_load, stored_entries
         from elastic.diloco import local_shard
 
         t0 = time.monotonic()
@@ -723,7 +725,13 @@ class RankWorker:
                  "inner_step": torch.tensor(0)}
         if self._outer.error is not None:
             state["outer_error"] = self._per_param(torch.zeros(self._outer.numel))
-        if len(self._outer.parts) > 1:
+        # θ_outer is stored where the saving world streamed fragments (θ_local ≠ θ_outer there); a
+        # world of either kind loads a checkpoint of the other: without it, θ_outer = θ_local.
+        try:
+            streamed = "outer_theta" in stored_entries(path)
+        except (OSError, pickle.UnpicklingError, EOFError) as exc:
+            raise CheckpointError(f"{path}: unreadable checkpoint metadata ({type(exc).__name__})") from None
+        if streamed:
             state["outer_theta"] = self._per_param(torch.zeros(self._outer.numel))
         dcp_load(state, path)
         set_state_dict(self._model, self._opt, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -242,3 +242,43 @@ def test_a_joiner_copies_every_fragments_state_and_holds_the_worlds_theta(nodes)
         assert all(torch.equal(thetas[0], t) for t in thetas[1:])
     finally:
         world.shutdown()
+
+
+@pytest.mark.slow
+def test_a_checkpoint_restores_theta_outer_across_fragment_counts(nodes, tmp_path):
+    """A streamed world's checkpoint keeps θ_outer beside θ_local (they differ between outer
+    steps); a world of 4 fragments and one of 1 both restore it exactly, and a 1-fragment
+    checkpoint restores into a streamed world with θ_outer = its parameters."""
+    base = {"world.replicas": 1, "train.outer_steps": 3, "train.inner_steps": 8}
+
+    def trained(n: int, path: str) -> tuple[dict, torch.Tensor]:
+        world, _ = _world(tiny_recipe(**base, **{"world.fragments": n}), nodes, 1)
+        try:
+            world.run_step()
+            rep = world.lead_replica()
+            world.call_replica(rep, "save_checkpoint", path)
+            world.call_replica(rep, "wait_saved")
+            return world.call_replica(rep, "full_state")[0], _theta(world, rep)
+        finally:
+            world.shutdown()
+
+    def restored(n: int, path: str) -> tuple[dict, torch.Tensor]:
+        world, _ = _world(tiny_recipe(**base, **{"world.fragments": n}), nodes, 1)
+        try:
+            rep = world.lead_replica()
+            world.call_replica(rep, "load_checkpoint", path)
+            return world.call_replica(rep, "full_state")[0], _theta(world, rep)
+        finally:
+            world.shutdown()
+
+    streamed = str(tmp_path / "four")
+    params, outer = trained(4, streamed)
+    assert not torch.equal(torch.cat([p.reshape(-1) for p in params.values()]), outer)   # θ_local ≠ θ_outer
+    for n in (4, 1):
+        got, theta = restored(n, streamed)
+        assert torch.equal(theta, outer), n
+        assert all(torch.equal(got[k], params[k]) for k in params), n
+    plain = str(tmp_path / "one")
+    params, outer = trained(1, plain)
+    got, theta = restored(4, plain)
+    assert torch.equal(theta, torch.cat([p.reshape(-1) for p in params.values()])) and torch.equal(theta, outer)
