@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import signal
 import subprocess
@@ -276,21 +277,30 @@ def test_resume_continues_from_the_latest_checkpoint_in_another_world_shape(tmp_
     assert steps == [5, 6]
     first_losses = json.loads((tmp_path / "first" / "report.json").read_text())
     assert report["loss_last"] < first_losses["loss_first"]
-    # The newest checkpoint altered in storage (same size, one byte flipped): the node's hash check
-    # refuses it and the run resumes from the one before, saying so in the ledger.
+    # The newest checkpoint (run "second"'s, authenticated with its key) altered in storage by a
+    # writer of the bucket without that key: one byte of a shard flipped and its sha256 in the
+    # manifest recomputed. The manifest's HMAC refuses it and the run resumes from the one before
+    # (run "first"'s, checked with first's key), saying so in the ledger.
     store = open_storage(uri)
     before = [c["step"] for c in ckpt.listing(store) if c["complete"]][-2]
     shard = "step-00000006/__0_0.distcp"
     data = bytearray(store.read_bytes(shard))
     data[len(data) // 2] ^= 0xFF
     store.write_bytes(shard, bytes(data))
+    manifest = json.loads(store.read_bytes(f"step-00000006/{ckpt.MANIFEST}"))
+    assert manifest["run"] == "second"
+    for f in manifest["files"]:
+        if f["name"] == "__0_0.distcp":
+            f["sha256"] = hashlib.sha256(bytes(data)).hexdigest()
+    store.write_bytes(f"step-00000006/{ckpt.MANIFEST}", json.dumps(manifest).encode())
     third = launch(tmp_path / "third", *SMALL, "--set", "train.outer_steps=6", "--set", f"checkpoint.uri={uri}",
                    "--resume")
     out, _ = third.communicate(timeout=300)
     assert third.returncode == 0, out
     events = read_events(tmp_path / "third" / "events.jsonl")
     skipped = [e for e in events if e["type"] == "checkpoint_skipped"]
-    assert [e["step"] for e in skipped] == [6] and "does not match its manifest" in skipped[0]["message"]
+    assert [e["step"] for e in skipped] == [None] and "HMAC does not match run 'second'" in skipped[0]["message"]
+    assert skipped[0]["message"].startswith("step-00000006/")
     assert [e["from_step"] for e in events if e["type"] == "resumed"] == [before]
     assert [e["outer_step"] for e in events if e["type"] == "outer_step"] == list(range(before + 1, 7))
     # Resuming a run whose checkpoint is already at train.outer_steps trains nothing more (one
