@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from elastic import billing  # noqa: E402
 from elastic.bound import lower_bound_usd_per_mtok  # noqa: E402
+from elastic.events import NodeLaunched, NodePreempted, NodeReleased  # noqa: E402
 from elastic.market import recipe_tokens_per_s  # noqa: E402
 from elastic.planner import allowed  # noqa: E402
 from elastic.recipe import load_recipe  # noqa: E402
@@ -83,10 +84,10 @@ def explain(recipe, market: TraceMarket, result: dict, events: list[dict], kept:
     `timing` = that floor / the bound (training when the market is dear, where the bound, knowing
     every price, trains in its dips)."""
     boot_s = recipe.planner.recovery_s
-    ends = {e["instance_id"]: e["t"] for e in events if e["type"] in ("node_preempted", "node_released")}
+    ends = {e["instance_id"]: e["t"] for e in events if e["type"] in (NodePreempted.TYPE, NodeReleased.TYPE)}
     boot_usd = 0.0
     for e in events:
-        if e["type"] == "node_launched":
+        if e["type"] == NodeLaunched.TYPE:
             o = SimpleNamespace(zone=e["zone"], instance_type=e["instance_type"], spot=e["spot"])
             t0 = e["launched_at"]
             stop = ends.get(e["instance_id"], result["wall_h"] * 3600)
