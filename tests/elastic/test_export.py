@@ -9,9 +9,10 @@ import pytest
 import torch
 import yaml
 
-from elastic.checkpoint import sha256_file
+from elastic.checkpoint import manifest_mac, sha256_file
 from elastic.models import build_model
 from elastic.recipe import dump_recipe
+from elastic.storage import LocalKeys
 from tests.conftest import run_cli, tiny_recipe
 
 safetensors = pytest.importorskip("safetensors.torch", reason="the hf extra is not installed")
@@ -19,7 +20,7 @@ safetensors = pytest.importorskip("safetensors.torch", reason="the hf extra is n
 
 def save_checkpoint(run_dir, recipe, step: int, seed: int) -> dict:
     """A checkpoint as the lead replica writes one (DCP shards of the model's state, and more),
-    with its manifest; returns the model state saved."""
+    with its manifest, signed with the run's key; returns the model state saved."""
     import torch.distributed.checkpoint as dcp
 
     torch.manual_seed(seed)
@@ -31,8 +32,11 @@ def save_checkpoint(run_dir, recipe, step: int, seed: int) -> dict:
         dcp.save({"model": model.state_dict(), "inner_step": torch.tensor(4 * step)},
                  storage_writer=dcp.FileSystemWriter(str(d)))
     files = [{"name": p.name, "bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in d.iterdir()]
-    (d / "elastic.json").write_text(json.dumps({"step": step, "inner_step": 4 * step, "data_cursor": 0, "tokens": 0,
-                                                "ranks": 1, "replicas": 1, "saved_at": 0, "files": files}))
+    manifest = {"step": step, "inner_step": 4 * step, "data_cursor": 0, "tokens": 0, "ranks": 1, "replicas": 1,
+                "saved_at": 0, "files": files, "run": run_dir.name}
+    # Signed with the run's key, as the run's driver signs it (the key in the run directory).
+    manifest["hmac"] = manifest_mac(manifest, LocalKeys(run_dir.parent).create(run_dir.name))
+    (d / "elastic.json").write_text(json.dumps(manifest))
     return state
 
 
