@@ -247,38 +247,44 @@ def test_a_joiner_copies_every_fragments_state_and_holds_the_worlds_theta(nodes)
 @pytest.mark.slow
 def test_a_checkpoint_restores_theta_outer_across_fragment_counts(nodes, tmp_path):
     """A streamed world's checkpoint keeps θ_outer beside θ_local (they differ between outer
-    steps); a world of 4 fragments and one of 1 both restore it exactly, and a 1-fragment
-    checkpoint restores into a streamed world with θ_outer = its parameters."""
+    steps); worlds of 1 and of 4 fragments both restore θ_outer exactly and start from it (the
+    world's agreed state, where every replica's θ_local starts), and a 1-fragment checkpoint
+    restores into a streamed world with θ_outer = its parameters."""
     base = {"world.replicas": 1, "train.outer_steps": 3, "train.inner_steps": 8}
+    streamed, plain = str(tmp_path / "four"), str(tmp_path / "one")
 
-    def trained(n: int, path: str) -> tuple[dict, torch.Tensor]:
+    def flat(params: dict) -> torch.Tensor:
+        return torch.cat([p.reshape(-1) for p in params.values()])
+
+    def run(n: int, *steps):
+        """A 1-replica world of n fragments doing `steps` (callables of the world and its replica)."""
         world, _ = _world(tiny_recipe(**base, **{"world.fragments": n}), nodes, 1)
         try:
-            world.run_step()
-            rep = world.lead_replica()
+            return [step(world, world.lead_replica()) for step in steps]
+        finally:
+            world.shutdown()
+
+    def save(path: str):
+        def step(world, rep):
             world.call_replica(rep, "save_checkpoint", path)
             world.call_replica(rep, "wait_saved")
-            return world.call_replica(rep, "full_state")[0], _theta(world, rep)
-        finally:
-            world.shutdown()
+            return flat(world.call_replica(rep, "full_state")[0]), _theta(world, rep)
+        return step
 
-    def restored(n: int, path: str) -> tuple[dict, torch.Tensor]:
-        world, _ = _world(tiny_recipe(**base, **{"world.fragments": n}), nodes, 1)
-        try:
-            rep = world.lead_replica()
+    def load(path: str):
+        def step(world, rep):
             world.call_replica(rep, "load_checkpoint", path)
-            return world.call_replica(rep, "full_state")[0], _theta(world, rep)
-        finally:
-            world.shutdown()
+            return flat(world.call_replica(rep, "full_state")[0]), _theta(world, rep)
+        return step
 
-    streamed = str(tmp_path / "four")
-    params, outer = trained(4, streamed)
-    assert not torch.equal(torch.cat([p.reshape(-1) for p in params.values()]), outer)   # θ_local ≠ θ_outer
-    for n in (4, 1):
-        got, theta = restored(n, streamed)
-        assert torch.equal(theta, outer), n
-        assert all(torch.equal(got[k], params[k]) for k in params), n
-    plain = str(tmp_path / "one")
-    params, outer = trained(1, plain)
-    got, theta = restored(4, plain)
-    assert torch.equal(theta, torch.cat([p.reshape(-1) for p in params.values()])) and torch.equal(theta, outer)
+    def train(world, rep):
+        world.run_step()
+
+    _, (local4, outer4) = run(4, train, save(streamed))
+    assert not torch.equal(local4, outer4)   # θ_local ≠ θ_outer between outer steps
+    (params, theta), _, (local1, outer1) = run(1, load(streamed), train, save(plain))
+    assert torch.equal(theta, outer4) and torch.equal(params, outer4)
+    assert torch.equal(local1, outer1)   # one fragment: θ_local = θ_outer at the boundary
+    (params, theta), (params2, theta2) = run(4, load(plain), load(streamed))
+    assert torch.equal(theta, outer1) and torch.equal(params, outer1)
+    assert torch.equal(theta2, outer4) and torch.equal(params2, outer4)
