@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import signal
-import subprocess
 import uuid
 from pathlib import Path
 
@@ -19,7 +17,7 @@ import yaml
 
 from elastic.ledger import read_events
 from tests.conftest import run_cli
-from tests.elastic.test_launch import launch
+from tests.elastic.test_launch import interrupt, launch
 from tests.servers.object_stores import RecordingProxy
 
 transformers = pytest.importorskip("transformers", reason="the hf extra is not installed (pip install -e '.[hf]')")
@@ -175,18 +173,6 @@ def wandb_history(run_dir: Path) -> list[dict]:
             if record.WhichOneof("record_type") == "history":
                 rows.append({"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.history.item})
     return rows
-
-
-def interrupt(proc: subprocess.Popen) -> None:
-    """End a launch the test left running (it failed first) as Ctrl-C does: the run releases its
-    nodes and stops its cluster."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
 
 
 def losses(run_dir: Path) -> list[float]:

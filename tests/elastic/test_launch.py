@@ -49,6 +49,18 @@ def launch(run_dir: Path, *args: str, recipe: str = "recipes/local-tiny.yaml", *
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def interrupt(proc: subprocess.Popen) -> None:
+    """End a launch the test left running (it failed first) as Ctrl-C does: the run releases its
+    nodes and stops its cluster."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+
+
 def assert_every_node_released(events):
     launched = {e["instance_id"] for e in events if e["type"] == "node_launched"}
     released = {e["instance_id"] for e in events if e["type"] == "node_released"}
@@ -252,7 +264,7 @@ def test_budget_stops_the_run_with_a_final_checkpoint(tmp_path):
     assert (run_dir / "metrics.jsonl").read_text().count("\n") == report["inner_steps"]
 
 
-def test_resume_continues_from_the_latest_checkpoint_in_another_world_shape(tmp_path, s3_server):
+def test_resume_continues_from_the_latest_checkpoint_in_another_world_shape(tmp_path, s3_server, request):
     """Checkpoints through a real S3 server (moto on 127.0.0.1): the bucket is created, the nodes
     upload in the background, list/verify read it, and a run of another shape resumes from it."""
     uri = f"s3://ckpt-{uuid.uuid4().hex[:8]}/run1"
@@ -266,6 +278,16 @@ def test_resume_continues_from_the_latest_checkpoint_in_another_world_shape(tmp_
     assert listed.returncode == 0 and listed.stdout.count("yes") == 2, listed.stderr
     verified = elastic_cli("checkpoints", "verify", uri)
     assert verified.returncode == 0 and "step 4" in verified.stdout, verified.stderr
+    # Resuming a run whose checkpoint is already at train.outer_steps trains nothing more (one
+    # replica, the one that loads the checkpoint, is all it takes to find that out): on a copy of
+    # the checkpoints, beside the second run (the launches below write at `uri`).
+    done_uri = f"{uri}-done"
+    store, copy = open_storage(uri), open_storage(done_uri)
+    for name in store.list():
+        copy.write_bytes(name, store.read_bytes(name))
+    done = launch(tmp_path / "done", *SMALL, "--set", "train.outer_steps=4", "--set", f"checkpoint.uri={done_uri}",
+                  "--set", "world.replicas=1", "--resume")
+    request.addfinalizer(lambda: interrupt(done))
     second = launch(tmp_path / "second", *SMALL, "--set", "train.outer_steps=6", "--set", f"checkpoint.uri={uri}",
                     "--set", "world.replicas=1", "--set", "world.ranks_per_replica=2", "--resume")
     out, _ = second.communicate(timeout=300)
@@ -303,14 +325,10 @@ def test_resume_continues_from_the_latest_checkpoint_in_another_world_shape(tmp_
     assert skipped[0]["message"].startswith("step-00000006/")
     assert [e["from_step"] for e in events if e["type"] == "resumed"] == [before]
     assert [e["outer_step"] for e in events if e["type"] == "outer_step"] == list(range(before + 1, 7))
-    # Resuming a run whose checkpoint is already at train.outer_steps trains nothing more (one
-    # replica, the one that loads the checkpoint, is all it takes to find that out).
-    fourth = launch(tmp_path / "fourth", *SMALL, "--set", "train.outer_steps=6", "--set", f"checkpoint.uri={uri}",
-                    "--set", "world.replicas=1", "--resume")
-    out, _ = fourth.communicate(timeout=300)
-    assert fourth.returncode == 0, out
-    events = read_events(tmp_path / "fourth" / "events.jsonl")
-    assert [e["from_step"] for e in events if e["type"] == "resumed"] == [6]
+    out, _ = done.communicate(timeout=300)
+    assert done.returncode == 0, out
+    events = read_events(tmp_path / "done" / "events.jsonl")
+    assert [e["from_step"] for e in events if e["type"] == "resumed"] == [4]
     assert not [e for e in events if e["type"] in ("outer_step", "checkpoint_saved")]
 
 
