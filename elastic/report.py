@@ -250,8 +250,9 @@ def build_report(events: list[dict], now: float | None = None) -> dict:
     steps = [e for e in events if e["type"] == OuterStep.TYPE]
     vms = _vms(events, now)
     instances = _instances(vms)
-    cost = sum(i["cost_usd"] for i in instances)
-    on_demand = sum(i["on_demand_cost_usd"] for i in instances)
+    # The totals sum the unrounded per-VM figures, so the report's cost is the driver's running cost
+    # (`cost_so_far`) to the sixth decimal, however many VMs the run held.
+    cost = sum(map(_vm_usd, vms.values()))
     on_demand_exact = sum(_vm_on_demand_usd(vm) for vm in vms.values())
     tokens = steps[-1]["tokens_total"] if steps else 0
     errors = [e["message"] for e in events if e["type"] == Error.TYPE]
@@ -276,9 +277,8 @@ def build_report(events: list[dict], now: float | None = None) -> dict:
         "tokens_per_s": round(tokens / train_s, 1) if train_s > 0 else 0.0,
         "cost_usd": round(cost, 6),
         "usd_per_mtok": round(cost / tokens * 1e6, 6) if tokens else None,
-        "on_demand_equivalent_usd": round(on_demand, 6),
-        # From the unrounded per-VM figures: tiny runs would otherwise show rounding in the pct.
-        "savings_pct": round(100 * (1 - sum(map(_vm_usd, vms.values())) / on_demand_exact), 2)
+        "on_demand_equivalent_usd": round(on_demand_exact, 6),
+        "savings_pct": round(100 * (1 - cost / on_demand_exact), 2)
         if on_demand_exact > 0 else None,
         "vm_hours": round(sum(i["billed_seconds"] for i in instances) / 3600, 6),
         "gpu_hours": round(sum(i["billed_seconds"] * i["gpus"] for i in instances) / 3600, 6),
