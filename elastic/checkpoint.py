@@ -295,12 +295,16 @@ def complete_step(storage: Storage, step: int | None = None) -> int:
     return step
 
 
-def verify(storage: Storage, step: int | None = None) -> tuple[int, list[str]]:
-    """Re-hash every file of a complete checkpoint (the newest, or `step`) against its manifest.
-    Returns (step, problems); each problem names a file."""
+def verify(storage: Storage, step: int | None = None, keys: KeyStore | None = None) -> tuple[int, list[str]]:
+    """Re-hash every file of a complete checkpoint (the newest, or `step`) against its manifest,
+    and, given `keys`, check the manifest's HMAC first, as a restore would (a manifest whose hashes
+    were rewritten to match altered files fails there).
+
+    Returns:
+        (step, problems); each problem is one line naming the file or the manifest."""
     step = complete_step(storage, step)
     try:
-        manifest = read_manifest(storage, step)
+        manifest = read_manifest(storage, step, keys)
     except CheckpointError as exc:
         return step, [str(exc)]
     present = _by_step(storage).get(step, {})

@@ -55,6 +55,11 @@ def _parser() -> argparse.ArgumentParser:
     cv = ck.add_parser("verify", help="re-hash every file against the manifest; non-zero exit names the bad file")
     cv.add_argument("uri", help="checkpoint URI (s3://, gs://, file:// or a path)")
     cv.add_argument("--step", type=int, help="the checkpoint to verify (default: the newest complete one)")
+    cv.add_argument("--runs-dir", type=Path,
+                    help="file:// checkpoints: the directory holding the run directories, whose checkpoint.key "
+                         "files authenticate the manifests (default: two levels above the checkpoints, as "
+                         "`elastic launch` lays a run out: RUNS/RUN/checkpoints); s3:// and gs:// keys are in "
+                         "the cloud's secret store")
 
     sp = sub.add_parser("plan", help="where the recipe would rent now: placement, USD/h, expected USD per 1M tokens and hours")
     recipe_args(sp)
@@ -307,7 +312,7 @@ def _checkpoints(args, out, err) -> int:
     from rich.table import Table
 
     from elastic import checkpoint as ckpt
-    from elastic.storage import open_storage
+    from elastic.storage import FileStorage, open_keys, open_storage
 
     root = open_storage(args.uri)
     if args.action == "list":
@@ -320,12 +325,14 @@ def _checkpoints(args, out, err) -> int:
             table.add_row(str(c["step"]), when, f"{c['bytes'] / 1e6:.1f} MB", "yes" if c["complete"] else "no (partial)")
         out.print(table)
         return 0
-    step, problems = ckpt.verify(root, args.step)
+    # Local keys are found at <runs>/<run>/checkpoint.key (`open_keys` takes a run directory in <runs>).
+    runs = args.runs_dir or (root.root.parent.parent if isinstance(root, FileStorage) else Path.cwd())
+    step, problems = ckpt.verify(root, args.step, open_keys(args.uri, runs / "verify"))
     for line in problems:
         _err(err, line)
     if problems:
         return 1
-    out.print(f"step {step}: every file matches its manifest", highlight=False)
+    out.print(f"step {step}: the manifest is authenticated by its run's key and every file matches it", highlight=False)
     return 0
 
 

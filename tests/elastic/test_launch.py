@@ -315,6 +315,9 @@ def test_resume_continues_from_the_latest_checkpoint_in_another_world_shape(tmp_
         if f["name"] == "__0_0.distcp":
             f["sha256"] = hashlib.sha256(bytes(data)).hexdigest()
     store.write_bytes(f"step-00000006/{ckpt.MANIFEST}", json.dumps(manifest).encode())
+    # `checkpoints verify` finds it as a restore would: every file matches, the HMAC does not.
+    tampered = elastic_cli("checkpoints", "verify", uri)
+    assert tampered.returncode == 1 and "HMAC does not match run 'second'" in tampered.stderr, tampered.stderr
     third = launch(tmp_path / "third", *SMALL, "--set", "train.outer_steps=6", "--set", f"checkpoint.uri={uri}",
                    "--resume")
     out, _ = third.communicate(timeout=300)

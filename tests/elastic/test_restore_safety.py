@@ -19,7 +19,7 @@ from elastic.errors import UserError
 from elastic.recipe import load_recipe
 from elastic.storage import open_storage
 from tests.conftest import REPO, run_cli
-from tests.elastic.test_storage import fake_checkpoint, reader_keys
+from tests.elastic.test_storage import fake_checkpoint, reader_keys, tamper_manifest
 
 
 class _Payload:
@@ -38,14 +38,6 @@ def uri(request, tmp_path):
         return f"file://{tmp_path / 'ckpt'}"
     request.getfixturevalue("s3_server")
     return f"s3://ckpt-{uuid.uuid4().hex[:8]}/run"
-
-
-def tamper_manifest(uri: str, at_step: int, **fields) -> dict:
-    store = open_storage(uri)
-    name = f"{ckpt.step_name(at_step)}/{ckpt.MANIFEST}"
-    manifest = {**json.loads(store.read_bytes(name)), **fields}
-    store.write_bytes(name, json.dumps(manifest).encode())
-    return manifest
 
 
 def test_a_manifest_naming_a_path_writes_nothing_outside_staging(uri, tmp_path):

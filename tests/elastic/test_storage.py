@@ -66,6 +66,15 @@ def fake_checkpoint(uri: str, tmp_path, step: int, complete: bool = True, **fiel
     return manifest
 
 
+def tamper_manifest(uri: str, at_step: int, **fields) -> dict:
+    """Rewrite checkpoint `at_step`'s manifest with `fields` (its HMAC left as it was)."""
+    store = open_storage(uri)
+    name = f"{ckpt.step_name(at_step)}/{ckpt.MANIFEST}"
+    manifest = {**json.loads(store.read_bytes(name)), **fields}
+    store.write_bytes(name, json.dumps(manifest).encode())
+    return manifest
+
+
 def test_listing_retention_and_verify(uri, tmp_path):
     store = open_storage(uri, create=True)
     for step in (2, 4, 6):
@@ -108,8 +117,18 @@ def test_checkpoints_cli_on_object_storage(uri, tmp_path):
     listed = run_cli("checkpoints", "list", uri)
     assert listed.returncode == 0, listed.stderr
     assert listed.stdout.count("yes") == 2
-    ok = run_cli("checkpoints", "verify", uri)
-    assert ok.returncode == 0 and "step 2" in ok.stdout, ok.stderr
+    # The fake run's key is in tmp_path/run-a (file://) or the cloud's secret store.
+    ok = run_cli("checkpoints", "verify", uri, "--runs-dir", str(tmp_path))
+    assert ok.returncode == 0 and "step 2" in ok.stdout and "authenticated" in ok.stdout, ok.stderr
+    # Step 2's manifest rewritten by a writer of the bucket without the key: its files still match
+    # the sha256s it lists, but the HMAC does not.
+    tamper_manifest(uri, 2, tokens=1)
+    bad = run_cli("checkpoints", "verify", uri, "--runs-dir", str(tmp_path))
+    assert bad.returncode == 1 and "HMAC does not match run 'run-a'" in bad.stderr, (bad.stdout, bad.stderr)
+    assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
+    elsewhere = run_cli("checkpoints", "verify", uri, "--step", "1", "--runs-dir", str(tmp_path / "none"))
+    expect = ("no checkpoint key" if uri.startswith("file") else "step 1")
+    assert expect in elsewhere.stdout + elsewhere.stderr, (elsewhere.stdout, elsewhere.stderr)
 
 
 def test_missing_bucket_and_credentials_are_one_line_errors(s3_server, gcs_server, monkeypatch):
