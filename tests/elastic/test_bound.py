@@ -77,12 +77,13 @@ def test_too_little_time_is_infinite(tmp_path):
 
 def test_no_policy_beats_it(tmp_path):
     # No preemptions: the simulator's runs are not random, so each must cost at least the bound.
-    # Prices step up 30 % and 60 % every 3.5 h, by turns.
+    # Prices step up 30 % and 60 % every 3.5 h, by turns, over 20 h (the runs take about 6; the
+    # bound's time grows with the trace's length).
     zones = (("r1a", 9.0), ("r2a", 10.5), ("r3a", 12.0))
     trace = write_trace(tmp_path / "t.csv", [row(h * 1800, z, p * (1 + 0.3 * ((h // 7) % 3)), cap=4)
-                                             for h in range(400) for z, p in zones])
+                                             for h in range(40) for z, p in zones])
     r = recipe()
     least = bound(r, trace)
     for res in simulate(r, trace):
-        assert res["status"] == "completed"
+        assert res["status"] == "completed" and res["wall_h"] < 20
         assert res["usd_per_mtok"] >= least * (1 - 1e-3), res

@@ -39,7 +39,7 @@ def instance_of(driver, replica_id):
 
 
 def test_chaos_run_completes_without_restart_and_matches_fault_free_loss(local_cluster, tmp_path):
-    h = 16
+    h = 12
     budget = 3 * 30 * h * 8 * 64   # the fault-free run's tokens: 3 replicas × 30 outer steps
     recipe = elastic_recipe(**{"train.token_budget": budget, "train.inner_steps": h})
     rng = random.Random(1234)
