@@ -211,45 +211,35 @@ def test_sigterm_and_sighup_end_a_run_as_ctrl_c_does():
     assert {s: signal.getsignal(s) for s in before} == before
 
 
-def test_ctrl_c_and_sighup_release_every_node_and_report(tmp_path, request):
-    """Ctrl-C (SIGINT) and a closed SSH session (SIGHUP) each end a run of their own; the two runs
-    go side by side (their clusters' start-ups overlap on the 2-core machine)."""
-    sigs = {"ctrl-c": signal.SIGINT, "sighup": signal.SIGHUP}
-    procs = {}
-    for name in sigs:
-        # Spot prices move during the run (a fast, volatile simulated market).
-        procs[name] = launch(tmp_path / name, *SMALL, "--set", "train.outer_steps=1000",
-                             "--set", "local.market.volatility=0.5")
-        request.addfinalizer(lambda proc=procs[name]: interrupt(proc))
-    deadline = time.monotonic() + 240
-    waiting = dict(procs)
-    # Interrupt each run once training is under way (its ledger shows an outer step).
-    while waiting:
-        for name, proc in list(waiting.items()):
-            assert proc.poll() is None, proc.stdout.read()
-            if any(e["type"] == "outer_step" for e in read_events(tmp_path / name / "events.jsonl")):
-                proc.send_signal(sigs[name])
-                del waiting[name]
-        assert time.monotonic() < deadline, f"no outer step within 240 s: {sorted(waiting)}"
-        time.sleep(0.2)   # polling a condition with a deadline
-    for name, proc in procs.items():
-        out, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 130, (name, out)
-        run_dir = tmp_path / name
-        report = json.loads((run_dir / "report.json").read_text())
-        assert report["status"] == "interrupted"
-        assert report["outer_steps"] >= 1
-        assert_outputs_of_any_ending(run_dir, out)
-        events = read_events(run_dir / "events.jsonl")
-        # The driver recorded the held VMs' moving prices and the report billed each interval at its price.
-        prices = [e for e in events if e["type"] == "node_price"]
-        assert prices and sum(i["price_changes"] for i in report["instances"]) == len(prices)
-        at_launch_price = sum(i["seconds"] * i["usd_per_hour"] / 3600 for i in report["instances"])
-        assert report["cost_usd"] != pytest.approx(at_launch_price, rel=1e-4)
-        assert_every_node_released(events)
-        assert events[-1]["type"] == "run_ended"
-        assert "Traceback" not in out
-        assert not session_pids(run_dir)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP], ids=["ctrl-c", "sighup"])
+def test_interrupt_releases_every_node_and_reports(tmp_path, sig):
+    run_dir = tmp_path / "run"
+    # Spot prices move during the run (a fast, volatile simulated market).
+    proc = launch(run_dir, *SMALL, "--set", "train.outer_steps=1000", "--set", "local.market.volatility=0.5")
+    ledger = run_dir / "events.jsonl"
+    deadline = time.monotonic() + 180
+    # Wait until training is under way (the ledger shows an outer step), then interrupt.
+    while not any(e["type"] == "outer_step" for e in read_events(ledger)):
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "no outer step within 180 s"
+        time.sleep(0.2)
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["status"] == "interrupted"
+    assert report["outer_steps"] >= 1
+    assert_outputs_of_any_ending(run_dir, out)
+    events = read_events(ledger)
+    # The driver recorded the held VMs' moving prices and the report billed each interval at its price.
+    prices = [e for e in events if e["type"] == "node_price"]
+    assert prices and sum(i["price_changes"] for i in report["instances"]) == len(prices)
+    at_launch_price = sum(i["seconds"] * i["usd_per_hour"] / 3600 for i in report["instances"])
+    assert report["cost_usd"] != pytest.approx(at_launch_price, rel=1e-4)
+    assert_every_node_released(events)
+    assert events[-1]["type"] == "run_ended"
+    assert "Traceback" not in out
+    assert not session_pids(run_dir)
 
 
 def test_budget_stops_the_run_with_a_final_checkpoint(tmp_path):
