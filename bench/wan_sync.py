@@ -14,7 +14,7 @@ a replica sent, and data-parallel's bytes per token over this run's (the report'
 are given over all outer steps and without the first (whose inner phase also holds the first
 steps' warm-up: allocator, thread pools, the first handshakes over the long link).
 
-    sudo python bench/wan_sync.py [--variants f1-fp32 f4-int8] [--inner-steps 16] [--outer-steps 2]
+    sudo python bench/wan_sync.py [--variants f1-fp32 f4-int8] [--inner-steps 48] [--outer-steps 2]
 
 Each variant runs in a process of its own (Ray starts and stops once per variant).
 """
@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=32)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--inner-steps", type=int, default=16)
+    ap.add_argument("--inner-steps", type=int, default=48)
     ap.add_argument("--outer-steps", type=int, default=2)
     ap.add_argument("--rate-mbit", type=float, default=200)
     ap.add_argument("--delay-ms", type=float, default=50, help="one way, each region's uplink")
@@ -126,7 +126,12 @@ def main() -> None:
           f"batch {args.batch} × {args.seq_len} tokens; links {args.rate_mbit:g} Mbit/s + {args.delay_ms:g} ms "
           f"one way per region (delay by {first['delay_by']}); measured by the joiners over the overlay: "
           + ", ".join(f"{m['mbit_s']:.0f} Mbit/s RTT {m['rtt_ms']:.0f} ms" for m in first["link"]) + "\n")
-    print("| variant | inner s / step | wall s | waited s | waited / wall | waited / wall (steps 2+) | "
+    for name, res in results.items():
+        print(f"{name} per outer step (inner s, blocking sync s, waited s, overlapped s): "
+              + "; ".join(f"{s['inner_s']:.0f}, {s['sync_s']:.1f}, {s['wait_s']:.1f}, {s['overlapped_s']:.1f}"
+                          for s in res["steps"]))
+    print()
+    print("| variant | inner phase s / step | wall s | waited s | waited / wall | waited / wall (steps 2+) | "
           "overlapped s | sync s (blocking, per step) | bytes sent per replica per step | DDP / this (bytes/token) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, res in results.items():
