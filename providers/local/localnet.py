@@ -35,6 +35,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from elastic import overlay
 from elastic.overlay import OVERLAY_PORT
@@ -363,7 +364,8 @@ table ip lab {{
             raise LabError(f"relay between {a.public_ip} and {b.public_ip} did not start")
         return f"{RELAY_IP}:{a_port}", f"{RELAY_IP}:{b_port}"
 
-    def _stop_relays(self, which) -> None:
+    def _stop_relays(self, which: Callable[[tuple[str, str]], bool]) -> None:
+        """Stop the relays whose (a, b) public-address pair `which` selects (SIGTERM, then SIGKILL)."""
         for key in [k for k in self._relays if which(k)]:
             proc = self._relays.pop(key)
             if proc.poll() is None:
