@@ -62,7 +62,9 @@ class LinkSection(Section):
     rate_mbit: float | None = Field(None, gt=0, le=100_000)
     """Bandwidth, Mbit/s (empty: unlimited)."""
     delay_ms: float = Field(0.0, ge=0, le=10_000)
-    """One-way delay added, milliseconds (needs the kernel's `netem` qdisc)."""
+    """One-way delay added, milliseconds: the kernel's `netem` qdisc where it has one (all traffic
+    leaving the region), else a userspace relay that holds the overlay's WireGuard datagrams
+    between regions (the only traffic that crosses them)."""
     loss_pct: float = Field(0.0, ge=0, le=100)
     """Packets dropped, percent (needs the kernel's `netem` qdisc)."""
 

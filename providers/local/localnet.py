@@ -11,6 +11,11 @@ different regions therefore reach each other only over the overlay, exactly as o
                          "lan" bridge 10.<100+i>.0.1/24, NAT
     ns <tag>-r<i>h<k>    host k of region i: "eth0" 10.<100+i>.0.<10+k>, public 198.18.i.<10+k>
 
+A region's uplink `delay_ms` is the kernel's netem qdisc where it has one (all traffic leaving the
+region is delayed); where it has none, the delay is added to the overlay's traffic only, by a
+userspace relay per pair of members in different regions (providers/local/delayrelay.py, on
+198.18.0.254 in the internet namespace; `Lab.relay`). `Lab.delay_by` says which.
+
 Every name carries the lab's tag (`el` + 4 hex digits), so two labs never collide and
 `cleanup_orphans` finds what a dead process left behind. Needs root and iproute2 + nftables.
 """
@@ -25,10 +30,12 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from elastic import overlay
 from elastic.overlay import OVERLAY_PORT
@@ -40,6 +47,10 @@ INTERNET = "198.18.0.0/16"
 HANDSHAKE_TIMEOUT_S = 20.0
 OWNERS = Path("/run/elastic/labs")
 """One file per live lab, named by its tag, holding the pid of the process that owns it."""
+RELAY_IP = "198.18.0.254"
+"""The delay relays' address on the internet bridge (kernels without netem)."""
+RELAY_PORTS = (40000, 60000)
+"""UDP ports the relays take, two per pair of members."""
 
 
 class LabError(RuntimeError):
@@ -86,7 +97,8 @@ class Link:
 
     Args:
         rate_mbit: bandwidth cap, Mbit/s (None: unlimited).
-        delay_ms: one-way delay added, milliseconds (needs the netem qdisc).
+        delay_ms: one-way delay added, milliseconds: netem where the kernel has it, else a
+            userspace relay on the overlay's traffic (`Lab.relay`).
         loss_pct: packets dropped, percent (needs the netem qdisc).
     """
 
@@ -131,7 +143,10 @@ class Lab:
         tag: name prefix (default: a fresh `el` + 4 hex digits).
 
     Use as a context manager, or call `down()` in a `finally`: it removes every namespace, and
-    with it every interface, route and NAT rule the lab made.
+    with it every interface, route, NAT rule and relay process the lab made.
+
+    `delay_by` is how uplink delays are made: "netem", "relay" (no netem here: only traffic sent
+    through `relay`, the overlay's, is delayed) or None (no region has a delay).
     """
 
     def __init__(self, regions: dict[str, Link], tag: str | None = None):
@@ -146,6 +161,12 @@ class Lab:
                          for i, (name, link) in enumerate(regions.items())}
         self._veths = 0
         self.root: Host | None = None
+        self.delay_by: str | None = None
+        if any(link.delay_ms for link in regions.values()):
+            self.delay_by = "netem" if netem_available() else "relay"
+        self._relays: dict[tuple[str, str], subprocess.Popen] = {}   # (a, b public ip) -> process
+        self._relay_counted = False
+        self._next_relay_port = RELAY_PORTS[0]
         OWNERS.mkdir(parents=True, exist_ok=True)
         (OWNERS / self.tag).write_text(str(os.getpid()))
         try:
@@ -218,10 +239,10 @@ table ip nat {{
 
     def _shape(self, region: _Region) -> None:
         link = region.link
-        if link.delay_ms or link.loss_pct:
+        if link.loss_pct or (link.delay_ms and self.delay_by == "netem"):
             if not netem_available():
-                raise LabError(f"region {region.name}: delay_ms/loss_pct need the netem qdisc, "
-                               "which this kernel lacks (rate_mbit works without it)")
+                raise LabError(f"region {region.name}: loss_pct needs the netem qdisc, which this kernel "
+                               "lacks (rate_mbit works without it, delay_ms through a userspace relay)")
             args = ["netem", "delay", f"{link.delay_ms}ms", "loss", f"{link.loss_pct}%",
                     "limit", "100000"]
             if link.rate_mbit:
@@ -266,6 +287,7 @@ table ip nat {{
         region = self._regions[host.region]
         if region.hosts.pop(host.netns, None) is None:
             return
+        self._stop_relays(lambda key: host.public_ip in key)
         _stop_and_delete([host.netns])
         for args in (["nft", "delete", "element", "ip", "nat", "inbound", f"{{ {host.public_ip} }}"],
                      ["nft", "delete", "element", "ip", "nat", "outbound", f"{{ {host.private_ip} }}"],
@@ -305,6 +327,56 @@ table ip nat {{
         self.root = host
         return host
 
+    def relay(self, a: Host, b: Host) -> tuple[str, str]:
+        """Put the pair's traffic through a delay relay (`delay_by` "relay"): a process in the
+        internet namespace that holds what each side sends for its region's `delay_ms`. Returns
+        (the endpoint `a` sends to for `b`, the endpoint `b` sends to for `a`); both sides' overlay
+        ports are their public addresses' OVERLAY_PORT. Stopped by `remove_host` of either, or `down`."""
+        if self.delay_by != "relay":
+            raise LabError("relay: no region of this lab has a delay to add in userspace")
+        if a.region == b.region:
+            raise LabError(f"relay: {a.public_ip} and {b.public_ip} share region {a.region}")
+        if not self._relay_counted:
+            # The relays' address and a counter of what they receive (local delivery, which the
+            # bridge's forward counters do not see), named as the overlay's.
+            _run("ip", "-n", self.inet, "address", "add", f"{RELAY_IP}/16", "dev", "inet")
+            _in(self.inet, "nft", "-f", "-", input_text=f"""
+table ip lab {{
+  chain relayed {{ type filter hook input priority 0; policy accept;
+    udp dport {RELAY_PORTS[0]}-{RELAY_PORTS[1]} counter comment "overlay"
+  }}
+}}
+""")
+            self._relay_counted = True
+        a_port, b_port = self._next_relay_port, self._next_relay_port + 1
+        if b_port > RELAY_PORTS[1]:
+            raise LabError("relay: the relays' ports are used up")
+        self._next_relay_port += 2
+        script = Path(__file__).with_name("delayrelay.py")
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.inet, sys.executable, str(script), RELAY_IP,
+             str(a_port), f"{a.public_ip}:{OVERLAY_PORT}", str(self._regions[a.region].link.delay_ms),
+             str(b_port), f"{b.public_ip}:{OVERLAY_PORT}", str(self._regions[b.region].link.delay_ms)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        self._relays[(a.public_ip, b.public_ip)] = proc
+        if proc.stdout.readline().strip() != "ready":
+            self._stop_relays(lambda key: key == (a.public_ip, b.public_ip))
+            raise LabError(f"relay between {a.public_ip} and {b.public_ip} did not start")
+        return f"{RELAY_IP}:{a_port}", f"{RELAY_IP}:{b_port}"
+
+    def _stop_relays(self, which: Callable[[tuple[str, str]], bool]) -> None:
+        """Stop the relays whose (a, b) public-address pair `which` selects (SIGTERM, then SIGKILL)."""
+        for key in [k for k in self._relays if which(k)]:
+            proc = self._relays.pop(key)
+            if proc.poll() is None:
+                proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            proc.stdout.close()
+
     def router_of(self, region_name: str) -> Host:
         """The region's router as a host on the internet (for measuring the bare link)."""
         region = self._regions[region_name]
@@ -315,15 +387,19 @@ table ip nat {{
 
     def internet_counters(self) -> dict[str, dict[str, int]]:
         """Packets and bytes that crossed the internet bridge: `overlay` (UDP to the overlay port),
-        `tcp`, `other_udp`."""
-        doc = json.loads(_in(self.inet, "nft", "-j", "list", "table", "bridge", "lab"))
-        out = {}
-        for item in doc["nftables"]:
-            rule = item.get("rule")
-            if not rule or "comment" not in rule:
-                continue
-            counter = next(e["counter"] for e in rule["expr"] if "counter" in e)
-            out[rule["comment"]] = {"packets": counter["packets"], "bytes": counter["bytes"]}
+        `tcp`, `other_udp` (what the delay relays receive counts as `overlay`)."""
+        out: dict[str, dict[str, int]] = {}
+        tables = [("bridge", "lab")] + ([("ip", "lab")] if self._relay_counted else [])
+        for family, table in tables:
+            doc = json.loads(_in(self.inet, "nft", "-j", "list", "table", family, table))
+            for item in doc["nftables"]:
+                rule = item.get("rule")
+                if not rule or "comment" not in rule:
+                    continue
+                counter = next(e["counter"] for e in rule["expr"] if "counter" in e)
+                total = out.setdefault(rule["comment"], {"packets": 0, "bytes": 0})
+                total["packets"] += counter["packets"]
+                total["bytes"] += counter["bytes"]
         return out
 
     def namespaces(self) -> list[str]:
@@ -334,7 +410,8 @@ table ip nat {{
 
     def down(self) -> None:
         """Remove every namespace of the lab (and the veths, addresses and rules in them), and
-        stop every process still running in one. Safe to call twice."""
+        stop every process still running in one (the delay relays first). Safe to call twice."""
+        self._stop_relays(lambda key: True)
         remove_namespaces(self.tag)
         (OWNERS / self.tag).unlink(missing_ok=True)
 
@@ -459,20 +536,21 @@ class LocalNetwork:
         self._next_ip += 1
         iface.up(member.overlay_ip, overlay.keypair(host.netns)[0], listen_port=port)
         for other in self._members.values():
-            other.iface.set_peer(self._peer(member, seen_from=other))
-            iface.set_peer(self._peer(other, seen_from=member))
+            to_other, to_member = self._endpoints(member, other)
+            other.iface.set_peer(overlay.Peer(member.iface.public_key, member.overlay_ip, to_member))
+            iface.set_peer(overlay.Peer(other.iface.public_key, other.overlay_ip, to_other))
         self._members[member.overlay_ip] = member
         return member
 
-    @staticmethod
-    def _peer(member: Member, seen_from: Member) -> overlay.Peer:
-        """`member` as a peer of `seen_from`: reached at its private address inside one region (as
-        within a VPC), at its public address across regions."""
-        if member.host.region == seen_from.host.region:
-            endpoint = f"{member.host.private_ip}:{member.listen_port}"
-        else:
-            endpoint = f"{member.host.public_ip}:{OVERLAY_PORT}"
-        return overlay.Peer(member.iface.public_key, member.overlay_ip, endpoint)
+    def _endpoints(self, a: Member, b: Member) -> tuple[str, str]:
+        """Where `a` sends to reach `b`, and where `b` sends to reach `a`: the private address inside
+        one region (as within a VPC); across regions the public one, or the pair's delay relay
+        where the lab adds uplink delays in userspace."""
+        if a.host.region == b.host.region:
+            return f"{b.host.private_ip}:{b.listen_port}", f"{a.host.private_ip}:{a.listen_port}"
+        if self.lab.delay_by == "relay":
+            return self.lab.relay(a.host, b.host)
+        return f"{b.host.public_ip}:{OVERLAY_PORT}", f"{a.host.public_ip}:{OVERLAY_PORT}"
 
     def add_host(self, region: str) -> Member:
         """A new host ("VM") in `region`, on the overlay and peered with every member."""

@@ -6,8 +6,11 @@ test removes the namespaces, interfaces and processes it made, also when it fail
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -139,17 +142,54 @@ def test_teardown_leaves_no_namespace_interface_or_wireguard_process():
     assert subprocess.run(["ip", "link", "show", iface.ifname], capture_output=True).returncode != 0
 
 
-def test_link_delay_takes_netem_or_is_refused_with_a_clear_error_and_nothing_left():
+def test_link_delay_takes_netem_or_a_relay_and_loss_without_netem_is_refused_with_nothing_left():
     before = set(localnet.list_namespaces())
-    if localnet.netem_available():
-        with localnet.Lab({"region-a": localnet.Link(delay_ms=20, rate_mbit=100)}) as lab:
-            qdisc = subprocess.run(["ip", "netns", "exec", lab.router_of("region-a").netns, "tc",
-                                    "qdisc", "show", "dev", "pub"], capture_output=True, text=True).stdout
-            assert "netem" in qdisc and "delay 20" in qdisc
-    else:
-        with pytest.raises(localnet.LabError, match="delay_ms/loss_pct need the netem qdisc"):
-            localnet.Lab({"region-a": localnet.Link(delay_ms=20)})
+    with localnet.Lab({"region-a": localnet.Link(delay_ms=20, rate_mbit=100)}) as lab:
+        qdisc = subprocess.run(["ip", "netns", "exec", lab.router_of("region-a").netns, "tc",
+                                "qdisc", "show", "dev", "pub"], capture_output=True, text=True).stdout
+        if localnet.netem_available():
+            assert lab.delay_by == "netem" and "netem" in qdisc and "delay 20" in qdisc
+        else:
+            # Rate by the kernel's token bucket; the delay by the overlay's relays (next test).
+            assert lab.delay_by == "relay" and "tbf" in qdisc and "netem" not in qdisc
+            with pytest.raises(localnet.LabError, match="loss_pct needs the netem qdisc"):
+                localnet.Lab({"region-a": localnet.Link(loss_pct=1)})
     assert set(localnet.list_namespaces()) == before
+
+
+def test_a_regions_delay_raises_the_round_trip_over_the_overlay_by_twice_the_one_way_delay():
+    """The run's overlay (`LocalNetwork`, the driver's host in region-a, a node in region-b), both
+    uplinks delayed 25 ms: a TCP handshake to the node's overlay address takes one round trip of
+    at least 50 ms (the lab without delay: under a millisecond), through netem or, on a kernel
+    without it, the relay; only the overlay crosses the internet; nothing of it is left after."""
+    delay_ms = 25
+    net = localnet.LocalNetwork({"region-a": localnet.Link(delay_ms=delay_ms),
+                                 "region-b": localnet.Link(delay_ms=delay_ms, rate_mbit=200)}, "region-a")
+    relays: list[int] = []
+    try:
+        node = net.add_host("region-b")
+        relays = localnet._pids_in(net.lab.inet)
+        assert (net.lab.delay_by, len(relays) > 0) in {("netem", False), ("relay", True)}
+        server = _serve(node.host.netns, connections=4)
+        before = net.lab.internet_counters()
+        rtts_ms = []
+        try:
+            for _ in range(4):
+                t0 = time.perf_counter()
+                with socket.create_connection((node.overlay_ip, PORT), timeout=10) as conn:
+                    rtts_ms.append((time.perf_counter() - t0) * 1000)
+                    assert conn.recv(5) == b"hello"
+        finally:
+            server.kill()
+            server.wait()
+        after = net.lab.internet_counters()
+        assert 2 * delay_ms <= min(rtts_ms) < 2 * delay_ms + 25, rtts_ms
+        assert after["overlay"]["packets"] > before["overlay"]["packets"]
+        assert after["tcp"] == before["tcp"] and after["other_udp"] == before["other_udp"]
+    finally:
+        net.down()
+    assert net.lab.namespaces() == []
+    assert not [pid for pid in relays if os.path.exists(f"/proc/{pid}")]
 
 
 def test_two_nodes_without_public_endpoints_talk_through_the_head(lab):
