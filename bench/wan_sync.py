@@ -57,6 +57,7 @@ def run_variant(run_dir: str, overrides_: dict) -> dict:
     """One run (in this process); the figures of its ledger."""
     from elastic.cluster import LocalCluster
     from elastic.driver import run_attached
+    from elastic.events import LinkMeasured, OuterStep, WorldFormed
     from elastic.recipe import load_recipe
     from elastic.report import build_report
     from providers.local.provider import LocalProvider
@@ -69,9 +70,9 @@ def run_variant(run_dir: str, overrides_: dict) -> dict:
         status, events = run_attached(recipe, cluster, Path(run_dir), run_name="wan-sync")
     finally:
         cluster.shutdown()
-    formed = next(e for e in events if e["type"] == "world_formed")
-    steps = [e for e in events if e["type"] == "outer_step"]
-    links = [e for e in events if e["type"] == "link_measured"]
+    formed = next(e for e in events if e["type"] == WorldFormed.TYPE)
+    steps = [e for e in events if e["type"] == OuterStep.TYPE]
+    links = [e for e in events if e["type"] == LinkMeasured.TYPE]
     sync = build_report(events)["sync"]
     return {"status": status, "delay_by": delay_by, "params": formed["params"],
             "start_t": formed["t"], "steps": [{k: e[k] for k in ("t", "inner_s", "sync_s", "wait_s", "overlapped_s",
