@@ -213,8 +213,9 @@ def test_sigterm_and_sighup_end_a_run_as_ctrl_c_does():
     assert {s: signal.getsignal(s) for s in before} == before
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP], ids=["ctrl-c", "sighup"])
-def test_interrupt_releases_every_node_and_reports(tmp_path, sig):
+def test_interrupt_releases_every_node_and_reports(tmp_path):
+    """A closed SSH session (SIGHUP) mid-run: the interrupt path Ctrl-C takes (the test above shows
+    SIGHUP and SIGTERM raise the KeyboardInterrupt that SIGINT raises), end to end."""
     run_dir = tmp_path / "run"
     # Spot prices move during the run (a fast, volatile simulated market).
     proc = launch(run_dir, *SMALL, "--set", "train.outer_steps=1000", "--set", "local.market.volatility=0.5")
@@ -225,7 +226,7 @@ def test_interrupt_releases_every_node_and_reports(tmp_path, sig):
         assert proc.poll() is None, proc.stdout.read()
         assert time.monotonic() < deadline, "no outer step within 180 s"
         time.sleep(0.2)
-    proc.send_signal(sig)
+    proc.send_signal(signal.SIGHUP)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out
     report = json.loads((run_dir / "report.json").read_text())
@@ -360,12 +361,13 @@ def test_terminal_tells_the_story_of_preemptions_and_joins(tmp_path):
     """local-preemptible, small and fast: the transcript has one line per node rented, notice,
     preemption, join and committed checkpoint (as many as the ledger holds), then the summary and the
     report path. Preemptions are drawn at random (about one a node every 10 s here, half with a
-    notice): a run that drew none is run again with another seed (at most 3)."""
+    notice): a run that drew none is run again with another seed (at most 3). The draws follow the
+    wall clock, so a seed is no promise: seeds 12-16 each drew 2-8 preemptions here, seed 11 none."""
     for attempt in range(3):
         run_dir = tmp_path / f"run{attempt}"
         proc = launch(run_dir, *SMALL, "--set", "train.outer_steps=12", "--set", "train.inner_steps=5",
                       "--set", "local.market.first_preemption_after_s=300", "--set", "checkpoint.every_outer_steps=6",
-                      "--set", "local.market.preempt_per_hour=6", "--set", f"local.market.seed={11 + attempt}",
+                      "--set", "local.market.preempt_per_hour=6", "--set", f"local.market.seed={12 + attempt}",
                       recipe="recipes/local-preemptible.yaml",
                       env={"ELASTIC_CACHE": str(tmp_path / "cache"), "COLUMNS": "80"})
         out, _ = proc.communicate(timeout=300)
