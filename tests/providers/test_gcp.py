@@ -511,10 +511,15 @@ def test_each_run_gets_a_firewall_rule_and_a_service_account_of_its_own(gcp_fake
         return [b for policy in gcp_fake.bucket_policies.values() for b in policy["bindings"]
                 if f"serviceAccount:{email[run]}" in b["members"]]
     assert not granted("run-a") and granted("run-b")
-    # run-b's driver dies: `elastic down run-b --yes` removes VMs, then its rule, token and account.
+    # run-b's driver dies while a node boots: `elastic down run-b --yes` removes VMs, then its rule,
+    # token, the booting node's overlay key and its account; its checkpoint key stays.
+    from providers.gcp.storage import KEY_SECRET_PREFIX
+    b._put_node_key(offer, "run-b", "wg-100-80-0-9", "a-node-key")
+    b._put_secret(KEY_SECRET_PREFIX + "run-b", "its-checkpoint-key", "run-b")
     proc = run_cli("down", "run-b", "--yes", env=cli_env(**gcp_fake.env()))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert not gcp_fake.instances and not gcp_fake.firewalls and b.token_secret("run-b") not in gcp_fake.secrets
+    assert not gcp_fake.instances and not gcp_fake.firewalls
+    assert set(gcp_fake.secrets) == {KEY_SECRET_PREFIX + "run-b"}
     assert not gcp_fake.service_accounts and not granted("run-b")
 
 
@@ -533,6 +538,8 @@ def test_head_controller_starts_an_on_demand_controller_vm_that_down_stops(gcp_f
     assert "guestAccelerators" not in vm and vm["serviceAccounts"][0]["email"] == sa
     script = {i["key"]: i["value"] for i in vm["metadata"]["items"]}["startup-script"]
     assert "ray start --head" in script and "elastic launch recipe.yaml --set resources.head=local" in script
+    # Autodown on the controller too: its watcher deletes it when its driver stops beating.
+    assert "python3 -m providers.watcher --cloud gcp" in script and "--autodown-after-s 600 " in script
     [recipe_b64] = re.findall(r"echo (\S+) \| base64 -d", script)
     assert "name: gcp-smoke" in base64.b64decode(recipe_b64).decode()
     assert "dont-leak-this-token" not in json.dumps(vm)
