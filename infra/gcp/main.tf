@@ -21,7 +21,7 @@
 #   - custom role elastic.nodeSelfDelete, which the driver grants a run's account on each of its
 #     VMs' own policy.
 #   - custom role elastic.driverFirewalls: the driver creates and deletes only firewall rules named
-#     elastic-run-*, one per run (every TCP/UDP port among that run's VMs only; no shared rule).
+#     elastic-run-*, one per run (UDP 51820, the run's overlay, to that run's VMs only; no shared rule).
 #   - the checkpoint bucket (uniform access, no public access).
 #   - the APIs elastic calls: Compute Engine, Cloud Billing (price catalog), Secret Manager, Storage.
 
@@ -269,8 +269,9 @@ resource "google_storage_bucket_iam_member" "data" {
 # -- network --------------------------------------------------------------------------------------
 
 # No project-wide rule opens ports among elastic's VMs: each run creates its own rule
-# `elastic-run-<run>` (every TCP/UDP port from VMs tagged elastic-run-<run> to VMs with that tag,
-# nothing else) and deletes it when it ends, so one run's VMs cannot reach another's.
+# `elastic-run-<run>` (UDP 51820, the run's WireGuard overlay, to VMs tagged elastic-run-<run>,
+# nothing else: Ray and torch.distributed run inside the overlay, whose keys the run's driver admits)
+# and deletes it when it ends, so one run's VMs cannot reach another's.
 resource "google_project_iam_custom_role" "driver_firewalls" {
   role_id     = "elastic.driverFirewalls"
   title       = "elastic driver: its runs' firewall rules"
