@@ -5,8 +5,8 @@
 # Creates:
 #   - service account elastic-driver: what `elastic` itself may do (custom roles elastic.driver and
 #     elastic.driverInstances: list instances, and create/label/delete only instances named
-#     elastic-*; read zones, machine and accelerator types, operations; create secrets, and
-#     write/read/delete only those named elastic-* (run tokens, checkpoint keys); create per-run
+#     elastic-*; read zones, regions, machine and accelerator types, operations; create and list
+#     secrets, and write/read/delete only those named elastic-* (run tokens, checkpoint keys); create per-run
 #     service accounts and delete / act as only those named elastic-run-* (and elastic-node); edit
 #     the IAM policies of the checkpoint and data buckets, of elastic-* secrets and instances, to
 #     grant those accounts their run's share), plus the checkpoint bucket. Run `elastic` as it (a
@@ -21,7 +21,7 @@
 #   - custom role elastic.nodeSelfDelete, which the driver grants a run's account on each of its
 #     VMs' own policy.
 #   - custom role elastic.driverFirewalls: the driver creates and deletes only firewall rules named
-#     elastic-run-*, one per run (every TCP/UDP port among that run's VMs only; no shared rule).
+#     elastic-run-*, one per run (UDP 51820, the run's overlay, to that run's VMs only; no shared rule).
 #   - the checkpoint bucket (uniform access, no public access).
 #   - the APIs elastic calls: Compute Engine, Cloud Billing (price catalog), Secret Manager, Storage.
 
@@ -108,10 +108,12 @@ resource "google_project_iam_custom_role" "driver" {
     "compute.instances.get", "compute.instances.list", "compute.disks.create", "compute.images.useReadOnly",
     "compute.subnetworks.use", "compute.subnetworks.useExternalIp", "compute.networks.use",
     "compute.networks.useExternalIp", "compute.zoneOperations.get", "compute.zones.list",
+    "compute.regions.get",   # the region's GPU quotas, which validate / launch check first
     "compute.machineTypes.list", "compute.acceleratorTypes.list",
     # Creating a secret is authorised on the project (no name condition can apply to it); what can
-    # be done with secrets afterwards is limited to elastic-* below.
-    "secretmanager.secrets.create",
+    # be done with secrets afterwards is limited to elastic-* below. Listing (names and labels, no
+    # values) finds the overlay keys of a dead run's booting nodes for `elastic down`.
+    "secretmanager.secrets.create", "secretmanager.secrets.list",
   ]
 }
 
@@ -269,8 +271,9 @@ resource "google_storage_bucket_iam_member" "data" {
 # -- network --------------------------------------------------------------------------------------
 
 # No project-wide rule opens ports among elastic's VMs: each run creates its own rule
-# `elastic-run-<run>` (every TCP/UDP port from VMs tagged elastic-run-<run> to VMs with that tag,
-# nothing else) and deletes it when it ends, so one run's VMs cannot reach another's.
+# `elastic-run-<run>` (UDP 51820, the run's WireGuard overlay, to VMs tagged elastic-run-<run>,
+# nothing else: Ray and torch.distributed run inside the overlay, whose keys the run's driver admits)
+# and deletes it when it ends, so one run's VMs cannot reach another's.
 resource "google_project_iam_custom_role" "driver_firewalls" {
   role_id     = "elastic.driverFirewalls"
   title       = "elastic driver: its runs' firewall rules"

@@ -649,6 +649,15 @@ class GCPProvider(CloudProvider):
         return (f"gcloud secrets versions access latest --secret={quote(secret)} "
                 f"--project={quote(self.project)}")
 
+    def _node_key_secrets(self, run: str) -> list[str]:
+        """Names of the overlay key secrets of run `run`'s nodes still stored (by the run's label
+        and the node-key name form: never its token or checkpoint key)."""
+        client, prefix = self._client("secrets"), self.node_key_secret(run, "wg-")
+        listed = self._call("list secrets", lambda: client.list_secrets(request={
+            "parent": f"projects/{self.project}", "filter": f"labels.elastic-run={label_value(run)}"},
+            retry=self._retry()))
+        return [n for n in (sec.name.rsplit("/", 1)[-1] for sec in listed) if n.startswith(prefix)]
+
     def _drop_node_key(self, offer: Offer, run: str, name: str) -> None:
         from google.api_core import exceptions
 
@@ -738,14 +747,25 @@ class GCPProvider(CloudProvider):
 
     def remove_run_resources(self, run: str, wait_s: float = 0.0) -> list[str]:
         """Delete what run `run` owned besides VMs: its service account (and its grants), token
-        secret and firewall rule. Returns what was left (one line each)."""
+        secret, the overlay keys of nodes that never joined (a driver killed mid-launch) and its
+        firewall rule. Its checkpoint key stays (its checkpoints need it). Returns what was left
+        (one line each)."""
         from google.api_core import exceptions
 
         with self._token_lock:
             scope = self._scopes.pop(run, None) or RunScope(self, run)
         left = scope.remove() if self.config.run_service_accounts else []
-        for what, fn in (("secret " + self.token_secret(run), lambda: self._client("secrets").delete_secret(
-                             name=f"projects/{self.project}/secrets/{self.token_secret(run)}", retry=self._retry())),
+        secrets = self._client("secrets")
+
+        def secret(name):
+            return ("secret " + name, lambda: secrets.delete_secret(
+                name=f"projects/{self.project}/secrets/{name}", retry=self._retry()))
+        try:
+            node_keys = self._node_key_secrets(run)
+        except Exception as exc:   # teardown goes on without them
+            node_keys = []
+            left.append(f"node key secrets of {run}: {exc}")
+        for what, fn in (secret(self.token_secret(run)), *map(secret, node_keys),
                          ("firewall rule " + run_network_tag(run), lambda: self._client("firewalls").delete(
                              project=self.project, firewall=run_network_tag(run), retry=self._retry()))):
             try:
@@ -762,8 +782,8 @@ class GCPProvider(CloudProvider):
         return left
 
     def close(self) -> None:
-        """Stop launches waiting for their node, and delete the run's service account, token secret
-        and firewall rule."""
+        """Stop launches waiting for their node, and delete what the run owned besides VMs
+        (`remove_run_resources`)."""
         super().close()
         for run in sorted(self._tokens | self._firewalls | set(self._scopes)):
             self.remove_run_resources(run)

@@ -95,10 +95,11 @@ def poll(base: str | None = None, wait_s: float = 5.0) -> dict | None:
 
 def terminate_self(instance_id: str) -> bool:
     """DELETE this VM (disk included) through the Compute API as the VM's own service account:
-    project, zone and an access token come from the metadata server (`infra/gcp/` lets nodes
-    delete instances named elastic-*). The API is `ELASTIC_GCP_COMPUTE_ENDPOINT` only when that
-    is loopback (tests); the token goes nowhere but Google's API. True when it did; False (the OS
-    shutdown then stops the VM) when that is refused or out of reach."""
+    project, zone and an access token come from the metadata server (a node's run account may
+    delete its own VMs, through the grant the driver puts on each VM's policy; the controller's
+    account, `elastic-driver`, elastic's instances). The API is `ELASTIC_GCP_COMPUTE_ENDPOINT`
+    only when that is loopback (tests); the token goes nowhere but Google's API. True when it did;
+    False (the OS shutdown then stops the VM) when that is refused or out of reach."""
     import json
     import urllib.error
     import urllib.parse

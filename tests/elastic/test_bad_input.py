@@ -131,3 +131,26 @@ def test_a_foreign_endpoint_is_refused_before_any_call(tmp_path):
             listener.accept()   # nobody connected
     finally:
         listener.close()
+
+
+_TRACE = ("timestamp_s,cloud,region,zone,instance_type,gpu,gpus,spot_usd_per_hour,on_demand_usd_per_hour,"
+          "preempt_per_hour,capacity\n0,local,local,local-a,cpu-small,,0,0.1,0.3,1e12,4\n")
+
+
+@pytest.mark.parametrize("recipe, names", [
+    ("name: a\nbudget: {max_usd: .inf}\n", "budget.max_usd"),
+    ("name: a\ntrain: {seed: 1, seed: 2}\n", "duplicate key 'seed'"),
+    ("name: a\ntrain: {outer_steps: 100000000000000000000}\n", "train.outer_steps"),
+    ("name: a\nmodel: {factory: 'usermodel:build'}\n", "model.factory"),
+    ("name: a\nlocal: {market: {trace: t.csv}}\n", "local.market.trace"),
+], ids=["non-finite-budget", "duplicate-key", "absurd-integer", "factory-not-a-module", "absurd-preemption-rate"])
+def test_launch_of_each_bad_input_is_one_line_and_creates_nothing(tmp_path, recipe, names):
+    """`elastic launch` itself (not only `validate`): exit 2, one line, no run directory, nothing
+    else written beside the user's own files."""
+    (tmp_path / "usermodel.py").write_text("def build(section):\n    return 42\n", encoding="utf-8")
+    (tmp_path / "t.csv").write_text(_TRACE, encoding="utf-8")
+    (tmp_path / "recipe.yaml").write_text(recipe, encoding="utf-8")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    [line] = error_lines(run_cli("launch", "recipe.yaml", "--run-dir", "run", cwd=tmp_path), names=names)
+    # (__pycache__: Python's own cache of usermodel.py, made by importing it, not elastic's)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name != "__pycache__"} == before

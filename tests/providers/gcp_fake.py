@@ -8,8 +8,8 @@ One threaded HTTP server answers, in the REST shapes the real client libraries s
   get / wait. Inserts honour `requestId` (a retried insert creates one VM), and bodies are stored
   so tests read back exactly what was sent.
 - Cloud Billing Catalog (`/v1/services/6F81-5844-456A/skus`), paginated.
-- Secret Manager (`/v1/projects/P/secrets`): create, addVersion, access latest, delete, and the
-  secret's IAM policy (setIamPolicy / getIamPolicy).
+- Secret Manager (`/v1/projects/P/secrets`): create, list (by label), addVersion, access latest,
+  delete, and the secret's IAM policy (setIamPolicy / getIamPolicy).
 - IAM (`/v1/projects/P/serviceAccounts`): create, get, delete service accounts; `token_of(email)`
   hands a test the bearer token a VM running as that account would get from its metadata server.
 - Cloud Storage bucket IAM policies (`/storage/v1/b/B/iam`, version 3 with conditions, etag
@@ -347,6 +347,8 @@ class GCPFake:
         """Answer one API request (called with the lock held)."""
         if m := re.fullmatch(r"/v1/projects/([^/]+)/secrets(?:/([^/:]+))?(:addVersion|/versions/latest:access|"
                              r":setIamPolicy|:getIamPolicy)?", path):
+            if method == "GET" and not m[2] and not m[3]:
+                return self._list_secrets(m[1], query.get("filter", ""))
             return self._secret(method, m[1], m[2] or query.get("secretId"), m[3], body)
         if m := re.fullmatch(r"/v1/projects/([^/]+)/serviceAccounts(?:/([^/]+))?", path):
             return self._service_account(method, m[1], m[2], body)
@@ -462,6 +464,18 @@ class GCPFake:
         if verb == ":getIamPolicy":
             return 200, self.secrets[name].get("policy", {})
         return 405, _error(405, "method not allowed", "badRequest")
+
+    def _list_secrets(self, project: str, filter_: str) -> tuple[int, dict]:
+        """Secret Manager's list, one page, with the one filter form elastic sends
+        (`labels.KEY=VALUE`); any other filter is an error (the fake does not guess)."""
+        if project != self.project:
+            return 404, _error(404, f"project {project} not found", "notFound")
+        m = re.fullmatch(r"labels\.([a-z0-9_-]+)=([a-z0-9_-]*)", filter_)
+        if filter_ and not m:
+            return 400, _error(400, f"fake: filter {filter_!r} not understood", "badRequest")
+        return 200, {"secrets": [{"name": f"projects/{project}/secrets/{name}", "labels": sec["labels"]}
+                                 for name, sec in sorted(self.secrets.items())
+                                 if not m or sec["labels"].get(m[1]) == m[2]]}
 
     def _service_account(self, method: str, project: str, email: str | None, body) -> tuple[int, dict]:
         """IAM service accounts: create (409 when the id is taken), get, delete."""

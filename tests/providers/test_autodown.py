@@ -111,15 +111,19 @@ def test_gcp_vms_carry_the_hard_limit(gcp_fake):
 
 def test_a_gcp_vm_deletes_itself_when_its_driver_is_killed(gcp_fake, local_cluster):
     """GCP: the VM's watcher, seeing no heartbeat for autodown_after_s after kill -9 of the driver,
-    deletes its own instance through the Compute API with the VM's service-account token (disk
-    included), with no command from anyone."""
+    deletes its own instance through the Compute API with the token of the run's own service
+    account (disk included), with no command from anyone. The fake holds that token to IAM: the
+    delete passes only through the grant on the VM's own policy."""
+    import json
+
     from tests.providers.test_gcp import _offer, _provider
 
     p, recipe = _provider(run="run-gkill", **{"resources.accelerators": "L4:1", "resources.autodown_after_s": 3})
     inst = p._create(_offer(p, recipe), "run-gkill", "replica")
+    token = gcp_fake.token_of(gcp_fake.instances[inst.instance_id]["serviceAccounts"][0]["email"])
     gcp_fake.vm_metadata.update({"instance/zone": f"projects/1234/zones/{inst.offer.zone}",
                                  "instance/service-accounts/default/token":
-                                     '{"access_token": "vm-sa-token", "expires_in": 3599, "token_type": "Bearer"}'})
+                                     json.dumps({"access_token": token, "expires_in": 3599, "token_type": "Bearer"})})
     env = cli_env(**gcp_fake.env(), ELASTIC_HALT_CMD="false")   # a shutdown would fail: the API must do it
     driver = _beating_driver(local_cluster.address, env)
     watcher = subprocess.Popen([sys.executable, "-m", "providers.watcher", "--cloud", "gcp", "--instance-id",
@@ -136,7 +140,7 @@ def test_a_gcp_vm_deletes_itself_when_its_driver_is_killed(gcp_fake, local_clust
         assert inst.instance_id not in gcp_fake.instances, out
         assert watcher.returncode == 0 and f"deleted {inst.instance_id} (itself)" in out, out
         [delete] = [r for r in gcp_fake.requests if r["method"] == "DELETE" and r["path"].endswith(inst.instance_id)]
-        assert delete["authorization"] == "Bearer vm-sa-token"
+        assert delete["authorization"] == f"Bearer {token}"
         print(f"GCP VM deleted itself {took_s:.1f} s after kill -9 of the driver (autodown_after_s 3)")
     finally:
         _stop(driver, watcher)

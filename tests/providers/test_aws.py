@@ -435,6 +435,11 @@ def test_head_controller_starts_an_on_demand_controller_vm_that_down_stops(aws_e
     [recipe_b64] = re.findall(r"echo (\S+) \| base64 -d", script)
     assert "name: aws-smoke" in base64.b64decode(recipe_b64).decode()
     assert "dont-leak-this-secret" not in script and "AWS_SECRET" not in script
+    # Autodown on the controller too: its watcher shuts it down when its driver stops beating, and
+    # its own shutdown terminates it.
+    assert "python3 -m providers.watcher --cloud aws" in script and "--autodown-after-s 600 " in script
+    assert ec2.describe_instance_attribute(InstanceId=vm["InstanceId"], Attribute="instanceInitiatedShutdownBehavior")[
+        "InstanceInitiatedShutdownBehavior"]["Value"] == "terminate"
     events = [json.loads(ln) for ln in (run_dir / "events.jsonl").read_text().splitlines()]
     assert [e["type"] for e in events] == ["run_started", "node_launched", "controller_started"]
     assert vm["InstanceId"] in proc.stdout

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from providers.base import Offer
-from tests.conftest import cli_env, run_cli, tiny_recipe
+from tests.conftest import REPO, cli_env, run_cli, tiny_recipe
 from tests.providers.gcp_fake import MACHINE_TYPES, PRICES, ZONE_ACCELERATORS, ZONE_MACHINE_TYPES, ZONES
 
 
@@ -511,10 +511,15 @@ def test_each_run_gets_a_firewall_rule_and_a_service_account_of_its_own(gcp_fake
         return [b for policy in gcp_fake.bucket_policies.values() for b in policy["bindings"]
                 if f"serviceAccount:{email[run]}" in b["members"]]
     assert not granted("run-a") and granted("run-b")
-    # run-b's driver dies: `elastic down run-b --yes` removes VMs, then its rule, token and account.
+    # run-b's driver dies while a node boots: `elastic down run-b --yes` removes VMs, then its rule,
+    # token, the booting node's overlay key and its account; its checkpoint key stays.
+    from providers.gcp.storage import KEY_SECRET_PREFIX
+    b._put_node_key(offer, "run-b", "wg-100-80-0-9", "a-node-key")
+    b._put_secret(KEY_SECRET_PREFIX + "run-b", "its-checkpoint-key", "run-b")
     proc = run_cli("down", "run-b", "--yes", env=cli_env(**gcp_fake.env()))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert not gcp_fake.instances and not gcp_fake.firewalls and b.token_secret("run-b") not in gcp_fake.secrets
+    assert not gcp_fake.instances and not gcp_fake.firewalls
+    assert set(gcp_fake.secrets) == {KEY_SECRET_PREFIX + "run-b"}
     assert not gcp_fake.service_accounts and not granted("run-b")
 
 
@@ -533,6 +538,8 @@ def test_head_controller_starts_an_on_demand_controller_vm_that_down_stops(gcp_f
     assert "guestAccelerators" not in vm and vm["serviceAccounts"][0]["email"] == sa
     script = {i["key"]: i["value"] for i in vm["metadata"]["items"]}["startup-script"]
     assert "ray start --head" in script and "elastic launch recipe.yaml --set resources.head=local" in script
+    # Autodown on the controller too: its watcher deletes it when its driver stops beating.
+    assert "python3 -m providers.watcher --cloud gcp" in script and "--autodown-after-s 600 " in script
     [recipe_b64] = re.findall(r"echo (\S+) \| base64 -d", script)
     assert "name: gcp-smoke" in base64.b64decode(recipe_b64).decode()
     assert "dont-leak-this-token" not in json.dumps(vm)
@@ -629,5 +636,78 @@ def test_driver_trains_on_gcp_vms_and_drains_one_on_its_notice(gcp_fake, local_c
     assert [e["instance_id"] for e in events if e["type"] == "node_notice"] == noticed
     assert noticed[0] in {e["instance_id"] for e in events if e["type"] == "replica_drained"}
     assert gcp_fake.instances == {}                              # every VM deleted at the end
+    # The driver labelled the VMs it held with its heartbeat (what `down --orphans` reads).
+    assert set(gcp_fake.label_sets) & set(joined)
     released = {e["instance_id"] for e in events if e["type"] == "node_released"}
     assert released == {e["instance_id"] for e in launched}
+
+
+# What each REST call the driver makes needs from IAM (Compute, Secret Manager, IAM, Cloud Storage;
+# the Billing Catalog needs none). A call not listed here fails the test below: add it, and its
+# permission to infra/gcp/main.tf.
+_DRIVER_PERMISSIONS = [(m, re.compile(p), perm) for m, p, perm in (
+    ("GET", r"/compute/v1/projects/[^/]+/zones", "compute.zones.list"),
+    ("GET", r"/compute/v1/projects/[^/]+/regions/[^/]+", "compute.regions.get"),
+    ("GET", r"/compute/v1/projects/[^/]+/aggregated/machineTypes", "compute.machineTypes.list"),
+    ("GET", r"/compute/v1/projects/[^/]+/aggregated/acceleratorTypes", "compute.acceleratorTypes.list"),
+    ("GET", r"/compute/v1/projects/[^/]+/aggregated/instances", "compute.instances.list"),
+    ("POST", r"/compute/v1/projects/[^/]+/zones/[^/]+/instances", "compute.instances.create"),
+    ("GET", r"/compute/v1/projects/[^/]+/zones/[^/]+/instances/[^/]+", "compute.instances.get"),
+    ("DELETE", r"/compute/v1/projects/[^/]+/zones/[^/]+/instances/[^/]+", "compute.instances.delete"),
+    ("POST", r"/compute/v1/projects/[^/]+/zones/[^/]+/instances/[^/]+/setLabels", "compute.instances.setLabels"),
+    ("POST", r"/compute/v1/projects/[^/]+/zones/[^/]+/instances/[^/]+/setIamPolicy",
+     "compute.instances.setIamPolicy"),
+    ("POST", r"/compute/v1/projects/[^/]+/zones/[^/]+/operations/[^/]+/wait", "compute.zoneOperations.get"),
+    ("POST", r"/compute/v1/projects/[^/]+/global/firewalls", "compute.firewalls.create"),
+    ("GET", r"/compute/v1/projects/[^/]+/global/firewalls/[^/]+", "compute.firewalls.get"),
+    ("DELETE", r"/compute/v1/projects/[^/]+/global/firewalls/[^/]+", "compute.firewalls.delete"),
+    ("GET", r"/compute/v1/projects/[^/]+/global/operations/[^/]+", "compute.globalOperations.get"),
+    ("POST", r"/v1/projects/[^/]+/secrets", "secretmanager.secrets.create"),
+    ("GET", r"/v1/projects/[^/]+/secrets", "secretmanager.secrets.list"),
+    ("DELETE", r"/v1/projects/[^/]+/secrets/[^/:]+", "secretmanager.secrets.delete"),
+    ("POST", r"/v1/projects/[^/]+/secrets/[^/:]+:addVersion", "secretmanager.versions.add"),
+    ("POST", r"/v1/projects/[^/]+/secrets/[^/:]+:setIamPolicy", "secretmanager.secrets.setIamPolicy"),
+    ("POST", r"/v1/projects/[^/]+/serviceAccounts", "iam.serviceAccounts.create"),
+    ("GET", r"/v1/projects/[^/]+/serviceAccounts/[^/]+", "iam.serviceAccounts.get"),
+    ("DELETE", r"/v1/projects/[^/]+/serviceAccounts/[^/]+", "iam.serviceAccounts.delete"),
+    ("GET", r"/storage/v1/b/[^/]+/iam", "storage.buckets.getIamPolicy"),
+    ("PUT", r"/storage/v1/b/[^/]+/iam", "storage.buckets.setIamPolicy"),
+)]
+
+
+def test_driver_roles_allow_every_call_the_provider_makes(gcp_fake, monkeypatch):
+    """A run's whole life against the fake (preflight, prices, a node with its run's account,
+    token, key, rule and bucket grants, heartbeat, listing, release, `down`): every request the
+    driver sent needs a permission that infra/gcp/main.tf gives elastic-driver's custom roles."""
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "tok")
+    from tests.providers.test_aws import _join
+
+    p, recipe = _provider(run="run-perm", **{"resources.accelerators": "L4:1", "resources.regions": "[us-central1]",
+                                             "checkpoint.uri": "gs://ckpt/runs/p"})
+    assert p.preflight(recipe.resources) == []
+    offer = _offer(p, recipe)
+    join = None
+    if __import__("shutil").which("wg"):
+        _, join = _join(p, offer, "run-perm")
+    inst = p._create(offer, "run-perm", "replica", join=join)
+    p._held[inst.instance_id] = inst
+    p.heartbeat("run-perm", time.time())
+    assert [i.instance_id for i in p.list_instances("run-perm")] == [inst.instance_id]
+    p.terminate(inst.instance_id)
+    p.remove_run_resources("run-perm")
+    p.close()
+    needed = set()
+    for r in gcp_fake.requests:
+        if "/skus" in r["path"]:
+            continue   # the Billing Catalog: any credential may read it
+        perms = {perm for method, pattern, perm in _DRIVER_PERMISSIONS
+                 if method == r["method"] and pattern.fullmatch(r["path"])}
+        assert perms, f"no permission known for {r['method']} {r['path']}: add it here and to main.tf"
+        needed |= perms
+    assert {"compute.instances.create", "compute.regions.get", "secretmanager.secrets.list",
+            "storage.buckets.setIamPolicy", "iam.serviceAccounts.create"} <= needed
+    tf = (REPO / "infra" / "gcp" / "main.tf").read_text()
+    granted = set()
+    for role in re.findall(r'resource "google_project_iam_custom_role" "driver\w*" \{(.*?)\n\}', tf, re.S):
+        granted |= set(re.findall(r'"([a-z]+\.[A-Za-z]+\.[A-Za-z]+)"', role.split("permissions", 1)[1]))
+    assert needed <= granted, sorted(needed - granted)
