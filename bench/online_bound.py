@@ -283,6 +283,10 @@ def main() -> None:
     ap.add_argument("--policy-seeds", type=int, default=1, help="elastic.simulate runs per trace (0: none)")
     ap.add_argument("--out", type=Path, default=Path("/tmp/online_bound"), help="folder for the traces")
     args = ap.parse_args()
+    if args.levels < 1 or args.levels % 2 == 0:
+        ap.error("--levels must be odd (the walk starts at its middle level, a deviation of 0)")
+    if not 1 <= args.offers <= len(OFFERS):
+        ap.error(f"--offers must be 1-{len(OFFERS)}")
     recipe = load_recipe(args.recipe, [])
     family = Family(offers=OFFERS[:args.offers], levels=args.levels, spike_every_h=args.spike_every_h)
     online = online_lower_bound(family, recipe)
