@@ -4,7 +4,7 @@ volatile markets, in bound.py's own relaxed model, set against the mean of bound
 traces drawn from the family.
 
     python bench/online_bound.py [--traces 20] [--seed 0] [--levels 5] [--offers 4] [--spike-every-h 16]
-                                 [--policy-seeds 1] [--out DIR]
+                                 [--policy-seeds 1] [--slopes B ...] [--out DIR]
 
 The argument (docs/benchmarks.md, "An online lower bound over a family of volatile markets"): if on
 every trace of a family a policy's expected cost were at most 1.15 × bound.py's bound, its mean over
@@ -160,10 +160,11 @@ def _expect(f: np.ndarray, chains: list[np.ndarray]) -> np.ndarray:
 
 
 def online_value(chains: list[np.ndarray], usd: list[np.ndarray], rate_per_h: list[float], tps: list[float],
-                 rows: int, row_s: float, boot_s: float, lam: float) -> tuple[np.ndarray, np.ndarray]:
-    """One slot's least expected cost − lam·tokens over `rows` rows, seeing only the market's state,
-    from every start state while off: (value, expected tokens of that best schedule), arrays over
-    the joint state (one axis per offer).
+                 rows: int, row_s: float, boot_s: float, lam, counted: np.ndarray | None = None
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One slot's least expected cost − Λ·tokens over `rows` rows, seeing only the market's state,
+    from every start state while off: (value, expected tokens of that best schedule, E[Λ]), arrays
+    over the joint state (one axis per offer, and with `counted` a last one: rows counted so far).
 
     The slot MDP is bound.py's `_slot` (at each row start: keep the VM, release it, or boot one of
     any offer; a VM present in a row is preempted at the offer's rate and the slot is then off) with
@@ -176,28 +177,44 @@ def online_value(chains: list[np.ndarray], usd: list[np.ndarray], rate_per_h: li
         rate_per_h, tps: each offer's preemptions per node-hour and tokens/s.
         rows, row_s: the horizon in rows of `row_s` seconds.
         boot_s: see above.
-        lam: USD per token.
+        lam: the token price Λ, USD per token: a number, or with `counted` an array over how many
+            rows of the whole trace are counted (0..rows): Λ = lam[H_T], known only at the end; a
+            token of row t is then priced E[Λ | the market so far] (what a non-anticipating
+            schedule's tokens are worth against it).
+        counted: 0/1 over the joint market state: which rows H counts.
     """
     shape = tuple(len(u) for u in usd)
     m = len(usd)
+    extra = () if counted is None else (rows + 1,)
+
+    def nxt(f):
+        """E[f(next row's state) | this row's state], the count moved on by the next row's."""
+        if counted is not None:
+            up = np.concatenate([f[..., 1:], f[..., -1:]], axis=-1)
+            f = np.where(counted[..., None] == 1, up, f)
+        return _expect(f, chains)
+
     there = [float(_expected_min(r, row_s)) for r in rate_per_h]
     gone = [-math.expm1(-r * row_s / 3600) for r in rate_per_h]
     booting = [float(_expected_min(r, boot_s)) for r in rate_per_h]
-    run, boot = [], []
+    price = []
     for j in range(m):
-        axis = [1] * m
+        axis = [1] * (m + len(extra))
         axis[j] = shape[j]
-        run.append(((usd[j] * there[j] / 3600) - lam * tps[j] * there[j]).reshape(axis))
-        boot.append(lam * tps[j] * booting[j])
-    w_off, w_on = np.zeros(shape), [np.zeros(shape) for _ in range(m)]
-    k_off, k_on = np.zeros(shape), [np.zeros(shape) for _ in range(m)]   # expected tokens, same schedule
-    for _ in range(rows):
-        e_off, e_koff = _expect(w_off, chains), _expect(k_off, chains)
+        price.append(usd[j].reshape(axis))
+    price_now = np.asarray(lam, float) if counted is None else np.broadcast_to(lam, shape + extra).copy()
+    w_off, w_on = np.zeros(shape + extra), [np.zeros(shape + extra) for _ in range(m)]
+    k_off, k_on = np.zeros(shape + extra), [np.zeros(shape + extra) for _ in range(m)]   # expected tokens
+    for t in range(rows - 1, -1, -1):
+        if counted is not None and t < rows - 1:
+            price_now = nxt(price_now)          # E[Λ | this row's state and the count so far]
+        e_off, e_koff = nxt(w_off), nxt(k_off)
         keep, ktok = [], []
         for j in range(m):
-            keep.append(run[j] + (1 - gone[j]) * _expect(w_on[j], chains) + gone[j] * e_off)
-            ktok.append(tps[j] * there[j] + (1 - gone[j]) * _expect(k_on[j], chains) + gone[j] * e_koff)
-        switch = np.stack([keep[j] + boot[j] for j in range(m)])
+            run = (price[j] / 3600 - price_now * tps[j]) * there[j]
+            keep.append(run + (1 - gone[j]) * nxt(w_on[j]) + gone[j] * e_off)
+            ktok.append(tps[j] * there[j] + (1 - gone[j]) * nxt(k_on[j]) + gone[j] * e_koff)
+        switch = np.stack([keep[j] + price_now * tps[j] * booting[j] for j in range(m)])
         stok = np.stack([ktok[j] - tps[j] * booting[j] for j in range(m)])
         a = switch.argmin(axis=0)
         best_switch = np.take_along_axis(switch, a[None], 0)[0]
@@ -209,7 +226,7 @@ def online_value(chains: list[np.ndarray], usd: list[np.ndarray], rate_per_h: li
             stay = keep[j] <= w_off
             w_on[j] = np.where(stay, keep[j], w_off)
             k_on[j] = np.where(stay, ktok[j], k_off)
-    return w_off, k_off
+    return w_off, k_off, np.broadcast_to(price_now, w_off.shape)
 
 
 def online_lower_bound(family: Family, recipe, iterations: int = 20) -> dict:
@@ -232,7 +249,7 @@ def online_lower_bound(family: Family, recipe, iterations: int = 20) -> dict:
     best = {"usd_per_mtok": -math.inf}
 
     def at(lam):
-        v, k = online_value(chains, usd, rates, tps, family.rows, STEP_S, boot_s, lam)
+        v, k, _ = online_value(chains, usd, rates, tps, family.rows, STEP_S, boot_s, lam)
         value = slots * v[tuple(start)] + lam * needed
         if value / needed * 1e6 > best["usd_per_mtok"]:
             best.update(usd_per_mtok=value / needed * 1e6, lam=lam, tokens=slots * k[tuple(start)])
@@ -246,6 +263,35 @@ def online_lower_bound(family: Family, recipe, iterations: int = 20) -> dict:
     for _ in range(iterations):
         mid = (lo + hi) / 2
         lo, hi = (lo, mid) if at(mid) >= needed else (mid, hi)
+    return best
+
+
+def counted_lower_bound(family: Family, recipe, lam: float, slopes: list[float]) -> float:
+    """A sharper online bound: the token price set by the whole trace, Λ = max(0, lam·(a + b·(H −
+    E[H]) / E[H])), H the trace's rows where some offer trains a token for less than `lam` (a
+    cheap trace needs a lower price to train the run), for each slope b in `slopes` and a in
+    0.9, 1.0, 1.1: the best slots·V + E[Λ]·tokens needed, USD per 1M tokens (valid for any Λ ≥ 0 that
+    depends on the trace: a policy that trains the run's tokens on every trace pays at least it).
+    Its state gains the count (0..rows): for a family of one or two offers."""
+    chains, usd, start = [list(x) for x in zip(*(family.chain(o) for o in family.offers))]
+    rates = [o.preempt_per_hour for o in family.offers]
+    tps = [o.tokens_per_s for o in family.offers]
+    per_token = [u / 3600 / t for u, t in zip(usd, tps)]
+    cheapest = per_token[0]
+    for x in per_token[1:]:
+        cheapest = np.minimum.outer(cheapest, x)
+    counted = (cheapest < lam).astype(int)
+    at = tuple(start) + (int(counted[tuple(start)]),)
+    boot_s = max(0.0, recipe.planner.recovery_s - STEP_S)
+    slots, needed, rows = recipe.world.max_replicas, run_tokens(recipe), family.rows
+    h = np.arange(rows + 1, dtype=float)
+    mean_h = online_value(chains, usd, rates, tps, rows, STEP_S, boot_s, h, counted)[2][at]
+    best = -math.inf
+    for b in slopes:
+        for a in (0.9, 1.0, 1.1):
+            v, _, price = online_value(chains, usd, rates, tps, rows, STEP_S, boot_s,
+                                       np.maximum(0.0, lam * (a + b * (h - mean_h) / mean_h)), counted)
+            best = max(best, (slots * v[at] + needed * price[at]) / needed * 1e6)
     return best
 
 
@@ -281,6 +327,8 @@ def main() -> None:
     ap.add_argument("--offers", type=int, default=len(OFFERS), help="the first N of the family's offers")
     ap.add_argument("--spike-every-h", type=float, default=16.0, help="mean hours between an offer's spikes")
     ap.add_argument("--policy-seeds", type=int, default=1, help="elastic.simulate runs per trace (0: none)")
+    ap.add_argument("--slopes", type=float, nargs="*", default=[],
+                    help="also the bound with the token price set by the trace's cheap rows (counted_lower_bound)")
     ap.add_argument("--out", type=Path, default=Path("/tmp/online_bound"), help="folder for the traces")
     args = ap.parse_args()
     if args.levels < 1 or args.levels % 2 == 0:
@@ -293,6 +341,9 @@ def main() -> None:
     lam = online["lam"]
     print(f"online, relaxed: {online['usd_per_mtok']:.5f} USD/1M tok (λ {lam * 1e6:.5f} USD per 1M tok; the slots' "
           f"expected tokens {online['tokens'] / 1e9:.3f} B of {run_tokens(recipe) / 1e9:.3f} B)", flush=True)
+    if args.slopes:
+        sharper = counted_lower_bound(family, recipe, lam, args.slopes)
+        print(f"online, token price set by the trace's cheap rows: {sharper:.5f} USD/1M tok", flush=True)
 
     from elastic.simulate import TraceMarket, simulate
     from providers.simmarket import read_trace_rows
