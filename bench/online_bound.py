@@ -31,7 +31,8 @@ every trace. It keeps bound.py's slot structure (at most world.max_replicas VMs,
 forgoing the new VM's boot), which the simulator does not impose on a policy (old and new VMs are
 both held during a move): so it is a bound on policies of that shape, not yet on every policy.
 `clairvoyant_value` is the same model with the trace foreseen: their ratio is what foresight is
-worth in it.
+worth in it. `counted_lower_bound` (`--slopes`) is sharper: the token price is set by the whole
+trace (its count of cheap rows), so a cheap trace cannot make up for a dear one.
 """
 
 from __future__ import annotations
