@@ -131,6 +131,13 @@ class Family:
         usd = np.round(ratio * o.on_demand_usd_per_hour, 4)
         return np.kron(spike, walk), usd, self.levels // 2
 
+    def market(self) -> tuple[list[np.ndarray], list[np.ndarray], tuple[int, ...], list[float], list[float]]:
+        """Every offer's `chain` as `online_value` takes them: transition matrices, USD/h per state,
+        the start state, and each offer's preemptions per node-hour and tokens/s."""
+        chains, usd, start = (list(x) for x in zip(*(self.chain(o) for o in self.offers)))
+        return (chains, usd, tuple(start), [o.preempt_per_hour for o in self.offers],
+                [o.tokens_per_s for o in self.offers])
+
     def sample_trace(self, rng: np.random.Generator, path: Path) -> Path:
         """One trace of the family, written in bench/traces' CSV format."""
         cols = []
@@ -237,24 +244,17 @@ def online_lower_bound(family: Family, recipe, iterations: int = 20) -> dict:
     counted from the next row's start: billed less, ready no later, decided knowing more). Any λ
     gives a valid bound; bisection on the supergradient (tokens needed − slots·expected tokens)
     finds the best. Returns usd_per_mtok, lam (USD per token) and the slots' expected tokens."""
-    chains, usd, start = [], [], []
-    for o in family.offers:
-        p, u, s = family.chain(o)
-        chains.append(p)
-        usd.append(u)
-        start.append(s)
-    rates = [o.preempt_per_hour for o in family.offers]
-    tps = [o.tokens_per_s for o in family.offers]
+    chains, usd, start, rates, tps = family.market()
     slots, needed = recipe.world.max_replicas, run_tokens(recipe)
     boot_s = max(0.0, recipe.planner.recovery_s - STEP_S)
     best = {"usd_per_mtok": -math.inf}
 
     def at(lam):
         v, k, _ = online_value(chains, usd, rates, tps, family.rows, STEP_S, boot_s, lam)
-        value = slots * v[tuple(start)] + lam * needed
+        value = slots * v[start] + lam * needed
         if value / needed * 1e6 > best["usd_per_mtok"]:
-            best.update(usd_per_mtok=value / needed * 1e6, lam=lam, tokens=slots * k[tuple(start)])
-        return slots * k[tuple(start)]
+            best.update(usd_per_mtok=value / needed * 1e6, lam=lam, tokens=slots * k[start])
+        return slots * k[start]
 
     lo, hi = 0.0, 1e-9
     while at(hi) < needed:
@@ -274,15 +274,13 @@ def counted_lower_bound(family: Family, recipe, lam: float, slopes: list[float])
     0.9, 1.0, 1.1: the best slots·V + E[Λ]·tokens needed, USD per 1M tokens (valid for any Λ ≥ 0 that
     depends on the trace: a policy that trains the run's tokens on every trace pays at least it).
     Its state gains the count (0..rows): for a family of one or two offers."""
-    chains, usd, start = [list(x) for x in zip(*(family.chain(o) for o in family.offers))]
-    rates = [o.preempt_per_hour for o in family.offers]
-    tps = [o.tokens_per_s for o in family.offers]
+    chains, usd, start, rates, tps = family.market()
     per_token = [u / 3600 / t for u, t in zip(usd, tps)]
     cheapest = per_token[0]
     for x in per_token[1:]:
         cheapest = np.minimum.outer(cheapest, x)
     counted = (cheapest < lam).astype(int)
-    at = tuple(start) + (int(counted[tuple(start)]),)
+    at = start + (int(counted[start]),)
     boot_s = max(0.0, recipe.planner.recovery_s - STEP_S)
     slots, needed, rows = recipe.world.max_replicas, run_tokens(recipe), family.rows
     h = np.arange(rows + 1, dtype=float)

@@ -137,13 +137,11 @@ def test_a_flat_trace_set_price_is_the_plain_bound_at_that_price():
 
     r = load_recipe(str(Path(__file__).resolve().parents[2] / "recipes/multi-cloud.yaml"), [])
     family = Family(offers=OFFERS[:2], levels=3, hours=4.0)
-    chains, usd, start = [list(x) for x in zip(*(family.chain(o) for o in family.offers))]
-    rates = [o.preempt_per_hour for o in family.offers]
-    tps = [o.tokens_per_s for o in family.offers]
+    chains, usd, start, rates, tps = family.market()
     lam, needed = 1.2e-7, run_tokens(r)
     plain = []
     for a in (0.9, 1.0, 1.1):
         v = online_value(chains, usd, rates, tps, family.rows, STEP_S, r.planner.recovery_s - STEP_S, a * lam)[0]
-        plain.append((r.world.max_replicas * v[tuple(start)] + a * lam * needed) / needed * 1e6)
+        plain.append((r.world.max_replicas * v[start] + a * lam * needed) / needed * 1e6)
     assert counted_lower_bound(family, r, lam, [0.0]) == pytest.approx(max(plain))
     assert counted_lower_bound(family, r, lam, [0.0, -0.5]) >= max(plain)
