@@ -1,15 +1,19 @@
 """Prices that stop answering mid-run, through boto3 against moto behind the test proxy (127.0.0.1):
-the driver keeps what it holds and says `market_unavailable`; prices that are not numbers >= 0
-never rank."""
+the driver keeps what it holds and says `market_unavailable`, and a whole run on AWS "VMs" completes
+through the outages; prices that are not numbers >= 0 never rank."""
 
 from __future__ import annotations
 
 import logging
 import shutil
+import threading
 
+import pytest
+
+from elastic.events import MarketAvailable, MarketUnavailable
 from elastic.ledger import Ledger
 from tests.conftest import aws_error
-from tests.providers.test_aws import aws_recipe, price_rule, spot_history
+from tests.providers.test_aws import aws_recipe, instances, price_rule, spot_history
 
 
 def test_throttled_and_malformed_price_answers_leave_the_run_going(aws_env, monkeypatch, tmp_path, caplog):
@@ -61,3 +65,84 @@ def test_throttled_and_malformed_price_answers_leave_the_run_going(aws_env, monk
     assert "RequestLimitExceeded" in events[0][1] and events[2][1]
     ledger.close()
     p.close()
+
+
+@pytest.mark.slow
+def test_a_run_on_aws_vms_trains_through_a_price_outage_and_completes(aws_env, local_cluster, monkeypatch, tmp_path):
+    """The real driver and world on AWS "VMs" (moto rents each; a raylet labelled with its instance
+    id stands in for its boot script joining). Mid-run the price answers are throttled, come back,
+    then do not parse: the run keeps training on what it holds, the ledger says so each time, and
+    the run completes with every VM terminated. (The test expires the provider's price caches at
+    each change, as the minutes of a real run would.)"""
+    import providers.aws.provider
+    from elastic.driver import run_attached
+
+    monkeypatch.setattr(providers.aws.provider, "MAX_ATTEMPTS", 2)   # the SDK's retries, fewer of them
+    mode = ["ok"]
+
+    def market(action, region, params):
+        if action != "DescribeSpotPriceHistory" or mode[0] == "ok":
+            return price_rule(action, region, params)
+        if mode[0] == "throttled":
+            return aws_error("RequestLimitExceeded", "Request limit exceeded.", status=503)
+        return 200, "<DescribeSpotPriceHistoryResponse><spotPriceHistorySet><item>"   # malformed
+
+    aws_env.rules.append(market)
+    run = "run-outage-e2e"
+    booted: dict[str, str] = {}
+    boot_failed: list[Exception] = []
+    stop = threading.Event()
+
+    def boot_vms():
+        """Each VM moto starts for the run joins as a raylet. Raylets die with the thread that
+        started them: this one lives as long as the run."""
+        try:
+            while not stop.is_set():
+                for vm in instances("us-west-2", run):
+                    if vm["InstanceId"] not in booted and vm["State"]["Name"] in ("pending", "running"):
+                        booted[vm["InstanceId"]] = local_cluster.add_node(
+                            cpus=1, gpus=0, labels={"elastic.instance_id": vm["InstanceId"], "elastic.cloud": "aws"},
+                            resources={}, object_store_bytes=80 * 1024 * 1024)
+                stop.wait(0.2)
+        except Exception as exc:   # said by the test below, not lost with the thread
+            boot_failed.append(exc)
+
+    # Each change waits until the ledger holds what the one before caused (offers are read at
+    # every tick: a re-plan is due every second): (answers, event type, how many of it first).
+    steps = [("throttled", None, 0), ("ok", MarketUnavailable.TYPE, 1), ("malformed", MarketAvailable.TYPE, 1),
+             ("ok", MarketUnavailable.TYPE, 2)]
+    done = []
+
+    def outages(driver, phase, members):
+        if len(done) == len(steps) or driver.world.outer_step < 1:
+            return
+        change, after, count = steps[len(done)]
+        if after is not None and sum(e["type"] == after for e in driver.ledger.events) < count:
+            return
+        done.append(change)
+        mode[0] = change
+        driver.providers["aws"]._memo = None
+        shutil.rmtree(aws_env.env["ELASTIC_CACHE"], ignore_errors=True)
+
+    recipe = aws_recipe(**{"resources.regions": "[us-west-2]", "resources.join_timeout_s": 60,
+                           "world.replicas": 2, "world.max_replicas": 2, "world.capacity_timeout_s": 60,
+                           "planner.replan_every_s": 1, "train.outer_steps": 40})
+    booter = threading.Thread(target=boot_vms, name="vm-boot", daemon=True)
+    booter.start()
+    try:
+        status, events = run_attached(recipe, local_cluster, tmp_path / run, on_phase=outages, run_name=run)
+    finally:
+        stop.set()
+        booter.join(timeout=30)
+        for node_id in booted.values():
+            local_cluster.remove_node(node_id, graceful=False)
+    assert not boot_failed, boot_failed
+    assert status == "completed" and done == [c for c, _, _ in steps]
+    market_events = [(e["type"], e.get("message")) for e in events if e["type"] in (MarketUnavailable.TYPE, MarketAvailable.TYPE)]
+    assert [t for t, _ in market_events][:3] == [MarketUnavailable.TYPE, MarketAvailable.TYPE, MarketUnavailable.TYPE]
+    assert "RequestLimitExceeded" in market_events[0][1] and market_events[2][1]
+    assert [e["outer_step"] for e in events if e["type"] == "outer_step"] == list(range(1, 41))
+    # It trained on what it held: no VM was lost or added during the outages.
+    launched = {e["instance_id"] for e in events if e["type"] == "node_launched"}
+    assert len(launched) == 2 and launched == {e["instance_id"] for e in events if e["type"] == "node_released"}
+    assert all(vm["State"]["Name"] in ("shutting-down", "terminated") for vm in instances("us-west-2", run))
