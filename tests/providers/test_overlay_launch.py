@@ -10,6 +10,8 @@ Needs root and wireguard-tools (the head's interface is real; CI runs as root)."
 from __future__ import annotations
 
 import base64
+import json
+import logging
 import os
 import subprocess
 import threading
@@ -46,6 +48,7 @@ class FakeVMs:
         self.cluster, self.net, self.gcp = cluster, net, gcp_fake
         self.nodes: dict[str, str] = {}
         self.admitted: dict[str, str] = {}   # instance id -> public key the head knew before it joined
+        self.private_keys: set[str] = set()   # what the VMs read from the secret stores
         self._lock = threading.Lock()
         self._stop = threading.Event()
         # Raylets die with the thread that started them: start them all from one long-lived thread.
@@ -66,6 +69,7 @@ class FakeVMs:
             return
         with self._lock:
             self.admitted[instance_id] = _public_key(private)
+            self.private_keys.add(private)
         node = self.cluster.add_node(cpus=1, gpus=0, labels={"elastic.instance_id": instance_id}, resources={},
                                      object_store_bytes=80 * 1024 * 1024)
         with self._lock:
@@ -118,7 +122,7 @@ class FakeVMs:
 
 
 def test_replicas_in_two_aws_regions_and_gcp_join_the_overlay_and_leave_it(aws_env, gcp_fake, local_cluster,
-                                                                          tmp_path, monkeypatch):
+                                                                          tmp_path, monkeypatch, caplog):
     from ray.experimental import internal_kv
 
     from elastic import linkprobe
@@ -141,6 +145,7 @@ def test_replicas_in_two_aws_regions_and_gcp_join_the_overlay_and_leave_it(aws_e
             full.append(dict(net.iface.peers()))
             full.append(overlay.decode_members(internal_kv._internal_kv_get(overlay.PEERS_KV_KEY).decode()))
 
+    caplog.set_level(logging.DEBUG)
     recipe = tiny_recipe(**{
         "resources.clouds": "[aws, gcp]", "resources.head": "local", "resources.accelerators": "A100:8",
         "resources.regions": "[us-east-1, us-west-2, us-east1]", "resources.join_timeout_s": 60,
@@ -180,6 +185,15 @@ def test_replicas_in_two_aws_regions_and_gcp_join_the_overlay_and_leave_it(aws_e
         left = boto3.client("ssm", region_name=region).describe_parameters()["Parameters"]
         assert not [p["Name"] for p in left if p["Name"].startswith(f"/elastic/{RUN}/wg-")]
     assert not [s for s in gcp_fake.secrets if "-wg-" in s]
+    # No node's private key in the run's ledger, report or any file of its run directory, nor in
+    # what the driver logged.
+    assert len(vms.private_keys) >= 3
+    from elastic.report import build_report
+
+    written = "".join(f.read_text(errors="replace") for f in (tmp_path / "run").rglob("*") if f.is_file())
+    written += json.dumps(build_report(events))
+    assert "events.jsonl" in {f.name for f in (tmp_path / "run").rglob("*")}
+    assert not [k for k in vms.private_keys if k in written or k in caplog.text]
     # Each node but the first measured its link to a node on another site.
     links = [e for e in events if e["type"] == "link_measured"]
     assert len(links) >= 2 and all(e["site"] != e["peer_site"] and e["rtt_ms"] > 0 and e["mbit_s"] > 0
