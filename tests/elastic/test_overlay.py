@@ -177,3 +177,27 @@ def test_a_network_lab_without_root_is_one_line_naming_the_field(monkeypatch, tm
     assert code == 2 and err.splitlines() == [err], err
     assert "local.network" in err and "root" in err and "Traceback" not in err
     assert localnet.list_namespaces() == before
+
+
+@needs_root
+def test_a_killed_head_local_runs_interface_is_swept_with_its_wireguard_go():
+    """The head's interface of a `head: local` cloud run (`CloudNetwork`) is claimed by its process;
+    once that process is gone (a driver killed before its teardown), the sweep of `elastic down
+    --orphans` removes the interface and its wireguard-go, and leaves a live run's alone."""
+    import sys
+
+    from providers.cloud import CloudNetwork, CloudProvider
+
+    net = CloudNetwork()
+    name = net.iface.ifname
+    try:
+        assert overlay.owner_alive(name) and name not in CloudProvider.clean_orphans_here()
+        assert net.iface.exists()
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout.strip()
+        (overlay.OWNERS / name).write_text(dead)
+        assert name in CloudProvider.clean_orphans_here()
+        assert not net.iface.exists() and not (overlay.OWNERS / name).exists()
+        assert subprocess.run(["pgrep", "-f", f"wireguard-go {name}$"], capture_output=True).returncode == 1
+    finally:
+        net.down()

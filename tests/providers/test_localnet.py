@@ -132,7 +132,7 @@ def test_teardown_leaves_no_namespace_interface_or_wireguard_process(tmp_path):
         # A run killed without its teardown: its owner is gone, only the orphan sweep is left.
         dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                               capture_output=True, text=True).stdout.strip()
-        (localnet.OWNERS / lab.tag).write_text(dead)
+        (overlay.OWNERS / lab.tag).write_text(dead)
         # `elastic down --orphans` sweeps it, also for a user with no cloud configured (exit 0).
         proc = run_cli("down", "--orphans", "--yes", env=no_cloud_env(tmp_path))
         assert proc.returncode == 0, proc.stdout + proc.stderr
