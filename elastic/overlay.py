@@ -186,6 +186,11 @@ class Interface:
         self.down()
         raise OverlayError(f"wireguard-go did not create {self.ifname} within {UP_TIMEOUT_S:.0f} s")
 
+    @property
+    def pid(self) -> int | None:
+        """The process id of this interface's wireguard-go (None: kernel WireGuard, or detached)."""
+        return self._proc.pid if self._proc is not None else None
+
     def set_peer(self, peer: Peer) -> None:
         """Accept `peer` (or update its endpoint)."""
         allowed = ",".join(peer.allowed_ips or (f"{peer.overlay_ip}/32",))
