@@ -11,7 +11,12 @@ pseudo-gradient, as the DiLoCo outer sync does it:
 
 Both cross the same shaped uplinks in the same run. Prints seconds per all-reduce and the
 effective bandwidth (bytes each rank sends in a ring, 2(n-1)/n of the tensor, per second) and the
-overlay's share of the bare figure. Links: 1 Gbit/s and 200 Mbit/s per direction; a 40 ms / 100 ms
+overlay's share of the bare figure; for a userspace overlay also the CPU seconds both
+wireguard-go processes used over the exchange (a warm-up, `--repeats` all-reduces) and that CPU
+per 1,420 bytes the two interfaces carried (the tunnel's MTU: one full packet's encryption at one
+end and decryption at the other, with the TUN and socket calls around them; counted in bytes, as
+a current wireguard-go hands the kernel batches, not packets). The wireguard-go run is the first
+on PATH (bench/build_wireguard_go.sh builds a current one). Links: 1 Gbit/s and 200 Mbit/s per direction; a 40 ms / 100 ms
 RTT is added where the kernel has netem (this one is said in the output).
 
     sudo python bench/wan.py [--params 100e6] [--repeats 2]
@@ -52,8 +57,29 @@ def worker(rank: int, master: str, ifname: str, numel: int, dtype: str, repeats:
     dist.destroy_process_group()
 
 
-def _pair(hosts, master: str, ifnames: tuple[str, str], numel: int, dtype: str, repeats: int) -> float:
-    """Median seconds of one all-reduce between processes in the two hosts' namespaces."""
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _sent_bytes(netns: str, ifname: str) -> int:
+    """Bytes the interface has sent."""
+    import json
+
+    out = subprocess.run(["ip", "-n", netns, "-j", "-s", "link", "show", "dev", ifname], capture_output=True,
+                         text=True, check=True).stdout
+    return json.loads(out)[0]["stats64"]["tx"]["bytes"]
+
+
+def _pair(hosts, master: str, ifnames: tuple[str, str], numel: int, dtype: str, repeats: int,
+          ifaces=()) -> tuple[float, float, int]:
+    """Median seconds of one all-reduce between processes in the two hosts' namespaces; with
+    `ifaces` (userspace overlay interfaces), also the CPU seconds their wireguard-go used and the
+    bytes they sent over the whole exchange (0, 0 otherwise)."""
+    pids = [iface.pid for iface in ifaces if iface.pid is not None]
+    cpu0 = sum(_cpu_s(p) for p in pids)
+    sent0 = sum(_sent_bytes(i.netns, i.ifname) for i in ifaces)
     procs = [subprocess.Popen(["ip", "netns", "exec", host.netns, sys.executable, __file__, "--worker",
                                str(rank), master, ifname, str(numel), dtype, str(repeats)],
                               stdout=subprocess.PIPE, text=True,
@@ -63,7 +89,8 @@ def _pair(hosts, master: str, ifnames: tuple[str, str], numel: int, dtype: str, 
     if any(p.returncode for p in procs):
         raise SystemExit(f"a worker failed (exit {[p.returncode for p in procs]})")
     times = sorted(float(x) for x in outs[0].split())
-    return times[len(times) // 2]
+    return (times[len(times) // 2], sum(_cpu_s(p) for p in pids) - cpu0,
+            sum(_sent_bytes(i.netns, i.ifname) for i in ifaces) - sent0)
 
 
 def main() -> None:
@@ -88,7 +115,7 @@ def main() -> None:
     print(f"all-reduce of {numel / 1e6:.0f} M parameters between two regions, 2 ranks, gloo; "
           f"link delay: {'netem' if netem else 'none (this kernel has no netem qdisc: rate only)'}")
     print(f"{'link':<24} {'dtype':<9} {'bare s':>8} {'overlay s':>10} {'bare Mbit/s':>12} "
-          f"{'overlay Mbit/s':>15} {'overlay/bare':>13}")
+          f"{'overlay Mbit/s':>15} {'overlay/bare':>13} {'wg CPU s':>9} {'wg µs/1420 B':>13}")
     for rate_mbit, rtt_ms in ((1000, 40), (200, 100)):
         one_way_ms = rtt_ms / 2 if netem else 0.0
         link = localnet.Link(rate_mbit=rate_mbit, delay_ms=one_way_ms)
@@ -106,12 +133,15 @@ def main() -> None:
                 routers = (lab.router_of("a"), lab.router_of("b"))
                 name = f"{rate_mbit} Mbit/s" + (f", {rtt_ms} ms RTT" if netem else "")
                 for dtype in ("float32", "bfloat16"):
-                    bare_s = _pair(routers, routers[0].public_ip, ("pub", "pub"), numel, dtype, args.repeats)
-                    over_s = _pair((a, b), overlay.overlay_ip(1), (ifaces[0].ifname, ifaces[1].ifname),
-                                   numel, dtype, args.repeats)
+                    bare_s = _pair(routers, routers[0].public_ip, ("pub", "pub"), numel, dtype, args.repeats)[0]
+                    over_s, wg_cpu_s, sent_b = _pair((a, b), overlay.overlay_ip(1),
+                                                      (ifaces[0].ifname, ifaces[1].ifname), numel, dtype,
+                                                      args.repeats, ifaces)
                     sent_mbit = numel * (2 if dtype == "bfloat16" else 4) * 8 / 1e6   # 2(n-1)/n = 1
+                    per_packet = f"{wg_cpu_s / (sent_b / 1420) * 1e6:.1f}" if sent_b and wg_cpu_s else "-"
                     print(f"{name:<24} {dtype:<9} {bare_s:>8.2f} {over_s:>10.2f} {sent_mbit / bare_s:>12.0f} "
-                          f"{sent_mbit / over_s:>15.0f} {bare_s / over_s:>13.2f}", flush=True)
+                          f"{sent_mbit / over_s:>15.0f} {bare_s / over_s:>13.2f} {wg_cpu_s:>9.1f} "
+                          f"{per_packet:>13}", flush=True)
             finally:
                 for iface in ifaces:
                     iface.down()

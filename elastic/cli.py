@@ -211,6 +211,9 @@ def _dispatch(args, err) -> int:
         from elastic.recipe import launch_problems
         if problems := launch_problems(recipe, args.recipe):
             raise UserError(problems)
+        from providers.local.provider import network_problem
+        if problem := network_problem(recipe):   # this machine cannot build local.network's lab
+            raise UserError(problem)
         if not args.offline:   # before a run directory or Ray: a cloud mistake costs a second
             from elastic.preflight import check
             check(recipe)

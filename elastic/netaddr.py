@@ -5,8 +5,9 @@ head's `--node-ip-address`, or the address a joining VM reaches the head from). 
 rank offers or dials uses that address, never what the machine's hostname happens to resolve to
 (often 127.0.0.1 or an address another host cannot reach):
 
-- the driver's TCPStore (every process group rendezvouses through it) is dialled at the driver
-  node's Ray node IP; it is loopback only when the whole cluster is on loopback (a local run);
+- the driver's TCPStore (every process group rendezvouses through it) listens on, and is dialled
+  at, the driver node's Ray node IP only (`store_listener`); it is loopback only when the whole
+  cluster is on loopback (a local run);
 - the outer (cross-replica) gloo group of a rank binds and advertises the rank node's Ray node IP.
 
 An overlay network changes the answers here and nothing else.
@@ -25,8 +26,17 @@ def node_ip() -> str:
 
 def store_host() -> str:
     """Host every rank dials for the driver's TCPStore: the driver node's Ray node IP (call in the
-    driver). The store itself listens on every interface of that node."""
+    driver). The store listens there only (`store_listener`)."""
     return node_ip()
+
+
+def store_listener(host: str) -> int:
+    """A listening TCP socket on `host` (a free port) for the TCPStore server, as a file descriptor
+    whose ownership passes to the store (`TCPStore(master_listen_fd=...)`): left to itself the
+    store listens on every interface of the machine, not only on the overlay's."""
+    import socket
+
+    return socket.create_server((host, 0), backlog=512).detach()
 
 
 def gloo_device(ip: str | None = None):

@@ -25,13 +25,16 @@ import ipaddress
 import json
 import logging
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
 import time
 import zlib
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Callable, Sequence
 
 log = logging.getLogger(__name__)
@@ -48,6 +51,12 @@ UP_TIMEOUT_S = 10.0
 PEERS_KV_KEY = "elastic/overlay/peers"
 """Ray internal KV key of the run's peers document (the driver writes it, the nodes' watchers read it)."""
 HEAD_IP = "100.80.0.1"
+OWNERS = Path("/run/elastic/owners")
+"""One file per live network lab or `head: local` overlay interface a run made on this machine,
+named by its tag, holding the pid of the process that owns it: `elastic down --orphans` removes
+those whose owner is gone."""
+RUN_IFNAME = re.compile(r"elw[0-9a-f]{8}")
+"""Names of the interfaces `head: local` runs make here (`providers.cloud.CloudNetwork`)."""
 
 
 class OverlayError(RuntimeError):
@@ -177,6 +186,11 @@ class Interface:
         self.down()
         raise OverlayError(f"wireguard-go did not create {self.ifname} within {UP_TIMEOUT_S:.0f} s")
 
+    @property
+    def pid(self) -> int | None:
+        """The process id of this interface's wireguard-go (None: kernel WireGuard, or detached)."""
+        return self._proc.pid if self._proc is not None else None
+
     def set_peer(self, peer: Peer) -> None:
         """Accept `peer` (or update its endpoint)."""
         allowed = ",".join(peer.allowed_ips or (f"{peer.overlay_ip}/32",))
@@ -233,6 +247,45 @@ class Interface:
             if self._proc.stderr:
                 self._proc.stderr.close()
             self._proc = None
+
+
+def claim(tag: str) -> None:
+    """Record this process as the owner of what is named `tag` on this machine (OWNERS)."""
+    OWNERS.mkdir(parents=True, exist_ok=True)
+    (OWNERS / tag).write_text(str(os.getpid()))
+
+
+def disclaim(tag: str) -> None:
+    """`tag` is gone: forget its owner (safe to call twice)."""
+    (OWNERS / tag).unlink(missing_ok=True)
+
+
+def owner_alive(tag: str) -> bool:
+    """Whether the process that claimed `tag` still runs (False when none did)."""
+    try:
+        pid = int((OWNERS / tag).read_text())
+    except (OSError, ValueError):
+        return False
+    return os.path.exists(f"/proc/{pid}")
+
+
+def remove_orphans() -> list[str]:
+    """Remove this machine's overlay interfaces of `head: local` runs whose process is gone (a
+    driver killed before its teardown), with their wireguard-go; returns their names."""
+    links = json.loads(_run(None, "ip", "-j", "link", "show"))
+    gone = [link["ifname"] for link in links
+            if RUN_IFNAME.fullmatch(link["ifname"]) and not owner_alive(link["ifname"])]
+    for name in gone:
+        subprocess.run(["ip", "link", "del", name], capture_output=True)
+        # A detached wireguard-go outlives its tun only until its next read; do not wait for that.
+        out = subprocess.run(["pgrep", "-f", f"wireguard-go {name}$"], capture_output=True, text=True).stdout
+        for pid in out.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        disclaim(name)
+    return gone
 
 
 # -- the run's roster: who is on the overlay, and who peers with whom ------------------------------

@@ -209,12 +209,14 @@ class World:
         import torch.distributed as dist
 
         from elastic.netaddr import store_host as driver_store_host
+        from elastic.netaddr import store_listener
 
         store_host = store_host or driver_store_host()
         self._ray = ray
         self._recipe = recipe
         self._identical = identical_data
         self._store = dist.TCPStore(store_host, 0, is_master=True, wait_for_workers=False,
+                                    master_listen_fd=store_listener(store_host),
                                     timeout=datetime.timedelta(seconds=recipe.world.step_timeout_s))
         self._store_host = store_host
         self.replicas: dict[int, Replica] = {}    # live and training

@@ -185,7 +185,12 @@ class CloudNetwork:
         self._owned = not self.iface.exists()
         if self._owned:   # `head: local`: a fresh interface; its name keeps two runs here apart
             self.iface = overlay.Interface(ifname=f"elw{os.urandom(4).hex()}")
-            self.iface.up(overlay.HEAD_IP, overlay.keypair()[0], listen_port=0)
+            overlay.claim(self.iface.ifname)   # a killed run's is found by `elastic down --orphans`
+            try:
+                self.iface.up(overlay.HEAD_IP, overlay.keypair()[0], listen_port=0)
+            except BaseException:
+                overlay.disclaim(self.iface.ifname)
+                raise
         else:
             self.iface.read_public_key()
         try:
@@ -203,6 +208,7 @@ class CloudNetwork:
         """Remove the interface this run made (a controller's stays with its VM)."""
         if self._owned:
             self.iface.down()
+            overlay.disclaim(self.iface.ifname)
 
 
 def publish_peers(doc: str) -> None:
@@ -267,6 +273,11 @@ class CloudProvider(BaseProvider):
             return CloudNetwork()
         except overlay.OverlayError as e:
             raise UserError(f"{cls.name}: the run's overlay network: {e}") from None
+
+    @classmethod
+    def clean_orphans_here(cls) -> list[str]:
+        """The overlay interfaces (and wireguard-go) of `head: local` runs whose process is gone."""
+        return overlay.remove_orphans()
 
     def _network(self) -> CloudNetwork | None:
         net = self.cluster.network if self.cluster is not None else None

@@ -47,6 +47,18 @@ def cli_env(**extra: str) -> dict:
     return env
 
 
+def no_cloud_env(tmp_path) -> dict:
+    """An environment with no AWS or GCP credentials at all (and no metadata servers asked)."""
+    env = cli_env(AWS_EC2_METADATA_DISABLED="true", AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
+                  AWS_CONFIG_FILE=str(tmp_path / "none"), GOOGLE_APPLICATION_CREDENTIALS=str(tmp_path / "none.json"),
+                  NO_GCE_CHECK="True", ELASTIC_CACHE=str(tmp_path / "cache"), RAY_TMPDIR=str(tmp_path / "ray"),
+                  HOME=str(tmp_path))
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL",
+              "ELASTIC_GCP_COMPUTE_ENDPOINT", "ELASTIC_GCP_BILLING_ENDPOINT", "GOOGLE_CLOUD_PROJECT"):
+        env.pop(k, None)
+    return env
+
+
 @pytest.fixture(scope="session")
 def s3_server(moto_server):
     """S3 on the moto server; boto3 in this process and in nodes started from now on use it.

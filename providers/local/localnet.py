@@ -45,8 +45,6 @@ log = logging.getLogger(__name__)
 PREFIX = "el"
 INTERNET = "198.18.0.0/16"
 HANDSHAKE_TIMEOUT_S = 20.0
-OWNERS = Path("/run/elastic/labs")
-"""One file per live lab, named by its tag, holding the pid of the process that owns it."""
 RELAY_IP = "198.18.0.254"
 """The delay relays' address on the internet bridge (kernels without netem)."""
 RELAY_PORTS = (40000, 60000)
@@ -167,8 +165,7 @@ class Lab:
         self._relays: dict[tuple[str, str], subprocess.Popen] = {}   # (a, b public ip) -> process
         self._relay_counted = False
         self._next_relay_port = RELAY_PORTS[0]
-        OWNERS.mkdir(parents=True, exist_ok=True)
-        (OWNERS / self.tag).write_text(str(os.getpid()))
+        overlay.claim(self.tag)
         try:
             self._make_internet()
             for region in self._regions.values():
@@ -413,7 +410,7 @@ table ip lab {{
         stop every process still running in one (the delay relays first). Safe to call twice."""
         self._stop_relays(lambda key: True)
         remove_namespaces(self.tag)
-        (OWNERS / self.tag).unlink(missing_ok=True)
+        overlay.disclaim(self.tag)
 
 
 def list_namespaces() -> list[str]:
@@ -463,14 +460,6 @@ def _stop_and_delete(namespaces: list[str], grace_s: float = 2.0) -> None:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def _owner_alive(tag: str) -> bool:
-    try:
-        pid = int((OWNERS / tag).read_text())
-    except (OSError, ValueError):
-        return False
-    return os.path.exists(f"/proc/{pid}")
-
-
 def cleanup_orphans() -> list[str]:
     """Remove every lab whose owning process is gone (a run killed before its teardown): its
     namespaces, processes and this machine's side of it. Returns the namespaces removed."""
@@ -478,9 +467,9 @@ def cleanup_orphans() -> list[str]:
             if n.startswith(PREFIX) and len(n.split("-")[0]) == len(PREFIX) + 4}
     removed = []
     for tag in sorted(tags):
-        if not _owner_alive(tag):
+        if not overlay.owner_alive(tag):
             removed += remove_namespaces(tag)
-            (OWNERS / tag).unlink(missing_ok=True)
+            overlay.disclaim(tag)
     return removed
 
 

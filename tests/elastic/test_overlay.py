@@ -141,3 +141,63 @@ def test_a_nodes_boot_command_brings_the_overlay_up_with_its_key_on_stdin_and_wa
     finally:
         node_iface.down()
         subprocess.run(["ip", "netns", "del", node_ns], check=False)
+
+
+def test_the_drivers_store_listens_on_its_node_address_only():
+    """The TCPStore every process group rendezvouses through listens where `netaddr.store_listener`
+    bound it (the node's overlay address on a run with an overlay), not on every interface: here
+    127.0.0.2 answers and 127.0.0.1, another address of the same machine, refuses."""
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    from elastic.netaddr import store_listener
+
+    timeout = datetime.timedelta(seconds=10)
+    store = dist.TCPStore("127.0.0.2", 0, is_master=True, wait_for_workers=False,
+                          master_listen_fd=store_listener("127.0.0.2"), timeout=timeout)
+    client = dist.TCPStore("127.0.0.2", store.port, is_master=False, timeout=timeout)
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", store.port), timeout=5).close()
+
+
+def test_a_network_lab_without_root_is_one_line_naming_the_field(monkeypatch, tmp_path, capsys):
+    """`elastic launch` of a recipe with `local.network` by a user without root: exit 2 and one
+    line that names the field, before any cluster or namespace exists."""
+    from elastic.cli import main
+    from providers.local import localnet
+
+    before = localnet.list_namespaces()
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    code = main(["launch", "recipes/local-two-regions.yaml", "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.splitlines() == [err], err
+    assert "local.network" in err and "root" in err and "Traceback" not in err
+    assert localnet.list_namespaces() == before
+
+
+@needs_root
+def test_a_killed_head_local_runs_interface_is_swept_with_its_wireguard_go():
+    """The head's interface of a `head: local` cloud run (`CloudNetwork`) is claimed by its process;
+    once that process is gone (a driver killed before its teardown), the sweep of `elastic down
+    --orphans` removes the interface and its wireguard-go, and leaves a live run's alone."""
+    import sys
+
+    from providers.cloud import CloudNetwork, CloudProvider
+
+    net = CloudNetwork()
+    name = net.iface.ifname
+    try:
+        assert overlay.owner_alive(name) and name not in CloudProvider.clean_orphans_here()
+        assert net.iface.exists()
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout.strip()
+        (overlay.OWNERS / name).write_text(dead)
+        assert name in CloudProvider.clean_orphans_here()
+        assert not net.iface.exists() and not (overlay.OWNERS / name).exists()
+        assert subprocess.run(["pgrep", "-f", f"wireguard-go {name}$"], capture_output=True).returncode == 1
+    finally:
+        net.down()

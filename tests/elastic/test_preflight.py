@@ -8,19 +8,7 @@ import time
 import boto3
 import pytest
 
-from tests.conftest import cli_env, run_cli
-
-
-def _no_cloud_env(tmp_path) -> dict:
-    """An environment with no AWS or GCP credentials at all (and no metadata servers asked)."""
-    env = cli_env(AWS_EC2_METADATA_DISABLED="true", AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
-                  AWS_CONFIG_FILE=str(tmp_path / "none"), GOOGLE_APPLICATION_CREDENTIALS=str(tmp_path / "none.json"),
-                  NO_GCE_CHECK="True", ELASTIC_CACHE=str(tmp_path / "cache"), RAY_TMPDIR=str(tmp_path / "ray"),
-                  HOME=str(tmp_path))
-    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL",
-              "ELASTIC_GCP_COMPUTE_ENDPOINT", "ELASTIC_GCP_BILLING_ENDPOINT", "GOOGLE_CLOUD_PROJECT"):
-        env.pop(k, None)
-    return env
+from tests.conftest import cli_env, no_cloud_env, run_cli
 
 
 @pytest.mark.parametrize("recipe,word", [("recipes/aws-smoke.yaml", "AWS credentials"),
@@ -28,7 +16,7 @@ def _no_cloud_env(tmp_path) -> dict:
 def test_launch_without_credentials_exits_2_at_once_leaving_nothing(tmp_path, recipe, word):
     run_dir = tmp_path / "run"
     start = time.monotonic()
-    r = run_cli("launch", recipe, "--run-dir", str(run_dir), env=_no_cloud_env(tmp_path))
+    r = run_cli("launch", recipe, "--run-dir", str(run_dir), env=no_cloud_env(tmp_path))
     took_s = time.monotonic() - start
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
@@ -40,7 +28,7 @@ def test_launch_without_credentials_exits_2_at_once_leaving_nothing(tmp_path, re
 
 
 def test_validate_checks_the_clouds_and_offline_skips_them(tmp_path):
-    env = _no_cloud_env(tmp_path)
+    env = no_cloud_env(tmp_path)
     r = run_cli("validate", "recipes/aws-smoke.yaml", env=env)
     assert r.returncode == 2 and "AWS credentials" in r.stderr, r.stderr
     r = run_cli("validate", "recipes/aws-smoke.yaml", "--offline", env=env)
@@ -109,7 +97,7 @@ def test_gcp_region_and_quota(gcp_fake, tmp_path):
 
 @pytest.mark.parametrize("cloud", ["local", "aws", "gcp"])
 def test_unknown_accelerator_is_an_error_on_every_cloud(tmp_path, cloud):
-    env = _no_cloud_env(tmp_path)
+    env = no_cloud_env(tmp_path)
     r = run_cli("prices", "--cloud", cloud, "--accelerator", "NONSENSE", env=env)
     assert r.returncode == 2 and "NONSENSE" in r.stderr and "Traceback" not in r.stderr, (r.stdout, r.stderr)
     assert "offers" not in r.stdout

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +27,8 @@ def test_two_regions_train_over_the_overlay_survive_a_preemption_and_leave_nothi
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "tests.servers.two_regions_driver", str(run_dir),
                            json.dumps({"train.outer_steps": 6, "checkpoint.every_outer_steps": 3,
+                                       # one preemption, the test's own (below), not the market's
+                                       "local.market.preempt_per_hour": 0,
                                        # both regions in every step: the world waits for the replacement
                                        "world.min_replicas": 2})],
                           capture_output=True, text=True, cwd=REPO, env=cli_env(), timeout=600)
@@ -59,3 +62,39 @@ def test_two_regions_train_over_the_overlay_survive_a_preemption_and_leave_nothi
     assert out["left"] == []
     assert not [n for n in localnet.list_namespaces() if n.startswith(out["tag"])]
     assert subprocess.run(["pgrep", "-f", f"wireguard-go {out['tag']}"], capture_output=True).returncode == 1
+
+
+def test_ctrl_c_while_nodes_join_leaves_no_namespace_interface_or_wireguard_process(tmp_path):
+    """`elastic launch recipes/local-two-regions.yaml` interrupted (SIGINT) once a node in region-b
+    has joined over the overlay: exit 130, and nothing of its network is left on this machine."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "elastic", "launch", "recipes/local-two-regions.yaml",
+                             "--run-dir", str(run_dir), "--set", "train.outer_steps=1000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=cli_env())
+    deadline = time.monotonic() + 120
+    ledger = run_dir / "events.jsonl"
+    while not any(e["type"] == "node_launched" and e.get("region") == "region-b" and e.get("joined")
+                  for e in (read_events(ledger) if ledger.exists() else [])):
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "no region-b node joined within 120 s"
+        time.sleep(0.2)   # polling the ledger, bounded by the deadline
+    tag = next(e["tag"] for e in read_events(ledger) if e["type"] == "network_started")
+    spaces = [n for n in localnet.list_namespaces() if n.startswith(tag)]
+    # Each host's wireguard-go (named for its namespace) and the driver's host's own.
+    wg_names = [overlay.Interface(n).ifname for n in spaces if "h" in n.split("-")[1]] + [f"{tag}wg"]
+    assert len(wg_names) >= 2
+    if not Path("/sys/module/wireguard").exists():   # userspace WireGuard: a process per interface
+        assert all(subprocess.run(["pgrep", "-f", f"wireguard-go {w}$"], capture_output=True).returncode == 0
+                   for w in wg_names)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert json.loads((run_dir / "report.json").read_text())["status"] == "interrupted"
+    assert not [n for n in localnet.list_namespaces() if n.startswith(tag)]
+    assert not [w for w in wg_names
+                if subprocess.run(["pgrep", "-f", f"wireguard-go {w}$"], capture_output=True).returncode == 0]
+    assert subprocess.run(["ip", "link", "show", f"{tag}wg"], capture_output=True).returncode != 0
+    assert not (overlay.OWNERS / tag).exists()

@@ -220,6 +220,9 @@ def test_bootstrap_joins_the_overlay_before_ray_with_its_key_from_ssm_never_in_u
     assert private not in script and "PrivateKey" not in script
     up = script.index("python3 -m elastic.overlay up --address \"$OVERLAY_IP\"")
     assert script.index("OVERLAY_IP=100.80.0.2") < up < script.index("ray start --address=")
+    # wireguard-go is installed where the kernel has no WireGuard module, before the overlay comes up.
+    assert script.index("modprobe wireguard 2>/dev/null || command -v wireguard-go") \
+        < script.index("apt-get install -y wireguard-go") < up
     assert f"--peer {join.head.public_key},100.80.0.1,198.51.100.7:51820 " in script
     assert "aws ssm get-parameter --region us-west-2 --with-decryption --name /elastic/run-wg/wg-100-80-0-2" in script
     assert '--node-ip-address="$OVERLAY_IP"' in script and '--overlay-ip "$OVERLAY_IP"' in script

@@ -16,6 +16,7 @@ import pytest
 
 from elastic import overlay
 from providers.local import localnet
+from tests.conftest import no_cloud_env, run_cli
 
 REQUIRES = localnet.missing_requirements() or (
     f"missing {', '.join(overlay.missing_tools())}" if overlay.missing_tools() else None)
@@ -118,7 +119,7 @@ def test_a_revoked_key_no_longer_reaches_its_peer(lab, meshed):
         server.wait()
 
 
-def test_teardown_leaves_no_namespace_interface_or_wireguard_process():
+def test_teardown_leaves_no_namespace_interface_or_wireguard_process(tmp_path):
     lab = localnet.Lab({"region-a": localnet.Link()})
     try:
         host = lab.add_host("region-a")
@@ -131,9 +132,14 @@ def test_teardown_leaves_no_namespace_interface_or_wireguard_process():
         # A run killed without its teardown: its owner is gone, only the orphan sweep is left.
         dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                               capture_output=True, text=True).stdout.strip()
-        (localnet.OWNERS / lab.tag).write_text(dead)
-        removed = localnet.cleanup_orphans()
-        assert set(removed) == {f"{lab.tag}-inet", f"{lab.tag}-r1", host.netns}
+        (overlay.OWNERS / lab.tag).write_text(dead)
+        # `elastic down --orphans` sweeps it, also for a user with no cloud configured (exit 0).
+        proc = run_cli("down", "--orphans", "--yes", env=no_cloud_env(tmp_path))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "removed what dead runs left on this machine: " in proc.stdout
+        removed = proc.stdout.split("removed what dead runs left on this machine: ")[1].split("\n")[0]
+        assert set(removed.split(", ")) >= {f"{lab.tag}-inet", f"{lab.tag}-r1", host.netns}
+        assert lab.namespaces() == []
     finally:
         lab.down()
         subprocess.run(["ip", "link", "del", "elprobe0"], capture_output=True)

@@ -10,6 +10,8 @@ Needs root and wireguard-tools (the head's interface is real; CI runs as root)."
 from __future__ import annotations
 
 import base64
+import json
+import logging
 import os
 import subprocess
 import threading
@@ -46,6 +48,7 @@ class FakeVMs:
         self.cluster, self.net, self.gcp = cluster, net, gcp_fake
         self.nodes: dict[str, str] = {}
         self.admitted: dict[str, str] = {}   # instance id -> public key the head knew before it joined
+        self.private_keys: set[str] = set()   # what the VMs read from the secret stores
         self._lock = threading.Lock()
         self._stop = threading.Event()
         # Raylets die with the thread that started them: start them all from one long-lived thread.
@@ -66,6 +69,7 @@ class FakeVMs:
             return
         with self._lock:
             self.admitted[instance_id] = _public_key(private)
+            self.private_keys.add(private)
         node = self.cluster.add_node(cpus=1, gpus=0, labels={"elastic.instance_id": instance_id}, resources={},
                                      object_store_bytes=80 * 1024 * 1024)
         with self._lock:
@@ -118,7 +122,7 @@ class FakeVMs:
 
 
 def test_replicas_in_two_aws_regions_and_gcp_join_the_overlay_and_leave_it(aws_env, gcp_fake, local_cluster,
-                                                                          tmp_path, monkeypatch):
+                                                                          tmp_path, monkeypatch, caplog):
     from ray.experimental import internal_kv
 
     from elastic import linkprobe
@@ -141,6 +145,8 @@ def test_replicas_in_two_aws_regions_and_gcp_join_the_overlay_and_leave_it(aws_e
             full.append(dict(net.iface.peers()))
             full.append(overlay.decode_members(internal_kv._internal_kv_get(overlay.PEERS_KV_KEY).decode()))
 
+    for name in ("elastic", "providers"):   # the project's loggers, all of them (driver.log takes INFO)
+        caplog.set_level(logging.DEBUG, logger=name)
     recipe = tiny_recipe(**{
         "resources.clouds": "[aws, gcp]", "resources.head": "local", "resources.accelerators": "A100:8",
         "resources.regions": "[us-east-1, us-west-2, us-east1]", "resources.join_timeout_s": 60,
@@ -180,9 +186,65 @@ def test_replicas_in_two_aws_regions_and_gcp_join_the_overlay_and_leave_it(aws_e
         left = boto3.client("ssm", region_name=region).describe_parameters()["Parameters"]
         assert not [p["Name"] for p in left if p["Name"].startswith(f"/elastic/{RUN}/wg-")]
     assert not [s for s in gcp_fake.secrets if "-wg-" in s]
+    # No node's private key in the run's ledger, report or any file of its run directory, nor in
+    # anything the project logged (botocore's own debug log, off by default, would show the SSM
+    # request that stores it).
+    assert len(vms.private_keys) >= 3
+    from elastic.report import build_report
+
+    written = "".join(f.read_text(errors="replace") for f in (tmp_path / "run").rglob("*") if f.is_file())
+    written += json.dumps(build_report(events))
+    assert "events.jsonl" in {f.name for f in (tmp_path / "run").rglob("*")}
+    logged = "\n".join(r.getMessage() for r in caplog.records if r.name.split(".")[0] in ("elastic", "providers"))
+    assert logged and not [k for k in vms.private_keys if k in logged]
+    assert not [k for k in vms.private_keys if k in written]
     # Each node but the first measured its link to a node on another site.
     links = [e for e in events if e["type"] == "link_measured"]
     assert len(links) >= 2 and all(e["site"] != e["peer_site"] and e["rtt_ms"] > 0 and e["mbit_s"] > 0
                                    for e in links)
     assert {e["site"] for e in links} | {e["peer_site"] for e in links} <= {"aws/us-east-1", "aws/us-west-2",
                                                                            "gcp/us-east1"}
+
+
+def test_a_vm_the_cloud_lost_has_its_key_revoked_on_the_head_at_once(aws_env, monkeypatch):
+    """A spot VM that vanished without a notice the driver saw: the state poll of `events()` finds
+    it gone, reports it preempted, and its key leaves the head's WireGuard interface, the roster and
+    the peers document in that same call, along with its secret."""
+    from types import SimpleNamespace
+
+    from providers import build, cloud
+    from providers.cloud import CloudNetwork, NodeJoin
+    from tests.providers.test_aws import aws_recipe, price_rule
+
+    aws_env.rules.append(price_rule)
+    monkeypatch.setattr(cloud, "STATE_POLL_S", 0.0)
+    docs: list[str] = []
+    monkeypatch.setattr(cloud, "publish_peers", docs.append)
+    net = CloudNetwork()
+    try:
+        p = build("aws", aws_recipe(**{"resources.regions": "[us-west-2]"}),
+                  SimpleNamespace(network=net, address="100.80.0.1:6379"), "run-lost")
+        offer = p.offers(p.recipe.resources)[0]
+        # What `launch` does for a VM up to its node's join: key, VM, admission on the roster.
+        ip = net.roster.allocate_ip()
+        private, public = overlay.keypair()
+        join = NodeJoin(ip, public, "wg-lost", p._put_node_key(offer, "run-lost", "wg-lost", private), net.head)
+        inst = p._create(offer, "run-lost", "replica", join=join)
+        public_ip, private_ip = p._addresses(inst)
+        net.roster.add(overlay.Member(inst.instance_id, ip, public, f"{public_ip}:51820", p.site(offer)))
+        inst.ray_node_id = "joined"
+        p._held[inst.instance_id] = inst
+        p._keys[inst.instance_id] = (offer, "wg-lost")
+        assert public in net.iface.peers()
+        assert p.events() == []                               # running: nothing happens
+        boto3.client("ec2", region_name="us-west-2").terminate_instances(InstanceIds=[inst.instance_id])
+        [ev] = p.events()
+        assert (ev.instance_id, ev.kind) == (inst.instance_id, "preempted")
+        assert public not in net.iface.peers()
+        assert [m.name for m in net.roster.members()] == ["head"]
+        assert [m.name for m in overlay.decode_members(docs[-1])] == ["head"]
+        ssm = boto3.client("ssm", region_name="us-west-2")
+        assert not [x for x in ssm.describe_parameters()["Parameters"] if x["Name"].endswith("/wg-lost")]
+        p.close()
+    finally:
+        net.down()
