@@ -211,9 +211,10 @@ def _dispatch(args, err) -> int:
         from elastic.recipe import launch_problems
         if problems := launch_problems(recipe, args.recipe):
             raise UserError(problems)
-        from providers.local.provider import network_problem
-        if problem := network_problem(recipe):   # this machine cannot build local.network's lab
-            raise UserError(problem)
+        from providers import provider_class
+        for cloud in recipe.resources.clouds:   # e.g. this machine cannot build local.network's lab
+            if problem := provider_class(cloud).network_problem(recipe):
+                raise UserError(problem)
         if not args.offline:   # before a run directory or Ray: a cloud mistake costs a second
             from elastic.preflight import check
             check(recipe)

@@ -151,6 +151,12 @@ class Provider(Protocol):
         with this host as its head, `providers.cloud.CloudNetwork`), or None."""
 
     @classmethod
+    def network_problem(cls, recipe) -> str | None:
+        """Why this machine cannot make the network `start_network` would make for `recipe`, in
+        one line naming the recipe field; None when it can (or there is none). `elastic launch`
+        asks before a run directory or Ray exists."""
+
+    @classmethod
     def clean_orphans_here(cls) -> list[str]:
         """Remove what dead runs of this provider left on this machine (`elastic down --orphans`);
         returns what was removed, one name each."""
@@ -234,6 +240,11 @@ class BaseProvider:
     @classmethod
     def start_network(cls, recipe):
         """No network of its own: the driver's host stays where it is."""
+        return None
+
+    @classmethod
+    def network_problem(cls, recipe) -> str | None:
+        """No network of its own to make here."""
         return None
 
     @classmethod

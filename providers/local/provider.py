@@ -76,6 +76,21 @@ class LocalProvider(BaseProvider):
     # -- the provider interface ------------------------------------------------------------------
 
     @classmethod
+    def network_problem(cls, recipe) -> str | None:
+        """Why this machine cannot build the recipe's `local.network` lab, in one line naming the
+        field (needs root, iproute2, nftables, wireguard-tools and wireguard-go); None when it can
+        or the recipe asks for no lab."""
+        if "local" not in recipe.resources.clouds or recipe.local.network is None:
+            return None
+        from elastic import overlay
+        from providers.local import localnet
+
+        missing = overlay.missing_tools()
+        reason = localnet.missing_requirements() or (f"missing {', '.join(missing)} (install wireguard-tools and "
+                                                     "wireguard-go)" if missing else None)
+        return f"local.network: {reason}" if reason else None
+
+    @classmethod
     def start_network(cls, recipe):
         """The run's network lab and overlay when the recipe runs on `local` with `local.network`
         set (None otherwise): each region behind its own NAT router, the driver's host on
@@ -86,7 +101,7 @@ class LocalProvider(BaseProvider):
         from elastic.errors import UserError
         from providers.local import localnet
 
-        if problem := network_problem(recipe):
+        if problem := cls.network_problem(recipe):
             raise UserError(problem)
         regions = dict.fromkeys(it.region for it in section.instance_types)
         links = {r: localnet.Link(**(section.network.links[r].model_dump() if r in section.network.links else {}))
@@ -274,17 +289,3 @@ class LocalProvider(BaseProvider):
                 except Exception:  # a node that vanished on its own meanwhile
                     log.exception("preempting %s", instance_id)
 
-
-def network_problem(recipe) -> str | None:
-    """Why this machine cannot build the recipe's `local.network` lab, in one line naming the field
-    (needs root, iproute2, nftables, wireguard-tools and wireguard-go); None when it can or the
-    recipe asks for no lab. `elastic launch` asks before a run directory or Ray exists."""
-    if "local" not in recipe.resources.clouds or recipe.local.network is None:
-        return None
-    from elastic import overlay
-    from providers.local import localnet
-
-    missing = overlay.missing_tools()
-    reason = localnet.missing_requirements() or (f"missing {', '.join(missing)} (install wireguard-tools and "
-                                                 "wireguard-go)" if missing else None)
-    return f"local.network: {reason}" if reason else None
