@@ -49,6 +49,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.traces.make_traces import write  # noqa: E402
 from elastic.bound import _expected_min, lower_bound_usd_per_mtok  # noqa: E402
 from elastic.planner import run_tokens  # noqa: E402
 from elastic.recipe import load_recipe  # noqa: E402
@@ -149,15 +150,10 @@ class Family:
                 states.append(s)
                 s = min(int(np.searchsorted(cum[s], rng.random(), side="right")), len(usd) - 1)
             cols.append(usd[states])
-        lines = ["timestamp_s,cloud,region,zone,instance_type,gpu,gpus,spot_usd_per_hour,on_demand_usd_per_hour,"
-                 "preempt_per_hour,capacity"]
-        for i in range(self.rows):
-            for o, col in zip(self.offers, cols):
-                lines.append(f"{int(i * STEP_S)},{o.cloud},{o.region},{o.zone},{o.instance_type},{o.gpu},8,"
-                             f"{col[i]:.4f},{o.on_demand_usd_per_hour},{o.preempt_per_hour},{o.capacity}")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-        return path
+        rows = [[int(i * STEP_S), o.cloud, o.region, o.zone, o.instance_type, o.gpu, 8, round(float(col[i]), 4),
+                 o.on_demand_usd_per_hour, o.preempt_per_hour, o.capacity]
+                for i in range(self.rows) for o, col in zip(self.offers, cols)]
+        return write(path.stem, rows, path.parent)
 
 
 def _expect(f: np.ndarray, chains: list[np.ndarray]) -> np.ndarray:
