@@ -175,6 +175,13 @@ def netns_host():
         host.close()
 
 
+def join_as_vm(cluster, instance_id: str, cloud: str | None = None) -> str:
+    """Start the raylet a cloud VM's boot script would start: one CPU, labelled with the VM's
+    instance id (and its cloud), joining `cluster`. Returns its Ray node id."""
+    labels = {"elastic.instance_id": instance_id, **({"elastic.cloud": cloud} if cloud else {})}
+    return cluster.add_node(cpus=1, gpus=0, labels=labels, resources={}, object_store_bytes=80 * 1024 * 1024)
+
+
 def tiny_recipe(**overrides):
     """A small valid recipe dict for fast training tests; `overrides` as dotted paths."""
     from elastic.recipe import apply_overrides, validate_recipe

@@ -13,7 +13,7 @@ import time
 import boto3
 import pytest
 
-from tests.conftest import REPO, aws_error, cli_env, events_within, run_cli, tiny_recipe
+from tests.conftest import REPO, aws_error, cli_env, events_within, join_as_vm, run_cli, tiny_recipe
 
 NS = 'xmlns="http://ec2.amazonaws.com/doc/2016-11-15/"'
 
@@ -535,8 +535,7 @@ def test_launch_returns_once_the_vms_node_joins_and_notices_arrive(aws_env, loca
     while not instances("us-west-2", "run-join") and time.monotonic() < deadline:
         time.sleep(0.05)
     [vm] = instances("us-west-2", "run-join")
-    node_id = local_cluster.add_node(cpus=1, gpus=0, labels={"elastic.instance_id": vm["InstanceId"]}, resources={},
-                                     object_store_bytes=80 * 1024 * 1024)
+    node_id = join_as_vm(local_cluster, vm["InstanceId"])
     try:
         t.join(timeout=30)
         inst = result["inst"]

@@ -18,9 +18,7 @@ import pytest
 
 from providers import PROVIDERS, build, provider_class
 from providers.base import CapacityError, JoinTimeout, Provider
-from tests.conftest import events_within, tiny_recipe
-
-OBJECT_STORE_BYTES = 80 * 1024 * 1024
+from tests.conftest import events_within, join_as_vm, tiny_recipe
 
 
 def _members() -> set[str]:
@@ -55,8 +53,7 @@ class Harness:
 
     def boot(self, instance_id: str) -> None:
         """The VM's bootstrap script: a Ray node labelled with its instance id joins the cluster."""
-        self._nodes.append(self.cluster.add_node(cpus=1, gpus=0, labels={"elastic.instance_id": instance_id},
-                                                 resources={}, object_store_bytes=OBJECT_STORE_BYTES))
+        self._nodes.append(join_as_vm(self.cluster, instance_id))
 
     def launch(self, p, offer, run: str):
         """`p.launch` as the driver calls it, with the VM's boot stood in for once the cloud has it."""

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from providers.base import Offer
-from tests.conftest import REPO, cli_env, run_cli, tiny_recipe
+from tests.conftest import REPO, cli_env, join_as_vm, run_cli, tiny_recipe
 from tests.providers.gcp_fake import MACHINE_TYPES, PRICES, ZONE_ACCELERATORS, ZONE_MACHINE_TYPES, ZONES
 
 
@@ -592,8 +592,7 @@ def test_driver_trains_on_gcp_vms_and_drains_one_on_its_notice(gcp_fake, local_c
     starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vm-boot")
 
     def _start(name):
-        node = local_cluster.add_node(cpus=1, gpus=0, labels={"elastic.instance_id": name, "elastic.cloud": "gcp"},
-                                      resources={}, object_store_bytes=80 * 1024 * 1024)
+        node = join_as_vm(local_cluster, name, "gcp")
         with lock:
             nodes[name] = node
 

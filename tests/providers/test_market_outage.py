@@ -12,7 +12,7 @@ import pytest
 
 from elastic.events import MarketAvailable, MarketUnavailable
 from elastic.ledger import Ledger
-from tests.conftest import aws_error
+from tests.conftest import aws_error, join_as_vm
 from tests.providers.test_aws import aws_recipe, instances, price_rule, spot_history
 
 
@@ -100,9 +100,7 @@ def test_a_run_on_aws_vms_trains_through_a_price_outage_and_completes(aws_env, l
             while not stop.is_set():
                 for vm in instances("us-west-2", run):
                     if vm["InstanceId"] not in booted and vm["State"]["Name"] in ("pending", "running"):
-                        booted[vm["InstanceId"]] = local_cluster.add_node(
-                            cpus=1, gpus=0, labels={"elastic.instance_id": vm["InstanceId"], "elastic.cloud": "aws"},
-                            resources={}, object_store_bytes=80 * 1024 * 1024)
+                        booted[vm["InstanceId"]] = join_as_vm(local_cluster, vm["InstanceId"], "aws")
                 stop.wait(0.2)
         except Exception as exc:   # said by the test below, not lost with the thread
             boot_failed.append(exc)

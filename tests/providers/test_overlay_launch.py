@@ -22,7 +22,7 @@ import boto3
 import pytest
 
 from elastic import overlay
-from tests.conftest import tiny_recipe
+from tests.conftest import join_as_vm, tiny_recipe
 from tests.providers.test_aws import spot_history
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
@@ -70,8 +70,7 @@ class FakeVMs:
         with self._lock:
             self.admitted[instance_id] = _public_key(private)
             self.private_keys.add(private)
-        node = self.cluster.add_node(cpus=1, gpus=0, labels={"elastic.instance_id": instance_id}, resources={},
-                                     object_store_bytes=80 * 1024 * 1024)
+        node = join_as_vm(self.cluster, instance_id)
         with self._lock:
             self.nodes[instance_id] = node
 
