@@ -183,6 +183,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def _print_warnings(out, warnings: list[str]) -> None:
+    """One yellow `warning:` line each (what the recipe may get wrong, the command goes on)."""
+    from rich.markup import escape
+
+    for w in warnings:
+        out.print(f"[yellow]warning:[/yellow] {escape(w)}", highlight=False, soft_wrap=True)
+
+
 def _dispatch(args, err) -> int:
     from rich.console import Console
 
@@ -191,10 +199,11 @@ def _dispatch(args, err) -> int:
         from rich.markup import escape
 
         from elastic.errors import UserError
-        from elastic.recipe import launch_problems, load_recipe
+        from elastic.recipe import launch_problems, launch_warnings, load_recipe
         recipe = load_recipe(args.recipe, args.overrides)
         if problems := launch_problems(recipe, args.recipe):
             raise UserError(problems)
+        _print_warnings(out, launch_warnings(recipe))
         if not args.offline:
             from elastic.preflight import check
             check(recipe)
@@ -208,9 +217,10 @@ def _dispatch(args, err) -> int:
         if args.address is not None and not _is_host_port(args.address):
             raise UserError(f"--address {args.address!r}: expected HOST:PORT of a running Ray head")
         recipe = load_recipe(args.recipe, args.overrides)
-        from elastic.recipe import launch_problems
+        from elastic.recipe import launch_problems, launch_warnings
         if problems := launch_problems(recipe, args.recipe):
             raise UserError(problems)
+        _print_warnings(out, launch_warnings(recipe))
         from providers import provider_class
         for cloud in recipe.resources.clouds:   # e.g. this machine cannot build local.network's lab
             if problem := provider_class(cloud).network_problem(recipe):
@@ -405,8 +415,7 @@ def _plan(args, out) -> int:
                       f"${doc['usd_per_mtok']:.4f} per 1M tokens; "
                       f"{doc['tokens_needed']:,} tokens in about {doc['expected_hours']:.1f} h for "
                       f"${doc['expected_usd']:,.2f}", highlight=False)
-        for w in doc["warnings"]:
-            out.print(f"[yellow]warning:[/yellow] {w}", highlight=False)
+        _print_warnings(out, doc["warnings"])
     return 0 if placement.feasible else 4
 
 

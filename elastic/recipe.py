@@ -637,6 +637,21 @@ def launch_problems(recipe: Recipe, source: str) -> list[str]:
     return []
 
 
+def launch_warnings(recipe: Recipe) -> list[str]:
+    """What a launchable recipe may get wrong on real VMs (`validate` and `launch` print it and go
+    on): with the head on this machine, a `file://` checkpoint (or the default, the run directory)
+    is written shard by shard by each cloud VM to its own disk, so it is lost with the VM and no
+    other node can restore it, unless that path is one filesystem every node mounts."""
+    uri = recipe.checkpoint.uri
+    clouds = sorted(set(recipe.resources.clouds) - {"local"})
+    if clouds and (not uri or uri.startswith("file://") or "://" not in uri):
+        where = uri or "<run dir>/checkpoints (checkpoint.uri is empty)"
+        return [f"checkpoint.uri: {where} is on each {'/'.join(clouds)} VM's own disk: its shards go with "
+                "the VM and no other node can restore them unless every node mounts that path as one "
+                "shared filesystem; use an s3:// or gs:// destination"]
+    return []
+
+
 def _check_factory(factory, recipe: Recipe, source: str) -> list[str]:
     """Call `model.factory` as replicas will, on torch's meta device (no memory for weights): it must
     return an `nn.Module`."""

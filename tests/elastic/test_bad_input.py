@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elastic.errors import RecipeError
-from elastic.recipe import launch_problems, load_recipe
+from elastic.recipe import launch_problems, launch_warnings, load_recipe
 from tests.elastic.test_recipe import TINY, error_lines, run_cli
 
 
@@ -38,6 +38,24 @@ def test_validate_prints_them_as_one_line_and_exits_2(tmp_path):
     [line] = error_lines(run_cli("validate", str(path)), names="duplicate key 'seed'")
     path.write_text("name: a\nresources: {clouds: [aws]}\n", encoding="utf-8")
     [line] = error_lines(run_cli("validate", str(path)), names="checkpoint.uri")
+
+
+def test_a_head_local_cloud_run_is_warned_that_file_checkpoints_stay_on_each_vm(tmp_path):
+    """Launchable (a shared filesystem would do), but a VM's shards go with it: `validate` says so
+    on one warning line and exits 0; an object store gets no warning, nor a local-only run."""
+    path = tmp_path / "recipe.yaml"
+    path.write_text("name: a\nresources: {clouds: [gcp, aws], head: local}\n"
+                    "checkpoint: {uri: 'file:///shared/ckpt'}\n", encoding="utf-8")
+    [warning] = launch_warnings(load_recipe(path))
+    assert warning.startswith("checkpoint.uri: file:///shared/ckpt is on each aws/gcp VM's own disk")
+    assert launch_warnings(load_recipe(path, ["checkpoint.uri=gs://bucket/ckpt"])) == []
+    assert launch_warnings(load_recipe(TINY, ["checkpoint.uri=file:///tmp/x"])) == []
+    path.write_text("name: a\nresources: {clouds: [aws], head: local}\n", encoding="utf-8")
+    r = run_cli("validate", str(path), "--offline")
+    assert r.returncode == 0, r.stderr
+    [line] = [x for x in r.stdout.splitlines() if x.startswith("warning:")]
+    assert "<run dir>/checkpoints (checkpoint.uri is empty) is on each aws VM's own disk" in line
+    assert "use an s3:// or gs:// destination" in line and "recipe.yaml: ok" in r.stdout
 
 
 @pytest.mark.parametrize("module, body, says", [
