@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
 from pathlib import Path
 
@@ -37,6 +38,8 @@ from elastic.report import cost_so_far
 log = logging.getLogger(__name__)
 
 PRICE_POLL_S = 1.0       # real seconds between reads of the held VMs' current prices
+OFFERS_WAIT_S = 0.2      # a tick waits this long for the clouds' offers, then goes on (asked in the background)
+OFFERS_FRESH_S = 10.0    # an answer older than this when next wanted is asked again
 HEARTBEAT_S = 5.0        # real seconds between two driver heartbeats (the VMs' autodown watchers read them)
 
 
@@ -88,6 +91,7 @@ class Driver:
         self._beat_stop = threading.Event()             # ends the heartbeat thread (release_all)
         self._market_seen: set[str] = set()             # clouds whose offers answered at least once
         self._market_down: set[str] = set()             # clouds whose offers fail now (market_unavailable)
+        self._asking: Future | None = None               # the clouds' offers, asked in the background
         self._view = None                                # the run's view, once `run` started
         # Told (phase, members) as each phase of an outer step gets under way (`run_attached`'s
         # on_phase: tests and benchmarks inject faults there).
@@ -177,21 +181,31 @@ class Driver:
             return Progress(resumed["tokens"], resumed["step"], (time.time() - self._t0) / 3600)
         return Progress(w.tokens, w.outer_step, (time.time() - self._t0) / 3600)
 
-    def _offers(self) -> list:
-        """Every provider's offers, cheapest per GPU-hour first (per VM-hour for CPU-only VMs). A
-        cloud that answered before but fails now (the SDK's retries spent, or an answer that does
-        not parse) offers nothing until it answers again: the run trains on what it holds, and the
-        ledger says `market_unavailable` once per outage."""
+    def _offers(self, wait_s: float = OFFERS_WAIT_S) -> list | None:
+        """Every provider's offers, cheapest per GPU-hour first (per VM-hour for CPU-only VMs); None
+        while the clouds have not answered within `wait_s`. They are asked on a thread of their own
+        (`_ask_clouds`): a cloud that is slow to answer (its SDK retrying a throttled call for
+        seconds) holds no tick, so notices and preemptions are still handled meanwhile, and a later
+        tick takes the answer. A cloud that answered before but fails now (the SDK's retries spent,
+        or an answer that does not parse) offers nothing until it answers again: the run trains on
+        what it holds, and the ledger says `market_unavailable` once per outage."""
+        if self._asking is None:
+            self._asking = self._ask_clouds()
+        try:
+            answers, answered_at = self._asking.result(timeout=wait_s)
+        except FutureTimeout:
+            return None
+        self._asking = None
+        if time.monotonic() - answered_at > OFFERS_FRESH_S:   # left unread while nothing was due
+            return self._offers(wait_s)
         every = []
-        for name, p in self.providers.items():
-            try:
-                offers = p.offers(self.recipe.resources)
-            except Exception as exc:
+        for name, offers in answers.items():
+            if isinstance(offers, Exception):
                 if name not in self._market_seen:
-                    raise   # never answered: the setup is wrong, and the run says so
+                    raise offers   # never answered: the setup is wrong, and the run says so
                 if name not in self._market_down:
                     self._market_down.add(name)
-                    message = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                    message = f"{type(offers).__name__}: {str(offers).splitlines()[0][:200] if str(offers) else ''}"
                     log.warning("%s prices and capacity unavailable: %s", name, message)
                     self.ledger.append(MarketUnavailable(cloud=name, message=message))
                 continue
@@ -201,6 +215,23 @@ class Driver:
                 self.ledger.append(MarketAvailable(cloud=name))
             every += offers
         return sorted(every, key=lambda o: (o.usd_per_hour / max(1, o.gpus), o.usd_per_hour))
+
+    def _ask_clouds(self) -> Future:
+        """Ask every provider for its offers on a daemon thread (one a hung cloud cannot keep the
+        process from exiting): a future of ({cloud: offers, or the exception it raised}, when)."""
+        asked: Future = Future()
+
+        def ask() -> None:
+            answers: dict = {}
+            for name, p in self.providers.items():
+                try:
+                    answers[name] = p.offers(self.recipe.resources)
+                except Exception as exc:
+                    answers[name] = exc
+            asked.set_result((answers, time.monotonic()))
+
+        threading.Thread(target=ask, name="offers", daemon=True).start()
+        return asked
 
     def _held(self) -> list:
         """Every VM the run holds, across providers."""
@@ -241,6 +272,8 @@ class Driver:
         if not due(self._snapshot()):
             return
         every = self._offers()
+        if every is None:
+            return   # the clouds are still answering: a later tick decides
         if not every and self._market_down:
             return   # a cloud is unreachable: train on what is held, rent once it answers
         if not every:

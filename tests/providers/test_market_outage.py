@@ -47,7 +47,7 @@ def test_throttled_and_malformed_price_answers_leave_the_run_going(aws_env, monk
     def fresh_offers():
         p._memo = None                                     # the in-memory 30 s reuse
         shutil.rmtree(aws_env.env["ELASTIC_CACHE"], ignore_errors=True)   # the price cache's TTL ran out
-        return [(o.zone, o.usd_per_hour) for o in driver._offers()]
+        return [(o.zone, o.usd_per_hour) for o in driver._offers(wait_s=60)]
 
     with caplog.at_level(logging.WARNING, logger="providers"):
         assert fresh_offers() == [("us-west-2c", 0.42)]    # -0.40 and NaN dropped, not ranked first
@@ -63,6 +63,45 @@ def test_throttled_and_malformed_price_answers_leave_the_run_going(aws_env, monk
     events = [(e["type"], e.get("message", "")) for e in ledger.events if e["type"].startswith("market_")]
     assert [t for t, _ in events] == ["market_unavailable", "market_available", "market_unavailable"]
     assert "RequestLimitExceeded" in events[0][1] and events[2][1]
+    ledger.close()
+    p.close()
+
+
+def test_a_cloud_slow_to_answer_holds_no_tick(aws_env, tmp_path):
+    """The offers are asked on a thread of their own: while the price API is held (an SDK retrying
+    a throttled call for seconds, here a request the proxy answers only when the test says), the
+    driver's tick goes on at once, without the answer; a later tick takes it, and only one request
+    was made meanwhile."""
+    import time
+
+    from elastic.driver import OFFERS_WAIT_S, Driver
+    from providers import build
+
+    held = threading.Event()
+    asked = []
+
+    def slow_market(action, region, params):
+        if action == "DescribeSpotPriceHistory":
+            asked.append(time.monotonic())
+            held.wait(timeout=60)
+        return None
+
+    aws_env.rules.append(slow_market)
+    recipe = aws_recipe(**{"resources.regions": "[us-west-2]"})
+    ledger = Ledger(tmp_path / "run" / "events.jsonl")
+    driver = Driver(recipe, tmp_path / "run", ledger)
+    p = build("aws", recipe, None, "run-slow")
+    driver.providers, driver.provider = {"aws": p}, p
+    try:
+        for _ in range(3):
+            started = time.monotonic()
+            assert driver._offers() is None                    # not answered yet: the tick goes on
+            assert time.monotonic() - started < OFFERS_WAIT_S + 1.0
+        assert len(asked) == 1                                 # asked once, not once per tick
+    finally:
+        held.set()
+    assert [o.zone for o in driver._offers(wait_s=60)]          # the answer, taken by a later tick
+    assert not [e for e in ledger.events if e["type"].startswith("market_")]
     ledger.close()
     p.close()
 
