@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     # driver's working directory on their path too.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    err = Console(stderr=True)
+    err = plain_console(Console(stderr=True))
     try:
         return _dispatch(args, err)
     except UserError as exc:
@@ -194,7 +194,7 @@ def _print_warnings(out, warnings: list[str]) -> None:
 def _dispatch(args, err) -> int:
     from rich.console import Console
 
-    out = Console()
+    out = plain_console(Console())   # piped: whole table rows, one line per message
     if args.command == "validate":
         from rich.markup import escape
 
@@ -255,7 +255,6 @@ def _dispatch(args, err) -> int:
         from elastic.report import build_report, compare_table, summary_table, write_report
         from elastic.status import latest_run_dir
         args.run_dir = args.run_dir or latest_run_dir()
-        out = plain_console(out)
         for d in filter(None, [args.run_dir, args.compare]):
             if not (d / "events.jsonl").is_file():
                 raise UserError(f"{d}: no events.jsonl (not a run directory)")
@@ -270,7 +269,7 @@ def _dispatch(args, err) -> int:
         return 0
     if args.command == "status":
         from elastic.status import latest_run_dir, watch
-        return watch(args.run_dir or latest_run_dir(), plain_console(out), once=args.once)
+        return watch(args.run_dir or latest_run_dir(), out, once=args.once)
     if args.command == "checkpoints":
         return _checkpoints(args, out, err)
     if args.command == "plan":
@@ -407,7 +406,6 @@ def _plan(args, out) -> int:
                           f"{s['preempt_per_hour']:.2f} {s['risk_source']}",
                           "?" if s["capacity"] is None else str(s["capacity"]),
                           f"{s['tokens_per_s']:,.0f} {s['tokens_per_s_source']}", f"{s['usd_per_mtok']:.4f}")
-        out = plain_console(out)
         out.print(table)
         if doc["usd_per_mtok"] is not None:
             out.print(f"world: {doc['replicas']} replica(s), ${doc['usd_per_hour']:.2f}/h, "
