@@ -134,6 +134,11 @@ def plain_console(console):
     return Console(width=200, file=console.file, soft_wrap=True)
 
 
+def _hours(h: float) -> str:
+    """A duration for people: `2.5 h`, or minutes below an hour (a tiny run is not `0.0 h`)."""
+    return f"{h:.1f} h" if h >= 1 else f"{max(1, round(h * 60))} min"
+
+
 def _is_host_port(address: str) -> bool:
     host, _, port = address.rpartition(":")
     return bool(host) and port.isdigit() and 0 < int(port) < 65536
@@ -411,7 +416,7 @@ def _plan(args, out) -> int:
             out.print(f"world: {doc['replicas']} replica(s), ${doc['usd_per_hour']:.2f}/h, "
                       f"{doc['useful_tokens_per_s']:,.0f} useful tokens/s ({doc['tokens_per_s_source']}), "
                       f"${doc['usd_per_mtok']:.4f} per 1M tokens; "
-                      f"{doc['tokens_needed']:,} tokens in about {doc['expected_hours']:.1f} h for "
+                      f"{doc['tokens_needed']:,} tokens in about {_hours(doc['expected_hours'])} for "
                       f"${doc['expected_usd']:,.2f}", highlight=False)
         _print_warnings(out, doc["warnings"])
     return 0 if placement.feasible else 4
