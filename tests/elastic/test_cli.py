@@ -137,3 +137,9 @@ def test_piped_tables_never_wrap_mid_word(tmp_path):
     rows = [ln for ln in r.stdout.splitlines() if ln.startswith("│")]
     assert rows and all("local:" in ln and "estimate" in ln for ln in rows), r.stdout
     assert any(ln.startswith("world: ") and "useful tokens/s" in ln and " h for $" in ln for ln in r.stdout.splitlines())
+    # simulate's table too: no cell cut short ("elast…", "1,282…")
+    r = cli("simulate", "recipes/multi-cloud.yaml", "--trace", "bench/traces/calm.csv", COLUMNS="80")
+    assert r.returncode == 0, r.stderr
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("│")]
+    assert len(rows) == 4 and "…" not in r.stdout, r.stdout
+    assert rows[0].split("│")[1].strip() == "elastic" and rows[0].split("│")[2].strip() == "completed", rows[0]
