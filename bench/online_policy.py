@@ -133,13 +133,8 @@ def play(plan: Plan, family: Family, states: np.ndarray, recipe, rng: np.random.
         t0, t1 = t * STEP_S, (t + 1) * STEP_S
         if t % plan.stride == 0:
             r = t // plan.stride
-            left = (needed - tokens) * safety
-            for lam_i in range(len(plan.lams)):
-                k = sum(plan.k_off[(lam_i, r) + s] if j < 0 else
-                        plan.k_on[(lam_i, r, j) + s] - tps[j] * max(0.0, launch[x] + boot_s - t0)
-                        for x, j in enumerate(held))
-                if k >= left:
-                    break
+            lam_i = _choose(plan, r, s, [(j, max(0.0, launch[x] + boot_s - t0)) for x, j in enumerate(held)],
+                            tps, (needed - tokens) * safety)
             chosen.append(lam_i)
         stay_bits, boot_to = int(plan.stay[(lam_i, t) + s]), int(plan.boot[(lam_i, t) + s])
         for x in range(slots):
@@ -180,6 +175,74 @@ def play(plan: Plan, family: Family, states: np.ndarray, recipe, rng: np.random.
                 preemptions=preemptions, released_booting=early, lam_index=statistics.fmean(chosen))
 
 
+def _choose(plan: Plan, r: int, s: tuple, held: list[tuple[int, float]], tps, left: float) -> int:
+    """The least λ of the grid whose slots' expected tokens from kept row `r` (market state `s`;
+    `held`: each slot's offer, -1 off, and its boot seconds still to go) reach `left`; else the last."""
+    for i in range(len(plan.lams)):
+        k = sum(plan.k_off[(i, r) + s] if j < 0 else plan.k_on[(i, r, j) + s] - tps[j] * booting_s
+                for j, booting_s in held)
+        if k >= left:
+            return i
+    return len(plan.lams) - 1
+
+
+class SimDecide:
+    """The plan as `elastic.simulate`'s policy (in place of `policy.decide`): the slots are the VMs
+    held (not leaving) and world.max_replicas less them off; each call acts on them with the
+    decisions of the present row (the trace's rows are the chain's states, known exactly) and the λ
+    chosen at its last kept row: a VM whose offer is not kept is released (at the next step
+    boundary), and every off slot rents the offer an off slot boots. Pausing is releasing every VM."""
+
+    def __init__(self, plan: Plan, family: Family, states: np.ndarray, safety: float):
+        self.plan, self.family, self.states, self.safety = plan, family, states, safety
+        self.keys = [(o.cloud, o.region, o.zone, o.instance_type) for o in family.offers]
+        self.tps = [o.tokens_per_s for o in family.offers]
+        self.lam_i, self.at = len(plan.lams) - 1, -1
+
+    def __call__(self, snap):
+        from elastic.planner import Move
+        from elastic.policy import Release, Rent
+
+        r = snap.recipe
+        t = min(int((snap.time_s - snap.started_s) // STEP_S), self.family.rows - 1)
+        s = tuple(int(x) for x in self.states[t])
+        live = [n for n in snap.nodes if not n.leaving]
+        slots = r.world.max_replicas
+        if t // self.plan.stride != self.at:
+            self.at = t // self.plan.stride
+            held = [(self.keys.index(n.quote.key), max(0.0, n.launched_at_s + r.planner.recovery_s - snap.time_s))
+                    for n in live][:slots]
+            held += [(-1, 0.0)] * (slots - len(held))
+            left = (run_tokens(r) - snap.progress.tokens) * self.safety
+            self.lam_i = _choose(self.plan, self.at, s, held, self.tps, left)
+        bits, boot_to = int(self.plan.stay[(self.lam_i, t) + s]), int(self.plan.boot[(self.lam_i, t) + s])
+        out, kept = [], len(snap.pending)
+        for n in live:
+            if bits >> self.keys.index(n.quote.key) & 1:
+                kept += 1
+            else:
+                out.append(Release(n.instance_id, Move(n.quote, n.instance_id, 0.0, 0.0)))
+        quote = next((q for q in snap.quotes if boot_to >= 0 and q.key == self.keys[boot_to]), None)
+        if quote is not None:
+            out += [Rent(quote)] * max(0, slots - kept)
+        return out
+
+
+def simulate_plan(plan: Plan, family: Family, states: np.ndarray, path: Path, recipe, seed: int,
+                  safety: float) -> dict:
+    """`elastic.simulate.simulate` on the trace at `path` (drawn as `states`) with `SimDecide` as its
+    policy, as bench/threshold_policy.py patches it; the recipe's world.capacity_timeout_s lifted (a
+    pause holds no replica)."""
+    import elastic.simulate as simulate_module
+
+    saved = simulate_module.decide
+    simulate_module.decide = SimDecide(plan, family, states, safety)
+    try:
+        return simulate_module.simulate(recipe, str(path), ["elastic"], seed=seed)[0]
+    finally:
+        simulate_module.decide = saved
+
+
 def _summary(ratios: list[float]) -> str:
     done = [r for r in ratios if math.isfinite(r)]
     within = sum(r <= 1.15 for r in ratios)
@@ -202,6 +265,8 @@ def main() -> None:
     ap.add_argument("--spike-every-h", type=float, default=16.0, help="mean hours between an offer's spikes")
     ap.add_argument("--lams", type=int, default=16, help="token prices on the grid over 0.5-3 × the online bound's")
     ap.add_argument("--stride", type=int, default=3, help="rows between two choices of λ")
+    ap.add_argument("--simulate", type=int, default=0,
+                    help="also play the plan in elastic.simulate on the first N traces (each safety, each seed)")
     ap.add_argument("--out", type=Path, default=Path("/tmp/online_policy"), help="folder for the traces")
     args = ap.parse_args()
     if args.levels < 1 or args.levels % 2 == 0:
@@ -226,6 +291,8 @@ def main() -> None:
     bounds = []
     ratios = {f: [] for f in args.safety}
     played = {f: [] for f in args.safety}
+    sim = {f: [] for f in args.safety}
+    sim_recipe = load_recipe(args.recipe, ["world.capacity_timeout_s=1e9"])
     for i in range(args.traces):
         states = family.sample_states(rng)
         path = family.write_trace(states, args.out / f"family-{args.seed}-{i}.csv")
@@ -240,6 +307,15 @@ def main() -> None:
             played[f].extend(runs)
             line.append(f"safety {f}: {' '.join(f'{r:.3f}' for r in rs)}")
         print(", ".join(line), flush=True)
+        if i < args.simulate:
+            line = [f"trace {i} in elastic.simulate"]
+            for f in args.safety:
+                runs = [simulate_plan(plan, family, states, path, sim_recipe, k, f) for k in range(args.seeds)]
+                rs = [x["usd_per_mtok"] / bound if x["status"] == "completed" else math.inf for x in runs]
+                sim[f].extend(rs)
+                line.append(f"safety {f}: {' '.join(f'{r:.3f}' for r in rs)} "
+                            "(hours " + " ".join(f"{x['wall_h']:.1f}" for x in runs) + ")")
+            print(", ".join(line), flush=True)
     mean = statistics.fmean(bounds)
     half = 1.96 * statistics.stdev(bounds) / math.sqrt(len(bounds)) if len(bounds) > 1 else math.inf
     x = online["usd_per_mtok"]
@@ -253,6 +329,8 @@ def main() -> None:
               f"preemptions {statistics.fmean(r['preemptions'] for r in played[f]):.1f}, let go while booting "
               f"{statistics.fmean(r['released_booting'] for r in played[f]):.2f}; mean λ index "
               f"{statistics.fmean(r['lam_index'] for r in played[f]):.1f} of 0-{len(lams) - 1}")
+        if sim[f]:
+            print(f"safety {f} in elastic.simulate ({args.simulate} traces): {_summary(sim[f])}")
 
 
 if __name__ == "__main__":
