@@ -266,7 +266,8 @@ def main() -> None:
     ap.add_argument("--lams", type=int, default=16, help="token prices on the grid over 0.5-3 × the online bound's")
     ap.add_argument("--stride", type=int, default=3, help="rows between two choices of λ")
     ap.add_argument("--simulate", type=int, default=0,
-                    help="also play the plan in elastic.simulate on the first N traces (each safety, each seed)")
+                    help="also play the plan in elastic.simulate on the first N traces (each safety, each seed), "
+                    "and the project's policy (`elastic`) beside it")
     ap.add_argument("--out", type=Path, default=Path("/tmp/online_policy"), help="folder for the traces")
     args = ap.parse_args()
     if args.levels < 1 or args.levels % 2 == 0:
@@ -292,6 +293,7 @@ def main() -> None:
     ratios = {f: [] for f in args.safety}
     played = {f: [] for f in args.safety}
     sim = {f: [] for f in args.safety}
+    ours = []
     sim_recipe = load_recipe(args.recipe, ["world.capacity_timeout_s=1e9"])
     for i in range(args.traces):
         states = family.sample_states(rng)
@@ -315,6 +317,11 @@ def main() -> None:
                 sim[f].extend(rs)
                 line.append(f"safety {f}: {' '.join(f'{r:.3f}' for r in rs)} "
                             "(hours " + " ".join(f"{x['wall_h']:.1f}" for x in runs) + ")")
+            from elastic.simulate import simulate
+            runs = [simulate(sim_recipe, str(path), ["elastic"], seed=k)[0] for k in range(args.seeds)]
+            rs = [x["usd_per_mtok"] / bound if x["status"] == "completed" else math.inf for x in runs]
+            ours.extend(rs)
+            line.append(f"elastic {' '.join(f'{r:.3f}' for r in rs)}")
             print(", ".join(line), flush=True)
     mean = statistics.fmean(bounds)
     half = 1.96 * statistics.stdev(bounds) / math.sqrt(len(bounds)) if len(bounds) > 1 else math.inf
@@ -331,6 +338,8 @@ def main() -> None:
               f"{statistics.fmean(r['lam_index'] for r in played[f]):.1f} of 0-{len(lams) - 1}")
         if sim[f]:
             print(f"safety {f} in elastic.simulate ({args.simulate} traces): {_summary(sim[f])}")
+    if ours:
+        print(f"elastic (the project's policy) in elastic.simulate: {_summary(ours)}")
 
 
 if __name__ == "__main__":
