@@ -3,7 +3,7 @@ slot model, with the market's law known exactly? The other side of `bench/online
 lower bound: a policy played on traces of the same family, against bound.py's bound on each.
 
     python bench/online_policy.py [--traces 20] [--seed 0] [--seeds 5] [--safety 1.0 1.1 1.2]
-                                  [--offers 4] [--spike-every-h 16] [--lams 16] [--stride 3]
+                                  [--offers 4] [--spike-every-h 16] [--lams 16] [--stride 3] [--simulate N]
 
 The policy (a certainty-equivalent, model-predictive rule; a heuristic, not the optimum):
 - **DP per token price.** For each λ of a grid (`--lams` values log-spaced over 0.5-3 × the λ of
@@ -32,6 +32,12 @@ budget.max_hours: failed). The ratio is its USD per 1M tokens over bound.py's
   shortfall at the row's price where the VM went (even in expectation over preemption seeds);
 - the state seen: the chain's state tells a spike from a high level at the same price (for the
   policy); bound.py sees every price of the trace (for the bound).
+
+`--simulate N` plays the same plan inside the simulator (`SimDecide` in place of `policy.decide`, as
+bench/threshold_policy.py patches it) on the first N traces, with the project's policy beside it:
+there the slots are the VMs held, decisions come whenever the simulator asks (each outer step's
+end, each preemption), a released replica leaves at its step boundary, and the world's pace, syncs,
+world.min_replicas, notices and lost work are the simulator's.
 """
 
 from __future__ import annotations
