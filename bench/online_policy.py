@@ -35,7 +35,8 @@ budget.max_hours: failed). The ratio is its USD per 1M tokens over bound.py's
 
 `--simulate N` plays the same plan inside the simulator (`SimDecide` in place of `policy.decide`, as
 bench/threshold_policy.py patches it) on the first N traces, with the project's policy beside it:
-there the slots are the VMs held, decisions come whenever the simulator asks (each outer step's
+`--margin-h` brings the deadline forward there when λ is chosen (slack for
+the simulator's slower pace). There the slots are the VMs held, decisions come whenever the simulator asks (each outer step's
 end, each preemption), a released replica leaves at its step boundary, and the world's pace, syncs,
 world.min_replicas, notices and lost work are the simulator's.
 """
@@ -199,8 +200,9 @@ class SimDecide:
     chosen at its last kept row: a VM whose offer is not kept is released (at the next step
     boundary), and every off slot rents the offer an off slot boots. Pausing is releasing every VM."""
 
-    def __init__(self, plan: Plan, family: Family, states: np.ndarray, safety: float):
+    def __init__(self, plan: Plan, family: Family, states: np.ndarray, safety: float, margin_h: float = 0.0):
         self.plan, self.family, self.states, self.safety = plan, family, states, safety
+        self.margin = int(margin_h * 3600 / STEP_S) // plan.stride     # kept rows the deadline is brought forward
         self.keys = [(o.cloud, o.region, o.zone, o.instance_type) for o in family.offers]
         self.tps = [o.tokens_per_s for o in family.offers]
         self.lam_i, self.at = len(plan.lams) - 1, -1
@@ -220,7 +222,8 @@ class SimDecide:
                     for n in live][:slots]
             held += [(-1, 0.0)] * (slots - len(held))
             left = (run_tokens(r) - snap.progress.tokens) * self.safety
-            self.lam_i = _choose(self.plan, self.at, s, held, self.tps, left)
+            self.lam_i = _choose(self.plan, min(self.at + self.margin, len(self.plan.k_off[0]) - 1), s, held,
+                                 self.tps, left)
         bits, boot_to = int(self.plan.stay[(self.lam_i, t) + s]), int(self.plan.boot[(self.lam_i, t) + s])
         out, kept = [], len(snap.pending)
         for n in live:
@@ -235,14 +238,14 @@ class SimDecide:
 
 
 def simulate_plan(plan: Plan, family: Family, states: np.ndarray, path: Path, recipe, seed: int,
-                  safety: float) -> dict:
+                  safety: float, margin_h: float = 0.0) -> dict:
     """`elastic.simulate.simulate` on the trace at `path` (drawn as `states`) with `SimDecide` as its
     policy, as bench/threshold_policy.py patches it; the recipe's world.capacity_timeout_s lifted (a
     pause holds no replica)."""
     import elastic.simulate as simulate_module
 
     saved = simulate_module.decide
-    simulate_module.decide = SimDecide(plan, family, states, safety)
+    simulate_module.decide = SimDecide(plan, family, states, safety, margin_h)
     try:
         return simulate_module.simulate(recipe, str(path), ["elastic"], seed=seed)[0]
     finally:
@@ -274,6 +277,8 @@ def main() -> None:
     ap.add_argument("--simulate", type=int, default=0,
                     help="also play the plan in elastic.simulate on the first N traces (each safety, each seed), "
                     "and the project's policy (`elastic`) beside it")
+    ap.add_argument("--margin-h", type=float, default=0.0,
+                    help="in elastic.simulate, λ is chosen as if the deadline came this many hours sooner")
     ap.add_argument("--out", type=Path, default=Path("/tmp/online_policy"), help="folder for the traces")
     args = ap.parse_args()
     if args.levels < 1 or args.levels % 2 == 0:
@@ -318,7 +323,7 @@ def main() -> None:
         if i < args.simulate:
             line = [f"trace {i} in elastic.simulate"]
             for f in args.safety:
-                runs = [simulate_plan(plan, family, states, path, sim_recipe, k, f) for k in range(args.seeds)]
+                runs = [simulate_plan(plan, family, states, path, sim_recipe, k, f, args.margin_h) for k in range(args.seeds)]
                 rs = [x["usd_per_mtok"] / bound if x["status"] == "completed" else math.inf for x in runs]
                 sim[f].extend(rs)
                 line.append(f"safety {f}: {' '.join(f'{r:.3f}' for r in rs)} "
