@@ -34,11 +34,11 @@ budget.max_hours: failed). The ratio is its USD per 1M tokens over bound.py's
   policy); bound.py sees every price of the trace (for the bound).
 
 `--simulate N` plays the same plan inside the simulator (`SimDecide` in place of `policy.decide`, as
-bench/threshold_policy.py patches it) on the first N traces, with the project's policy beside it:
-`--margin-h` brings the deadline forward there when λ is chosen (slack for
-the simulator's slower pace). There the slots are the VMs held, decisions come whenever the simulator asks (each outer step's
-end, each preemption), a released replica leaves at its step boundary, and the world's pace, syncs,
-world.min_replicas, notices and lost work are the simulator's.
+bench/threshold_policy.py patches it) on the first N traces, with the project's policy beside it.
+There the slots are the VMs held, decisions come whenever the simulator asks (each outer step's end,
+each preemption), a released replica leaves at its step boundary, and the world's pace, syncs,
+world.min_replicas, notices and lost work are the simulator's; `--margin-h` brings the deadline
+forward when λ is chosen (slack for the simulator's slower pace).
 """
 
 from __future__ import annotations
@@ -293,8 +293,8 @@ def main() -> None:
           flush=True)
     lams = np.append(np.geomspace(0.5 * lam, 3 * lam, args.lams), LAST_RESORT * lam)
     plan = make_plan(family, recipe, lams, args.stride)
-    print(f"plan: {len(lams)} token prices, {sum(a.nbytes for a in (plan.boot, plan.stay, plan.k_off, plan.k_on)) / 1e6:.0f} MB",
-          flush=True)
+    held_mb = sum(a.nbytes for a in (plan.boot, plan.stay, plan.k_off, plan.k_on)) / 1e6
+    print(f"plan: {len(lams)} token prices, {held_mb:.0f} MB", flush=True)
 
     from elastic.simulate import TraceMarket
     from providers.simmarket import read_trace_rows
@@ -323,7 +323,8 @@ def main() -> None:
         if i < args.simulate:
             line = [f"trace {i} in elastic.simulate"]
             for f in args.safety:
-                runs = [simulate_plan(plan, family, states, path, sim_recipe, k, f, args.margin_h) for k in range(args.seeds)]
+                runs = [simulate_plan(plan, family, states, path, sim_recipe, k, f, args.margin_h)
+                        for k in range(args.seeds)]
                 rs = [x["usd_per_mtok"] / bound if x["status"] == "completed" else math.inf for x in runs]
                 sim[f].extend(rs)
                 line.append(f"safety {f}: {' '.join(f'{r:.3f}' for r in rs)} "
