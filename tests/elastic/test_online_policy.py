@@ -53,3 +53,25 @@ def test_a_run_that_cannot_finish_is_reported_unfinished():
     plan = make_plan(family, recipe, [1e-3], stride=1)
     out = play(plan, family, np.zeros((family.rows, 1), np.int64), recipe, np.random.default_rng(0), 1.0)
     assert not out["finished"] and out["tokens"] == pytest.approx(6 * 24_000 * (family.rows * STEP_S - 600))
+
+
+def test_the_play_at_a_fixed_price_pays_what_the_dynamic_program_expects():
+    """No deadline (tokens never reached): over many drawn paths and preemptions, the play's mean
+    cost − λ·tokens and tokens are the DP's expectation from the start state."""
+    from bench.online_bound import online_value
+    from bench.online_policy import capped_usd
+
+    family, recipe = _setup(0.3, 10**15)
+    family = dataclasses.replace(family, levels=3, spike_every_h=2.0)
+    lam = 1.2 * family.chain(family.offers[0])[1][1] / 3600 / 24_000     # worth it at the middle level, not all
+    plan = make_plan(family, recipe, [lam], stride=1)
+    chains, _, start, rates, tps = family.market()
+    v, k, _ = online_value(chains, capped_usd(family, recipe), rates, tps, family.rows, STEP_S,
+                           recipe.planner.recovery_s, lam)
+    rng = np.random.default_rng(3)
+    runs = [play(plan, family, family.sample_states(rng), recipe, rng, 1.0) for _ in range(400)]
+    value = np.array([r["usd"] - lam * r["tokens"] for r in runs])
+    tokens = np.array([r["tokens"] for r in runs])
+    assert 0 < k[start] and (tokens > 0).any() and (tokens == 0).any()      # it trains on some paths only
+    for got, want in ((value, 6 * v[start]), (tokens, 6 * k[start])):
+        assert abs(got.mean() - want) < 4 * got.std() / np.sqrt(len(got)) + 1e-9 * abs(want)
