@@ -139,8 +139,8 @@ class Family:
         return (chains, usd, tuple(start), [o.preempt_per_hour for o in self.offers],
                 [o.tokens_per_s for o in self.offers])
 
-    def sample_trace(self, rng: np.random.Generator, path: Path) -> Path:
-        """One trace of the family, written in bench/traces' CSV format."""
+    def sample_states(self, rng: np.random.Generator) -> np.ndarray:
+        """One path of the market's chain: each row's state of each offer, (rows, offers) ints."""
         cols = []
         for o in self.offers:
             p, usd, s = self.chain(o)
@@ -149,7 +149,16 @@ class Family:
             for _ in range(self.rows):
                 states.append(s)
                 s = min(int(np.searchsorted(cum[s], rng.random(), side="right")), len(usd) - 1)
-            cols.append(usd[states])
+            cols.append(states)
+        return np.array(cols, dtype=np.int64).T
+
+    def sample_trace(self, rng: np.random.Generator, path: Path) -> Path:
+        """One trace of the family, written in bench/traces' CSV format."""
+        return self.write_trace(self.sample_states(rng), path)
+
+    def write_trace(self, states: np.ndarray, path: Path) -> Path:
+        """The trace of a path of states (`sample_states`), written in bench/traces' CSV format."""
+        cols = [self.chain(o)[1][states[:, j]] for j, o in enumerate(self.offers)]
         rows = [[int(i * STEP_S), o.cloud, o.region, o.zone, o.instance_type, o.gpu, 8, round(float(col[i]), 4),
                  o.on_demand_usd_per_hour, o.preempt_per_hour, o.capacity]
                 for i in range(self.rows) for o, col in zip(self.offers, cols)]
@@ -164,8 +173,8 @@ def _expect(f: np.ndarray, chains: list[np.ndarray]) -> np.ndarray:
 
 
 def online_value(chains: list[np.ndarray], usd: list[np.ndarray], rate_per_h: list[float], tps: list[float],
-                 rows: int, row_s: float, boot_s: float, lam, counted: np.ndarray | None = None
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                 rows: int, row_s: float, boot_s: float, lam, counted: np.ndarray | None = None,
+                 record=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One slot's least expected cost − Λ·tokens over `rows` rows, seeing only the market's state,
     from every start state while off: (value, expected tokens of that best schedule, E[Λ]), arrays
     over the joint state (one axis per offer, and with `counted` a last one: rows counted so far).
@@ -186,6 +195,10 @@ def online_value(chains: list[np.ndarray], usd: list[np.ndarray], rate_per_h: li
             token of row t is then priced E[Λ | the market so far] (what a non-anticipating
             schedule's tokens are worth against it).
         counted: 0/1 over the joint market state: which rows H counts.
+        record: called at each row t (from the last) as record(t, boot, stay, k_off, k_on): the
+            best schedule's decisions and expected tokens from row t on, arrays over the joint
+            state: the offer an off slot boots (-1: none), whether a slot on each offer keeps its
+            VM, the tokens of a slot off and on each offer (bench/online_policy.py plays them).
     """
     shape = tuple(len(u) for u in usd)
     m = len(usd)
@@ -226,10 +239,14 @@ def online_value(chains: list[np.ndarray], usd: list[np.ndarray], rate_per_h: li
         start = best_switch < e_off
         w_off = np.where(start, best_switch, e_off)
         k_off = np.where(start, best_stok, e_koff)
+        stays = []
         for j in range(m):
             stay = keep[j] <= w_off
             w_on[j] = np.where(stay, keep[j], w_off)
             k_on[j] = np.where(stay, ktok[j], k_off)
+            stays.append(stay)
+        if record is not None:
+            record(t, np.where(start, a, -1), stays, k_off, k_on)
     return w_off, k_off, np.broadcast_to(price_now, w_off.shape)
 
 

@@ -1,0 +1,358 @@
+"""What does an online policy that must finish the run on every trace pay, in `elastic/bound.py`'s own
+slot model, with the market's law known exactly? The other side of `bench/online_bound.py`'s
+lower bound: a policy played on traces of the same family, against bound.py's bound on each.
+
+    python bench/online_policy.py [--traces 20] [--seed 0] [--seeds 5] [--safety 1.0 1.1 1.2]
+                                  [--offers 4] [--spike-every-h 16] [--lams 16] [--stride 3] [--simulate N]
+
+The policy (a certainty-equivalent, model-predictive rule; a heuristic, not the optimum):
+- **DP per token price.** For each λ of a grid (`--lams` values log-spaced over 0.5-3 × the λ of
+  `online_lower_bound`, plus one of 30 × as a last resort), `online_value`'s backward recursion over
+  (row, market state, slot state) with the recipe's own boot (`planner.recovery_s`) and price cap
+  (resources.max_usd_per_hour: an offer above it cannot be kept or booted), keeping per row the
+  decisions (an off slot: which offer to boot, or none; a slot on an offer: keep or release) and,
+  every `--stride` rows, the expected tokens from there on of a slot off and on each offer.
+- **Adaptive λ.** Every `--stride` rows it takes the least λ of the grid whose slots' expected tokens
+  from their present states (less what a booting VM has still to boot) are at least the tokens
+  still needed × the safety factor, and acts on every slot with that λ's decisions until the next.
+  The market's state (each offer's level and spike flag) is known exactly: the traces are drawn
+  from the chain and the drawn states are kept.
+
+The play (`play`) is bound.py's model on the trace, with the preemptions drawn: world.max_replicas
+slots; decisions at row starts; a VM billed at each row's price from its launch, `recovery_s` of
+boot (billed, no tokens), preempted after an exponential time at its offer's rate (the slot is then
+off until the next row start, and a restart boots again), the seconds short of its cloud's billing
+minimum billed when preempted early; tokens = tokens/s × seconds trained. The run ends when
+run_tokens(recipe) are trained (billing stops there, mid-row) or at the trace's end (48 h,
+budget.max_hours: failed). The ratio is its USD per 1M tokens over bound.py's
+`lower_bound_usd_per_mtok` on the trace. Differences from bound.py's `_slot`, and whose favour:
+- a VM let go during its boot: `_slot` charges the whole boot's tokens, this play only forgoes
+  those of the seconds it was there (for the policy; the DP here rarely does it);
+- the billing minimum: `_slot` charges its expectation at the boot row's price, the play the actual
+  shortfall at the row's price where the VM went (even in expectation over preemption seeds);
+- the state seen: the chain's state tells a spike from a high level at the same price (for the
+  policy); bound.py sees every price of the trace (for the bound).
+
+`--simulate N` plays the same plan inside the simulator (`SimDecide` in place of `policy.decide`, as
+bench/threshold_policy.py patches it) on the first N traces, with the project's policy beside it.
+There the slots are the VMs held, decisions come whenever the simulator asks (each outer step's end,
+each preemption), a released replica leaves at its step boundary, and the world's pace, syncs,
+world.min_replicas, notices and lost work are the simulator's; `--margin-h` brings the deadline
+forward when λ is chosen (slack for the simulator's slower pace).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.online_bound import OFFERS, STEP_S, Family, online_lower_bound, online_value  # noqa: E402
+from elastic import billing  # noqa: E402
+from elastic.bound import lower_bound_usd_per_mtok  # noqa: E402
+from elastic.planner import run_tokens  # noqa: E402
+from elastic.recipe import load_recipe  # noqa: E402
+
+BARRED_USD_PER_HOUR = 1e6     # an offer above the recipe's price cap: never kept or booted
+LAST_RESORT = 30.0            # a grid's last λ, × the online bound's: train as much as possible
+
+
+@dataclasses.dataclass
+class Plan:
+    """The DP's decisions and expected tokens for a grid of token prices (arrays over the joint market
+    state, one axis per offer, after the leading ones).
+
+    Args:
+        lams: the grid's token prices, USD per token, ascending.
+        boot: (lams, rows, *market): the offer an off slot boots at that row start, -1 none.
+        stay: (lams, rows, *market): bit j set when a slot holding offer j keeps it.
+        k_off: (lams, rows / stride, *market): expected tokens from that row on of a slot off.
+        k_on: (lams, rows / stride, offers, *market): the same for a slot holding each offer.
+        stride: rows between two kept token arrays (and between two choices of λ).
+    """
+    lams: np.ndarray
+    boot: np.ndarray
+    stay: np.ndarray
+    k_off: np.ndarray
+    k_on: np.ndarray
+    stride: int
+
+
+def capped_usd(family: Family, recipe) -> list[np.ndarray]:
+    """Each offer's USD/h per chain state, the states above resources.max_usd_per_hour barred."""
+    cap = recipe.resources.max_usd_per_hour
+    out = []
+    for o in family.offers:
+        usd = family.chain(o)[1]
+        out.append(np.where(usd > cap, BARRED_USD_PER_HOUR, usd) if cap is not None else usd)
+    return out
+
+
+def make_plan(family: Family, recipe, lams, stride: int = 3) -> Plan:
+    """`online_value`'s schedule for each λ in `lams`, with the recipe's boot and price cap."""
+    chains, _, _, rates, tps = family.market()
+    usd = capped_usd(family, recipe)
+    shape = tuple(len(u) for u in usd)
+    m, rows, n = len(usd), family.rows, len(lams)
+    kept = (rows + stride - 1) // stride
+    plan = Plan(np.asarray(lams, float), np.full((n, rows) + shape, -1, np.int8), np.zeros((n, rows) + shape, np.uint8),
+                np.zeros((n, kept) + shape, np.float32), np.zeros((n, kept, m) + shape, np.float32), stride)
+    for i, lam in enumerate(plan.lams):
+        def record(t, boot, stays, k_off, k_on, i=i):
+            plan.boot[i, t] = boot
+            plan.stay[i, t] = sum(s.astype(np.uint8) << j for j, s in enumerate(stays))
+            if t % stride == 0:
+                plan.k_off[i, t // stride] = k_off
+                plan.k_on[i, t // stride] = np.stack(k_on)
+        online_value(chains, usd, rates, tps, rows, STEP_S, recipe.planner.recovery_s, lam, record=record)
+    return plan
+
+
+def play(plan: Plan, family: Family, states: np.ndarray, recipe, rng: np.random.Generator,
+         safety: float) -> dict:
+    """The plan played on one path of market states (`Family.sample_states`) with preemptions drawn
+    from `rng`, in bound.py's slot model (module docstring). Returns usd, tokens, finished,
+    hours (the run's end), boots, preemptions, released_booting (VMs let go before their boot
+    ended) and the mean index of λ on the grid."""
+    offers = family.offers
+    m, slots, needed = len(offers), recipe.world.max_replicas, run_tokens(recipe)
+    boot_s = recipe.planner.recovery_s
+    usd_states = [family.chain(o)[1] for o in offers]
+    tps = np.array([o.tokens_per_s for o in offers], float)
+    rates = [o.preempt_per_hour for o in offers]
+    minimum_s = [billing.terms(o.cloud).minimum_s for o in offers]
+    held = [-1] * slots              # the offer each slot holds, -1 off
+    launch = [0.0] * slots
+    gone = [math.inf] * slots        # when its VM is preempted
+    usd = tokens = 0.0
+    boots = preemptions = early = 0
+    lam_i, chosen = len(plan.lams) - 1, []
+    for t in range(family.rows):
+        s = tuple(int(x) for x in states[t])
+        t0, t1 = t * STEP_S, (t + 1) * STEP_S
+        if t % plan.stride == 0:
+            r = t // plan.stride
+            lam_i = _choose(plan, r, s, [(j, max(0.0, launch[x] + boot_s - t0)) for x, j in enumerate(held)],
+                            tps, (needed - tokens) * safety)
+            chosen.append(lam_i)
+        stay_bits, boot_to = int(plan.stay[(lam_i, t) + s]), int(plan.boot[(lam_i, t) + s])
+        for x in range(slots):
+            if held[x] >= 0 and not stay_bits >> held[x] & 1:
+                early += launch[x] + boot_s > t0
+                held[x] = -1                              # released at the row start: no minimum
+            if held[x] < 0 and boot_to >= 0:
+                held[x], launch[x] = boot_to, t0
+                gone[x] = t0 + rng.exponential(3600 / rates[boot_to]) if rates[boot_to] > 0 else math.inf
+                boots += 1
+        # The row: each VM billed while there, training once booted, until preempted or the row ends.
+        there = [(min(gone[x], t1) - t0) if j >= 0 else 0.0 for x, j in enumerate(held)]
+        train = [(max(t0, launch[x] + boot_s), min(gone[x], t1)) if j >= 0 else (t1, t1) for x, j in enumerate(held)]
+        row_tokens = sum(tps[j] * max(0.0, b - a) for (a, b), j in zip(train, held) if j >= 0)
+        end = t1
+        if tokens + row_tokens >= needed:                 # done inside this row: when?
+            def by(e):
+                return sum(tps[j] * max(0.0, min(b, e) - a) for (a, b), j in zip(train, held) if j >= 0)
+            lo, hi = t0, t1
+            for _ in range(60):
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if tokens + by(mid) < needed else (lo, mid)
+            end, row_tokens = hi, needed - tokens
+            there = [min(d, end - t0) for d in there]
+        tokens += row_tokens
+        for x, j in enumerate(held):
+            if j < 0:
+                continue
+            usd += usd_states[j][s[j]] * there[x] / 3600
+            if gone[x] <= end:
+                preemptions += 1
+                usd += usd_states[j][s[j]] * max(0.0, minimum_s[j] - (gone[x] - launch[x])) / 3600
+                held[x] = -1
+        if tokens >= needed:
+            return dict(usd=usd, tokens=tokens, finished=True, hours=end / 3600, boots=boots,
+                        preemptions=preemptions, released_booting=early, lam_index=statistics.fmean(chosen))
+    return dict(usd=usd, tokens=tokens, finished=False, hours=family.rows * STEP_S / 3600, boots=boots,
+                preemptions=preemptions, released_booting=early, lam_index=statistics.fmean(chosen))
+
+
+def _choose(plan: Plan, r: int, s: tuple, held: list[tuple[int, float]], tps, left: float) -> int:
+    """The least λ of the grid whose slots' expected tokens from kept row `r` (market state `s`;
+    `held`: each slot's offer, -1 off, and its boot seconds still to go) reach `left`; else the last."""
+    for i in range(len(plan.lams)):
+        k = sum(plan.k_off[(i, r) + s] if j < 0 else plan.k_on[(i, r, j) + s] - tps[j] * booting_s
+                for j, booting_s in held)
+        if k >= left:
+            return i
+    return len(plan.lams) - 1
+
+
+class SimDecide:
+    """The plan as `elastic.simulate`'s policy (in place of `policy.decide`): the slots are the VMs
+    held (not leaving) and world.max_replicas less them off; each call acts on them with the
+    decisions of the present row (the trace's rows are the chain's states, known exactly) and the λ
+    chosen at its last kept row: a VM whose offer is not kept is released (at the next step
+    boundary), and every off slot rents the offer an off slot boots. Pausing is releasing every VM."""
+
+    def __init__(self, plan: Plan, family: Family, states: np.ndarray, safety: float, margin_h: float = 0.0):
+        self.plan, self.family, self.states, self.safety = plan, family, states, safety
+        self.margin = int(margin_h * 3600 / STEP_S) // plan.stride     # kept rows the deadline is brought forward
+        self.keys = [(o.cloud, o.region, o.zone, o.instance_type) for o in family.offers]
+        self.tps = [o.tokens_per_s for o in family.offers]
+        self.lam_i, self.at = len(plan.lams) - 1, -1
+
+    def __call__(self, snap):
+        from elastic.planner import Move
+        from elastic.policy import Release, Rent
+
+        r = snap.recipe
+        t = min(int((snap.time_s - snap.started_s) // STEP_S), self.family.rows - 1)
+        s = tuple(int(x) for x in self.states[t])
+        live = [n for n in snap.nodes if not n.leaving]
+        slots = r.world.max_replicas
+        if t // self.plan.stride != self.at:
+            self.at = t // self.plan.stride
+            held = [(self.keys.index(n.quote.key), max(0.0, n.launched_at_s + r.planner.recovery_s - snap.time_s))
+                    for n in live][:slots]
+            held += [(-1, 0.0)] * (slots - len(held))
+            left = (run_tokens(r) - snap.progress.tokens) * self.safety
+            self.lam_i = _choose(self.plan, min(self.at + self.margin, len(self.plan.k_off[0]) - 1), s, held,
+                                 self.tps, left)
+        bits, boot_to = int(self.plan.stay[(self.lam_i, t) + s]), int(self.plan.boot[(self.lam_i, t) + s])
+        out, kept = [], len(snap.pending)
+        for n in live:
+            if bits >> self.keys.index(n.quote.key) & 1:
+                kept += 1
+            else:
+                out.append(Release(n.instance_id, Move(n.quote, n.instance_id, 0.0, 0.0)))
+        quote = next((q for q in snap.quotes if boot_to >= 0 and q.key == self.keys[boot_to]), None)
+        if quote is not None:
+            out += [Rent(quote)] * max(0, slots - kept)
+        return out
+
+
+def simulate_plan(plan: Plan, family: Family, states: np.ndarray, path: Path, recipe, seed: int,
+                  safety: float, margin_h: float = 0.0) -> dict:
+    """`elastic.simulate.simulate` on the trace at `path` (drawn as `states`) with `SimDecide` as its
+    policy, as bench/threshold_policy.py patches it; the recipe's world.capacity_timeout_s lifted (a
+    pause holds no replica)."""
+    import elastic.simulate as simulate_module
+
+    saved = simulate_module.decide
+    simulate_module.decide = SimDecide(plan, family, states, safety, margin_h)
+    try:
+        return simulate_module.simulate(recipe, str(path), ["elastic"], seed=seed)[0]
+    finally:
+        simulate_module.decide = saved
+
+
+def _summary(ratios: list[float]) -> str:
+    done = [r for r in ratios if math.isfinite(r)]
+    within = sum(r <= 1.15 for r in ratios)
+    if not done:
+        return f"none finished of {len(ratios)}"
+    return (f"mean {statistics.fmean(done):.3f}, median {statistics.median(ratios):.3f}, worst "
+            f"{max(ratios):.3f}, finished {len(done)}/{len(ratios)}, within 1.15 {within}/{len(ratios)}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--recipe", default=str(ROOT / "recipes/multi-cloud.yaml"))
+    ap.add_argument("--traces", type=int, default=20, help="traces drawn from the family")
+    ap.add_argument("--seed", type=int, default=0, help="the traces' seed (online_bound.py's: the same traces)")
+    ap.add_argument("--seeds", type=int, default=5, help="preemption seeds per trace")
+    ap.add_argument("--safety", type=float, nargs="+", default=[1.0, 1.1, 1.2],
+                    help="tokens still needed are counted this many times over when λ is chosen")
+    ap.add_argument("--levels", type=int, default=5, help="levels of each offer's price chain")
+    ap.add_argument("--offers", type=int, default=len(OFFERS), help="the first N of the family's offers")
+    ap.add_argument("--spike-every-h", type=float, default=16.0, help="mean hours between an offer's spikes")
+    ap.add_argument("--lams", type=int, default=16, help="token prices on the grid over 0.5-3 × the online bound's")
+    ap.add_argument("--stride", type=int, default=3, help="rows between two choices of λ")
+    ap.add_argument("--simulate", type=int, default=0,
+                    help="also play the plan in elastic.simulate on the first N traces (each safety, each seed), "
+                    "and the project's policy (`elastic`) beside it")
+    ap.add_argument("--margin-h", type=float, default=0.0,
+                    help="in elastic.simulate, λ is chosen as if the deadline came this many hours sooner")
+    ap.add_argument("--out", type=Path, default=Path("/tmp/online_policy"), help="folder for the traces")
+    args = ap.parse_args()
+    if args.levels < 1 or args.levels % 2 == 0:
+        ap.error("--levels must be odd (the walk starts at its middle level, a deviation of 0)")
+    if not 1 <= args.offers <= len(OFFERS):
+        ap.error(f"--offers must be 1-{len(OFFERS)}")
+    recipe = load_recipe(args.recipe, [])
+    family = Family(offers=OFFERS[:args.offers], levels=args.levels, spike_every_h=args.spike_every_h)
+    online = online_lower_bound(family, recipe)
+    lam = online["lam"]
+    print(f"online lower bound L: {online['usd_per_mtok']:.5f} USD/1M tok at λ {lam * 1e6:.5f} USD per 1M tok",
+          flush=True)
+    lams = np.append(np.geomspace(0.5 * lam, 3 * lam, args.lams), LAST_RESORT * lam)
+    plan = make_plan(family, recipe, lams, args.stride)
+    held_mb = sum(a.nbytes for a in (plan.boot, plan.stay, plan.k_off, plan.k_on)) / 1e6
+    print(f"plan: {len(lams)} token prices, {held_mb:.0f} MB", flush=True)
+
+    from elastic.simulate import TraceMarket
+    from providers.simmarket import read_trace_rows
+
+    rng = np.random.default_rng(args.seed)
+    bounds = []
+    ratios = {f: [] for f in args.safety}
+    played = {f: [] for f in args.safety}
+    sim = {f: [] for f in args.safety}
+    ours = []
+    sim_recipe = load_recipe(args.recipe, ["world.capacity_timeout_s=1e9"])
+    for i in range(args.traces):
+        states = family.sample_states(rng)
+        path = family.write_trace(states, args.out / f"family-{args.seed}-{i}.csv")
+        bound = lower_bound_usd_per_mtok(recipe, TraceMarket(read_trace_rows(path), recipe))
+        bounds.append(bound)
+        line = [f"trace {i}: bound.py {bound:.5f}"]
+        for f in args.safety:
+            runs = [play(plan, family, states, recipe, np.random.default_rng([args.seed, i, k]), f)
+                    for k in range(args.seeds)]
+            rs = [r["usd"] / r["tokens"] * 1e6 / bound if r["finished"] else math.inf for r in runs]
+            ratios[f].extend(rs)
+            played[f].extend(runs)
+            line.append(f"safety {f}: {' '.join(f'{r:.3f}' for r in rs)}")
+        print(", ".join(line), flush=True)
+        if i < args.simulate:
+            line = [f"trace {i} in elastic.simulate"]
+            for f in args.safety:
+                runs = [simulate_plan(plan, family, states, path, sim_recipe, k, f, args.margin_h)
+                        for k in range(args.seeds)]
+                rs = [x["usd_per_mtok"] / bound if x["status"] == "completed" else math.inf for x in runs]
+                sim[f].extend(rs)
+                line.append(f"safety {f}: {' '.join(f'{r:.3f}' for r in rs)} "
+                            "(hours " + " ".join(f"{x['wall_h']:.1f}" for x in runs) + ")")
+            from elastic.simulate import simulate
+            runs = [simulate(sim_recipe, str(path), ["elastic"], seed=k)[0] for k in range(args.seeds)]
+            rs = [x["usd_per_mtok"] / bound if x["status"] == "completed" else math.inf for x in runs]
+            ours.extend(rs)
+            line.append(f"elastic {' '.join(f'{r:.3f}' for r in rs)}")
+            print(", ".join(line), flush=True)
+    mean = statistics.fmean(bounds)
+    half = 1.96 * statistics.stdev(bounds) / math.sqrt(len(bounds)) if len(bounds) > 1 else math.inf
+    x = online["usd_per_mtok"]
+    print(f"E[bound.py] {mean:.5f} ± {half:.5f} (95 %, {len(bounds)} traces); L / E[bound.py] {x / mean:.3f}")
+    for f in args.safety:
+        per_trace = [statistics.median(ratios[f][k * args.seeds:(k + 1) * args.seeds]) for k in range(len(bounds))]
+        hours = [r["hours"] for r in played[f]]
+        print(f"safety {f}: runs: {_summary(ratios[f])}; trace medians: worst {max(per_trace):.3f}, within 1.15 "
+              f"{sum(r <= 1.15 for r in per_trace)}/{len(per_trace)}; hours median {statistics.median(hours):.1f}, "
+              f"max {max(hours):.1f}; per run: boots {statistics.fmean(r['boots'] for r in played[f]):.1f}, "
+              f"preemptions {statistics.fmean(r['preemptions'] for r in played[f]):.1f}, let go while booting "
+              f"{statistics.fmean(r['released_booting'] for r in played[f]):.2f}; mean λ index "
+              f"{statistics.fmean(r['lam_index'] for r in played[f]):.1f} of 0-{len(lams) - 1}")
+        if sim[f]:
+            print(f"safety {f} in elastic.simulate ({args.simulate} traces): {_summary(sim[f])}")
+    if ours:
+        print(f"elastic (the project's policy) in elastic.simulate: {_summary(ours)}")
+
+
+if __name__ == "__main__":
+    main()
