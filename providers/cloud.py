@@ -27,6 +27,7 @@ import re
 import shlex
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -254,6 +255,7 @@ class CloudProvider(BaseProvider):
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._last_state_poll = time.monotonic()
+        self._state_poll: Future | None = None   # the cloud's word on the held VMs, asked in the background
         self._controllers: list[Instance] | None = None   # the run's controller VM(s), looked up once
         self._keys: dict[str, tuple[Offer, str]] = {}   # instance id -> (offer, its key's name) while stored
 
@@ -446,7 +448,9 @@ class CloudProvider(BaseProvider):
 
     def events(self) -> list[NodeEvent]:
         """Notices the nodes' watchers forwarded (Ray KV), and, as a fallback every STATE_POLL_S,
-        held VMs the cloud says are gone (preempted without a notice we saw)."""
+        held VMs the cloud says are gone (preempted without a notice we saw). The cloud is asked on
+        a thread of its own (`_poll_states`) and its answer taken by a later call: an SDK retrying
+        a throttled call for seconds delays no forwarded notice."""
         now = time.time()
         with self._lock:
             held = [i for i in self._held.values() if i.ray_node_id is not None]
@@ -461,22 +465,36 @@ class CloudProvider(BaseProvider):
                     self._events.append(NodeEvent(inst.instance_id, "notice", now, deadline=notice["deadline"]))
                 else:                                 # a rebalance recommendation: risk, no deadline
                     self._events.append(NodeEvent(inst.instance_id, "rebalance", now))
-        if held and time.monotonic() - self._last_state_poll >= STATE_POLL_S:
+        if self._state_poll is not None and self._state_poll.done():
+            for iid in self._state_poll.result():
+                with self._lock:
+                    inst = self._held.pop(iid, None)   # None: released meanwhile, not lost
+                if inst is not None:
+                    self._revoke(iid)
+                    self._events.append(NodeEvent(iid, "preempted", now, with_notice=iid in self._noticed))
+            self._state_poll = None
+        if held and self._state_poll is None and time.monotonic() - self._last_state_poll >= STATE_POLL_S:
             self._last_state_poll = time.monotonic()
-            try:
-                states = self._vm_states(held)
-            except Exception as exc:  # a failed poll is retried next time; the run goes on
-                log.warning("%s: instance state poll failed: %s", self.name, exc)
-                states = {}
-            for inst in held:
-                if states.get(inst.instance_id) == "gone":
-                    self._revoke(inst.instance_id)
-                    with self._lock:
-                        self._held.pop(inst.instance_id, None)
-                    self._events.append(NodeEvent(inst.instance_id, "preempted", now,
-                                                  with_notice=inst.instance_id in self._noticed))
+            self._state_poll = self._poll_states(held)
         out, self._events = self._events, []
         return out
+
+    def _poll_states(self, held: list[Instance]) -> Future:
+        """Ask the cloud which of `held` are gone, on a daemon thread: a future of their ids (none
+        when the call failed: it is asked again at the next poll, and the run goes on)."""
+        polled: Future = Future()
+
+        def poll() -> None:
+            try:
+                states = self._vm_states(held)
+            except Exception as exc:
+                log.warning("%s: instance state poll failed: %s", self.name, exc)
+                states = {}
+            self._last_state_poll = time.monotonic()   # the next poll is STATE_POLL_S after this answer
+            polled.set_result([i.instance_id for i in held if states.get(i.instance_id) == "gone"])
+
+        threading.Thread(target=poll, name=f"{self.name}-state-poll", daemon=True).start()
+        return polled
 
     def stop_launches(self) -> None:
         """Launches still waiting for their node give up now (their VMs are terminated)."""

@@ -29,6 +29,20 @@ def events_within(provider, timeout_s: float = 10.0) -> list:
     return events
 
 
+def polled_events(provider, timeout_s: float = 30.0) -> list:
+    """The provider's events once a state poll begun during this call has answered (with
+    `providers.cloud.STATE_POLL_S` 0): the cloud's word on the held VMs as they are now. The poll is
+    asked in the background and taken by a later `events()`; one already under way may predate
+    what the test just did, so the next one is waited for too."""
+    out = provider.events()
+    for _ in range(2):
+        if provider._state_poll is None:
+            break
+        provider._state_poll.result(timeout=timeout_s)
+        out += provider.events()
+    return out
+
+
 def run_cli(*args: str, env: dict | None = None, cwd=REPO, timeout: float = 120, **extra_env: str):
     """`python -m elastic ARGS` in a subprocess running the tree under test; `env` replaces the
     environment, `extra_env` adds to `cli_env()`."""

@@ -8,12 +8,13 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import boto3
 import pytest
 
-from tests.conftest import REPO, aws_error, cli_env, events_within, join_as_vm, run_cli, tiny_recipe
+from tests.conftest import REPO, aws_error, cli_env, events_within, join_as_vm, polled_events, run_cli, tiny_recipe
 
 NS = 'xmlns="http://ec2.amazonaws.com/doc/2016-11-15/"'
 
@@ -268,10 +269,47 @@ def test_state_poll_sees_a_vm_that_vanished_without_notice(aws_env, monkeypatch)
     inst.ray_node_id = "joined"     # as if its node had joined
     p._held[inst.instance_id] = inst
     monkeypatch.setattr(cloud, "STATE_POLL_S", 0.0)
-    assert p.events() == []   # still running
+    assert polled_events(p) == []   # still running
     boto3.client("ec2", region_name="us-west-2").terminate_instances(InstanceIds=[inst.instance_id])
-    [ev] = p.events()
+    [ev] = polled_events(p)
     assert (ev.instance_id, ev.kind, ev.with_notice) == (inst.instance_id, "preempted", False)
+
+
+def test_a_state_poll_the_cloud_is_slow_to_answer_holds_no_events_call(aws_env, monkeypatch):
+    """The state poll runs on a thread of its own: while DescribeInstances is held (an SDK retrying
+    a throttled call), `events()` (the driver's 0.1 s tick) returns at once, asking only once, and
+    takes the answer when it comes."""
+    import providers.cloud as cloud
+
+    aws_env.rules.append(price_rule)
+    p = provider(aws_recipe(**{"resources.regions": "[us-west-2]"}), run="run-slow-poll")
+    inst = p._create(p.offers(p.recipe.resources)[0], "run-slow-poll", "replica")
+    inst.ray_node_id = "joined"
+    p._held[inst.instance_id] = inst
+    held, arrived, asked = threading.Event(), threading.Event(), []
+
+    def slow(action, region, params):
+        if action == "DescribeInstances":
+            asked.append(action)
+            arrived.set()
+            held.wait(timeout=60)
+        return None
+
+    aws_env.rules.insert(0, slow)
+    monkeypatch.setattr(cloud, "STATE_POLL_S", 0.0)
+    try:
+        assert p.events() == []                  # the poll is asked ...
+        assert arrived.wait(timeout=30)          # ... and held at the cloud
+        for _ in range(3):
+            started = time.monotonic()
+            assert p.events() == []
+            assert time.monotonic() - started < 1.0
+        assert len(asked) == 1
+    finally:
+        held.set()
+    boto3.client("ec2", region_name="us-west-2").terminate_instances(InstanceIds=[inst.instance_id])
+    [ev] = polled_events(p)
+    assert (ev.instance_id, ev.kind) == (inst.instance_id, "preempted")
 
 
 # -- elastic down ------------------------------------------------------------------------------------

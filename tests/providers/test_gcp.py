@@ -12,7 +12,7 @@ import time
 import pytest
 
 from providers.base import Offer
-from tests.conftest import REPO, cli_env, join_as_vm, run_cli, tiny_recipe
+from tests.conftest import REPO, cli_env, join_as_vm, polled_events, run_cli, tiny_recipe
 from tests.providers.gcp_fake import MACHINE_TYPES, PRICES, ZONE_ACCELERATORS, ZONE_MACHINE_TYPES, ZONES
 
 
@@ -219,9 +219,9 @@ def test_status_poll_reports_a_preempted_vm(gcp_fake, monkeypatch):
     for inst in (keep, lost):   # as launch() holds them once their Ray node joined
         inst.ray_node_id = f"node-{inst.instance_id}"
         p._held[inst.instance_id] = inst
-    assert p.events() == []
+    assert polled_events(p) == []
     gcp_fake.preempt(lost.instance_id)
-    (ev,) = p.events()
+    (ev,) = polled_events(p)
     assert (ev.instance_id, ev.kind, ev.with_notice) == (lost.instance_id, "preempted", False)
     assert [i.instance_id for i in p._held.values()] == [keep.instance_id]
 

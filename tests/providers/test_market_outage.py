@@ -77,12 +77,12 @@ def test_a_cloud_slow_to_answer_holds_no_tick(aws_env, tmp_path):
     from elastic.driver import OFFERS_WAIT_S, Driver
     from providers import build
 
-    held = threading.Event()
-    asked = []
+    held, arrived, asked = threading.Event(), threading.Event(), []
 
     def slow_market(action, region, params):
         if action == "DescribeSpotPriceHistory":
             asked.append(time.monotonic())
+            arrived.set()
             held.wait(timeout=60)
         return None
 
@@ -93,6 +93,8 @@ def test_a_cloud_slow_to_answer_holds_no_tick(aws_env, tmp_path):
     p = build("aws", recipe, None, "run-slow")
     driver.providers, driver.provider = {"aws": p}, p
     try:
+        assert driver._offers() is None                        # asked ...
+        assert arrived.wait(timeout=30)                        # ... and held at the cloud
         for _ in range(3):
             started = time.monotonic()
             assert driver._offers() is None                    # not answered yet: the tick goes on

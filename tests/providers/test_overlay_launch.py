@@ -22,7 +22,7 @@ import boto3
 import pytest
 
 from elastic import overlay
-from tests.conftest import join_as_vm, tiny_recipe
+from tests.conftest import join_as_vm, polled_events, tiny_recipe
 from tests.providers.test_aws import spot_history
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
@@ -235,9 +235,9 @@ def test_a_vm_the_cloud_lost_has_its_key_revoked_on_the_head_at_once(aws_env, mo
         p._held[inst.instance_id] = inst
         p._keys[inst.instance_id] = (offer, "wg-lost")
         assert public in net.iface.peers()
-        assert p.events() == []                               # running: nothing happens
+        assert polled_events(p) == []                         # running: nothing happens
         boto3.client("ec2", region_name="us-west-2").terminate_instances(InstanceIds=[inst.instance_id])
-        [ev] = p.events()
+        [ev] = polled_events(p)
         assert (ev.instance_id, ev.kind) == (inst.instance_id, "preempted")
         assert public not in net.iface.peers()
         assert [m.name for m in net.roster.members()] == ["head"]
