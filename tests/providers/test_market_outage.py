@@ -16,10 +16,22 @@ from tests.conftest import aws_error, join_as_vm
 from tests.providers.test_aws import aws_recipe, instances, price_rule, spot_history
 
 
-def test_throttled_and_malformed_price_answers_leave_the_run_going(aws_env, monkeypatch, tmp_path, caplog):
-    import providers.aws.provider
+def driver_on_aws(tmp_path, run: str):
+    """A driver (no cluster, no world) whose one provider is AWS in us-west-2: (driver, its ledger,
+    the provider)."""
     from elastic.driver import Driver
     from providers import build
+
+    recipe = aws_recipe(**{"resources.regions": "[us-west-2]"})
+    ledger = Ledger(tmp_path / "run" / "events.jsonl")
+    driver = Driver(recipe, tmp_path / "run", ledger)
+    p = build("aws", recipe, None, run)
+    driver.providers, driver.provider = {"aws": p}, p
+    return driver, ledger, p
+
+
+def test_throttled_and_malformed_price_answers_leave_the_run_going(aws_env, monkeypatch, tmp_path, caplog):
+    import providers.aws.provider
 
     monkeypatch.setattr(providers.aws.provider, "MAX_ATTEMPTS", 2)   # the SDK's retries, fewer of them
     mode = ["bad-prices"]
@@ -38,11 +50,7 @@ def test_throttled_and_malformed_price_answers_leave_the_run_going(aws_env, monk
         return price_rule(action, region, params)
 
     aws_env.rules.append(market)
-    recipe = aws_recipe(**{"resources.regions": "[us-west-2]"})
-    ledger = Ledger(tmp_path / "run" / "events.jsonl")
-    driver = Driver(recipe, tmp_path / "run", ledger)
-    p = build("aws", recipe, None, "run-outage")
-    driver.providers, driver.provider = {"aws": p}, p
+    driver, ledger, p = driver_on_aws(tmp_path, "run-outage")
 
     def fresh_offers():
         p._memo = None                                     # the in-memory 30 s reuse
@@ -74,8 +82,7 @@ def test_a_cloud_slow_to_answer_holds_no_tick(aws_env, tmp_path):
     was made meanwhile."""
     import time
 
-    from elastic.driver import OFFERS_WAIT_S, Driver
-    from providers import build
+    from elastic.driver import OFFERS_WAIT_S
 
     held, arrived, asked = threading.Event(), threading.Event(), []
 
@@ -87,11 +94,7 @@ def test_a_cloud_slow_to_answer_holds_no_tick(aws_env, tmp_path):
         return None
 
     aws_env.rules.append(slow_market)
-    recipe = aws_recipe(**{"resources.regions": "[us-west-2]"})
-    ledger = Ledger(tmp_path / "run" / "events.jsonl")
-    driver = Driver(recipe, tmp_path / "run", ledger)
-    p = build("aws", recipe, None, "run-slow")
-    driver.providers, driver.provider = {"aws": p}, p
+    driver, ledger, p = driver_on_aws(tmp_path, "run-slow")
     try:
         assert driver._offers() is None                        # asked ...
         assert arrived.wait(timeout=30)                        # ... and held at the cloud
