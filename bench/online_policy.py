@@ -4,6 +4,7 @@ lower bound: a policy played on traces of the same family, against bound.py's bo
 
     python bench/online_policy.py [--traces 20] [--seed 0] [--seeds 5] [--safety 1.0 1.1 1.2]
                                   [--offers 4] [--spike-every-h 16] [--lams 16] [--stride 3] [--simulate N]
+                                  [--learned-h H]
 
 The policy (a certainty-equivalent, model-predictive rule; a heuristic, not the optimum):
 - **DP per token price.** For each λ of a grid (`--lams` values log-spaced over 0.5-3 × the λ of
@@ -32,6 +33,18 @@ budget.max_hours: failed). The ratio is its USD per 1M tokens over bound.py's
   shortfall at the row's price where the VM went (even in expectation over preemption seeds);
 - the state seen: the chain's state tells a spike from a high level at the same price (for the
   policy); bound.py sees every price of the trace (for the bound).
+
+`--learned-h H`: the policy is not given the chain's law nor its states. Before the runs it sees the
+prices of one earlier trace of H hours (a separate draw from the family) and fits, per offer
+(`fit_offer`): the spike regime (`spike_threshold`: a jump up of more than 2.5 typical walk steps
+enters it; the family's spike ratio is not used), the spike start and end chances per row (counts,
+with ½ added), the spike price (median seen), and outside spikes the AR(1) of log(price /
+on-demand) (sample mean, sd, lag-one correlation at the trace's rows); `FittedFamily` builds the
+chains from them as `Family.chain` does (Rouwenhorst, same levels), and the λ grid and the plan are
+made on it. While playing it reads each row's state from the trace's prices (`seen_states`: the
+nearest fitted level in log price, the spike flag from the fitted threshold). The play's bill, the
+preemptions and bound.py's bound are on the true trace as without it. Still given: the model's
+shape (AR(1) + spikes, offers independent), on-demand prices, preemption rates and tokens/s.
 
 `--simulate N` plays the same plan inside the simulator (`SimDecide` in place of `policy.decide`, as
 bench/threshold_policy.py patches it) on the first N traces, with the project's policy beside it.
