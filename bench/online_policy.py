@@ -415,6 +415,7 @@ def main() -> None:
                     help="the policy learns the market: it plans on a chain fitted to the prices of one earlier "
                     "trace of this many hours (a separate draw from the family), and sees each row's state only "
                     "through the trace's prices (seen_states); 0: the chain's law and states are known")
+    ap.add_argument("--history-seed", type=int, default=0, help="with --learned-h: which history is drawn")
     ap.add_argument("--out", type=Path, default=Path("/tmp/online_policy"), help="folder for the traces")
     args = ap.parse_args()
     if args.levels < 1 or args.levels % 2 == 0:
@@ -426,7 +427,7 @@ def main() -> None:
     planned, what = family, "online lower bound L"
     if args.learned_h:
         history = dataclasses.replace(family, hours=args.learned_h)
-        planned = FittedFamily.from_history(history, history.sample_states(np.random.default_rng([args.seed, 10**6])),
+        planned = FittedFamily.from_history(history, history.sample_states(np.random.default_rng([args.seed, 10**6 + args.history_seed])),
                                             family.hours)
         what = f"the chain fitted on {args.learned_h:g} h of history: its online bound"
         for o, f in zip(planned.offers, planned.fits):
