@@ -4,7 +4,7 @@ lower bound: a policy played on traces of the same family, against bound.py's bo
 
     python bench/online_policy.py [--traces 20] [--seed 0] [--seeds 5] [--safety 1.0 1.1 1.2]
                                   [--offers 4] [--spike-every-h 16] [--lams 16] [--stride 3] [--simulate N]
-                                  [--learned-h H]
+                                  [--learned-h H [--history-seed K]] [--price-states]
 
 The policy (a certainty-equivalent, model-predictive rule; a heuristic, not the optimum):
 - **DP per token price.** For each λ of a grid (`--lams` values log-spaced over 0.5-3 × the λ of
@@ -45,6 +45,7 @@ made on it. While playing it reads each row's state from the trace's prices (`se
 nearest fitted level in log price, the spike flag from the fitted threshold). The play's bill, the
 preemptions and bound.py's bound are on the true trace as without it. Still given: the model's
 shape (AR(1) + spikes, offers independent), on-demand prices, preemption rates and tokens/s.
+`--price-states`: the chain's law known (`FittedFamily.exact`), the states read from prices as above.
 
 `--simulate N` plays the same plan inside the simulator (`SimDecide` in place of `policy.decide`, as
 bench/threshold_policy.py patches it) on the first N traces, with the project's policy beside it.
@@ -185,6 +186,18 @@ class FittedFamily:
         fits = tuple(fit_offer(family.chain(o)[1][states[:, j]], o.on_demand_usd_per_hour)
                      for j, o in enumerate(family.offers))
         return cls(family.offers, fits, family.levels, hours)
+
+    @classmethod
+    def exact(cls, family: Family) -> "FittedFamily":
+        """The family's own figures as a fit (its chain as `Family.chain`'s; the threshold just below
+        the spike ratio): to play the known law with the state read from prices."""
+        dt_h = STEP_S / 3600
+        rho = 1 - dt_h / family.revert_h
+        sd = family.volatility * math.sqrt(dt_h) / math.sqrt(1 - rho ** 2)
+        fits = tuple(FittedOffer(math.log(family.spike_ratio) - 1e-6, math.log(o.base), rho, sd,
+                                 -math.expm1(-dt_h / family.spike_every_h), -math.expm1(-dt_h / family.spike_mean_h),
+                                 family.spike_ratio * o.on_demand_usd_per_hour) for o in family.offers)
+        return cls(family.offers, fits, family.levels, family.hours)
 
     @property
     def rows(self) -> int:
@@ -415,6 +428,8 @@ def main() -> None:
                     help="the policy learns the market: it plans on a chain fitted to the prices of one earlier "
                     "trace of this many hours (a separate draw from the family), and sees each row's state only "
                     "through the trace's prices (seen_states); 0: the chain's law and states are known")
+    ap.add_argument("--price-states", action="store_true",
+                    help="the chain's law known, but each row's state read from the trace's prices (seen_states)")
     ap.add_argument("--history-seed", type=int, default=0, help="with --learned-h: which history is drawn")
     ap.add_argument("--out", type=Path, default=Path("/tmp/online_policy"), help="folder for the traces")
     args = ap.parse_args()
@@ -425,6 +440,8 @@ def main() -> None:
     recipe = load_recipe(args.recipe, [])
     family = Family(offers=OFFERS[:args.offers], levels=args.levels, spike_every_h=args.spike_every_h)
     planned, what = family, "online lower bound L"
+    if args.price_states:
+        planned = FittedFamily.exact(family)
     if args.learned_h:
         history = dataclasses.replace(family, hours=args.learned_h)
         planned = FittedFamily.from_history(history, history.sample_states(np.random.default_rng([args.seed, 10**6 + args.history_seed])),
@@ -460,7 +477,7 @@ def main() -> None:
         bound = lower_bound_usd_per_mtok(recipe, TraceMarket(read_trace_rows(path), recipe))
         bounds.append(bound)
         seen = None
-        if args.learned_h:
+        if args.learned_h or args.price_states:
             seen = seen_states(planned, np.stack([family.chain(o)[1][states[:, j]] for j, o in enumerate(family.offers)], 1))
         line = [f"trace {i}: bound.py {bound:.5f}"]
         for f in args.safety:

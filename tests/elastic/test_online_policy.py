@@ -102,3 +102,13 @@ def test_the_fitted_chain_recovers_the_family_from_a_long_history_of_prices():
     spike = states[:, 0] >= family.levels
     assert (seen[:, 0] >= family.levels).tolist() == spike.tolist()
     assert (seen[~spike, 0] == states[~spike, 0]).all()
+
+
+def test_the_exact_fit_is_the_family_chain():
+    from bench.online_policy import FittedFamily
+
+    family = Family()
+    exact = FittedFamily.exact(family)
+    for o in family.offers:
+        (p, usd, start), (q, usd_true, start_true) = exact.chain(o), family.chain(o)
+        assert np.allclose(p, q) and np.allclose(usd, usd_true) and start == start_true
