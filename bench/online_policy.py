@@ -69,7 +69,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.online_bound import OFFERS, STEP_S, Family, Offer, online_lower_bound, online_value, rouwenhorst  # noqa: E402
+from bench.online_bound import (  # noqa: E402
+    OFFERS, STEP_S, Family, Offer, online_lower_bound, online_value, rouwenhorst)
 from elastic import billing  # noqa: E402
 from elastic.bound import lower_bound_usd_per_mtok  # noqa: E402
 from elastic.planner import run_tokens  # noqa: E402
@@ -444,8 +445,8 @@ def main() -> None:
         planned = FittedFamily.exact(family)
     if args.learned_h:
         history = dataclasses.replace(family, hours=args.learned_h)
-        planned = FittedFamily.from_history(history, history.sample_states(np.random.default_rng([args.seed, 10**6 + args.history_seed])),
-                                            family.hours)
+        past = history.sample_states(np.random.default_rng([args.seed, 10**6 + args.history_seed]))
+        planned = FittedFamily.from_history(history, past, family.hours)
         what = f"the chain fitted on {args.learned_h:g} h of history: its online bound"
         for o, f in zip(planned.offers, planned.fits):
             print(f"fitted {o.zone} {o.instance_type}: spike at ≥ {math.exp(f.threshold):.3f} × on-demand, "
@@ -478,7 +479,8 @@ def main() -> None:
         bounds.append(bound)
         seen = None
         if args.learned_h or args.price_states:
-            seen = seen_states(planned, np.stack([family.chain(o)[1][states[:, j]] for j, o in enumerate(family.offers)], 1))
+            prices = np.stack([family.chain(o)[1][states[:, j]] for j, o in enumerate(family.offers)], axis=1)
+            seen = seen_states(planned, prices)
         line = [f"trace {i}: bound.py {bound:.5f}"]
         for f in args.safety:
             runs = [play(plan, family, states, recipe, np.random.default_rng([args.seed, i, k]), f, seen)
