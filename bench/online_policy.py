@@ -4,6 +4,7 @@ lower bound: a policy played on traces of the same family, against bound.py's bo
 
     python bench/online_policy.py [--traces 20] [--seed 0] [--seeds 5] [--safety 1.0 1.1 1.2]
                                   [--offers 4] [--spike-every-h 16] [--lams 16] [--stride 3] [--simulate N]
+                                  [--learned-h H [--history-seed K]] [--price-states]
 
 The policy (a certainty-equivalent, model-predictive rule; a heuristic, not the optimum):
 - **DP per token price.** For each λ of a grid (`--lams` values log-spaced over 0.5-3 × the λ of
@@ -33,6 +34,19 @@ budget.max_hours: failed). The ratio is its USD per 1M tokens over bound.py's
 - the state seen: the chain's state tells a spike from a high level at the same price (for the
   policy); bound.py sees every price of the trace (for the bound).
 
+`--learned-h H`: the policy is not given the chain's law nor its states. Before the runs it sees the
+prices of one earlier trace of H hours (a separate draw from the family) and fits, per offer
+(`fit_offer`): the spike regime (`spike_threshold`: a jump up of more than 2.5 typical walk steps
+enters it; the family's spike ratio is not used), the spike start and end chances per row (counts,
+with ½ added), the spike price (median seen), and outside spikes the AR(1) of log(price /
+on-demand) (sample mean, sd, lag-one correlation at the trace's rows); `FittedFamily` builds the
+chains from them as `Family.chain` does (Rouwenhorst, same levels), and the λ grid and the plan are
+made on it. While playing it reads each row's state from the trace's prices (`seen_states`: the
+nearest fitted level in log price, the spike flag from the fitted threshold). The play's bill, the
+preemptions and bound.py's bound are on the true trace as without it. Still given: the model's
+shape (AR(1) + spikes, offers independent), on-demand prices, preemption rates and tokens/s.
+`--price-states`: the chain's law known (`FittedFamily.exact`), the states read from prices as above.
+
 `--simulate N` plays the same plan inside the simulator (`SimDecide` in place of `policy.decide`, as
 bench/threshold_policy.py patches it) on the first N traces, with the project's policy beside it.
 There the slots are the VMs held, decisions come whenever the simulator asks (each outer step's end,
@@ -55,7 +69,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.online_bound import OFFERS, STEP_S, Family, online_lower_bound, online_value  # noqa: E402
+from bench.online_bound import (  # noqa: E402
+    OFFERS, STEP_S, Family, Offer, online_lower_bound, online_value, rouwenhorst)
 from elastic import billing  # noqa: E402
 from elastic.bound import lower_bound_usd_per_mtok  # noqa: E402
 from elastic.planner import run_tokens  # noqa: E402
@@ -96,6 +111,134 @@ def capped_usd(family: Family, recipe) -> list[np.ndarray]:
     return out
 
 
+JUMP_STEPS = 2.5   # an upward move this many typical walk steps or more enters the spike regime
+
+
+def spike_threshold(log_ratio: np.ndarray) -> float:
+    """The log(price / on-demand) at and above which a row is in the spike regime, from prices alone:
+    a typical walk step is the median nonzero |row-to-row change|; a move up of more than JUMP_STEPS of
+    them is a jump into a spike, and the threshold lies half a step below the lowest price such a jump
+    reached (the lowest but a tenth of the jumps: one odd move of the walk does not set it). Inf (no
+    spike regime) when the history shows no jump. Made for the family's chain, whose
+    walk moves a level at a time; on a continuous walk, its large ordinary moves would count as jumps."""
+    steps = np.diff(log_ratio)
+    moves = np.abs(steps[steps != 0])
+    if not len(moves):
+        return math.inf
+    step = float(np.median(moves))
+    up = np.flatnonzero(steps > JUMP_STEPS * step)
+    return float(np.quantile(log_ratio[up + 1], 0.1, method="lower") - step / 2) if len(up) else math.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class FittedOffer:
+    """One offer's chain as estimated from a history of its prices (`fit_offer`).
+
+    Args:
+        threshold: log(price / on-demand) at and above which a row is a spike (inf: none seen).
+        mean, rho, sd: the AR(1) of log(price / on-demand) outside spikes: mean, lag-one
+            autocorrelation at the history's rows, stationary sd (innovation sd = sd·sqrt(1 − rho²)).
+        p_on, p_off: per row, the chance a spike starts (outside one) and ends (inside one).
+        spike_usd_per_hour: the median price seen in spikes (on-demand when none was seen).
+    """
+    threshold: float
+    mean: float
+    rho: float
+    sd: float
+    p_on: float
+    p_off: float
+    spike_usd_per_hour: float
+
+
+def fit_offer(usd_per_hour: np.ndarray, on_demand_usd_per_hour: float) -> FittedOffer:
+    """Estimate an offer's chain from its history of prices, one per row (module docstring, --learned):
+    the spike regime by `spike_threshold`; p_on = (spikes begun + ½) / (rows outside a spike + 1) and
+    p_off = (spikes ended + ½) / (rows inside one + 1) (rows before the last; the ½ keeps a history with
+    no spike from ruling spikes out); outside spikes, the sample mean and sd of the log ratio and the
+    correlation of the pairs of consecutive rows both outside a spike (clipped to 0-0.999)."""
+    x = np.log(np.asarray(usd_per_hour, float) / on_demand_usd_per_hour)
+    threshold = spike_threshold(x)
+    spike = x >= threshold
+    calm = x[~spike]
+    both = ~spike[:-1] & ~spike[1:]
+    rho = float(np.corrcoef(x[:-1][both], x[1:][both])[0, 1]) if both.sum() > 2 and calm.std() > 0 else 0.0
+    begun, ended = int((~spike[:-1] & spike[1:]).sum()), int((spike[:-1] & ~spike[1:]).sum())
+    return FittedOffer(threshold, float(calm.mean()), min(max(rho, 0.0), 0.999), float(calm.std()),
+                       (begun + 0.5) / ((~spike[:-1]).sum() + 1), (ended + 0.5) / (spike[:-1].sum() + 1),
+                       float(np.median(np.asarray(usd_per_hour)[spike])) if spike.any() else on_demand_usd_per_hour)
+
+
+@dataclasses.dataclass(frozen=True)
+class FittedFamily:
+    """A `Family` as the policy learns it from one history of prices (what `make_plan`,
+    `online_lower_bound` and `play` read of a family): each offer's chain built from its `FittedOffer`
+    as `Family.chain` builds the true one (Rouwenhorst levels of the AR(1), ⊗ the spike on/off chain;
+    a spike state's price the larger of its level's and the spike price), same levels and rows.
+    The offers' static figures (on-demand price, preemption rate, tokens/s) are taken as known."""
+    offers: tuple[Offer, ...]
+    fits: tuple[FittedOffer, ...]
+    levels: int
+    hours: float
+
+    @classmethod
+    def from_history(cls, family: Family, states: np.ndarray, hours: float) -> "FittedFamily":
+        """Fitted on the prices of a path of `family`'s states (a history drawn from the true family;
+        only its prices are read), for runs of `hours`."""
+        fits = tuple(fit_offer(family.chain(o)[1][states[:, j]], o.on_demand_usd_per_hour)
+                     for j, o in enumerate(family.offers))
+        return cls(family.offers, fits, family.levels, hours)
+
+    @classmethod
+    def exact(cls, family: Family) -> "FittedFamily":
+        """The family's own figures as a fit (its chain as `Family.chain`'s; the threshold just below
+        the spike ratio): to play the known law with the state read from prices."""
+        dt_h = STEP_S / 3600
+        rho = 1 - dt_h / family.revert_h
+        sd = family.volatility * math.sqrt(dt_h) / math.sqrt(1 - rho ** 2)
+        fits = tuple(FittedOffer(math.log(family.spike_ratio) - 1e-6, math.log(o.base), rho, sd,
+                                 -math.expm1(-dt_h / family.spike_every_h), -math.expm1(-dt_h / family.spike_mean_h),
+                                 family.spike_ratio * o.on_demand_usd_per_hour) for o in family.offers)
+        return cls(family.offers, fits, family.levels, family.hours)
+
+    @property
+    def rows(self) -> int:
+        return int(self.hours * 3600 / STEP_S)
+
+    def grid(self, o: Offer) -> np.ndarray:
+        """The fitted levels of log(price / on-demand), ascending."""
+        f = self.fits[self.offers.index(o)]
+        return f.mean + rouwenhorst(self.levels, f.rho, f.sd)[0]
+
+    def chain(self, o: Offer) -> tuple[np.ndarray, np.ndarray, int]:
+        f = self.fits[self.offers.index(o)]
+        _, walk = rouwenhorst(self.levels, f.rho, f.sd)
+        spike = np.array([[1 - f.p_on, f.p_on], [f.p_off, 1 - f.p_off]])
+        level = np.minimum(1.0, np.exp(self.grid(o))) * o.on_demand_usd_per_hour
+        usd = np.round(np.concatenate([level, np.minimum(o.on_demand_usd_per_hour,
+                                                         np.maximum(level, f.spike_usd_per_hour))]), 4)
+        return np.kron(spike, walk), usd, self.levels // 2
+
+    market = Family.market
+
+
+def seen_states(fitted: FittedFamily, usd_per_hour: np.ndarray) -> np.ndarray:
+    """The fitted chain's state of each row of a trace's prices ((rows, offers) USD/h): the spike flag
+    from the fitted threshold, the level the nearest fitted one in log price (in a spike, the level
+    of the last row outside one; the middle level before any)."""
+    out = np.zeros(usd_per_hour.shape, np.int64)
+    for j, o in enumerate(fitted.offers):
+        grid, f = fitted.grid(o), fitted.fits[j]
+        level = fitted.levels // 2
+        for t, p in enumerate(usd_per_hour[:, j]):
+            x = math.log(p / o.on_demand_usd_per_hour)
+            if x >= f.threshold:
+                out[t, j] = fitted.levels + level
+            else:
+                level = int(np.abs(grid - x).argmin())
+                out[t, j] = level
+    return out
+
+
 def make_plan(family: Family, recipe, lams, stride: int = 3) -> Plan:
     """`online_value`'s schedule for each λ in `lams`, with the recipe's boot and price cap."""
     chains, _, _, rates, tps = family.market()
@@ -117,9 +260,11 @@ def make_plan(family: Family, recipe, lams, stride: int = 3) -> Plan:
 
 
 def play(plan: Plan, family: Family, states: np.ndarray, recipe, rng: np.random.Generator,
-         safety: float) -> dict:
+         safety: float, seen: np.ndarray | None = None) -> dict:
     """The plan played on one path of market states (`Family.sample_states`) with preemptions drawn
-    from `rng`, in bound.py's slot model (module docstring). Returns usd, tokens, finished,
+    from `rng`, in bound.py's slot model (module docstring). The bill is at `states`' prices; the
+    decisions are the plan's at `seen` (the plan's own states, e.g. `seen_states` for a plan made on
+    a `FittedFamily`), at `states` if None. Returns usd, tokens, finished,
     hours (the run's end), boots, preemptions, released_booting (VMs let go before their boot
     ended) and the mean index of λ on the grid."""
     offers = family.offers
@@ -137,13 +282,14 @@ def play(plan: Plan, family: Family, states: np.ndarray, recipe, rng: np.random.
     lam_i, chosen = len(plan.lams) - 1, []
     for t in range(family.rows):
         s = tuple(int(x) for x in states[t])
+        d = s if seen is None else tuple(int(x) for x in seen[t])
         t0, t1 = t * STEP_S, (t + 1) * STEP_S
         if t % plan.stride == 0:
             r = t // plan.stride
-            lam_i = _choose(plan, r, s, [(j, max(0.0, launch[x] + boot_s - t0)) for x, j in enumerate(held)],
+            lam_i = _choose(plan, r, d, [(j, max(0.0, launch[x] + boot_s - t0)) for x, j in enumerate(held)],
                             tps, (needed - tokens) * safety)
             chosen.append(lam_i)
-        stay_bits, boot_to = int(plan.stay[(lam_i, t) + s]), int(plan.boot[(lam_i, t) + s])
+        stay_bits, boot_to = int(plan.stay[(lam_i, t) + d]), int(plan.boot[(lam_i, t) + d])
         for x in range(slots):
             if held[x] >= 0 and not stay_bits >> held[x] & 1:
                 early += launch[x] + boot_s > t0
@@ -279,6 +425,13 @@ def main() -> None:
                     "and the project's policy (`elastic`) beside it")
     ap.add_argument("--margin-h", type=float, default=0.0,
                     help="in elastic.simulate, λ is chosen as if the deadline came this many hours sooner")
+    ap.add_argument("--learned-h", type=float, default=0.0,
+                    help="the policy learns the market: it plans on a chain fitted to the prices of one earlier "
+                    "trace of this many hours (a separate draw from the family), and sees each row's state only "
+                    "through the trace's prices (seen_states); 0: the chain's law and states are known")
+    ap.add_argument("--price-states", action="store_true",
+                    help="the chain's law known, but each row's state read from the trace's prices (seen_states)")
+    ap.add_argument("--history-seed", type=int, default=0, help="with --learned-h: which history is drawn")
     ap.add_argument("--out", type=Path, default=Path("/tmp/online_policy"), help="folder for the traces")
     args = ap.parse_args()
     if args.levels < 1 or args.levels % 2 == 0:
@@ -287,12 +440,25 @@ def main() -> None:
         ap.error(f"--offers must be 1-{len(OFFERS)}")
     recipe = load_recipe(args.recipe, [])
     family = Family(offers=OFFERS[:args.offers], levels=args.levels, spike_every_h=args.spike_every_h)
-    online = online_lower_bound(family, recipe)
+    planned, what = family, "online lower bound L"
+    if args.price_states:
+        planned = FittedFamily.exact(family)
+    if args.learned_h:
+        history = dataclasses.replace(family, hours=args.learned_h)
+        past = history.sample_states(np.random.default_rng([args.seed, 10**6 + args.history_seed]))
+        planned = FittedFamily.from_history(history, past, family.hours)
+        what = f"the chain fitted on {args.learned_h:g} h of history: its online bound"
+        for o, f in zip(planned.offers, planned.fits):
+            print(f"fitted {o.zone} {o.instance_type}: spike at ≥ {math.exp(f.threshold):.3f} × on-demand, "
+                  f"spikes every {STEP_S / 3600 / f.p_on:.1f} h for {STEP_S / 3600 / f.p_off:.2f} h at "
+                  f"{f.spike_usd_per_hour / o.on_demand_usd_per_hour:.3f} × on-demand; log(price / on-demand) mean "
+                  f"{f.mean:.3f} (true {math.log(o.base):.3f}), lag-one correlation {f.rho:.4f}, sd {f.sd:.3f}",
+                  flush=True)
+    online = online_lower_bound(planned, recipe, iterations=8 if args.learned_h else 20)
     lam = online["lam"]
-    print(f"online lower bound L: {online['usd_per_mtok']:.5f} USD/1M tok at λ {lam * 1e6:.5f} USD per 1M tok",
-          flush=True)
+    print(f"{what}: {online['usd_per_mtok']:.5f} USD/1M tok at λ {lam * 1e6:.5f} USD per 1M tok", flush=True)
     lams = np.append(np.geomspace(0.5 * lam, 3 * lam, args.lams), LAST_RESORT * lam)
-    plan = make_plan(family, recipe, lams, args.stride)
+    plan = make_plan(planned, recipe, lams, args.stride)
     held_mb = sum(a.nbytes for a in (plan.boot, plan.stay, plan.k_off, plan.k_on)) / 1e6
     print(f"plan: {len(lams)} token prices, {held_mb:.0f} MB", flush=True)
 
@@ -311,9 +477,13 @@ def main() -> None:
         path = family.write_trace(states, args.out / f"family-{args.seed}-{i}.csv")
         bound = lower_bound_usd_per_mtok(recipe, TraceMarket(read_trace_rows(path), recipe))
         bounds.append(bound)
+        seen = None
+        if args.learned_h or args.price_states:
+            prices = np.stack([family.chain(o)[1][states[:, j]] for j, o in enumerate(family.offers)], axis=1)
+            seen = seen_states(planned, prices)
         line = [f"trace {i}: bound.py {bound:.5f}"]
         for f in args.safety:
-            runs = [play(plan, family, states, recipe, np.random.default_rng([args.seed, i, k]), f)
+            runs = [play(plan, family, states, recipe, np.random.default_rng([args.seed, i, k]), f, seen)
                     for k in range(args.seeds)]
             rs = [r["usd"] / r["tokens"] * 1e6 / bound if r["finished"] else math.inf for r in runs]
             ratios[f].extend(rs)
@@ -323,7 +493,8 @@ def main() -> None:
         if i < args.simulate:
             line = [f"trace {i} in elastic.simulate"]
             for f in args.safety:
-                runs = [simulate_plan(plan, family, states, path, sim_recipe, k, f, args.margin_h)
+                runs = [simulate_plan(plan, planned, states if seen is None else seen, path, sim_recipe, k, f,
+                                      args.margin_h)
                         for k in range(args.seeds)]
                 rs = [x["usd_per_mtok"] / bound if x["status"] == "completed" else math.inf for x in runs]
                 sim[f].extend(rs)
@@ -338,7 +509,8 @@ def main() -> None:
     mean = statistics.fmean(bounds)
     half = 1.96 * statistics.stdev(bounds) / math.sqrt(len(bounds)) if len(bounds) > 1 else math.inf
     x = online["usd_per_mtok"]
-    print(f"E[bound.py] {mean:.5f} ± {half:.5f} (95 %, {len(bounds)} traces); L / E[bound.py] {x / mean:.3f}")
+    print(f"E[bound.py] {mean:.5f} ± {half:.5f} (95 %, {len(bounds)} traces); "
+          f"{'fitted chain ' if args.learned_h else ''}L / E[bound.py] {x / mean:.3f}")
     for f in args.safety:
         per_trace = [statistics.median(ratios[f][k * args.seeds:(k + 1) * args.seeds]) for k in range(len(bounds))]
         hours = [r["hours"] for r in played[f]]

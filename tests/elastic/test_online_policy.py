@@ -75,3 +75,40 @@ def test_the_play_at_a_fixed_price_pays_what_the_dynamic_program_expects():
     assert 0 < k[start] and (tokens > 0).any() and (tokens == 0).any()      # it trains on some paths only
     for got, want in ((value, 6 * v[start]), (tokens, 6 * k[start])):
         assert abs(got.mean() - want) < 4 * got.std() / np.sqrt(len(got)) + 1e-9 * abs(want)
+
+
+def test_the_fitted_chain_recovers_the_family_from_a_long_history_of_prices():
+    """2000 h of one offer's prices (24 000 rows; about 500 independent draws of the walk, 125 spikes):
+    the estimators land within about 4 of their standard errors of the family's figures (mean ± 0.06
+    with a standard error near 0.013; sd ± 10 %; spike spacing and length ± 30 %, near 9 % each), and
+    the states read from prices are the true ones outside spikes and the true spike flags."""
+    import math
+
+    from bench.online_policy import FittedFamily, seen_states
+
+    family = Family(offers=(OFFERS[0],), hours=2000.0)
+    states = family.sample_states(np.random.default_rng(7))
+    fitted = FittedFamily.from_history(family, states, 48.0)
+    f, o = fitted.fits[0], OFFERS[0]
+    rho = 1 - STEP_S / 3600 / family.revert_h
+    assert math.exp(f.threshold) == pytest.approx(0.85, rel=0.2)           # between the top level and 0.85
+    assert f.mean == pytest.approx(math.log(o.base), abs=0.06)
+    assert f.rho == pytest.approx(rho, abs=0.01)
+    assert f.sd == pytest.approx(family.volatility * math.sqrt(STEP_S / 3600 / (1 - rho ** 2)), rel=0.1)
+    assert STEP_S / 3600 / f.p_on == pytest.approx(family.spike_every_h, rel=0.3)
+    assert STEP_S / 3600 / f.p_off == pytest.approx(family.spike_mean_h, rel=0.3)
+    assert f.spike_usd_per_hour == pytest.approx(0.85 * o.on_demand_usd_per_hour, rel=1e-3)
+    seen = seen_states(fitted, family.chain(o)[1][states])
+    spike = states[:, 0] >= family.levels
+    assert (seen[:, 0] >= family.levels).tolist() == spike.tolist()
+    assert (seen[~spike, 0] == states[~spike, 0]).all()
+
+
+def test_the_exact_fit_is_the_family_chain():
+    from bench.online_policy import FittedFamily
+
+    family = Family()
+    exact = FittedFamily.exact(family)
+    for o in family.offers:
+        (p, usd, start), (q, usd_true, start_true) = exact.chain(o), family.chain(o)
+        assert np.allclose(p, q) and np.allclose(usd, usd_true) and start == start_true
