@@ -330,25 +330,35 @@ def _mean_ci(xs: list[float]) -> tuple[float, float]:
     return statistics.fmean(xs), half
 
 
+def add_family_args(ap: argparse.ArgumentParser) -> None:
+    """The family's command-line options (`family_from_args` reads them)."""
+    ap.add_argument("--levels", type=int, default=5, help="levels of each offer's price chain")
+    ap.add_argument("--offers", type=int, default=len(OFFERS), help="the first N of the family's offers")
+    ap.add_argument("--spike-every-h", type=float, default=16.0, help="mean hours between an offer's spikes")
+
+
+def family_from_args(ap: argparse.ArgumentParser, args) -> Family:
+    """The family `add_family_args`' options name (an argparse error when they do not make one)."""
+    if args.levels < 1 or args.levels % 2 == 0:
+        ap.error("--levels must be odd (the walk starts at its middle level, a deviation of 0)")
+    if not 1 <= args.offers <= len(OFFERS):
+        ap.error(f"--offers must be 1-{len(OFFERS)}")
+    return Family(offers=OFFERS[:args.offers], levels=args.levels, spike_every_h=args.spike_every_h)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--recipe", default=str(ROOT / "recipes/multi-cloud.yaml"))
     ap.add_argument("--traces", type=int, default=20, help="traces drawn from the family for E[bound]")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--levels", type=int, default=5, help="levels of each offer's price chain")
-    ap.add_argument("--offers", type=int, default=len(OFFERS), help="the first N of the family's offers")
-    ap.add_argument("--spike-every-h", type=float, default=16.0, help="mean hours between an offer's spikes")
+    add_family_args(ap)
     ap.add_argument("--policy-seeds", type=int, default=1, help="elastic.simulate runs per trace (0: none)")
     ap.add_argument("--slopes", type=float, nargs="*", default=[],
                     help="also the bound with the token price set by the trace's cheap rows (counted_lower_bound)")
     ap.add_argument("--out", type=Path, default=Path("/tmp/online_bound"), help="folder for the traces")
     args = ap.parse_args()
-    if args.levels < 1 or args.levels % 2 == 0:
-        ap.error("--levels must be odd (the walk starts at its middle level, a deviation of 0)")
-    if not 1 <= args.offers <= len(OFFERS):
-        ap.error(f"--offers must be 1-{len(OFFERS)}")
+    family = family_from_args(ap, args)
     recipe = load_recipe(args.recipe, [])
-    family = Family(offers=OFFERS[:args.offers], levels=args.levels, spike_every_h=args.spike_every_h)
     online = online_lower_bound(family, recipe)
     lam = online["lam"]
     print(f"online, relaxed: {online['usd_per_mtok']:.5f} USD/1M tok (λ {lam * 1e6:.5f} USD per 1M tok; the slots' "

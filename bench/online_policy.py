@@ -70,7 +70,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.online_bound import (  # noqa: E402
-    OFFERS, STEP_S, Family, Offer, online_lower_bound, online_value, rouwenhorst)
+    STEP_S, Family, Offer, add_family_args, family_from_args, online_lower_bound, online_value, rouwenhorst)
 from elastic import billing  # noqa: E402
 from elastic.bound import lower_bound_usd_per_mtok  # noqa: E402
 from elastic.planner import run_tokens  # noqa: E402
@@ -415,9 +415,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=5, help="preemption seeds per trace")
     ap.add_argument("--safety", type=float, nargs="+", default=[1.0, 1.1, 1.2],
                     help="tokens still needed are counted this many times over when λ is chosen")
-    ap.add_argument("--levels", type=int, default=5, help="levels of each offer's price chain")
-    ap.add_argument("--offers", type=int, default=len(OFFERS), help="the first N of the family's offers")
-    ap.add_argument("--spike-every-h", type=float, default=16.0, help="mean hours between an offer's spikes")
+    add_family_args(ap)
     ap.add_argument("--lams", type=int, default=16, help="token prices on the grid over 0.5-3 × the online bound's")
     ap.add_argument("--stride", type=int, default=3, help="rows between two choices of λ")
     ap.add_argument("--simulate", type=int, default=0,
@@ -434,12 +432,8 @@ def main() -> None:
     ap.add_argument("--history-seed", type=int, default=0, help="with --learned-h: which history is drawn")
     ap.add_argument("--out", type=Path, default=Path("/tmp/online_policy"), help="folder for the traces")
     args = ap.parse_args()
-    if args.levels < 1 or args.levels % 2 == 0:
-        ap.error("--levels must be odd (the walk starts at its middle level, a deviation of 0)")
-    if not 1 <= args.offers <= len(OFFERS):
-        ap.error(f"--offers must be 1-{len(OFFERS)}")
+    family = family_from_args(ap, args)
     recipe = load_recipe(args.recipe, [])
-    family = Family(offers=OFFERS[:args.offers], levels=args.levels, spike_every_h=args.spike_every_h)
     planned, what = family, "online lower bound L"
     if args.price_states:
         planned = FittedFamily.exact(family)
