@@ -474,7 +474,6 @@ class CloudProvider(BaseProvider):
                     self._events.append(NodeEvent(iid, "preempted", now, with_notice=iid in self._noticed))
             self._state_poll = None
         if held and self._state_poll is None and time.monotonic() - self._last_state_poll >= STATE_POLL_S:
-            self._last_state_poll = time.monotonic()
             self._state_poll = self._poll_states(held)
         out, self._events = self._events, []
         return out
