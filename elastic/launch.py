@@ -59,6 +59,27 @@ def prepare_run_dir(run_dir: Path) -> None:
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)   # besides Ctrl-C: end the run cleanly on these
 
 
+STACKS = "driver-stacks.txt"   # `kill -USR1 <driver pid>` appends every thread's stack here
+
+
+@contextmanager
+def _stacks_on_sigusr1(path: Path):
+    """While the run lasts, SIGUSR1 appends the stack of every thread of the driver to `path`
+    (Python's faulthandler: written from the signal handler, so it works while the driver is stuck
+    in a blocking call); the run goes on. For a run that seems to hang. The file is left only when
+    something was written to it."""
+    import faulthandler
+
+    with open(path, "a", encoding="utf-8") as out:
+        faulthandler.register(signal.SIGUSR1, file=out, all_threads=True)
+        try:
+            yield
+        finally:
+            faulthandler.unregister(signal.SIGUSR1)
+    if path.stat().st_size == 0:
+        path.unlink()
+
+
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
@@ -297,7 +318,7 @@ def launch(recipe: Recipe, run_dir: Path, address: str | None = None, console=No
     prepare_run_dir(run_dir)
     (run_dir / "recipe.yaml").write_text(dump_recipe(recipe), encoding="utf-8")
     run = run_dir.name
-    with run_logging(run_dir / "driver.log", console):
+    with run_logging(run_dir / "driver.log", console), _stacks_on_sigusr1(run_dir / STACKS):
         ledger = Ledger(run_dir / "events.jsonl")
         ledger.append(RunStarted(run=run, recipe=recipe.name, recipe_digest=recipe.digest(), pid=os.getpid(),
                                  host=socket.gethostname(), target_replicas=recipe.world.replicas,

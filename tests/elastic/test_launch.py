@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -42,14 +43,35 @@ def session_pids(run_dir: Path) -> set[int]:
     return pids
 
 
-def launch(run_dir: Path, *args: str, recipe: str = "recipes/local-tiny.yaml", **kw) -> subprocess.Popen:
+class Launched(subprocess.Popen):
+    """An `elastic launch` whose output (stdout and stderr) a thread reads as it comes. A test that
+    polls the ledger meanwhile never leaves the pipe full: a run writes about 130 bytes a step, and
+    a driver whose pipe (64 KB) is full blocks in its next write, as any program does."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+        self._lines: list[str] = []
+        self._reader = threading.Thread(target=self._lines.extend, args=(self.stdout,), daemon=True)
+        self._reader.start()
+
+    def output(self) -> str:
+        """What the run wrote so far."""
+        return "".join(self._lines)
+
+    def communicate(self, input=None, timeout=None):
+        """Wait for the run to end; (everything it wrote, None), as `Popen.communicate`."""
+        self.wait(timeout)
+        self._reader.join()
+        return self.output(), None
+
+
+def launch(run_dir: Path, *args: str, recipe: str = "recipes/local-tiny.yaml", **kw) -> Launched:
     env = cli_env(PYTHONUNBUFFERED="1", **kw.get("env", {}))
-    return subprocess.Popen([sys.executable, "-m", "elastic", "launch", str(REPO / recipe),
-                             "--run-dir", str(run_dir), *args], cwd=kw.get("cwd", REPO), env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return Launched([sys.executable, "-m", "elastic", "launch", str(REPO / recipe), "--run-dir", str(run_dir), *args],
+                    cwd=kw.get("cwd", REPO), env=env)
 
 
-def interrupt(proc: subprocess.Popen) -> None:
+def interrupt(proc: Launched) -> None:
     """End a launch the test left running (it failed first) as Ctrl-C does: the run releases its
     nodes and stops its cluster."""
     if proc.poll() is None:
@@ -322,6 +344,7 @@ def test_no_capacity_ends_insufficient_capacity_with_a_report(tmp_path):
     assert report["status"] == "insufficient_capacity"
     assert report["instances"] == [] and report["cost_usd"] == 0 and report["savings_pct"] is None
     assert (run_dir / "report.html").read_text().count('class="empty"') == 7   # every chart, bars included, says so
+    assert not (run_dir / "driver-stacks.txt").exists()   # left only when a SIGUSR1 asked for the stacks
     assert not session_pids(run_dir)
 
 
@@ -346,11 +369,24 @@ def test_a_preemptible_run_tells_its_story_and_a_closed_session_releases_every_n
         return (any(e["type"] == "node_preempted" for e in events)
                 and any(e["type"] == "checkpoint_uploaded" for e in events))
 
+    def stacks() -> str:
+        """SIGUSR1: the driver appends every thread's stack to driver-stacks.txt and goes on."""
+        path = run_dir / "driver-stacks.txt"
+        before = path.stat().st_size if path.exists() else 0
+        proc.send_signal(signal.SIGUSR1)
+        until = time.monotonic() + 30
+        while (path.stat().st_size if path.exists() else 0) == before and time.monotonic() < until:
+            time.sleep(0.1)
+        return path.read_text()[before:] if path.exists() else ""
+
     deadline = time.monotonic() + 240
     while not story_told():
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.monotonic() < deadline, "no preemption and checkpoint within 240 s"
+        assert proc.poll() is None, proc.output()
+        assert time.monotonic() < deadline, "no preemption and checkpoint within 240 s; the driver's threads:\n" + stacks()
         time.sleep(0.2)
+    # A driver asked for its stacks writes them (the main thread is in the run's loop) and trains on.
+    dumped = stacks()
+    assert "Current thread" in dumped and "elastic/driver.py" in dumped, dumped
     proc.send_signal(signal.SIGHUP)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out
