@@ -308,13 +308,21 @@ def launch_controller(recipe: Recipe, run_dir: Path, console) -> int:
 
 
 def launch(recipe: Recipe, run_dir: Path, address: str | None = None, console=None, resume: bool = False) -> int:
-    """Run a recipe end to end; returns the process exit code."""
+    """Run a recipe end to end; returns the process exit code. What it prints is written by a
+    thread of its own (`elastic.termout`): a terminal that stops reading never holds the training."""
     from rich.console import Console
 
+    from elastic.termout import detached
+
+    console = console or Console()
+    with detached(console):
+        return _launch(recipe, run_dir, address, console, resume)
+
+
+def _launch(recipe: Recipe, run_dir: Path, address: str | None, console, resume: bool) -> int:
     from elastic.logs import run_logging
     from elastic.report import summary_table, write_report
 
-    console = console or Console()
     prepare_run_dir(run_dir)
     (run_dir / "recipe.yaml").write_text(dump_recipe(recipe), encoding="utf-8")
     run = run_dir.name

@@ -335,6 +335,34 @@ def test_resume_without_a_checkpoint_is_bad_input(tmp_path):
     assert not (tmp_path / "run").exists()     # refused before anything was written
 
 
+def test_a_run_whose_output_nobody_reads_trains_on_and_prints_everything_once_read(tmp_path):
+    """The launch's stdout is a pipe of one page (4 KB: about 30 steps of progress lines) that the
+    test leaves unread until the ledger says the run ended: the driver queued its lines instead of
+    blocking on them, and gives every one of them once the reader comes."""
+    import fcntl
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "elastic", "launch", str(REPO / "recipes/local-tiny.yaml"),
+                             "--run-dir", str(run_dir), *SMALL, "--set", "train.outer_steps=120",
+                             "--set", "train.inner_steps=2", "--set", "checkpoint.every_outer_steps=0"],
+                            cwd=REPO, env=cli_env(PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        fcntl.fcntl(proc.stdout.fileno(), fcntl.F_SETPIPE_SZ, 4096)
+        deadline = time.monotonic() + 240
+        ledger = run_dir / "events.jsonl"
+        while not any(e["type"] == "run_ended" for e in (read_events(ledger) if ledger.exists() else [])):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not end within 240 s"
+            time.sleep(0.2)   # polling the ledger, bounded by the deadline
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        interrupt(proc)
+    assert proc.returncode == 0, out
+    assert sum(1 for e in read_events(ledger) if e["type"] == "outer_step") == 120
+    assert sum(ln.startswith("outer ") for ln in out.splitlines()) == 120, out
+    assert out.rstrip().splitlines()[-1].startswith("report: ") and "dropped" not in out
+
+
 def test_no_capacity_ends_insufficient_capacity_with_a_report(tmp_path):
     run_dir = tmp_path / "run"
     proc = launch(run_dir, "--set", "local.capacity=0", "--set", "world.capacity_timeout_s=2")
