@@ -58,7 +58,7 @@ def scenario(tmp_path):
     return trace, recipe
 
 
-def test_the_simulator_takes_the_drivers_actions_and_bills_as_the_report(local_cluster, tmp_path):
+def test_the_simulator_takes_the_drivers_actions_and_bills_as_the_report(local_cluster, tmp_path, monkeypatch):
     trace, recipe = scenario(tmp_path)
     expected = [("launch", "r1a"), ("launch", "r1b"), ("move", "r2a", "r1b"), ("move", "r2a", "r1a"),
                 ("launch", "r2a"), ("launch", "r2a")]
@@ -86,6 +86,10 @@ def test_the_simulator_takes_the_drivers_actions_and_bills_as_the_report(local_c
                     driver.provider.market.advance(DROP_S / 0.001)
                     jumped_at.append(time.time())
 
+    # Every inner step takes at least 40 ms (fault injection: a slow VM), so the 38 outer steps
+    # after the jump last at least 6 s whatever this machine's speed: time for the driver to read
+    # the moved prices and decide (about a second; the moves' VMs may launch after the last step).
+    monkeypatch.setenv("ELASTIC_FAULT_STEP_DELAY_S", "0.04")
     status, events = run_attached(recipe, local_cluster, tmp_path / "run", on_phase=prices_drop, run_name="replay")
     assert status == "completed"
     driven = actions(events)
