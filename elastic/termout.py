@@ -32,8 +32,7 @@ class _Pump:
         self._dropped = 0      # characters dropped since the last notice
         self._closed = False
         self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="console", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._run, name="console", daemon=True).start()
 
     def write(self, fd: int, text: str) -> None:
         if not text:
@@ -107,17 +106,23 @@ class _PumpedFile(io.TextIOBase):
         return "utf-8"
 
 
+def _has_fd(stream) -> bool:
+    """Whether `stream` writes to a descriptor (flushed first, so nothing it holds comes late)."""
+    try:
+        stream.flush()
+        stream.fileno()
+        return True
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return False
+
+
 @contextmanager
 def detached(console):
     """While the block runs, `sys.stdout`, `sys.stderr` and `console` print through one writer
     thread (see the module's docstring); afterwards they are restored, and the driver waits at
     most `DRAIN_S` for the reader to take what is left. Streams without a descriptor (a test's
     capture) are left as they are."""
-    try:
-        for s in (sys.stdout, sys.stderr, console.file):
-            s.flush()
-            s.fileno()
-    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+    if not all(_has_fd(s) for s in (sys.stdout, sys.stderr, console.file)):
         yield
         return
     pump = _Pump()
