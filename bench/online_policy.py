@@ -47,8 +47,9 @@ preemptions and bound.py's bound are on the true trace as without it. Still give
 shape (AR(1) + spikes, offers independent), on-demand prices, preemption rates and tokens/s.
 `--price-states`: the chain's law known (`FittedFamily.exact`), the states read from prices as above.
 
-`--simulate N` plays the same plan inside the simulator (`SimDecide` in place of `policy.decide`, as
-bench/threshold_policy.py patches it) on the first N traces, with the project's policy beside it.
+`--simulate N` plays the same plan inside the simulator (`SimDecide` in place of `policy.decide`, the
+recipe's own pause rule off: the plan pauses itself) on the first N traces, with the project's
+policy beside it.
 There the slots are the VMs held, decisions come whenever the simulator asks (each outer step's end,
 each preemption), a released replica leaves at its step boundary, and the world's pace, syncs,
 world.min_replicas, notices and lost work are the simulator's; `--margin-h` brings the deadline
@@ -386,10 +387,11 @@ class SimDecide:
 def simulate_plan(plan: Plan, family: Family, states: np.ndarray, path: Path, recipe, seed: int,
                   safety: float, margin_h: float = 0.0) -> dict:
     """`elastic.simulate.simulate` on the trace at `path` (drawn as `states`) with `SimDecide` as its
-    policy, as bench/threshold_policy.py patches it; the recipe's world.capacity_timeout_s lifted (a
-    pause holds no replica)."""
+    policy (patched in for the call); the recipe's world.capacity_timeout_s lifted (a pause of the
+    plan's holds no replica) and its own pause rule off (`planner.pauses`)."""
     import elastic.simulate as simulate_module
 
+    recipe = recipe.model_copy(update={"planner": recipe.planner.model_copy(update={"pauses": False})})
     saved = simulate_module.decide
     simulate_module.decide = SimDecide(plan, family, states, safety, margin_h)
     try:

@@ -1,10 +1,11 @@
 """The simulator over the shipped traces: USD per 1M tokens and finish time of each policy.
 
     python bench/policies.py [--recipe recipes/multi-cloud.yaml] [--seeds 20] [--traces A.csv B.csv] [--ratios-only]
-                             [--explain]
+                             [--explain] [--bounds FILE]
 
 Each trace's table ends with every policy's ratio to the bound (median and worst over the seeds,
-and ours seed by seed): issue 16 asks `elastic` for at most 1.15 on every trace. `--ratios-only`
+and ours seed by seed), ours also without its pause rule (`planner.pauses: false`, a steady world
+of world.replicas): issue 16 asks `elastic` for at most 1.15 on every trace. `--ratios-only`
 leaves out the deadline variant and the extra bounds (a bound takes about a minute per trace);
 `--traces` runs other traces than bench/traces/*.csv (`bench/traces/make_traces.py --storms-seed N
 --out DIR` writes unseen ones). `--explain` adds, per trace, where `elastic`'s excess over the bound
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import statistics
 import sys
@@ -47,15 +49,18 @@ from providers.simmarket import read_trace_rows  # noqa: E402
 
 def ratios(runs: list[dict], bound: float) -> None:
     """Each policy's USD per 1M tokens over the bound: median and worst seed (a run that trained
-    nothing counts as inf); ours seed by seed."""
+    nothing counts as inf); ours seed by seed. `runs` may hold more policies than POLICIES
+    (`STEADY`: ours with planner.pauses false)."""
     def ratio(r):
         return r["usd_per_mtok"] / bound if r["usd_per_mtok"] and bound else math.inf
 
-    print("| policy | ratio to bound, median | worst seed | within 1.15× |")
-    print("| --- | --- | --- | --- |")
-    for p in POLICIES:
+    print("| policy | ratio to bound, median | worst seed | within 1.15× | completed |")
+    print("| --- | --- | --- | --- | --- |")
+    for p in [p for p in list(POLICIES) + [STEADY] if p in runs[0]]:
         rs = [ratio(run[p]) for run in runs]
-        print(f"| {p} | {statistics.median(rs):.3f} | {max(rs):.3f} | {sum(x <= 1.15 for x in rs)}/{len(rs)} |")
+        done = sum(run[p]["status"] == "completed" for run in runs)
+        print(f"| {p} | {statistics.median(rs):.3f} | {max(rs):.3f} | {sum(x <= 1.15 for x in rs)}/{len(rs)} | "
+              f"{done}/{len(rs)} |")
     print("elastic / bound by seed: " + " ".join(f"{ratio(run['elastic']):.3f}" for run in runs))
 
 
@@ -147,9 +152,16 @@ def explain_table(recipe, trace: Path, seeds: int, bound: float, foresight_h: fl
               f"choice {med['choice']:.3f} × timing {med['timing']:.3f}")
 
 
+STEADY = "elastic, planner.pauses false"   # ours without the pause rule: a steady world of world.replicas
+
+
 def report(recipe, trace: Path, seeds: int, ratios_only: bool = False, explain_too: bool = False,
-           foresight_h: float | None = None) -> None:
+           foresight_h: float | None = None, bounds: dict | None = None) -> None:
     runs = [{r["policy"]: r for r in simulate(recipe, str(trace), seed=s)} for s in range(seeds)]
+    if recipe.planner.pauses and recipe.budget.max_hours is not None:
+        steady = recipe.model_copy(update={"planner": recipe.planner.model_copy(update={"pauses": False})})
+        for s, run in enumerate(runs):
+            run[STEADY] = simulate(steady, str(trace), ["elastic"], seed=s)[0]
     name = trace.relative_to(ROOT / "bench/traces") if trace.is_relative_to(ROOT / "bench/traces") else trace
     print(f"\n{name} ({seeds} seeds, medians)")
     print("| policy | USD/1M tok | wall h | USD | preemptions | moves | effective | completed |")
@@ -164,7 +176,12 @@ def report(recipe, trace: Path, seeds: int, ratios_only: bool = False, explain_t
         print(f"| {p} | {m['usd_per_mtok']:.4f} | {m['wall_h']:.1f} | {m['cost_usd']:,.0f} | {m['preemptions']:g} | "
               f"{m['moves']:g} | {m['effective_training_time']:.3f} | {done}/{len(rs)} |")
     market = TraceMarket(read_trace_rows(trace), recipe)
-    bound = lower_bound_usd_per_mtok(recipe, market)
+    key = f"{trace}|{recipe.model_dump_json()}"
+    bound = (bounds or {}).get(key)
+    if bound is None:
+        bound = lower_bound_usd_per_mtok(recipe, market)
+        if bounds is not None:
+            bounds[key] = bound
     if ratios_only:
         print(f"| (bound: prices foreseen, boots and preemptions paid) | {bound:.4f} | | | | | | |")
         ratios(runs, bound)
@@ -215,10 +232,15 @@ def main() -> None:
     ap.add_argument("--ratios-only", action="store_true", help="only the policies and their ratios to the bound")
     ap.add_argument("--explain", action="store_true", help="where elastic's excess over the bound goes, per trace")
     ap.add_argument("--foresight-h", type=float, help="with --explain: also elastic quoted the next H hours' mean prices")
+    ap.add_argument("--bounds", type=Path, help="JSON file keeping each trace's bound between runs (a bound takes "
+                                                "about a minute; the key is the trace and the whole recipe)")
     args = ap.parse_args()
     recipe = load_recipe(args.recipe, args.overrides)
+    bounds = json.loads(args.bounds.read_text()) if args.bounds and args.bounds.exists() else {}
     for trace in args.traces or sorted((ROOT / "bench/traces").glob("*.csv")):
-        report(recipe, trace.resolve(), args.seeds, args.ratios_only, args.explain, args.foresight_h)
+        report(recipe, trace.resolve(), args.seeds, args.ratios_only, args.explain, args.foresight_h, bounds)
+        if args.bounds:
+            args.bounds.write_text(json.dumps(bounds, indent=1))
 
 if __name__ == "__main__":
     main()

@@ -28,7 +28,7 @@ from elastic.events import (
     MarketAvailable, MarketUnavailable, NetworkStarted, NodeJoinTimeout, NodeLaunched, NodeNotice, NodePreempted, NodePrice,
     NodeRebalance, NodeReleased, OuterStep, ReplicaCopying, ReplicaDrained, ReplicaJoined, ReplicaLost,
     ReplicaMove, ReplicaStarting, Resumed, RunEnded, RunStarted, SyncFailed, SyncRetried, Validation,
-    ValidationFailed, WorldFormed, WorldRestored, WorldTarget)
+    ValidationFailed, WorldFormed, WorldPaused, WorldRestored, WorldTarget, WorldUnpaused)
 from elastic.ledger import Ledger
 from elastic.market import offer_key
 from elastic.planner import site
@@ -88,6 +88,12 @@ class Driver:
         self._budget_stop: str | None = None            # a price rise mid-step stopped the run (why)
         self._price: dict[str, float] = {}               # held instance id -> USD/h last recorded
         self._price_poll_at = 0.0
+        self._prices: list[tuple[float, float, str]] = []   # the market's price and pace at each sample (policy.PriceSeen)
+        self._priced_at = float("-inf")                 # when the last sample was taken (unix)
+        self._paused = False                             # the policy paused the run (policy.Pause, until Unpause)
+        self._pause = None                               # the Pause's policy.Pace, until it takes effect
+        self._paused_at: float | None = None            # when the pause took effect: every node released (unix)
+        self._after_pause = False                        # the world is empty because of a pause
         self._beat_stop = threading.Event()             # ends the heartbeat thread (release_all)
         self._market_seen: set[str] = set()             # clouds whose offers answered at least once
         self._market_down: set[str] = set()             # clouds whose offers fail now (market_unavailable)
@@ -261,13 +267,15 @@ class Driver:
                         quotes=tuple(quotes), progress=self._progress(), spent_usd=self._spent(now),
                         refusals=tuple(self._refusals), target_replicas=self._target, planned=self._planned,
                         last_replan_s=self._replanned_at, budget_horizon_s=self._last_step_s,
-                        checkpointed_step=self._checkpointed_step)
+                        checkpointed_step=self._checkpointed_step, prices=tuple(self._prices),
+                        priced_at_s=self._priced_at, paused=self._paused)
 
     def decide(self) -> None:
         """Gather a snapshot, ask the policy (`policy.decide`) and do what it says: rent (in the
         background; a move's old replica drains once the new one trains), grow the world's target,
         record what was held back. Offers are read only when the policy has something to decide."""
-        from elastic.policy import HoldBack, Release, Rent, Replan, Retarget, decide, due
+        from elastic.policy import (PRICE_HISTORY, HoldBack, Pause, PriceSeen, Release, Rent, Replan, Retarget,
+                                    Unpause, decide, due)
 
         if not due(self._snapshot()):
             return
@@ -289,6 +297,20 @@ class Driver:
                                                    hours_to_finish=round(a.hours_to_finish, 4)))
             elif isinstance(a, Replan):
                 self._replanned_at = a.at_s
+            elif isinstance(a, PriceSeen):
+                self._prices = (self._prices + [(a.usd_per_mtok, a.tokens_per_s, a.speed)])[-PRICE_HISTORY:]
+                self._priced_at = a.at_s
+            elif isinstance(a, Pause):   # takes effect at the next outer-step boundary (`_pause_world`)
+                self._paused, self._pause = True, a.pace
+                self._target, self._planned = 0, False   # the world is sized again when it unpauses
+            elif isinstance(a, Unpause):
+                self._paused, self._pause = False, None
+                if self._paused_at is not None:
+                    self.ledger.append(WorldUnpaused(paused_s=round(time.time() - self._paused_at, 3),
+                                                     usd_per_mtok=round(a.pace.usd_per_mtok, 6),
+                                                     threshold_usd_per_mtok=round(a.pace.threshold_usd_per_mtok, 6),
+                                                     need=round(a.pace.need, 4)))
+                    self._paused_at = None
             elif isinstance(a, HoldBack) and a.reason == "capacity":
                 if not self._capacity_logged:   # once per shortage: every offer is at its known capacity
                     self._capacity_logged = True
@@ -566,9 +588,10 @@ class Driver:
                 source = "initial state"
             elif not self.world.replicas:
                 self._restored = True
+                after, self._after_pause = ("pause" if self._after_pause else "loss"), False
                 source, manifest = self._admit_from_checkpoint(rep)
                 if manifest is not None:
-                    self.ledger.append(WorldRestored(from_step=manifest["step"], uri=self.ckpt.uri))
+                    self.ledger.append(WorldRestored(from_step=manifest["step"], uri=self.ckpt.uri, after=after))
                 else:
                     # Nothing was kept: start over from θ0 (fresh data; tokens count what is kept).
                     self.world.restore({"step": 0, "inner_step": 0, "data_cursor": self.world.cursor,
@@ -576,7 +599,7 @@ class Driver:
                     self._checkpointed_step = 0
                     self.world.admit_fresh(rep)
                     source = "initial state (no checkpoint yet)"
-                    self.ledger.append(WorldRestored(from_step=0, uri=None))
+                    self.ledger.append(WorldRestored(from_step=0, uri=None, after=after))
             else:
                 copying = self.world.begin_copy(rep)
                 self._record_world(self.world.take_events())   # a donor lost exporting its state
@@ -629,6 +652,8 @@ class Driver:
         waited = False
         while True:
             self.tick()
+            if self._pause is not None:
+                self._pause_world(view)
             self.admit_joiners()
             alive = len(self.world.replicas)
             # At start, wait for every replica already on its way, so all begin together.
@@ -637,6 +662,14 @@ class Driver:
                     self.ledger.append(CapacityWaitEnded(waited_s=round(time.monotonic() - start, 3),
                                                          replicas=alive))
                 return True
+            if self._paused:   # a pause is no capacity shortage: no clock, no giving up
+                if waited:
+                    self.ledger.append(CapacityWaitEnded(waited_s=round(time.monotonic() - start, 3),
+                                                         replicas=alive))
+                short_since, waited, start = None, False, time.monotonic()
+                view.phase(self._paused_line())
+                self._wait_a_little()
+                continue
             if not waited and self.world.outer_step > 0:
                 self.ledger.append(CapacityWaitStarted(replicas=alive, min_replicas=w.min_replicas))
                 waited = True
@@ -662,6 +695,39 @@ class Driver:
                 view.phase(f"waiting for capacity: {alive} of at least {w.min_replicas} replica(s) alive, "
                            f"{len(self.world.joining)} joining, {len(self._launching)} renting")
             self._wait_a_little()
+
+    def _pause_world(self, view) -> None:
+        """A `policy.Pause` takes effect, at an outer-step boundary: the progress not saved yet is
+        checkpointed (durable before a node goes), every replica leaves and every VM the run holds
+        is released. The world waits, not against world.capacity_timeout_s, until `policy.Unpause`;
+        its first joiner then restores the checkpoint (`world_restored`, after `pause`)."""
+        p, self._pause = self._pause, None
+        w = self.world
+        self._checkpoint_if_due(view, ending=True)
+        self.finish_checkpoints(view)
+        for rid in list(w.joining):   # none in practice: the policy pauses a world with nothing joining
+            w.drop(rid, "the run paused", phase="setup", rule="pause")
+        self._record_world(w.take_events())
+        for rid, rep in list(w.replicas.items()):
+            w.release(rid)
+            self.ledger.append(ReplicaDrained(replica=rid, instance_id=rep.instance_id, outer_step=w.outer_step,
+                                              steps_done=None))
+            self._terminate(rep.instance_id)
+        for inst in self._held():     # replica VMs that never joined (a controller stays)
+            if inst.role == "replica":
+                self._terminate(inst.instance_id)
+        self._draining.clear()
+        self._moves.clear()
+        self._move_of.clear()
+        self._after_pause = w.outer_step > 0
+        self.ledger.append(WorldPaused(outer_step=w.outer_step, usd_per_mtok=round(p.usd_per_mtok, 6),
+                                       threshold_usd_per_mtok=round(p.threshold_usd_per_mtok, 6), need=round(p.need, 4)))
+        self._paused_at = time.time()
+
+    def _paused_line(self) -> str:
+        """The console's phase line while paused: the market's price last seen, the price it trains at."""
+        last = f"${self._prices[-1][0]:.4f} per 1M tokens" if self._prices else "no price yet"
+        return f"paused while the market is dear ({last}); every node released, training resumes when it falls"
 
     def _wait_a_little(self) -> None:
         """Block briefly on whatever can change next: a joiner's setup or a launch."""
@@ -692,6 +758,8 @@ class Driver:
         try:
             while not world.done():
                 self.tick()
+                if self._pause is not None:
+                    self._pause_world(view)
                 self.admit_joiners()
                 if not self.wait_for_capacity(view):
                     self.end_message = self._capacity_message()

@@ -396,11 +396,38 @@ class WorldFormed(Event):
 
 @_event("world_restored")
 class WorldRestored(Event):
-    """Every replica was lost; the world starts again. Args: from_step: the checkpoint's step (0:
-    the initial state). uri: the checkpoint's location (None: no checkpoint)."""
+    """The world had no replica (every one lost, or a pause) and starts again. Args: from_step: the
+    checkpoint's step (0: the initial state). uri: the checkpoint's location (None: no checkpoint).
+    after: `loss` (every replica was lost) or `pause` (the policy paused the run)."""
 
     from_step: int
     uri: str | None
+    after: str = "loss"
+
+
+@_event("world_paused")
+class WorldPaused(Event):
+    """The rental policy paused the run while prices are dear: a checkpoint, then every VM
+    released. Args: outer_step: the world's outer steps. usd_per_mtok: the market's price now (a
+    world of world.max_replicas, USD per 1M useful tokens). threshold_usd_per_mtok: the price it
+    trains at. need: the share of the time left the run keeps for training."""
+
+    outer_step: int
+    usd_per_mtok: float
+    threshold_usd_per_mtok: float
+    need: float
+
+
+@_event("world_unpaused")
+class WorldUnpaused(Event):
+    """The pause ended: the policy rents again (the world restarts from the checkpoint). Args:
+    paused_s: seconds paused. usd_per_mtok, threshold_usd_per_mtok, need: as `world_paused`'s,
+    now."""
+
+    paused_s: float
+    usd_per_mtok: float
+    threshold_usd_per_mtok: float
+    need: float
 
 
 @_event("resumed")

@@ -24,8 +24,8 @@ from elastic.errors import UserError
 from elastic.events import (
     BudgetExhausted, CapacityRefused, CheckpointFailed, CheckpointUploadFailed, CheckpointUploaded,
     ControllerStarted, Error, LaunchHeldBack, NodeJoinTimeout, NodeLaunched, NodeNotice, NodePreempted,
-    ReplicaDrained, ReplicaJoined, ReplicaLost, ReplicaMove, RunEnded, RunPlanned, RunStarted, WorldRestored,
-    WorldTarget)
+    ReplicaDrained, ReplicaJoined, ReplicaLost, ReplicaMove, RunEnded, RunPlanned, RunStarted, WorldPaused,
+    WorldRestored, WorldTarget, WorldUnpaused)
 from elastic.ledger import Ledger
 from elastic.recipe import Recipe, dump_recipe
 
@@ -149,7 +149,16 @@ def event_line(e: dict) -> str | None:
     if kind == BudgetExhausted.TYPE:
         return f"budget: stopping ({e['reason']})"
     if kind == WorldRestored.TYPE:
-        return f"every replica lost: restarting from {'checkpoint step ' + str(e['from_step']) if e.get('uri') else 'the initial state'}"
+        start = 'checkpoint step ' + str(e['from_step']) if e.get('uri') else 'the initial state'
+        if e.get("after") == "pause":
+            return f"pause over: the world starts again from {start}"
+        return f"every replica lost: restarting from {start}"
+    if kind == WorldPaused.TYPE:
+        return (f"paused at outer step {e['outer_step']}: the market's ${e['usd_per_mtok']:.4f} per 1M tokens is "
+                f"dear (trains at ≤ ${e['threshold_usd_per_mtok']:.4f}); every node released")
+    if kind == WorldUnpaused.TYPE:
+        return (f"unpaused after {e['paused_s'] / 60:.0f} min: ${e['usd_per_mtok']:.4f} per 1M tokens"
+                + (" (the deadline needs the time)" if e["need"] >= 0.95 else ""))
     return None
 
 
@@ -170,7 +179,8 @@ def story_listener(console):
     def on_event(e: dict) -> None:
         text = event_line(e)
         if text is not None:
-            story_line(console, text, "red" if e["type"] in bad else "yellow" if e["type"] == NodeNotice.TYPE else "")
+            red = e["type"] in bad and e.get("after") != "pause"
+            story_line(console, text, "red" if red else "yellow" if e["type"] == NodeNotice.TYPE else "")
 
     return on_event
 

@@ -137,14 +137,14 @@ class Placement:
                 "regions": sorted({q.offer.region for q in self.quotes}),
                 "zones": sorted({q.offer.zone for q in self.quotes}),
                 "usd_per_hour": round(self.usd_per_hour, 4), "useful_tokens_per_s": round(self.useful_tokens_per_s, 1),
-                "tokens_per_s_source": _speed_source(self.quotes),
+                "tokens_per_s_source": speed_source(self.quotes),
                 "usd_per_mtok": fin(self.usd_per_mtok), "phase_s": round(self.phase_s, 3),
                 "sync_penalty_s": self.sync_penalty_s, "tokens_needed": self.tokens_needed,
                 "expected_hours": fin(self.expected_hours), "expected_usd": fin(self.expected_usd),
                 "warnings": self.warnings}
 
 
-def _speed_source(quotes: list[Quote]) -> str:
+def speed_source(quotes: list[Quote]) -> str:
     """`measured`, `estimate`, or `partly measured` for a world's throughput figure."""
     kinds = {q.speed_source for q in quotes}
     return kinds.pop() if len(kinds) == 1 else ("partly measured" if kinds else "estimate")

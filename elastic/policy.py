@@ -8,7 +8,7 @@ included), how far the run is and what it has spent. The rules, each written onc
 - **cooldown**: an offer that refused capacity (or whose VM failed to come up) rests
   `planner.capacity_cooldown_s` from the refusal;
 - **renting**: up to the world's target size (world.replicas, grown when budget.max_hours needs a
-  bigger world), counting nodes held, booting and on their way, not those leaving; each launch where
+  bigger world; world.max_replicas under the pause rule), counting nodes held, booting and on their way, not those leaving; each launch where
   the planner says (`planner.choose_launch`);
 - **re-plan**: once `planner.replan_every_s` has passed since the last one and the world is steady
   (nothing booting, renting, leaving or moving), grow the target if the deadline needs it and move
@@ -20,6 +20,20 @@ included), how far the run is and what it has spent. The rules, each written onc
   (or until the budget is next checked, when longer) of every held VM and the new one
   (`launch_fits_budget`, inside `decide`); an outer step (or a wait) must not carry the spend past
   budget.max_usd nor the run past budget.max_hours (`stop_for_budget`, asked before each step);
+- **pause** (with budget.max_hours and `planner.pauses`): the world is world.max_replicas and trains
+  while the market's price now (`market_price`: the planner's world of that size, USD per 1M useful
+  tokens) is at most θ, up to `HYSTERESIS` θ once training. θ is read off the prices seen so far
+  (one sample per `planner.price_sample_s`, each standing for an equal share of the hours left to
+  the deadline): the least price whose samples at or below it would train `planner.pause_slack` ×
+  (the tokens left and one boot), plus two outer steps, at their own pace, and at least `MIN_SHARE`
+  of what all of them would (`pace`). Dearer, it pauses (`Pause`: a checkpoint at the next
+  outer-step boundary, every VM released, the wait not counted as a capacity shortage), and rents
+  again (`Unpause`) once the price is at most `UNPAUSE_AT` θ or the deadline needs `GO_ON_NEED` of
+  the time left. It never pauses on fewer than `MIN_SAMPLES` prices, with launches under way or
+  with a replica booting. While training, a replica dearer than `HYSTERESIS` θ leaves at once when
+  the planner's launch in its place is `DEAR_SAVING` cheaper (`_dear`). This is the shape of
+  elastic/bound.py's bound on a volatile market (every VM through the cheap spells, none in
+  between) played with only the past in hand: the market's future is taken to look like its past;
 - **checkpoint**: at an outer-step boundary with progress not saved yet, save every
   `checkpoint.every_outer_steps`, when the run has trained what it needs, when every replica
   training is leaving (their notices came: the world is about to empty and would restart from the
@@ -29,13 +43,25 @@ included), how far the run is and what it has spent. The rules, each written onc
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import statistics
 from dataclasses import dataclass
 
 from elastic import billing
 from elastic.market import Key, Quote, offer_key
-from elastic.planner import (Move, Progress, choose_launch, evaluate, hours_to_finish, leaves_at_once, plan,
-                             replan_all)
+from elastic.planner import (Move, Progress, choose_launch, evaluate, hours_to_finish, launch_usd_per_mtok,
+                             leaves_at_once, plan, replan_all, run_tokens, speed_source, tokens_per_phase,
+                             usd_per_mtok)
 from providers.base import Offer
+
+PRICE_HISTORY = 4032     # samples kept: two weeks at one per 5 minutes
+MIN_SAMPLES = 12         # an hour of prices before the policy ever pauses
+HYSTERESIS = 1.3         # once training, it goes on up to this many times θ
+UNPAUSE_AT = 1.05        # paused, it trains again at this many times θ (a price as cheap as θ, within noise)
+MIN_SHARE = 0.05         # θ is never below the price of the cheapest 5 % of the samples' tokens (not an outlier)
+DEAR_SAVING = 0.25       # a replica dearer than HYSTERESIS θ leaves for a launch this much cheaper
+GO_ON_NEED = 0.95        # at this share of the time left needed, it trains whatever the price
 
 
 @dataclass(frozen=True)
@@ -94,6 +120,11 @@ class Snapshot:
         last_replan_s: when the policy last re-planned.
         budget_horizon_s: seconds until the budget is next checked (the last outer step's length).
         checkpointed_step: the outer step of the newest checkpoint saved (or restored from); 0: none.
+        prices: the market's price, pace and the pace's source (`market_price`: USD per 1M useful
+            tokens, useful tokens/s, `measured`/`estimate`/`partly measured`) at each sample so
+            far, oldest first (`PriceSeen`; at most `PRICE_HISTORY`).
+        priced_at_s: when the last sample was taken.
+        paused: the policy paused the run (`Pause`) and has not unpaused it.
     """
 
     recipe: object
@@ -110,6 +141,9 @@ class Snapshot:
     last_replan_s: float = float("-inf")
     budget_horizon_s: float = 0.0
     checkpointed_step: int = 0
+    prices: tuple[tuple[float, float, str], ...] = ()
+    priced_at_s: float = float("-inf")
+    paused: bool = False
 
 
 @dataclass(frozen=True)
@@ -184,7 +218,50 @@ class Release:
     move: Move
 
 
-Action = Rent | Release | Retarget | Replan | HoldBack   # what `decide` returns
+@dataclass(frozen=True)
+class PriceSeen:
+    """A sample of the market's price and pace (`market_price`) at `at_s`: keep it in
+    `Snapshot.prices`."""
+
+    at_s: float
+    usd_per_mtok: float
+    tokens_per_s: float
+    speed: str
+
+
+@dataclass(frozen=True)
+class Pace:
+    """The pause rule's reading of the market now (see the module's docstring).
+
+    Args:
+        usd_per_mtok: the market's price now (`market_price`).
+        threshold_usd_per_mtok: θ (inf: too few prices seen to judge).
+        need: the share of the time left the run keeps for training (1: all of it).
+        trains: the world should train now.
+    """
+
+    usd_per_mtok: float
+    threshold_usd_per_mtok: float
+    need: float
+    trains: bool
+
+
+@dataclass(frozen=True)
+class Pause:
+    """Pause the run: a checkpoint at the next outer-step boundary, then every VM released; rent
+    nothing until `Unpause`."""
+
+    pace: Pace
+
+
+@dataclass(frozen=True)
+class Unpause:
+    """End the pause: the `Rent`s that follow start the world again (from the checkpoint)."""
+
+    pace: Pace
+
+
+Action = Rent | Release | Retarget | Replan | HoldBack | PriceSeen | Pause | Unpause   # what `decide` returns
 # `stop_for_budget` and `checkpoint_due` return the other two (StopForBudget, Checkpoint): each is
 # asked at its own moment of an outer step, `decide` whenever the world may need capacity.
 
@@ -257,6 +334,110 @@ def checkpoint_due(s: Snapshot, ending: bool = False) -> Checkpoint | None:
     return None
 
 
+def pauses(recipe) -> bool:
+    """Whether the pause rule applies: `planner.pauses` and a deadline (budget.max_hours) to keep."""
+    return recipe.planner.pauses and recipe.budget.max_hours is not None
+
+
+def _sized(recipe):
+    """The recipe as the pause rule trains it: a world of world.max_replicas."""
+    w = recipe.world
+    if w.replicas == w.max_replicas:
+        return recipe
+    return recipe.model_copy(update={"world": w.model_copy(update={"replicas": w.max_replicas})})
+
+
+def market_price(quotes: list[Quote], recipe) -> tuple[float, float, str]:
+    """The market's price now: the planner's cheapest world of world.max_replicas on `quotes`, as
+    (USD per 1M useful tokens, useful tokens/s, where that pace comes from: `measured`, `estimate`
+    or `partly measured`); (inf, 0, `estimate`) when nothing can be placed."""
+    world = plan(quotes, _sized(recipe), n=recipe.world.max_replicas)
+    if not world.quotes or world.useful_tokens_per_s <= 0:
+        return math.inf, 0.0, "estimate"
+    return world.usd_per_mtok, world.useful_tokens_per_s, speed_source(world.quotes)
+
+
+def pace(s: Snapshot, usd_per_mtok: float, prices: tuple[tuple[float, float], ...]) -> Pace:
+    """The pause rule (see the module's docstring) at the market's price now, against the `prices`
+    seen (the one now included). Each sample stands for an equal share of the hours left; θ is the
+    least price whose samples at or below it would train `planner.pause_slack` × the tokens left
+    at their own pace (the cheapest world's pace jumps with its GPUs: 8×H100 trains 2.5× faster
+    than 8×A100). `need` is that many tokens over what every sample's hours would train."""
+    r = s.recipe
+    left_h = max(r.budget.max_hours - (s.time_s - s.started_s) / 3600, 1e-9)
+    share_s = left_h * 3600 / len(prices)
+    # The tokens left and one boot, with the slack; and two whole outer steps of the world, which
+    # the slack of a nearly finished run would not cover (a step's tokens count only once synced).
+    want = (r.planner.pause_slack * (max(0, run_tokens(r) - s.progress.tokens)
+                                     + r.planner.recovery_s * statistics.median(t for _, t in prices))
+            + 2 * tokens_per_phase(r) * r.world.max_replicas)
+    total = sum(t for _, t in prices) * share_s
+    need = min(1.0, want / max(total, 1e-9))
+    theta, trained = math.inf, 0.0
+    if len(prices) >= MIN_SAMPLES:
+        for usd, tps in sorted(prices):
+            trained += tps * share_s
+            if trained >= max(want, MIN_SHARE * total):
+                theta = usd
+                break
+    trains = need >= GO_ON_NEED or usd_per_mtok <= theta * (UNPAUSE_AT if s.paused else HYSTERESIS)
+    return Pace(usd_per_mtok, theta, need, trains)
+
+
+def _paced(s: Snapshot, quotes: list[Quote]) -> tuple[list[Action], Pace | None]:
+    """The price sample due now (a `PriceSeen`, or none) and the pause rule's reading (None: the
+    rule does not apply, or nothing can be placed)."""
+    if not pauses(s.recipe) or not quotes:
+        return [], None
+    usd, tps, speed = market_price(quotes, s.recipe)
+    if not math.isfinite(usd):
+        return [], None
+    seen: list[Action] = []
+    prices = s.prices
+    if s.time_s - s.priced_at_s >= s.recipe.planner.price_sample_s or not prices:
+        seen.append(PriceSeen(s.time_s, usd, tps, speed))
+        prices = prices + ((usd, tps, speed),)
+    return seen, pace(s, usd, _rescaled(prices, tps, speed))
+
+
+def _rescaled(prices: tuple[tuple[float, float, str], ...], tps: float, speed: str) -> tuple[tuple[float, float], ...]:
+    """The prices seen, each group priced at another source of pace than the one now (the run's
+    first measured step rescales every estimate: by 20× on a small model) brought to the pace now:
+    its prices × (its median pace / the pace now), its paces ÷ the same (the worlds are taken to
+    be alike)."""
+    groups: dict[str, list[tuple[float, float]]] = {}
+    for u, t, src in prices:
+        groups.setdefault(src, []).append((u, t))
+    out: list[tuple[float, float]] = list(groups.pop(speed, []))
+    for group in groups.values():
+        k = statistics.median(t for _, t in group) / tps
+        out += [(u * k, t / k) for u, t in group]
+    return tuple(out)
+
+
+def _dear(s: Snapshot, quotes: list[Quote], p: Pace) -> list[Release]:
+    """Replicas whose price per token passed `HYSTERESIS` θ leave at once (dearest first) when the
+    planner's launch in their place (`choose_launch`, capacity kept) is `DEAR_SAVING` cheaper, its
+    boot spread over its life; the world tops up there as usual."""
+    if p.need >= GO_ON_NEED or not math.isfinite(p.threshold_usd_per_mtok) or not quotes:
+        return []
+    r = s.recipe
+    staying = [n for n in _in_world(s)]
+    out: list[Release] = []
+    for n in sorted((n for n in staying if n.ready), key=lambda n: -usd_per_mtok(n.quote, r)):
+        now = usd_per_mtok(n.quote, r)
+        if now <= p.threshold_usd_per_mtok * HYSTERESIS:
+            break
+        rest = [m.quote for m in staying if m is not n] + [_pending_quote(s, o) for o in s.pending] + \
+               [a.move.add for a in out]
+        add = choose_launch(quotes, r, rest, s.progress)
+        if add is None or add.key == n.quote.key or launch_usd_per_mtok(add, r) >= now * (1 - DEAR_SAVING):
+            continue
+        out.append(Release(n.instance_id, Move(add, n.instance_id, now, usd_per_mtok(add, r))))
+        staying.remove(n)
+    return out
+
+
 def _in_world(s: Snapshot) -> list[Node]:
     return [n for n in s.nodes if not n.leaving]
 
@@ -287,16 +468,45 @@ def _replan_due(s: Snapshot) -> bool:
 
 def due(s: Snapshot) -> bool:
     """Whether `decide` may do anything now, judged without the offers (`s.quotes` unread): the
-    world was never sized, is below its target, or a re-plan is due. Reading offers costs a cloud
-    API call; the driver asks this first on every tick."""
+    world was never sized, is below its target (and not paused), a re-plan is due, or (under the
+    pause rule) a price sample. Reading offers costs a cloud API call; the driver asks this first
+    on every tick."""
+    if pauses(s.recipe) and s.time_s - s.priced_at_s >= s.recipe.planner.price_sample_s:
+        return True
+    if s.paused:
+        return False
     return (not s.planned or _initial_target(s) > len(_in_world(s)) + len(s.pending)
             or _replan_due(s))
 
 
 def decide(s: Snapshot) -> list[Action]:
     """The actions the policy takes now (in order). See the module's docstring for the rules."""
-    out: list[Action] = []
     quotes = [q for q in s.quotes if not resting(s, q.key)]
+    out, p = _paced(s, quotes)
+    if p is not None:
+        if s.paused:
+            if not p.trains:
+                return out
+            out.append(Unpause(p))
+            s = dataclasses.replace(s, paused=False)
+        elif not p.trains and not s.pending and all(n.ready for n in s.nodes):
+            return out + [Pause(p)]
+        s = dataclasses.replace(s, recipe=_sized(s.recipe))
+        dear = _dear(s, quotes, p)
+        if dear:   # they leave; the world tops up below, where the planner says
+            out += dear
+            gone = {r.instance_id for r in dear}
+            s = dataclasses.replace(s, nodes=tuple(dataclasses.replace(n, leaving=True) if n.instance_id in gone
+                                                   else n for n in s.nodes))
+    elif s.paused:
+        return out   # no price to judge by: stay paused until one comes
+    out += _steady_world(s, quotes)
+    return out
+
+
+def _steady_world(s: Snapshot, quotes: list[Quote]) -> list[Action]:
+    """Renting, re-planning and moving for the world's target size (the rules before the pause)."""
+    out: list[Action] = []
     in_world = _in_world(s)
     held = [n.quote for n in in_world] + [_pending_quote(s, o) for o in s.pending]
     target = _initial_target(s)

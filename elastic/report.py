@@ -23,7 +23,7 @@ from elastic.events import (
     BudgetExhausted, CapacityWaitEnded, CheckpointDeleted, CheckpointSaved, CheckpointUploadFailed,
     CheckpointUploaded, Error, NodeJoinTimeout, NodeLaunched, NodeNotice, NodePreempted, NodePrice,
     NodeReleased, OuterStep, ReplicaDrained, ReplicaJoined, ReplicaLost, Resumed, RunEnded, RunPlanned,
-    RunStarted, SyncRetried, Validation, WorldFormed, WorldRestored)
+    RunStarted, SyncRetried, Validation, WorldFormed, WorldPaused, WorldRestored, WorldUnpaused)
 from elastic.ledger import LedgerError, read_events, SHAPE_ERRORS
 
 # Estimate rate (list price, USD) of traffic between regions per GB. Object storage is priced by
@@ -306,6 +306,8 @@ def build_report(events: list[dict], now: float | None = None) -> dict:
         "effective_training_time": _effective(steps, instances),
         "driver_restarts": max(0, sum(1 for e in events if e["type"] == RunStarted.TYPE) - 1),
         "capacity_wait_s": round(sum(e.get("waited_s", 0) for e in events if e["type"] == CapacityWaitEnded.TYPE), 3),
+        "pauses": sum(1 for e in events if e["type"] == WorldPaused.TYPE),
+        "paused_s": round(_paused_s(events), 3),
         "resumed_from_step": next((e["from_step"] for e in events if e["type"] == Resumed.TYPE), None),
         "restored_from_checkpoint": sum(1 for e in events if e["type"] == WorldRestored.TYPE and e.get("uri")),
         "max_replicas_seen": max((len(e["replicas"]) for e in steps), default=0),
@@ -322,6 +324,20 @@ def build_report(events: list[dict], now: float | None = None) -> dict:
     }
     report["plan_vs_actual"] = _plan_vs_actual(events, report)
     return report
+
+
+def _paused_s(events: list[dict]) -> float:
+    """Seconds the run spent paused by the pause rule: each `world_unpaused`'s `paused_s`, and a
+    pause still under way when the ledger ends (a run stopped while paused) up to its last event."""
+    total, since = 0.0, None
+    for e in events:
+        if e["type"] == WorldPaused.TYPE:
+            since = e["t"]
+        elif e["type"] == WorldUnpaused.TYPE and since is not None:
+            total, since = total + e["paused_s"], None
+    if since is not None and events:
+        total += max(0.0, events[-1]["t"] - since)
+    return total
 
 
 def _plan_vs_actual(events: list[dict], report: dict) -> dict | None:

@@ -16,7 +16,10 @@ Policies:
   replica lost without notice loses its inner phase; with a notice longer than twice the sync, the
   world ends that phase early and syncs, the noticed replica's partial phase included (as the
   driver does). Replacements are rented where the planner says, replicas move when a clearly
-  cheaper offer appears.
+  cheaper offer appears. Under the pause rule (budget.max_hours, `planner.pauses`) it samples the
+  market's price when the driver would (`planner.price_sample_s`), and a `Pause` takes effect at the
+  next outer-step boundary: a checkpoint, every VM released, the wait not counted against
+  world.capacity_timeout_s; after `Unpause` the world restarts from that checkpoint.
 - `on-demand`: the cheapest single region, on-demand, never preempted.
 - `spot-static`: the cheapest spot offer at the start, never moves; a preemption stops the job,
   which restarts from its last checkpoint once the lost VM is replaced in the same place.
@@ -35,11 +38,11 @@ import random
 from elastic import billing
 from elastic.errors import UserError
 from elastic.events import (CapacityRefused, CheckpointSaved, NodeLaunched, NodePreempted, NodePrice, NodeReleased,
-                            ReplicaMove)
+                            ReplicaMove, WorldPaused, WorldUnpaused)
 from elastic.market import Market, Quote, offer_key, recipe_tokens_per_s
 from elastic.planner import Progress, allowed, evaluate, run_tokens, tokens_per_phase
-from elastic.policy import (HoldBack, Node, Refusal, Release, Rent, Replan, Retarget, Snapshot, checkpoint_due,
-                            decide, launch_fits_budget, stop_for_budget)
+from elastic.policy import (PRICE_HISTORY, HoldBack, Node, Pause, PriceSeen, Refusal, Release, Rent, Replan, Retarget,
+                            Snapshot, Unpause, checkpoint_due, decide, launch_fits_budget, pauses, stop_for_budget)
 from providers import notice_s
 from providers.base import Offer
 
@@ -221,13 +224,14 @@ class _Run:
             return False
         return True
 
-    def advance(self, dt: float, stop_at_first_loss: bool) -> dict[str, _Node]:
+    def advance(self, dt: float, stop_at_first_loss: bool, rest_until: float | None = None) -> dict[str, _Node]:
         """Move time on by `dt` (or to the first preemption): draw preemptions (at each VM's rate
         now), bill every VM. At each change of a held VM's price the budget is checked for the rest
-        (`affordable`), as the driver does when it records a `node_price`: time stops there, with
-        `status` set, when the rest would cross it. Returns the preempted VMs by instance id (gone
-        from `nodes`)."""
+        (`affordable`; the rest lasts until `rest_until`, the phase's end, when later than `dt`), as
+        the driver does when it records a `node_price`: time stops there, with `status` set, when
+        the rest would cross it. Returns the preempted VMs by instance id (gone from `nodes`)."""
         end = self.t + dt
+        rest_until = max(end, rest_until or end)
         draws = {}
         for iid, n in self.nodes.items():
             rate = self.market.state(n.offer.zone, n.offer.instance_type, self.t).preempt_per_hour \
@@ -254,7 +258,10 @@ class _Run:
             for n in self.nodes.values():   # the ledger's record of a price move, as the driver writes it
                 if self.market.next_change(n.offer, until - 1e-9) <= until:
                     self.events.append(NodePrice(instance_id=n.iid, usd_per_hour=self.price(n)).record(until))
-            if self.t >= end - 1e-9 or not self.affordable(end - self.t):
+            at_end = self.t >= end - 1e-9
+            if (not at_end or rest_until > end + 1e-9) and not self.affordable(rest_until - self.t):
+                return gone   # checked mid-phase, a price change or not: the rest must fit
+            if at_end:
                 return gone
 
     def train_phase(self, members: list[_Node], dt: float, share: float = 1.0) -> None:
@@ -308,9 +315,14 @@ def _elastic(run: _Run) -> None:
     recipe = run.recipe
     w = recipe.world
     market = Market(recipe.planner)
-    state = {"target": 0, "planned": False, "last_replan": 0.0}   # as the driver: the first re-plan one interval in
+    state = {"target": 0, "planned": False, "last_replan": 0.0,   # as the driver: the first re-plan one interval in
+             "prices": [], "priced_at": -math.inf,
+             "paused": False,     # the policy paused (the pause may not have taken effect yet)
+             "pause": None,       # a Pause waiting for the next outer-step boundary
+             "paused_at": None}   # when the pause took effect (every VM released)
     refusals: list[Refusal] = []
     leaving: set[str] = set()   # released by the policy mid-phase: they go at the step boundary
+    sample_s = recipe.planner.price_sample_s if pauses(recipe) else None
     short_since = None
 
     def record_move(move) -> None:
@@ -333,13 +345,26 @@ def _elastic(run: _Run) -> None:
                                 quotes=tuple(market.quotes(run.market.offers(run.t, recipe.resources.spot), run.t)),
                                 refusals=tuple(refusals), target_replicas=state["target"],
                                 planned=state["planned"], last_replan_s=state["last_replan"],
-                                budget_horizon_s=horizon_s)
+                                budget_horizon_s=horizon_s, prices=tuple(state["prices"]),
+                                priced_at_s=state["priced_at"], paused=state["paused"])
             refused = False
             for a in decide(snap):
                 if isinstance(a, Retarget):
                     state["target"], state["planned"] = a.replicas, True
                 elif isinstance(a, Replan):
                     state["last_replan"] = a.at_s
+                elif isinstance(a, PriceSeen):
+                    state["prices"] = (state["prices"] + [(a.usd_per_mtok, a.tokens_per_s, a.speed)])[-PRICE_HISTORY:]
+                    state["priced_at"] = a.at_s
+                elif isinstance(a, Pause):   # the world is sized again when it unpauses
+                    state["paused"], state["pause"], state["target"], state["planned"] = True, a.pace, 0, False
+                elif isinstance(a, Unpause):
+                    state["paused"], state["pause"] = False, None
+                    if state["paused_at"] is not None:
+                        run.events.append(WorldUnpaused(
+                            paused_s=run.t - state["paused_at"], usd_per_mtok=a.pace.usd_per_mtok,
+                            threshold_usd_per_mtok=a.pace.threshold_usd_per_mtok, need=a.pace.need).record(run.t))
+                        state["paused_at"] = None
                 elif isinstance(a, HoldBack):
                     run.refused = a.reason
                     if a.gives_up:
@@ -378,11 +403,24 @@ def _elastic(run: _Run) -> None:
         act(0.0)
         if run.status is not None:
             break
+        if state["pause"] is not None:   # as the driver: a checkpoint, then every VM goes
+            p, state["pause"] = state["pause"], None
+            if any(n.ready_at <= run.t for n in run.nodes.values()):
+                run.checkpoint_if_due(ending=True)
+            run.release_all()
+            leaving.clear()
+            run.events.append(WorldPaused(outer_step=run.phases, usd_per_mtok=p.usd_per_mtok,
+                                          threshold_usd_per_mtok=p.threshold_usd_per_mtok,
+                                          need=p.need).record(run.t))
+            state["paused_at"] = run.t
         members = [n for n in run.nodes.values() if n.ready_at <= run.t]
         if len(members) < w.min_replicas:
             booting = [n.ready_at for n in run.nodes.values() if n.ready_at > run.t]
-            short_since = short_since if short_since is not None else run.t
-            if not booting and run.t - short_since > w.capacity_timeout_s:
+            if state["paused"]:
+                short_since = None        # a pause is no capacity shortage
+            elif short_since is None:
+                short_since = run.t
+            if not booting and short_since is not None and run.t - short_since > w.capacity_timeout_s:
                 run.status = "insufficient_capacity"
                 break
             dt = (min(booting) - run.t) if booting else WAIT_S
@@ -401,8 +439,17 @@ def _elastic(run: _Run) -> None:
         margin_s = max(0.5, 2 * world.sync_penalty_s)
         ids = {m.iid for m in members}
         while run.t < end - 1e-6 and run.status is None:
-            gone = run.advance(end - run.t, stop_at_first_loss=True)
+            # Under the pause rule the policy samples the market every planner.price_sample_s, in
+            # a phase too (as the driver's ticks do): a history sampled only at phase ends would
+            # weigh a pause's prices (sampled while waiting) above a training spell's.
+            until = end
+            if sample_s:
+                due_at = state["priced_at"] + sample_s
+                until = min(end, due_at if due_at > run.t + 1e-6 else run.t + sample_s)
+            gone = run.advance(until - run.t, stop_at_first_loss=True, rest_until=end)
             if not gone:
+                if run.t < end - 1e-6 and run.status is None:
+                    act(end - run.t)
                 continue
             lost.update(gone)
             if any(iid in ids and notice_s(n.offer.cloud) > margin_s for iid, n in gone.items()):

@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 from elastic.errors import UserError
-from elastic.events import NodeLaunched, NodeNotice, NodePreempted, NodeReleased, OuterStep, RunEnded, RunStarted
+from elastic.events import (NodeLaunched, NodeNotice, NodePreempted, NodeReleased, OuterStep, RunEnded, RunStarted,
+                            WorldPaused, WorldUnpaused)
 from elastic.ledger import LedgerError, read_events, SHAPE_ERRORS
 from elastic.report import burn_usd_per_hour, cost_so_far
 
@@ -73,15 +74,19 @@ def snapshot(events: list[dict], now: float, target_outer_steps: int | None = No
         per_step_s = (steps[-1]["t"] - steps[0]["t"]) / (done - first) if done > first else 0.0
         projected = spent + burn * max(0, target_outer_steps - done) * per_step_s / 3600
     alive = end is not None or start is None or driver_alive(start.get("pid"), start.get("host"))
+    pause = next((e for e in reversed(events) if e["type"] in (WorldPaused.TYPE, WorldUnpaused.TYPE)), None)
+    paused = end is None and pause is not None and pause["type"] == WorldPaused.TYPE
+    running = ("paused: the market is dear, no VM held (planner.pauses)" if paused else "running")
     return {
         "run": start["run"] if start else None,
-        "status": end["status"] if end else ("running" if alive else "driver gone (no run_ended)"),
+        "status": end["status"] if end else (running if alive else "driver gone (no run_ended)"),
         "ended": end is not None or not alive,
         "elapsed_s": round(now - start["t"], 1) if start else 0.0,
         "outer_step": done,
         "target_outer_steps": target_outer_steps,
-        # Replicas training now: none once the run ended (the last step's count is `world_last`).
-        "world": 0 if end is not None else (len(steps[-1]["replicas"]) if steps else 0),
+        # Replicas training now: none once the run ended or while it is paused (the last step's
+        # count is `world_last`).
+        "world": 0 if end is not None or paused else (len(steps[-1]["replicas"]) if steps else 0),
         "world_last": len(steps[-1]["replicas"]) if steps else 0,
         "vms_held": sum(1 for e in events if e["type"] == NodeLaunched.TYPE)
         - len({e["instance_id"] for e in events if e["type"] in (NodeReleased.TYPE, NodePreempted.TYPE)}),

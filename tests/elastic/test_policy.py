@@ -14,7 +14,7 @@ T = 10_000.0   # the snapshot's clock, seconds
 
 def snap(r, nodes=(), quotes=(), **kw) -> Snapshot:
     fields = {"time_s": T, "started_s": 0.0, "planned": True, "target_replicas": 0,
-              "last_replan_s": T, "progress": Progress(hours=T / 3600)}
+              "last_replan_s": T, "progress": Progress(hours=T / 3600), "priced_at_s": T}
     return Snapshot(r, nodes=tuple(nodes), quotes=tuple(quotes), **{**fields, **kw})
 
 
@@ -114,7 +114,8 @@ def test_price_spike_on_the_only_region_moves_nothing_but_a_cheaper_region_does(
 
 
 def test_deadline_grows_the_world_at_a_replan():
-    r = recipe(**{"train.token_budget": 10_000_000_000, "budget.max_hours": 40, "planner.replan_every_s": 300})
+    r = recipe(**{"train.token_budget": 10_000_000_000, "budget.max_hours": 40, "planner.replan_every_s": 300,
+                  "planner.pauses": False})   # with pauses the world is world.max_replicas from the start
     s = snap(r, held(4), [quote(offer("r1a", 8.0))], last_replan_s=T - 300, target_replicas=4,
              progress=Progress(tokens=0, hours=10.0))
     acts = decide(s)
@@ -144,3 +145,120 @@ def test_checkpoints_on_schedule_at_the_end_before_the_world_leaves_and_when_sto
     assert checkpoint_due(at(7), ending=True) == Checkpoint("ending")
     assert checkpoint_due(at(7, saved=7), ending=True) is None
     assert checkpoint_due(at(0), ending=True) is None
+
+
+# -- the pause rule ---------------------------------------------------------------------------------
+
+def paused_recipe(**kw):
+    """12 B tokens at 6 × 60,000 tokens/s (8×H100 replicas: about 9.3 h of training), with 100 h to
+    do it in: the run needs a fifth of the time left (with the 2× slack), so it can wait out dear
+    prices."""
+    return recipe(**{"train.token_budget": 12_000_000_000, "budget.max_hours": 100, "world.max_replicas": 6,
+                     "planner.price_sample_s": 300, **kw})
+
+
+def h100(zone, usd):
+    return quote(offer(zone, usd, it="h100x8", gpu="H100"))
+
+
+def history(usd_per_mtok: list[float], tps: float, speed: str = "estimate"):
+    return tuple((u, tps, speed) for u in usd_per_mtok)
+
+
+def seen(r, usd):
+    """The market's price (USD per 1M tokens) and pace of a world of max_replicas on one H100 offer."""
+    from elastic.policy import market_price
+    usd_per_mtok, tps, speed = market_price([h100("r1a", usd)], r)
+    assert speed == "estimate"
+    return usd_per_mtok, tps
+
+
+def test_a_dear_market_against_the_prices_seen_pauses_the_run_and_a_cheap_one_unpauses_it():
+    from elastic.policy import MIN_SAMPLES, Pause, PriceSeen, Unpause
+    r = paused_recipe()
+    cheap, tps = seen(r, 10.0)
+    prices = history([cheap] * MIN_SAMPLES, tps)
+    training = held(6, "r1a", 10.0)
+    # The market at three times the usual price: pause (with the sample taken now).
+    acts = decide(snap(r, training, [h100("r1a", 30.0)], prices=prices, priced_at_s=T - 300))
+    assert isinstance(acts[0], PriceSeen) and acts[0].usd_per_mtok == pytest.approx(3 * cheap)
+    assert isinstance(acts[1], Pause) and len(acts) == 2
+    assert acts[1].pace.threshold_usd_per_mtok == pytest.approx(cheap) and acts[1].pace.need < 0.5
+    # Within the hysteresis (1.3 θ) a training world goes on; a paused one waits for θ.
+    near = [h100("r1a", 12.0)]
+    assert not any(isinstance(a, Pause) for a in decide(snap(r, training, near, prices=prices)))
+    assert decide(snap(r, (), near, prices=prices, paused=True)) == []
+    # Paused, and the price back at θ: unpause, and rent the whole world (world.max_replicas).
+    acts = decide(snap(r, (), [h100("r1a", 10.0)], prices=prices, paused=True, planned=False))
+    assert isinstance(acts[0], Unpause) and rents(acts) == ["r1a"] * 6
+
+
+def test_no_pause_without_history_with_launches_under_way_or_when_the_deadline_needs_the_time():
+    from elastic.policy import MIN_SAMPLES, Pause
+    r = paused_recipe()
+    cheap, tps = seen(r, 10.0)
+    dear = [h100("r1a", 30.0)]
+    training = held(6, "r1a", 10.0)
+
+    def pauses_now(s):
+        return any(isinstance(a, Pause) for a in decide(s))
+
+    assert pauses_now(snap(r, training, dear, prices=history([cheap] * MIN_SAMPLES, tps)))
+    assert not pauses_now(snap(r, training, dear, prices=history([cheap] * (MIN_SAMPLES - 2), tps)))
+    assert not pauses_now(snap(r, training, dear, prices=history([cheap] * MIN_SAMPLES, tps),
+                               pending=(offer("r1a", 10.0),)))
+    booting = held(5, "r1a", 10.0) + [Node("i9", h100("r1a", 10.0), 0.0, ready=False)]
+    assert not pauses_now(snap(r, booting, dear, prices=history([cheap] * MIN_SAMPLES, tps)))
+    # 9.3 h of work left and 10 h to the deadline: it trains whatever the price.
+    late = snap(r, training, dear, prices=history([cheap] * MIN_SAMPLES, tps), time_s=90 * 3600.0)
+    assert not pauses_now(late)
+    # The rule is off without budget.max_hours, or with planner.pauses false: no sample, no pause.
+    for off in (recipe(**{"train.token_budget": 12_000_000_000}), paused_recipe(**{"planner.pauses": False})):
+        acts = decide(snap(off, held(4, "r1a", 10.0), dear, prices=history([cheap] * MIN_SAMPLES, tps),
+                           target_replicas=4))
+        assert acts == []
+
+
+def test_a_price_sample_is_due_once_per_interval_and_wakes_a_paused_run():
+    from elastic.policy import PriceSeen
+    r = paused_recipe()
+    cheap, tps = seen(r, 10.0)
+    prices = history([cheap] * 20, tps)
+    assert due(snap(r, (), prices=prices, priced_at_s=T - 300, paused=True))
+    assert not due(snap(r, (), prices=prices, priced_at_s=T - 100, paused=True))
+    acts = decide(snap(r, (), [h100("r1a", 30.0)], prices=prices, priced_at_s=T - 100, paused=True))
+    assert acts == []   # dear, no sample due: nothing
+    acts = decide(snap(r, (), [h100("r1a", 30.0)], prices=prices, priced_at_s=T - 300, paused=True))
+    assert [type(a) for a in acts] == [PriceSeen]
+
+
+def test_a_replica_far_above_the_threshold_leaves_for_a_cheaper_launch():
+    r = paused_recipe()
+    cheap, tps = seen(r, 10.0)
+    prices = history([cheap] * 20, tps)
+    # i0 is in a zone whose price doubled; r2a is at the usual price: i0 leaves at once, and the
+    # world tops up there. The market as a whole is cheap (its best world is at θ): no pause.
+    nodes = [Node("i0", h100("r1a", 20.0), 0.0)] + [Node(f"i{k}", h100("r2a", 10.0), 0.0) for k in range(1, 6)]
+    acts = decide(snap(r, nodes, [h100("r1a", 20.0), h100("r2a", 10.0)], prices=prices, target_replicas=6))
+    released = [a for a in acts if isinstance(a, Release)]
+    assert [a.instance_id for a in released] == ["i0"] and rents(acts) == ["r2a"]
+
+
+def test_prices_seen_at_another_pace_are_brought_to_the_pace_now():
+    # Twelve prices at the recipe's estimated speed, then the market's pace is measured at twice
+    # that: the same USD per hour is half the USD per token. A price that is dear against the
+    # history brought to the new pace pauses; the same price against the raw history would not.
+    from elastic.policy import MIN_SAMPLES, Pause
+    r = paused_recipe()
+    cheap, tps = seen(r, 10.0)
+
+    def measured(usd):
+        q = quote(offer("r1a", usd, it="h100x8", gpu="H100"))
+        return type(q)(q.offer, 0.0, "test", None, 2 * 60_000.0, "measured")
+
+    estimated = history([cheap] * MIN_SAMPLES, tps)
+    # 20 USD/h at twice the speed is the estimated history's price per token, but twice the history
+    # brought to the measured pace (above 1.3 θ: pause); 12 USD/h is 1.2 times it (within: no pause).
+    for usd, pauses_now in ((20.0, True), (12.0, False)):
+        acts = decide(snap(r, held(6, "r1a", 10.0), [measured(usd)], prices=estimated))
+        assert any(isinstance(a, Pause) for a in acts) == pauses_now

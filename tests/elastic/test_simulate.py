@@ -242,3 +242,38 @@ def test_cli_plan_prints_a_valid_placement():
     assert doc["expected_hours"] > 0 and doc["expected_usd"] > 0 and doc["usd_per_mtok"] > 0
     table = run_cli("plan", "recipes/multi-cloud.yaml")
     assert table.returncode == 0 and "per 1M tokens" in table.stdout
+
+
+def test_a_price_spike_is_waited_out_paused_and_the_run_restarts_from_its_checkpoint(tmp_path):
+    # 2 B tokens, about 3.9 h at world.max_replicas (six 8×A100 VMs), with 24 h to do it: the price
+    # quadruples from 3 h to 7 h. The pause rule waits the spike out with no VM held. (A spike
+    # much longer than the cheap time seen before it would make it judge the spike's price the
+    # usual one: the history stands for the future.)
+    rows = [row(h * 300, "r1a", 40.0 if 3 * 12 <= h < 7 * 12 else 10.0) for h in range(24 * 12)]
+    trace = write_trace(tmp_path / "spike.csv", rows)
+    r = recipe(**{"budget.max_hours": 24})
+    ledgers: dict = {}
+    paused = simulate(r, trace, ["elastic"], ledgers=ledgers)[0]
+    steady = simulate(recipe(**{"budget.max_hours": 24, "planner.pauses": False}), trace, ["elastic"])[0]
+    assert paused["status"] == steady["status"] == "completed"
+    assert paused["wall_h"] < 24
+    events = ledgers["elastic"]
+    kinds = [e["type"] for e in events]
+    assert kinds.count("world_paused") == 1 and kinds.count("world_unpaused") == 1
+    pause, unpause = (next(e for e in events if e["type"] == k) for k in ("world_paused", "world_unpaused"))
+    # Paused within one outer step of the spike (about 11 minutes here), unpaused when it ended.
+    assert 3 * 3600 <= pause["t"] <= 3 * 3600 + 900 and unpause["t"] == pytest.approx(7 * 3600, abs=300)
+    assert pause["usd_per_mtok"] > 3 * pause["threshold_usd_per_mtok"] and pause["need"] < 0.5
+    # A checkpoint at the paused step, no VM held while paused, six rented again after.
+    saved = [e for e in events if e["type"] == "checkpoint_saved" and e["t"] <= pause["t"]]
+    assert saved[-1]["step"] == pause["outer_step"] and saved[-1]["t"] == pause["t"]
+    held = set()
+    for e in events:
+        if e["type"] == "node_launched":
+            held.add(e["instance_id"])
+        elif e["type"] in ("node_released", "node_preempted"):
+            held.discard(e["instance_id"])
+        if e is pause:
+            assert held == set()
+    assert sum(e["type"] == "node_launched" and e["t"] >= unpause["t"] for e in events) == 6
+    assert paused["cost_usd"] < 0.6 * steady["cost_usd"]

@@ -70,6 +70,21 @@ def test_snapshot_of_an_ended_run_and_of_a_dead_driver():
     assert snapshot(elsewhere, now=T0 + 120)["status"] == "running"
 
 
+def test_a_paused_run_shows_paused_with_no_world_and_no_burn():
+    # The pause rule released both VMs after step 5: nothing trains, nothing bills, it says why.
+    events = live_run() + [{"t": T0 + 105, "type": "node_released", "instance_id": "a"},
+                           {"t": T0 + 105, "type": "node_released", "instance_id": "b"},
+                           {"t": T0 + 105, "type": "world_paused", "outer_step": 5, "usd_per_mtok": 0.3,
+                            "threshold_usd_per_mtok": 0.1, "need": 0.2}]
+    s = snapshot(events, now=T0 + 600, target_outer_steps=20)
+    assert s["status"].startswith("paused") and not s["ended"]
+    assert s["world"] == 0 and s["world_last"] == 2 and s["vms_held"] == 0 and s["burn_usd_per_hour"] == 0
+    assert s["usd_so_far"] == pytest.approx(105 * 1.08 / 3600)
+    unpaused = events + [{"t": T0 + 700, "type": "world_unpaused", "paused_s": 595.0, "usd_per_mtok": 0.1,
+                          "threshold_usd_per_mtok": 0.1, "need": 0.2}]
+    assert snapshot(unpaused, now=T0 + 710)["status"] == "running"
+
+
 def test_status_once_and_default_run_dir(tmp_path):
     old = write_run(tmp_path / "runs" / "old", live_run() + [ended(T0 + 101)])
     new = write_run(tmp_path / "runs" / "new", live_run())

@@ -1,0 +1,92 @@
+"""The pause rule run by the real driver on the local simulated-spot provider: a price spike mid-run
+pauses the world (a checkpoint, every node released, nothing billed, no capacity clock), and when the
+price falls the world is rented again and restarts from that checkpoint, losing no step."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from elastic.driver import run_attached
+from elastic.policy import MIN_SAMPLES
+from elastic.report import build_report
+from tests.conftest import tiny_recipe
+
+pytestmark = pytest.mark.slow
+
+SPIKE_S, CALM_S = 5.0, 10.0   # trace seconds: r1a costs 100 times more from SPIKE_S to CALM_S
+COMPRESSION = 0.001           # the market's clock barely moves by itself: the test moves it
+
+
+def test_a_price_spike_pauses_the_run_and_it_resumes_from_the_pause_checkpoint(local_cluster, tmp_path, monkeypatch):
+    trace = tmp_path / "trace.csv"
+    trace.write_text("timestamp_s,cloud,region,zone,instance_type,gpu,gpus,spot_usd_per_hour,"
+                     "on_demand_usd_per_hour,preempt_per_hour,capacity\n"
+                     "0,local,r1,r1a,cpu,,0,10,2000,0,8\n"
+                     f"{SPIKE_S:g},local,r1,r1a,cpu,,0,1000,2000,0,8\n"
+                     f"{CALM_S:g},local,r1,r1a,cpu,,0,10,2000,0,8\n")
+    # An hour to train a few seconds' worth: the run needs a sliver of the time left and can wait
+    # out a dear market. Prices are sampled every 50 ms (the rule needs MIN_SAMPLES of them).
+    recipe = tiny_recipe(**{
+        "world.replicas": 1, "world.max_replicas": 2, "train.outer_steps": 40, "train.inner_steps": 4,
+        "checkpoint.every_outer_steps": 0, "budget.max_hours": 1, "planner.price_sample_s": 0.05,
+        "planner.recovery_s": 1, "world.capacity_timeout_s": 5,
+        "local.market.time_compression": COMPRESSION, "local.market.trace": str(trace),
+        "local.instance_types": "[{name: cpu, region: r1, zone: r1a}]"})
+    moved, timers = [], []
+
+    def move_market(driver, to_s: float) -> None:
+        with driver.provider._lock:
+            market = driver.provider.market
+            market.advance((to_s - market.sim_time_s) / COMPRESSION)
+        moved.append(to_s)
+
+    def spike(driver, phase, members):
+        # Once the world trains with enough prices seen, the market turns dear; 7 s after the pause
+        # took effect (its ledger event), longer than world.capacity_timeout_s, it turns cheap again.
+        if not moved and phase == "inner" and driver.world.outer_step >= 2 and len(driver._prices) >= MIN_SAMPLES:
+            move_market(driver, SPIKE_S)
+            driver.ledger.listeners.append(lambda e: e["type"] == "world_paused" and timers.append(
+                threading.Timer(7.0, move_market, (driver, CALM_S))) is None and timers[-1].start())
+
+    # Every inner step takes at least 40 ms (fault injection: a slow VM): the world trains long
+    # enough, whatever this machine's speed, for the driver to sample MIN_SAMPLES prices at its
+    # measured pace (every 50 ms) before the spike.
+    monkeypatch.setenv("ELASTIC_FAULT_STEP_DELAY_S", "0.04")
+    try:
+        status, events = run_attached(recipe, local_cluster, tmp_path / "run", on_phase=spike, run_name="pause")
+    finally:
+        for t in timers:
+            t.cancel()
+    assert status == "completed" and moved == [SPIKE_S, CALM_S]
+    kinds = [e["type"] for e in events]
+    assert kinds.count("world_paused") == kinds.count("world_unpaused") == 1
+    paused = next(e for e in events if e["type"] == "world_paused")
+    unpaused = next(e for e in events if e["type"] == "world_unpaused")
+    assert paused["usd_per_mtok"] > 50 * paused["threshold_usd_per_mtok"] and paused["need"] < 0.1
+    # The progress was saved before any node went (the pause's checkpoint, durable), and no node was
+    # held while paused: nothing billed, nothing rented.
+    at = events.index(paused)
+    saves = [e for e in events[:at] if e["type"] == "checkpoint_uploaded"]
+    assert saves and saves[-1]["step"] == paused["outer_step"] > 0
+    held = set()
+    for e in events[:at]:
+        if e["type"] == "node_launched":
+            held.add(e["instance_id"])
+        elif e["type"] in ("node_released", "node_preempted"):
+            held.discard(e["instance_id"])
+    assert held == set() and len([k for k in kinds[:at] if k == "node_launched"]) == 2   # world.max_replicas
+    between = kinds[at:events.index(unpaused)]
+    assert "node_launched" not in between and "capacity_wait_started" not in between
+    # Rented again (both), restored from the pause's checkpoint, and every outer step trained once.
+    after = events[events.index(unpaused):]
+    assert sum(e["type"] == "node_launched" for e in after) == 2
+    restored = next(e for e in after if e["type"] == "world_restored")
+    assert restored["after"] == "pause" and restored["from_step"] == paused["outer_step"]
+    steps = [e["outer_step"] for e in events if e["type"] == "outer_step"]
+    assert steps == list(range(1, 41))
+    assert not any(e["type"] == "capacity_wait_ended" and e["gave_up"] for e in events)
+    report = build_report(events)
+    assert report["pauses"] == 1 and report["paused_s"] == pytest.approx(unpaused["paused_s"])
+    assert unpaused["paused_s"] >= 7.0 > recipe.world.capacity_timeout_s   # a pause is no capacity shortage
