@@ -94,6 +94,8 @@ class Driver:
         self._pause = None                               # the Pause's policy.Pace, until it takes effect
         self._paused_at: float | None = None            # when the pause took effect: every node released (unix)
         self._after_pause = False                        # the world is empty because of a pause
+        self._pause_tried_step = -1                      # the outer step a pause last tried to checkpoint at
+        self._unpaused = False                           # the world boots again after a pause: no capacity wait yet
         self._beat_stop = threading.Event()             # ends the heartbeat thread (release_all)
         self._market_seen: set[str] = set()             # clouds whose offers answered at least once
         self._market_down: set[str] = set()             # clouds whose offers fail now (market_unavailable)
@@ -310,7 +312,7 @@ class Driver:
                                                      usd_per_mtok=round(a.pace.usd_per_mtok, 6),
                                                      threshold_usd_per_mtok=round(a.pace.threshold_usd_per_mtok, 6),
                                                      need=round(a.pace.need, 4)))
-                    self._paused_at = None
+                    self._paused_at, self._unpaused = None, True
             elif isinstance(a, HoldBack) and a.reason == "capacity":
                 if not self._capacity_logged:   # once per shortage: every offer is at its known capacity
                     self._capacity_logged = True
@@ -658,6 +660,7 @@ class Driver:
             alive = len(self.world.replicas)
             # At start, wait for every replica already on its way, so all begin together.
             if alive >= w.min_replicas and (self.world.outer_step > 0 or not (self.world.joining or self._launching)):
+                self._unpaused = False
                 if waited:
                     self.ledger.append(CapacityWaitEnded(waited_s=round(time.monotonic() - start, 3),
                                                          replicas=alive))
@@ -667,10 +670,14 @@ class Driver:
                     self.ledger.append(CapacityWaitEnded(waited_s=round(time.monotonic() - start, 3),
                                                          replicas=alive))
                 short_since, waited, start = None, False, time.monotonic()
+                reason = self._over_budget(0.0)
+                if reason:   # budget.max_hours passed while paused (no price to unpause on)
+                    self._budget_stop = f"{reason} (while paused)"
+                    return True
                 view.phase(self._paused_line())
                 self._wait_a_little()
                 continue
-            if not waited and self.world.outer_step > 0:
+            if not waited and self.world.outer_step > 0 and not self._unpaused:
                 self.ledger.append(CapacityWaitStarted(replicas=alive, min_replicas=w.min_replicas))
                 waited = True
             # The clock runs only while even the replicas on their way would not be enough.
@@ -698,13 +705,23 @@ class Driver:
 
     def _pause_world(self, view) -> None:
         """A `policy.Pause` takes effect, at an outer-step boundary: the progress not saved yet is
-        checkpointed (durable before a node goes), every replica leaves and every VM the run holds
-        is released. The world waits, not against world.capacity_timeout_s, until `policy.Unpause`;
-        its first joiner then restores the checkpoint (`world_restored`, after `pause`)."""
-        p, self._pause = self._pause, None
+        checkpointed and made durable, then every replica leaves and every replica VM the run
+        holds is released. The world waits, not against world.capacity_timeout_s, until
+        `policy.Unpause`; its first joiner then restores the checkpoint (`world_restored`, after
+        `pause`). Without a durable checkpoint of this outer step nothing is released: training
+        goes on and the pause is tried again at the next step (once per step)."""
         w = self.world
-        self._checkpoint_if_due(view, ending=True)
-        self.finish_checkpoints(view)
+        if w.replicas and w.outer_step > 0:
+            if self._pause_tried_step == w.outer_step:
+                return
+            self._pause_tried_step = w.outer_step
+            if not self._saved_durably(view):
+                self._warn(f"pause put off: no durable checkpoint of outer step {w.outer_step} could be written "
+                           "(see checkpoint events in the ledger); training goes on, the pause is tried again "
+                           "at the next outer step")
+                return
+        p, self._pause = self._pause, None
+        self._after_pause = w.outer_step > 0 and bool(w.replicas)
         for rid in list(w.joining):   # none in practice: the policy pauses a world with nothing joining
             w.drop(rid, "the run paused", phase="setup", rule="pause")
         self._record_world(w.take_events())
@@ -719,10 +736,25 @@ class Driver:
         self._draining.clear()
         self._moves.clear()
         self._move_of.clear()
-        self._after_pause = w.outer_step > 0
         self.ledger.append(WorldPaused(outer_step=w.outer_step, usd_per_mtok=round(p.usd_per_mtok, 6),
                                        threshold_usd_per_mtok=round(p.threshold_usd_per_mtok, 6), need=round(p.need, 4)))
         self._paused_at = time.time()
+
+    def _saved_durably(self, view) -> bool:
+        """The world's progress is in a complete checkpoint at `checkpoint.uri`: saved now when the
+        checkpoint rule says so, or again when the newest complete one is older (a save or an
+        upload of this step failed)."""
+        step = self.world.outer_step
+        self._checkpoint_if_due(view, ending=True)
+        self.finish_checkpoints(view)
+        for attempt in range(2):
+            found, _ = self.ckpt.candidates()
+            if found and found[0]["step"] == step:
+                return True
+            if attempt == 0:
+                self.checkpoint(view)
+                self.finish_checkpoints(view)
+        return False
 
     def _paused_line(self) -> str:
         """The console's phase line while paused: the market's price last seen, the price it trains at."""

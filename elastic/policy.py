@@ -385,32 +385,32 @@ def pace(s: Snapshot, usd_per_mtok: float, prices: tuple[tuple[float, float], ..
 
 
 def _paced(s: Snapshot, quotes: list[Quote]) -> tuple[list[Action], Pace | None]:
-    """The price sample due now (a `PriceSeen`, or none) and the pause rule's reading (None: the
-    rule does not apply, or nothing can be placed)."""
+    """The price sample due now (a `PriceSeen`) and the pause rule's reading of it; ([], None) when
+    the rule does not apply, no sample is due, or nothing can be placed."""
     if not pauses(s.recipe) or not quotes:
         return [], None
+    if s.time_s - s.priced_at_s < s.recipe.planner.price_sample_s and s.prices:
+        return [], None   # no sample due: nothing to judge by
     usd, tps, speed = market_price(quotes, s.recipe)
     if not math.isfinite(usd):
         return [], None
-    seen: list[Action] = []
-    prices = s.prices
-    if s.time_s - s.priced_at_s >= s.recipe.planner.price_sample_s or not prices:
-        seen.append(PriceSeen(s.time_s, usd, tps, speed))
-        prices = prices + ((usd, tps, speed),)
-    return seen, pace(s, usd, _rescaled(prices, tps, speed))
+    prices = s.prices + ((usd, tps, speed),)
+    return [PriceSeen(s.time_s, usd, tps, speed)], pace(s, usd, _rescaled(prices, tps, speed))
 
 
 def _rescaled(prices: tuple[tuple[float, float, str], ...], tps: float, speed: str) -> tuple[tuple[float, float], ...]:
     """The prices seen, each group priced at another source of pace than the one now (the run's
     first measured step rescales every estimate: by 20× on a small model) brought to the pace now:
-    its prices × (its median pace / the pace now), its paces ÷ the same (the worlds are taken to
-    be alike)."""
+    its prices × k, its paces ÷ k, k = its median pace ÷ the median pace of the samples at today's
+    source (the worlds are taken to be alike on the whole; not one world's pace, which jumps with
+    its GPUs)."""
     groups: dict[str, list[tuple[float, float]]] = {}
     for u, t, src in prices:
         groups.setdefault(src, []).append((u, t))
     out: list[tuple[float, float]] = list(groups.pop(speed, []))
+    ref = statistics.median(t for _, t in out) if out else tps
     for group in groups.values():
-        k = statistics.median(t for _, t in group) / tps
+        k = statistics.median(t for _, t in group) / ref
         out += [(u * k, t / k) for u, t in group]
     return tuple(out)
 
@@ -418,23 +418,28 @@ def _rescaled(prices: tuple[tuple[float, float, str], ...], tps: float, speed: s
 def _dear(s: Snapshot, quotes: list[Quote], p: Pace) -> list[Release]:
     """Replicas whose price per token passed `HYSTERESIS` θ leave at once (dearest first) when the
     planner's launch in their place (`choose_launch`, capacity kept) is `DEAR_SAVING` cheaper, its
-    boot spread over its life; the world tops up there as usual."""
+    boot spread over its life, and fits the budget; world.min_replicas keep training. The world
+    tops up there as usual."""
     if p.need >= GO_ON_NEED or not math.isfinite(p.threshold_usd_per_mtok) or not quotes:
         return []
     r = s.recipe
-    staying = [n for n in _in_world(s)]
+    staying = _in_world(s)
+    rate = usd_per_hour_held(s)
     out: list[Release] = []
     for n in sorted((n for n in staying if n.ready), key=lambda n: -usd_per_mtok(n.quote, r)):
         now = usd_per_mtok(n.quote, r)
-        if now <= p.threshold_usd_per_mtok * HYSTERESIS:
+        if now <= p.threshold_usd_per_mtok * HYSTERESIS or len(staying) <= r.world.min_replicas:
             break
         rest = [m.quote for m in staying if m is not n] + [_pending_quote(s, o) for o in s.pending] + \
                [a.move.add for a in out]
         add = choose_launch(quotes, r, rest, s.progress)
         if add is None or add.key == n.quote.key or launch_usd_per_mtok(add, r) >= now * (1 - DEAR_SAVING):
             continue
+        if not launch_fits_budget(s.spent_usd, rate, add.offer, r, horizon_s=s.budget_horizon_s):
+            break
         out.append(Release(n.instance_id, Move(add, n.instance_id, now, usd_per_mtok(add, r))))
-        staying.remove(n)
+        staying = [m for m in staying if m is not n]
+        rate += add.offer.usd_per_hour
     return out
 
 
@@ -483,23 +488,25 @@ def decide(s: Snapshot) -> list[Action]:
     """The actions the policy takes now (in order). See the module's docstring for the rules."""
     quotes = [q for q in s.quotes if not resting(s, q.key)]
     out, p = _paced(s, quotes)
-    if p is not None:
+    if pauses(s.recipe):
+        # The pause rule judges at each price sample only (`due` asks for one every
+        # planner.price_sample_s): the driver and the simulator then judge at the same moments.
         if s.paused:
-            if not p.trains:
-                return out
+            if p is None or not p.trains:
+                return out   # dear, or no price to judge by: stay paused
             out.append(Unpause(p))
             s = dataclasses.replace(s, paused=False)
-        elif not p.trains and not s.pending and all(n.ready for n in s.nodes):
-            return out + [Pause(p)]
+        elif p is not None and not p.trains:
+            if not s.pending and all(n.ready for n in s.nodes):
+                return out + [Pause(p)]
+            return out       # dear, with a launch or a boot under way: rent nothing more, pause at a later sample
         s = dataclasses.replace(s, recipe=_sized(s.recipe))
-        dear = _dear(s, quotes, p)
+        dear = _dear(s, quotes, p) if p is not None else []
         if dear:   # they leave; the world tops up below, where the planner says
             out += dear
             gone = {r.instance_id for r in dear}
             s = dataclasses.replace(s, nodes=tuple(dataclasses.replace(n, leaving=True) if n.instance_id in gone
                                                    else n for n in s.nodes))
-    elif s.paused:
-        return out   # no price to judge by: stay paused until one comes
     out += _steady_world(s, quotes)
     return out
 
@@ -546,8 +553,10 @@ def _top_up(s: Snapshot, quotes: list[Quote], held: list[Quote], wanted: int) ->
             out.append(HoldBack("capacity", held=len(held)))
             break
         if not launch_fits_budget(spent, rate, q.offer, s.recipe, horizon_s=s.budget_horizon_s):
+            # It gives up only when nothing is on its way (launches under way, or rented just now).
+            on_way = bool(s.pending) or any(isinstance(a, Rent) for a in out)
             out.append(HoldBack("budget", held=len(held), usd_per_hour=q.offer.usd_per_hour,
-                                gives_up=not s.pending and len(_in_world(s)) < s.recipe.world.min_replicas))
+                                gives_up=not on_way and len(_in_world(s)) < s.recipe.world.min_replicas))
             break
         out.append(Rent(q))
         held.append(q)

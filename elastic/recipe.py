@@ -383,18 +383,21 @@ class PlannerSection(_Section):
     """Share of `budget.max_hours` the planner keeps spare: it places the world to finish within
     the rest (preemptions make the finish uncertain). When the cheapest world would not, it rents
     faster GPUs or more replicas (up to `world.max_replicas`)."""
-    pauses: bool = True
+    pauses: bool = False
     """With `budget.max_hours` set: the world trains at `world.max_replicas` while the market's price
     per token is low against the prices the run has seen, and pauses while it is dear (a checkpoint,
-    every VM released, no bill) until it falls or the deadline needs the time (`elastic.policy`'s
-    pause rule). Off, or without `budget.max_hours`: a steady world of `world.replicas`."""
+    every replica VM released) until it falls or the deadline needs the time (`elastic.policy`'s
+    pause rule). Off, or without `budget.max_hours`: a steady world of `world.replicas`. Off by
+    default: on the simulator's traces it pays about what the steady world pays on average, less on
+    some markets and more on others (docs/benchmarks.md)."""
     price_sample_s: float = Field(300.0, gt=0)
     """How often the pause rule samples the market's price, seconds (its history is these samples)."""
-    pause_slack: float = Field(2.0, ge=1)
+    pause_slack: float = Field(2.0, ge=1.25)
     """Margin of the pause rule over the time the run needs: it trains while the market's price is
     no dearer than the cheapest prices seen that would, in the hours left, train `pause_slack` times
-    the tokens left (the market's future taken to look like its past). Larger: fewer pauses, an
-    earlier finish, a dearer run."""
+    the tokens left and one boot (the market's future taken to look like its past). Larger: fewer
+    pauses, an earlier finish, a dearer run; at least 1.25 (it trains whatever the price once it
+    needs 95 % of the time left)."""
     billing_increment_s: float | None = Field(None, gt=0)
     """Billing increment of a VM, seconds: a launch is allowed only when the spend so far plus every
     held VM and the new one for one increment stays within `budget.max_usd`. Empty: the cloud's

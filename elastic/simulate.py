@@ -424,6 +424,9 @@ def _elastic(run: _Run) -> None:
                 run.status = "insufficient_capacity"
                 break
             dt = (min(booting) - run.t) if booting else WAIT_S
+            if sample_s:   # the next price sample, as the driver takes it while it waits
+                due_at = state["priced_at"] + sample_s
+                dt = min(dt, due_at - run.t if due_at > run.t + 1e-6 else sample_s)
             if not run.affordable(dt):
                 break
             run.advance(dt, stop_at_first_loss=False)

@@ -76,7 +76,7 @@ def snapshot(events: list[dict], now: float, target_outer_steps: int | None = No
     alive = end is not None or start is None or driver_alive(start.get("pid"), start.get("host"))
     pause = next((e for e in reversed(events) if e["type"] in (WorldPaused.TYPE, WorldUnpaused.TYPE)), None)
     paused = end is None and pause is not None and pause["type"] == WorldPaused.TYPE
-    running = ("paused: the market is dear, no VM held (planner.pauses)" if paused else "running")
+    running = ("paused: the market is dear, no replica VM held (planner.pauses)" if paused else "running")
     return {
         "run": start["run"] if start else None,
         "status": end["status"] if end else (running if alive else "driver gone (no run_ended)"),

@@ -29,8 +29,9 @@ def test_a_price_spike_pauses_the_run_and_it_resumes_from_the_pause_checkpoint(l
     # An hour to train a few seconds' worth: the run needs a sliver of the time left and can wait
     # out a dear market. Prices are sampled every 50 ms (the rule needs MIN_SAMPLES of them).
     recipe = tiny_recipe(**{
-        "world.replicas": 1, "world.max_replicas": 2, "train.outer_steps": 40, "train.inner_steps": 4,
-        "checkpoint.every_outer_steps": 0, "budget.max_hours": 1, "planner.price_sample_s": 0.05,
+        "world.replicas": 1, "world.max_replicas": 2, "train.outer_steps": 60, "train.inner_steps": 4,
+        "checkpoint.every_outer_steps": 0, "budget.max_hours": 1, "planner.pauses": "true",
+        "planner.price_sample_s": 0.05,
         "planner.recovery_s": 1, "world.capacity_timeout_s": 5,
         "local.market.time_compression": COMPRESSION, "local.market.trace": str(trace),
         "local.instance_types": "[{name: cpu, region: r1, zone: r1a}]"})
@@ -78,15 +79,17 @@ def test_a_price_spike_pauses_the_run_and_it_resumes_from_the_pause_checkpoint(l
             held.discard(e["instance_id"])
     assert held == set() and len([k for k in kinds[:at] if k == "node_launched"]) == 2   # world.max_replicas
     between = kinds[at:events.index(unpaused)]
-    assert "node_launched" not in between and "capacity_wait_started" not in between
+    assert "node_launched" not in between
+    # Neither the pause nor the boot after it is a capacity wait.
+    assert "capacity_wait_started" not in kinds
     # Rented again (both), restored from the pause's checkpoint, and every outer step trained once.
     after = events[events.index(unpaused):]
     assert sum(e["type"] == "node_launched" for e in after) == 2
     restored = next(e for e in after if e["type"] == "world_restored")
     assert restored["after"] == "pause" and restored["from_step"] == paused["outer_step"]
     steps = [e["outer_step"] for e in events if e["type"] == "outer_step"]
-    assert steps == list(range(1, 41))
+    assert steps == list(range(1, 61))
     assert not any(e["type"] == "capacity_wait_ended" and e["gave_up"] for e in events)
     report = build_report(events)
     assert report["pauses"] == 1 and report["paused_s"] == pytest.approx(unpaused["paused_s"])
-    assert unpaused["paused_s"] >= 7.0 > recipe.world.capacity_timeout_s   # a pause is no capacity shortage
+    assert unpaused["paused_s"] >= 6.9 > recipe.world.capacity_timeout_s   # a pause is no capacity shortage

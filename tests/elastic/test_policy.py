@@ -114,8 +114,7 @@ def test_price_spike_on_the_only_region_moves_nothing_but_a_cheaper_region_does(
 
 
 def test_deadline_grows_the_world_at_a_replan():
-    r = recipe(**{"train.token_budget": 10_000_000_000, "budget.max_hours": 40, "planner.replan_every_s": 300,
-                  "planner.pauses": False})   # with pauses the world is world.max_replicas from the start
+    r = recipe(**{"train.token_budget": 10_000_000_000, "budget.max_hours": 40, "planner.replan_every_s": 300})
     s = snap(r, held(4), [quote(offer("r1a", 8.0))], last_replan_s=T - 300, target_replicas=4,
              progress=Progress(tokens=0, hours=10.0))
     acts = decide(s)
@@ -154,7 +153,10 @@ def paused_recipe(**kw):
     do it in: the run needs a fifth of the time left (with the 2× slack), so it can wait out dear
     prices."""
     return recipe(**{"train.token_budget": 12_000_000_000, "budget.max_hours": 100, "world.max_replicas": 6,
-                     "planner.price_sample_s": 300, **kw})
+                     "planner.price_sample_s": 300, "planner.pauses": True, **kw})
+
+
+SAMPLE = {"priced_at_s": T - 300}   # a price sample is due: the pause rule judges
 
 
 def h100(zone, usd):
@@ -173,6 +175,11 @@ def seen(r, usd):
     return usd_per_mtok, tps
 
 
+def pauses_now(s) -> bool:
+    from elastic.policy import Pause
+    return any(isinstance(a, Pause) for a in decide(s))
+
+
 def test_a_dear_market_against_the_prices_seen_pauses_the_run_and_a_cheap_one_unpauses_it():
     from elastic.policy import MIN_SAMPLES, Pause, PriceSeen, Unpause
     r = paused_recipe()
@@ -180,42 +187,47 @@ def test_a_dear_market_against_the_prices_seen_pauses_the_run_and_a_cheap_one_un
     prices = history([cheap] * MIN_SAMPLES, tps)
     training = held(6, "r1a", 10.0)
     # The market at three times the usual price: pause (with the sample taken now).
-    acts = decide(snap(r, training, [h100("r1a", 30.0)], prices=prices, priced_at_s=T - 300))
+    acts = decide(snap(r, training, [h100("r1a", 30.0)], prices=prices, **SAMPLE))
     assert isinstance(acts[0], PriceSeen) and acts[0].usd_per_mtok == pytest.approx(3 * cheap)
     assert isinstance(acts[1], Pause) and len(acts) == 2
     assert acts[1].pace.threshold_usd_per_mtok == pytest.approx(cheap) and acts[1].pace.need < 0.5
+    # Judged at samples only: between two, nothing (the driver asks only when `due`).
+    assert not due(snap(r, training, prices=prices, target_replicas=6))
+    assert decide(snap(r, training, [h100("r1a", 30.0)], prices=prices, target_replicas=6)) == []
     # Within the hysteresis (1.3 θ) a training world goes on; a paused one waits for θ.
     near = [h100("r1a", 12.0)]
-    assert not any(isinstance(a, Pause) for a in decide(snap(r, training, near, prices=prices)))
-    assert decide(snap(r, (), near, prices=prices, paused=True)) == []
+    assert not pauses_now(snap(r, training, near, prices=prices, **SAMPLE))
+    assert [type(a) for a in decide(snap(r, (), near, prices=prices, paused=True, **SAMPLE))] == [PriceSeen]
     # Paused, and the price back at θ: unpause, and rent the whole world (world.max_replicas).
-    acts = decide(snap(r, (), [h100("r1a", 10.0)], prices=prices, paused=True, planned=False))
-    assert isinstance(acts[0], Unpause) and rents(acts) == ["r1a"] * 6
+    acts = decide(snap(r, (), [h100("r1a", 10.0)], prices=prices, paused=True, planned=False, **SAMPLE))
+    assert isinstance(acts[1], Unpause) and rents(acts) == ["r1a"] * 6
 
 
 def test_no_pause_without_history_with_launches_under_way_or_when_the_deadline_needs_the_time():
-    from elastic.policy import MIN_SAMPLES, Pause
+    from elastic.policy import MIN_SAMPLES
     r = paused_recipe()
     cheap, tps = seen(r, 10.0)
     dear = [h100("r1a", 30.0)]
     training = held(6, "r1a", 10.0)
-
-    def pauses_now(s):
-        return any(isinstance(a, Pause) for a in decide(s))
-
-    assert pauses_now(snap(r, training, dear, prices=history([cheap] * MIN_SAMPLES, tps)))
-    assert not pauses_now(snap(r, training, dear, prices=history([cheap] * (MIN_SAMPLES - 2), tps)))
-    assert not pauses_now(snap(r, training, dear, prices=history([cheap] * MIN_SAMPLES, tps),
-                               pending=(offer("r1a", 10.0),)))
-    booting = held(5, "r1a", 10.0) + [Node("i9", h100("r1a", 10.0), 0.0, ready=False)]
-    assert not pauses_now(snap(r, booting, dear, prices=history([cheap] * MIN_SAMPLES, tps)))
+    assert pauses_now(snap(r, training, dear, prices=history([cheap] * MIN_SAMPLES, tps), **SAMPLE))
+    assert not pauses_now(snap(r, training, dear, prices=history([cheap] * (MIN_SAMPLES - 2), tps), **SAMPLE))
+    # A launch under way, or a replica booting: no pause yet, and nothing more rented at that price.
+    five = held(5, "r1a", 10.0)
+    s = snap(r, five, dear, prices=history([cheap] * MIN_SAMPLES, tps), pending=(offer("r1a", 10.0),), **SAMPLE)
+    assert not pauses_now(s) and rents(decide(s)) == []
+    booting = five + [Node("i9", h100("r1a", 10.0), 0.0, ready=False)]
+    s = snap(r, booting[:-1] + [booting[-1]], dear, prices=history([cheap] * MIN_SAMPLES, tps), **SAMPLE)
+    assert not pauses_now(s) and rents(decide(s)) == []
     # 9.3 h of work left and 10 h to the deadline: it trains whatever the price.
-    late = snap(r, training, dear, prices=history([cheap] * MIN_SAMPLES, tps), time_s=90 * 3600.0)
+    late = snap(r, training, dear, prices=history([cheap] * MIN_SAMPLES, tps), time_s=90 * 3600.0,
+                priced_at_s=90 * 3600.0 - 300)
     assert not pauses_now(late)
-    # The rule is off without budget.max_hours, or with planner.pauses false: no sample, no pause.
-    for off in (recipe(**{"train.token_budget": 12_000_000_000}), paused_recipe(**{"planner.pauses": False})):
+    # The rule is off without budget.max_hours, or with planner.pauses false (the default): no
+    # sample, no pause.
+    for off in (recipe(**{"train.token_budget": 12_000_000_000, "planner.pauses": True}),
+                recipe(**{"train.token_budget": 12_000_000_000, "budget.max_hours": 100})):
         acts = decide(snap(off, held(4, "r1a", 10.0), dear, prices=history([cheap] * MIN_SAMPLES, tps),
-                           target_replicas=4))
+                           target_replicas=4, **SAMPLE))
         assert acts == []
 
 
@@ -224,31 +236,43 @@ def test_a_price_sample_is_due_once_per_interval_and_wakes_a_paused_run():
     r = paused_recipe()
     cheap, tps = seen(r, 10.0)
     prices = history([cheap] * 20, tps)
-    assert due(snap(r, (), prices=prices, priced_at_s=T - 300, paused=True))
+    assert due(snap(r, (), prices=prices, paused=True, **SAMPLE))
     assert not due(snap(r, (), prices=prices, priced_at_s=T - 100, paused=True))
     acts = decide(snap(r, (), [h100("r1a", 30.0)], prices=prices, priced_at_s=T - 100, paused=True))
-    assert acts == []   # dear, no sample due: nothing
-    acts = decide(snap(r, (), [h100("r1a", 30.0)], prices=prices, priced_at_s=T - 300, paused=True))
+    assert acts == []   # no sample due: nothing
+    acts = decide(snap(r, (), [h100("r1a", 30.0)], prices=prices, paused=True, **SAMPLE))
     assert [type(a) for a in acts] == [PriceSeen]
+    # No offer to price: stays paused, no sample.
+    assert decide(snap(r, (), [], prices=prices, paused=True, **SAMPLE)) == []
 
 
-def test_a_replica_far_above_the_threshold_leaves_for_a_cheaper_launch():
+def test_a_replica_far_above_the_threshold_leaves_for_a_cheaper_launch_within_the_rules():
     r = paused_recipe()
     cheap, tps = seen(r, 10.0)
     prices = history([cheap] * 20, tps)
     # i0 is in a zone whose price doubled; r2a is at the usual price: i0 leaves at once, and the
     # world tops up there. The market as a whole is cheap (its best world is at θ): no pause.
     nodes = [Node("i0", h100("r1a", 20.0), 0.0)] + [Node(f"i{k}", h100("r2a", 10.0), 0.0) for k in range(1, 6)]
-    acts = decide(snap(r, nodes, [h100("r1a", 20.0), h100("r2a", 10.0)], prices=prices, target_replicas=6))
+    quotes = [h100("r1a", 20.0), h100("r2a", 10.0)]
+    acts = decide(snap(r, nodes, quotes, prices=prices, target_replicas=6, **SAMPLE))
     released = [a for a in acts if isinstance(a, Release)]
     assert [a.instance_id for a in released] == ["i0"] and rents(acts) == ["r2a"]
+    # Every replica dear: they go, but world.min_replicas stay to train the state on.
+    dear_all = [Node(f"i{k}", h100("r1a", 20.0), 0.0) for k in range(6)]
+    r2 = paused_recipe(**{"world.min_replicas": 2})
+    acts = decide(snap(r2, dear_all, quotes, prices=prices, target_replicas=6, **SAMPLE))
+    assert len([a for a in acts if isinstance(a, Release)]) == 4 and rents(acts) == ["r2a"] * 4
+    # A replacement the budget cannot pay for ($1.25 left: a minute of the six held is $1.17, with
+    # the replacement $1.33): nobody leaves.
+    tight = paused_recipe(**{"budget.max_usd": 100})
+    acts = decide(snap(tight, nodes, quotes, prices=prices, target_replicas=6, spent_usd=100 - 75 / 60, **SAMPLE))
+    assert not any(isinstance(a, Release) for a in acts)
 
 
 def test_prices_seen_at_another_pace_are_brought_to_the_pace_now():
     # Twelve prices at the recipe's estimated speed, then the market's pace is measured at twice
-    # that: the same USD per hour is half the USD per token. A price that is dear against the
-    # history brought to the new pace pauses; the same price against the raw history would not.
-    from elastic.policy import MIN_SAMPLES, Pause
+    # that: the same USD per hour is half the USD per token.
+    from elastic.policy import MIN_SAMPLES
     r = paused_recipe()
     cheap, tps = seen(r, 10.0)
 
@@ -259,6 +283,14 @@ def test_prices_seen_at_another_pace_are_brought_to_the_pace_now():
     estimated = history([cheap] * MIN_SAMPLES, tps)
     # 20 USD/h at twice the speed is the estimated history's price per token, but twice the history
     # brought to the measured pace (above 1.3 θ: pause); 12 USD/h is 1.2 times it (within: no pause).
-    for usd, pauses_now in ((20.0, True), (12.0, False)):
-        acts = decide(snap(r, held(6, "r1a", 10.0), [measured(usd)], prices=estimated))
-        assert any(isinstance(a, Pause) for a in acts) == pauses_now
+    for usd, pauses in ((20.0, True), (12.0, False)):
+        assert pauses_now(snap(r, held(6, "r1a", 10.0), [measured(usd)], prices=estimated, **SAMPLE)) == pauses
+
+
+def test_a_budget_hold_back_gives_up_only_when_nothing_is_on_its_way():
+    # Two of six rented within the budget, the third held back: the run goes on with what comes.
+    r = recipe(**{"budget.max_usd": 100, "world.min_replicas": 3, "world.replicas": 6})
+    acts = decide(snap(r, (), [quote(offer("r1a", 30.0))], target_replicas=6, spent_usd=100 - 61 / 60))
+    assert rents(acts) == ["r1a"] * 2 and isinstance(acts[-1], HoldBack) and not acts[-1].gives_up
+    acts = decide(snap(r, (), [quote(offer("r1a", 70.0))], target_replicas=6, spent_usd=100 - 61 / 60))
+    assert rents(acts) == [] and acts[-1].gives_up

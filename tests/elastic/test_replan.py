@@ -56,7 +56,7 @@ def test_driver_grows_the_world_to_finish_within_max_hours(local_cluster, tmp_pa
     recipe = tiny_recipe(**{
         "world.replicas": 2, "world.max_replicas": 3, "train.outer_steps": "null",
         "train.token_budget": 6 * 2 * 4 * 4 * 32, "planner.default_tokens_per_s": 1, "budget.max_hours": 0.8,
-        "checkpoint.every_outer_steps": 0, "planner.pauses": "false"})
+        "checkpoint.every_outer_steps": 0})
     status, events = run_attached(recipe, local_cluster, tmp_path / "run", run_name="deadline")
     assert status == "completed"
     targets = [e for e in events if e["type"] == "world_target"]

@@ -251,10 +251,10 @@ def test_a_price_spike_is_waited_out_paused_and_the_run_restarts_from_its_checkp
     # usual one: the history stands for the future.)
     rows = [row(h * 300, "r1a", 40.0 if 3 * 12 <= h < 7 * 12 else 10.0) for h in range(24 * 12)]
     trace = write_trace(tmp_path / "spike.csv", rows)
-    r = recipe(**{"budget.max_hours": 24})
+    r = recipe(**{"budget.max_hours": 24, "planner.pauses": True})
     ledgers: dict = {}
     paused = simulate(r, trace, ["elastic"], ledgers=ledgers)[0]
-    steady = simulate(recipe(**{"budget.max_hours": 24, "planner.pauses": False}), trace, ["elastic"])[0]
+    steady = simulate(recipe(**{"budget.max_hours": 24}), trace, ["elastic"])[0]
     assert paused["status"] == steady["status"] == "completed"
     assert paused["wall_h"] < 24
     events = ledgers["elastic"]
