@@ -96,6 +96,7 @@ class Driver:
         self._after_pause = False                        # the world is empty because of a pause
         self._pause_tried_step = -1                      # the outer step a pause last tried to checkpoint at
         self._unpaused = False                           # the world boots again after a pause: no capacity wait yet
+        self._offered = False                            # the clouds offered something the recipe allows, once
         self._beat_stop = threading.Event()             # ends the heartbeat thread (release_all)
         self._market_seen: set[str] = set()             # clouds whose offers answered at least once
         self._market_down: set[str] = set()             # clouds whose offers fail now (market_unavailable)
@@ -284,11 +285,14 @@ class Driver:
         every = self._offers()
         if every is None:
             return   # the clouds are still answering: a later tick decides
-        if not every and self._market_down:
-            return   # a cloud is unreachable: train on what is held, rent once it answers
+        if not every and (self._market_down or self._offered):
+            # A cloud is unreachable, or every offer it had left the recipe's filters (a price above
+            # resources.max_usd_per_hour): train on what is held, rent once one comes back.
+            return
         if not every:
             raise UserError(f"resources: no offer from {', '.join(self.providers)} matches resources.accelerators / "
                             "resources.regions / resources.max_usd_per_hour")
+        self._offered = True
         self.market.observe(self.ledger.events)
         snap = self._snapshot(self.market.quotes(every, time.time()))
         for a in decide(snap):
@@ -759,7 +763,7 @@ class Driver:
     def _paused_line(self) -> str:
         """The console's phase line while paused: the market's price last seen, the price it trains at."""
         last = f"${self._prices[-1][0]:.4f} per 1M tokens" if self._prices else "no price yet"
-        return f"paused while the market is dear ({last}); every node released, training resumes when it falls"
+        return f"paused while the market is dear ({last}); every replica VM released, training resumes when it falls"
 
     def _wait_a_little(self) -> None:
         """Block briefly on whatever can change next: a joiner's setup or a launch."""

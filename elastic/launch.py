@@ -155,7 +155,7 @@ def event_line(e: dict) -> str | None:
         return f"every replica lost: restarting from {start}"
     if kind == WorldPaused.TYPE:
         return (f"paused at outer step {e['outer_step']}: the market's ${e['usd_per_mtok']:.4f} per 1M tokens is "
-                f"dear (trains at ≤ ${e['threshold_usd_per_mtok']:.4f}); every node released")
+                f"dear (trains at ≤ ${e['threshold_usd_per_mtok']:.4f}); every replica VM released")
     if kind == WorldUnpaused.TYPE:
         return (f"unpaused after {e['paused_s'] / 60:.0f} min: ${e['usd_per_mtok']:.4f} per 1M tokens"
                 + (" (the deadline needs the time)" if e["need"] >= 0.95 else ""))

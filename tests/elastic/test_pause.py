@@ -93,3 +93,48 @@ def test_a_price_spike_pauses_the_run_and_it_resumes_from_the_pause_checkpoint(l
     report = build_report(events)
     assert report["pauses"] == 1 and report["paused_s"] == pytest.approx(unpaused["paused_s"])
     assert unpaused["paused_s"] >= 6.9 > recipe.world.capacity_timeout_s   # a pause is no capacity shortage
+
+
+def test_a_paused_run_that_no_offer_can_price_ends_at_its_deadline(local_cluster, tmp_path, monkeypatch):
+    # Paused in a spike, then every offer passes resources.max_usd_per_hour (no price to unpause
+    # on): the run stays paused, holds nothing, and ends budget_exhausted at budget.max_hours (43 s),
+    # not later, and not with an error.
+    gone_s = 20.0
+    trace = tmp_path / "trace.csv"
+    trace.write_text("timestamp_s,cloud,region,zone,instance_type,gpu,gpus,spot_usd_per_hour,"
+                     "on_demand_usd_per_hour,preempt_per_hour,capacity\n"
+                     "0,local,r1,r1a,cpu,,0,10,9000,0,8\n"
+                     f"{SPIKE_S:g},local,r1,r1a,cpu,,0,1000,9000,0,8\n"
+                     f"{gone_s:g},local,r1,r1a,cpu,,0,5000,9000,0,8\n")
+    recipe = tiny_recipe(**{
+        "world.replicas": 1, "world.max_replicas": 2, "train.outer_steps": 200, "train.inner_steps": 4,
+        "checkpoint.every_outer_steps": 0, "budget.max_hours": 0.012, "planner.pauses": "true",
+        "planner.price_sample_s": 0.05, "planner.recovery_s": 1, "resources.max_usd_per_hour": 2000,
+        "local.market.time_compression": COMPRESSION, "local.market.trace": str(trace),
+        "local.instance_types": "[{name: cpu, region: r1, zone: r1a}]"})
+    moved = []
+
+    def move_market(driver, to_s: float) -> None:
+        with driver.provider._lock:
+            market = driver.provider.market
+            market.advance((to_s - market.sim_time_s) / COMPRESSION)
+        moved.append(to_s)
+
+    def spike(driver, phase, members):
+        if not moved and phase == "inner" and driver.world.outer_step >= 2 and len(driver._prices) >= MIN_SAMPLES:
+            move_market(driver, SPIKE_S)
+            driver.ledger.listeners.append(
+                lambda e: move_market(driver, gone_s) if e["type"] == "world_paused" else None)
+
+    monkeypatch.setenv("ELASTIC_FAULT_STEP_DELAY_S", "0.04")
+    status, events = run_attached(recipe, local_cluster, tmp_path / "run", on_phase=spike, run_name="stuck")
+    assert status == "budget_exhausted" and moved == [SPIKE_S, gone_s]
+    kinds = [e["type"] for e in events]
+    assert kinds.count("world_paused") == 1 and "world_unpaused" not in kinds and "error" not in kinds
+    paused = next(e for e in events if e["type"] == "world_paused")
+    assert not any(e["type"] == "node_launched" and e["t"] > paused["t"] for e in events)
+    stop = next(e for e in events if e["type"] == "budget_exhausted")
+    assert "budget.max_hours" in stop["reason"] and "while paused" in stop["reason"]
+    started = next(e for e in events if e["type"] == "run_started")["t"]
+    assert 0.012 * 3600 <= stop["t"] - started < 0.012 * 3600 + 5
+    assert not any(e["type"] == "capacity_wait_ended" and e["gave_up"] for e in events)

@@ -164,3 +164,18 @@ def test_report_compare_prints_both_runs(tmp_path):
     assert not (b / "report.json").exists()          # the other run is read, not written
     proc = cli("report", str(a), "--compare", str(tmp_path / "missing"))
     assert proc.returncode == 2 and "no events.jsonl" in proc.stderr
+
+
+def test_the_story_tells_a_pause_and_a_restore_after_it_apart_from_a_loss():
+    from elastic.launch import event_line
+    paused = {"type": "world_paused", "outer_step": 7, "usd_per_mtok": 0.3, "threshold_usd_per_mtok": 0.1,
+              "need": 0.2}
+    assert event_line(paused) == ("paused at outer step 7: the market's $0.3000 per 1M tokens is dear "
+                                  "(trains at ≤ $0.1000); every replica VM released")
+    assert event_line({"type": "world_unpaused", "paused_s": 5400.0, "usd_per_mtok": 0.1,
+                       "threshold_usd_per_mtok": 0.1, "need": 0.2}) == "unpaused after 90 min: $0.1000 per 1M tokens"
+    assert event_line({"type": "world_unpaused", "paused_s": 60.0, "usd_per_mtok": 0.5,
+                       "threshold_usd_per_mtok": 0.1, "need": 0.97}).endswith("(the deadline needs the time)")
+    restored = {"type": "world_restored", "from_step": 7, "uri": "file:///c"}
+    assert event_line({**restored, "after": "pause"}) == "pause over: the world starts again from checkpoint step 7"
+    assert event_line(restored) == "every replica lost: restarting from checkpoint step 7"   # an older ledger
