@@ -1,6 +1,7 @@
 """The pause rule run by the real driver on the local simulated-spot provider: a price spike mid-run
-pauses the world (a checkpoint, every node released, nothing billed, no capacity clock), and when the
-price falls the world is rented again and restarts from that checkpoint, losing no step."""
+pauses the world (a durable checkpoint, every VM released, no capacity clock), and when the price
+falls the world is rented again and restarts from that checkpoint, losing no step; a paused run
+with no price to go by ends at its deadline."""
 
 from __future__ import annotations
 
@@ -19,37 +20,53 @@ SPIKE_S, CALM_S = 5.0, 10.0   # trace seconds: r1a costs 100 times more from SPI
 COMPRESSION = 0.001           # the market's clock barely moves by itself: the test moves it
 
 
-def test_a_price_spike_pauses_the_run_and_it_resumes_from_the_pause_checkpoint(local_cluster, tmp_path, monkeypatch):
+def scenario(tmp_path, prices: list[tuple[float, float]], **overrides):
+    """A one-zone trace ((trace second, USD/h) rows, capacity 8) and a recipe for it: an hour to
+    train a few seconds' worth (the run needs a sliver of the time left and can wait out a dear
+    market), the pause rule on, prices sampled every 50 ms (the rule needs MIN_SAMPLES of them)."""
     trace = tmp_path / "trace.csv"
     trace.write_text("timestamp_s,cloud,region,zone,instance_type,gpu,gpus,spot_usd_per_hour,"
                      "on_demand_usd_per_hour,preempt_per_hour,capacity\n"
-                     "0,local,r1,r1a,cpu,,0,10,2000,0,8\n"
-                     f"{SPIKE_S:g},local,r1,r1a,cpu,,0,1000,2000,0,8\n"
-                     f"{CALM_S:g},local,r1,r1a,cpu,,0,10,2000,0,8\n")
-    # An hour to train a few seconds' worth: the run needs a sliver of the time left and can wait
-    # out a dear market. Prices are sampled every 50 ms (the rule needs MIN_SAMPLES of them).
-    recipe = tiny_recipe(**{
+                     + "".join(f"{t:g},local,r1,r1a,cpu,,0,{usd:g},9000,0,8\n" for t, usd in prices))
+    return tiny_recipe(**{
         "world.replicas": 1, "world.max_replicas": 2, "train.outer_steps": 60, "train.inner_steps": 4,
         "checkpoint.every_outer_steps": 0, "budget.max_hours": 1, "planner.pauses": "true",
-        "planner.price_sample_s": 0.05,
-        "planner.recovery_s": 1, "world.capacity_timeout_s": 5,
+        "planner.price_sample_s": 0.05, "planner.recovery_s": 1,
         "local.market.time_compression": COMPRESSION, "local.market.trace": str(trace),
-        "local.instance_types": "[{name: cpu, region: r1, zone: r1a}]"})
-    moved, timers = [], []
+        "local.instance_types": "[{name: cpu, region: r1, zone: r1a}]", **overrides})
 
-    def move_market(driver, to_s: float) -> None:
+
+class Market:
+    """Moves the local market's clock (its trace) from the driver's hooks, and says where to."""
+
+    def __init__(self):
+        self.moved: list[float] = []
+
+    def move(self, driver, to_s: float) -> None:
         with driver.provider._lock:
             market = driver.provider.market
             market.advance((to_s - market.sim_time_s) / COMPRESSION)
-        moved.append(to_s)
+        self.moved.append(to_s)
+
+    def spike_once_trained(self, driver, phase: str, then) -> None:
+        """Once the world trains with MIN_SAMPLES prices seen, the market turns dear (SPIKE_S);
+        `then(driver)` is called at the pause's ledger event."""
+        if not self.moved and phase == "inner" and driver.world.outer_step >= 2 and len(driver._prices) >= MIN_SAMPLES:
+            self.move(driver, SPIKE_S)
+            driver.ledger.listeners.append(lambda e: then(driver) if e["type"] == "world_paused" else None)
+
+
+def test_a_price_spike_pauses_the_run_and_it_resumes_from_the_pause_checkpoint(local_cluster, tmp_path, monkeypatch):
+    recipe = scenario(tmp_path, [(0, 10), (SPIKE_S, 1000), (CALM_S, 10)], **{"world.capacity_timeout_s": 5})
+    market, timers = Market(), []
+
+    def calm_later(driver) -> None:
+        # 7 s after the pause took effect, longer than world.capacity_timeout_s, it turns cheap again.
+        timers.append(threading.Timer(7.0, market.move, (driver, CALM_S)))
+        timers[-1].start()
 
     def spike(driver, phase, members):
-        # Once the world trains with enough prices seen, the market turns dear; 7 s after the pause
-        # took effect (its ledger event), longer than world.capacity_timeout_s, it turns cheap again.
-        if not moved and phase == "inner" and driver.world.outer_step >= 2 and len(driver._prices) >= MIN_SAMPLES:
-            move_market(driver, SPIKE_S)
-            driver.ledger.listeners.append(lambda e: e["type"] == "world_paused" and timers.append(
-                threading.Timer(7.0, move_market, (driver, CALM_S))) is None and timers[-1].start())
+        market.spike_once_trained(driver, phase, calm_later)
 
     # Every inner step takes at least 40 ms (fault injection: a slow VM): the world trains long
     # enough, whatever this machine's speed, for the driver to sample MIN_SAMPLES prices at its
@@ -60,7 +77,7 @@ def test_a_price_spike_pauses_the_run_and_it_resumes_from_the_pause_checkpoint(l
     finally:
         for t in timers:
             t.cancel()
-    assert status == "completed" and moved == [SPIKE_S, CALM_S]
+    assert status == "completed" and market.moved == [SPIKE_S, CALM_S]
     kinds = [e["type"] for e in events]
     assert kinds.count("world_paused") == kinds.count("world_unpaused") == 1
     paused = next(e for e in events if e["type"] == "world_paused")
@@ -100,35 +117,16 @@ def test_a_paused_run_that_no_offer_can_price_ends_at_its_deadline(local_cluster
     # on): the run stays paused, holds nothing, and ends budget_exhausted at budget.max_hours (43 s),
     # not later, and not with an error.
     gone_s = 20.0
-    trace = tmp_path / "trace.csv"
-    trace.write_text("timestamp_s,cloud,region,zone,instance_type,gpu,gpus,spot_usd_per_hour,"
-                     "on_demand_usd_per_hour,preempt_per_hour,capacity\n"
-                     "0,local,r1,r1a,cpu,,0,10,9000,0,8\n"
-                     f"{SPIKE_S:g},local,r1,r1a,cpu,,0,1000,9000,0,8\n"
-                     f"{gone_s:g},local,r1,r1a,cpu,,0,5000,9000,0,8\n")
-    recipe = tiny_recipe(**{
-        "world.replicas": 1, "world.max_replicas": 2, "train.outer_steps": 200, "train.inner_steps": 4,
-        "checkpoint.every_outer_steps": 0, "budget.max_hours": 0.012, "planner.pauses": "true",
-        "planner.price_sample_s": 0.05, "planner.recovery_s": 1, "resources.max_usd_per_hour": 2000,
-        "local.market.time_compression": COMPRESSION, "local.market.trace": str(trace),
-        "local.instance_types": "[{name: cpu, region: r1, zone: r1a}]"})
-    moved = []
-
-    def move_market(driver, to_s: float) -> None:
-        with driver.provider._lock:
-            market = driver.provider.market
-            market.advance((to_s - market.sim_time_s) / COMPRESSION)
-        moved.append(to_s)
+    recipe = scenario(tmp_path, [(0, 10), (SPIKE_S, 1000), (gone_s, 5000)], **{
+        "train.outer_steps": 200, "budget.max_hours": 0.012, "resources.max_usd_per_hour": 2000})
+    market = Market()
 
     def spike(driver, phase, members):
-        if not moved and phase == "inner" and driver.world.outer_step >= 2 and len(driver._prices) >= MIN_SAMPLES:
-            move_market(driver, SPIKE_S)
-            driver.ledger.listeners.append(
-                lambda e: move_market(driver, gone_s) if e["type"] == "world_paused" else None)
+        market.spike_once_trained(driver, phase, lambda d: market.move(d, gone_s))
 
     monkeypatch.setenv("ELASTIC_FAULT_STEP_DELAY_S", "0.04")
     status, events = run_attached(recipe, local_cluster, tmp_path / "run", on_phase=spike, run_name="stuck")
-    assert status == "budget_exhausted" and moved == [SPIKE_S, gone_s]
+    assert status == "budget_exhausted" and market.moved == [SPIKE_S, gone_s]
     kinds = [e["type"] for e in events]
     assert kinds.count("world_paused") == 1 and "world_unpaused" not in kinds and "error" not in kinds
     paused = next(e for e in events if e["type"] == "world_paused")
