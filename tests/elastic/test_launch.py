@@ -401,10 +401,19 @@ def test_a_preemptible_run_tells_its_story_and_a_closed_session_releases_every_n
         """SIGUSR1: the driver appends every thread's stack to driver-stacks.txt and goes on."""
         path = run_dir / "driver-stacks.txt"
         before = path.stat().st_size if path.exists() else 0
+        def size() -> int:
+            return path.stat().st_size if path.exists() else 0
+
         proc.send_signal(signal.SIGUSR1)
         until = time.monotonic() + 30
-        while (path.stat().st_size if path.exists() else 0) == before and time.monotonic() < until:
+        while size() == before and time.monotonic() < until:
             time.sleep(0.1)
+        # The handler writes the dump a line at a time: read it once it stopped growing (a read
+        # between two writes once cut the main thread's stack short of elastic/driver.py).
+        last = -1
+        while size() != last and time.monotonic() < until:
+            last = size()
+            time.sleep(0.3)
         return path.read_text()[before:] if path.exists() else ""
 
     deadline = time.monotonic() + 240
