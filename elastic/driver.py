@@ -88,7 +88,7 @@ class Driver:
         self._budget_stop: str | None = None            # a price rise mid-step stopped the run (why)
         self._price: dict[str, float] = {}               # held instance id -> USD/h last recorded
         self._price_poll_at = 0.0
-        self._prices: list[tuple[float, float, str]] = []   # the market's price and pace at each sample (policy.PriceSeen)
+        self._prices: tuple[tuple[float, float, str], ...] = ()   # the market's price and pace at each sample (PriceSeen)
         self._priced_at = float("-inf")                 # when the last sample was taken (unix)
         self._paused = False                             # the policy paused the run (policy.Pause, until Unpause)
         self._pause = None                               # the Pause's policy.Pace, until it takes effect
@@ -270,15 +270,14 @@ class Driver:
                         quotes=tuple(quotes), progress=self._progress(), spent_usd=self._spent(now),
                         refusals=tuple(self._refusals), target_replicas=self._target, planned=self._planned,
                         last_replan_s=self._replanned_at, budget_horizon_s=self._last_step_s,
-                        checkpointed_step=self._checkpointed_step, prices=tuple(self._prices),
+                        checkpointed_step=self._checkpointed_step, prices=self._prices,
                         priced_at_s=self._priced_at, paused=self._paused)
 
     def decide(self) -> None:
         """Gather a snapshot, ask the policy (`policy.decide`) and do what it says: rent (in the
         background; a move's old replica drains once the new one trains), grow the world's target,
         record what was held back. Offers are read only when the policy has something to decide."""
-        from elastic.policy import (PRICE_HISTORY, HoldBack, Pause, PriceSeen, Release, Rent, Replan, Retarget,
-                                    Unpause, decide, due)
+        from elastic.policy import HoldBack, Pause, PriceSeen, Release, Rent, Replan, Retarget, Unpause, decide, due
 
         if not due(self._snapshot()):
             return
@@ -304,7 +303,7 @@ class Driver:
             elif isinstance(a, Replan):
                 self._replanned_at = a.at_s
             elif isinstance(a, PriceSeen):
-                self._prices = (self._prices + [(a.usd_per_mtok, a.tokens_per_s, a.speed)])[-PRICE_HISTORY:]
+                self._prices = a.kept(self._prices)
                 self._priced_at = a.at_s
             elif isinstance(a, Pause):   # takes effect at the next outer-step boundary (`_pause_world`)
                 self._paused, self._pause = True, a.pace

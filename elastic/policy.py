@@ -229,6 +229,12 @@ class PriceSeen:
     speed: str
 
 
+    def kept(self, prices: tuple[tuple[float, float, str], ...]) -> tuple[tuple[float, float, str], ...]:
+        """The history `prices` with this sample added (the newest `PRICE_HISTORY` kept): what
+        the executor hands back as `Snapshot.prices`."""
+        return (prices + ((self.usd_per_mtok, self.tokens_per_s, self.speed),))[-PRICE_HISTORY:]
+
+
 @dataclass(frozen=True)
 class Pace:
     """The pause rule's reading of the market now (see the module's docstring).

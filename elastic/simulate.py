@@ -41,8 +41,8 @@ from elastic.events import (CapacityRefused, CheckpointSaved, NodeLaunched, Node
                             ReplicaMove, WorldPaused, WorldUnpaused)
 from elastic.market import Market, Quote, offer_key, recipe_tokens_per_s
 from elastic.planner import Progress, allowed, evaluate, run_tokens, tokens_per_phase
-from elastic.policy import (PRICE_HISTORY, HoldBack, Node, Pause, PriceSeen, Refusal, Release, Rent, Replan, Retarget,
-                            Snapshot, Unpause, checkpoint_due, decide, launch_fits_budget, pauses, stop_for_budget)
+from elastic.policy import (HoldBack, Node, Pause, PriceSeen, Refusal, Release, Rent, Replan, Retarget, Snapshot,
+                            Unpause, checkpoint_due, decide, launch_fits_budget, pauses, stop_for_budget)
 from providers import notice_s
 from providers.base import Offer
 
@@ -316,13 +316,21 @@ def _elastic(run: _Run) -> None:
     w = recipe.world
     market = Market(recipe.planner)
     state = {"target": 0, "planned": False, "last_replan": 0.0,   # as the driver: the first re-plan one interval in
-             "prices": [], "priced_at": -math.inf,
+             "prices": (), "priced_at": -math.inf,
              "paused": False,     # the policy paused (the pause may not have taken effect yet)
              "pause": None,       # a Pause waiting for the next outer-step boundary
              "paused_at": None}   # when the pause took effect (every VM released)
     refusals: list[Refusal] = []
     leaving: set[str] = set()   # released by the policy mid-phase: they go at the step boundary
     sample_s = recipe.planner.price_sample_s if pauses(recipe) else None
+
+    def to_next_sample() -> float:
+        """Seconds to the next price sample under the pause rule (inf without it): the driver's
+        ticks take one every planner.price_sample_s, in a phase and while waiting alike."""
+        if not sample_s:
+            return math.inf
+        due_at = state["priced_at"] + sample_s
+        return due_at - run.t if due_at > run.t + 1e-6 else sample_s
     short_since = None
 
     def record_move(move) -> None:
@@ -345,7 +353,7 @@ def _elastic(run: _Run) -> None:
                                 quotes=tuple(market.quotes(run.market.offers(run.t, recipe.resources.spot), run.t)),
                                 refusals=tuple(refusals), target_replicas=state["target"],
                                 planned=state["planned"], last_replan_s=state["last_replan"],
-                                budget_horizon_s=horizon_s, prices=tuple(state["prices"]),
+                                budget_horizon_s=horizon_s, prices=state["prices"],
                                 priced_at_s=state["priced_at"], paused=state["paused"])
             refused = False
             for a in decide(snap):
@@ -354,7 +362,7 @@ def _elastic(run: _Run) -> None:
                 elif isinstance(a, Replan):
                     state["last_replan"] = a.at_s
                 elif isinstance(a, PriceSeen):
-                    state["prices"] = (state["prices"] + [(a.usd_per_mtok, a.tokens_per_s, a.speed)])[-PRICE_HISTORY:]
+                    state["prices"] = a.kept(state["prices"])
                     state["priced_at"] = a.at_s
                 elif isinstance(a, Pause):   # the world is sized again when it unpauses
                     state["paused"], state["pause"], state["target"], state["planned"] = True, a.pace, 0, False
@@ -424,9 +432,7 @@ def _elastic(run: _Run) -> None:
                 run.status = "insufficient_capacity"
                 break
             dt = (min(booting) - run.t) if booting else WAIT_S
-            if sample_s:   # the next price sample, as the driver takes it while it waits
-                due_at = state["priced_at"] + sample_s
-                dt = min(dt, due_at - run.t if due_at > run.t + 1e-6 else sample_s)
+            dt = min(dt, to_next_sample())
             if not run.affordable(dt):
                 break
             run.advance(dt, stop_at_first_loss=False)
@@ -445,10 +451,7 @@ def _elastic(run: _Run) -> None:
             # Under the pause rule the policy samples the market every planner.price_sample_s, in
             # a phase too (as the driver's ticks do): a history sampled only at phase ends would
             # weigh a pause's prices (sampled while waiting) above a training spell's.
-            until = end
-            if sample_s:
-                due_at = state["priced_at"] + sample_s
-                until = min(end, due_at if due_at > run.t + 1e-6 else run.t + sample_s)
+            until = min(end, run.t + to_next_sample())
             gone = run.advance(until - run.t, stop_at_first_loss=True, rest_until=end)
             if not gone:
                 if run.t < end - 1e-6 and run.status is None:
