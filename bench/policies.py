@@ -5,7 +5,8 @@
 
 Each trace's table ends with every policy's ratio to the bound (median and worst over the seeds,
 and ours seed by seed), ours also with its pause rule switched (`planner.pauses`; off by default, a
-steady world of world.replicas): issue 16 asks `elastic` for at most 1.15 on every trace. `--ratios-only`
+steady world of world.replicas): issue 16 asks `elastic` for at most 1.15 on every trace, which no
+policy that does not see the future can promise (`bench/foresight.py`). `--ratios-only`
 leaves out the deadline variant and the extra bounds (a bound takes about a minute per trace);
 `--traces` runs other traces than bench/traces/*.csv (`bench/traces/make_traces.py --storms-seed N
 --out DIR` writes unseen ones). `--explain` adds, per trace, where `elastic`'s excess over the bound

@@ -74,7 +74,8 @@ def _expected_min(rate_per_h, seconds):
 def _short_usd(usd, rate, minimum_s):
     """USD a VM booted at each row and offer is expected to bill past its life when preempted
     before its cloud's `minimum_s`: its price × E[(minimum − τ)⁺]."""
-    return np.where(np.isfinite(usd), usd * (minimum_s - _expected_min(rate, minimum_s)) / 3600, 0.0)
+    with np.errstate(invalid="ignore"):           # inf × 0 where no price is allowed and nothing is short
+        return np.where(np.isfinite(usd), usd * (minimum_s - _expected_min(rate, minimum_s)) / 3600, 0.0)
 
 
 def _slot(usd, rate, row_s, tps, lam, mu, boot_s, short_usd):
