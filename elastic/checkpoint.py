@@ -29,6 +29,7 @@ import hashlib
 import hmac
 import io
 import json
+import logging
 import math
 import pickle
 import re
@@ -37,9 +38,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from elastic.errors import UserError
+from elastic.errors import UserError, first_line
 from elastic.events import CheckpointDeleted, CheckpointSaved, CheckpointUploadFailed, CheckpointUploaded
 from elastic.storage import KeyStore, Storage, open_keys, open_storage
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "elastic.json"
 _FILE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
@@ -465,7 +468,7 @@ def dcp_load(state: dict, path: str) -> None:
         cause = next((f[0] if isinstance(f, tuple) else f for f in exc.failures.values()), exc)
         if isinstance(cause, pickle.UnpicklingError):
             raise CheckpointError(f"{path}: a stored value needs code to unpickle: refused") from None
-        raise CheckpointError(f"{path}: {str(cause).splitlines()[0][:200]}") from None
+        raise CheckpointError(f"{path}: {first_line(cause)}") from None
 
 
 # -- what the driver runs --------------------------------------------------------------------------
@@ -509,12 +512,16 @@ class Checkpointer:
         t0 = time.monotonic()
         self.wait()
         step = world.outer_step
+        # A resumed run saves again at a step an older attempt completed: that manifest goes first,
+        # so it never vouches for files being overwritten.
+        try:
+            self.storage.delete([f"{step_name(step)}/{MANIFEST}"])
+        except Exception as exc:
+            raise CheckpointError(f"{self.uri}: cannot clear {step_name(step)}/{MANIFEST} before saving: "
+                                  f"{first_line(exc)}") from None
         local = f"{self.staging}/{step_name(step)}"
         write_s = max(r["seconds"] for r in world.call_replica(lead, "save_checkpoint", local))
         stall_s = time.monotonic() - t0
-        # A resumed run saves again at a step an older attempt completed: that manifest goes first,
-        # so it never vouches for files being overwritten.
-        self.storage.delete([f"{step_name(step)}/{MANIFEST}"])
         refs = [a.upload_checkpoint.remote(local, self.uri, step, self.threads) for a in lead.actors]
         self._pending = {"step": step, "refs": refs, "lead": lead, "local": local, "t0": time.monotonic(),
                          "manifest": {"step": step, "inner_step": world.inner_step, "data_cursor": world.cursor,
@@ -547,19 +554,29 @@ class Checkpointer:
         try:
             files = [f for per_rank in ray.get(p["refs"]) for f in per_rank]
         except Exception as exc:  # a rank (its node) was lost mid-upload: no manifest, never loaded
-            self.ledger.append(CheckpointUploadFailed(step=p["step"], message=str(exc).splitlines()[0][:200]))
+            self.ledger.append(CheckpointUploadFailed(step=p["step"], message=first_line(exc)))
             self._drop_staging(p)
             return
         manifest = {**p["manifest"], "saved_at": time.time(), "files": sorted(files, key=lambda f: f["name"])}
         manifest["hmac"] = manifest_mac(manifest, self._key)
-        self.storage.write_bytes(f"{step_name(p['step'])}/{MANIFEST}", json.dumps(manifest, indent=2).encode())
+        try:
+            self.storage.write_bytes(f"{step_name(p['step'])}/{MANIFEST}", json.dumps(manifest, indent=2).encode())
+        except Exception as exc:  # the store refused or failed it: the step stays partial, the run goes on
+            self.ledger.append(CheckpointUploadFailed(step=p["step"], message=f"manifest not written: {first_line(exc)}"))
+            self._drop_staging(p)
+            return
         seconds = time.monotonic() - p["t0"]
         size = sum(f["bytes"] for f in files)
         self.ledger.append(CheckpointUploaded(step=p["step"], uri=self.uri, bytes=size, files=len(files),
                                               seconds=round(seconds, 3),
                                               mb_per_s=round(size / 1e6 / max(seconds, 1e-6), 1)))
         self._drop_staging(p)
-        for step in prune(self.storage, self.keep_last):
+        try:
+            deleted = prune(self.storage, self.keep_last)
+        except Exception as exc:  # old checkpoints stay a while longer; the next save prunes again
+            log.warning("could not delete old checkpoints in %s: %s", self.uri, first_line(exc))
+            return
+        for step in deleted:
             self.ledger.append(CheckpointDeleted(step=step))
 
     @staticmethod

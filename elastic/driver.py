@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from elastic import checkpoint as ckpt
-from elastic.errors import UserError
+from elastic.errors import UserError, described, first_line
 from elastic.events import (
     BudgetExhausted, CapacityRefused, CapacityWaitEnded, CapacityWaitStarted, CheckpointFailed,
     CheckpointSkipped, CheckpointUploadAbandoned, ClusterStarted, Error, LaunchFailed, LaunchHeldBack, LinkMeasured,
@@ -214,7 +214,7 @@ class Driver:
                     raise offers   # never answered: the setup is wrong, and the run says so
                 if name not in self._market_down:
                     self._market_down.add(name)
-                    message = f"{type(offers).__name__}: {str(offers).splitlines()[0][:200] if str(offers) else ''}"
+                    message = described(offers)
                     log.warning("%s prices and capacity unavailable: %s", name, message)
                     self.ledger.append(MarketUnavailable(cloud=name, message=message))
                 continue
@@ -643,7 +643,7 @@ class Driver:
             except ckpt.CheckpointError as exc:
                 cause = getattr(exc, "cause", None) or exc   # a rank's error arrives wrapped by Ray
                 self.ledger.append(CheckpointSkipped(step=manifest["step"],
-                                                     message=str(cause).splitlines()[0][:200]))
+                                                     message=first_line(cause)))
         return None, None
 
     def wait_for_capacity(self, view) -> bool:
@@ -885,8 +885,7 @@ class Driver:
         try:
             parts = self.world.call_replica(self.world.lead_replica(), "evaluate")
         except Exception as exc:
-            message = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-            self.ledger.append(ValidationFailed(outer_step=self.world.outer_step, message=message))
+            self.ledger.append(ValidationFailed(outer_step=self.world.outer_step, message=first_line(exc)))
             return
         tokens = sum(p["tokens"] for p in parts)
         if not tokens:
@@ -927,7 +926,7 @@ class Driver:
             self.ckpt.save(self.world, lead, self.recipe)
             self._checkpointed_step = self.world.outer_step
         except Exception as exc:  # the saving replica was lost mid-save: the partial one is ignored
-            self.ledger.append(CheckpointFailed(step=self.world.outer_step, message=str(exc).splitlines()[0][:200]))
+            self.ledger.append(CheckpointFailed(step=self.world.outer_step, message=first_line(exc)))
 
     def finish_checkpoints(self, view) -> None:
         """Wait until the last checkpoint is durable (phase 2 done) before the run lets its nodes go."""

@@ -3,6 +3,18 @@
 from __future__ import annotations
 
 
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """An exception's first line, cut at `limit` characters; its type's name if it has no message."""
+    lines = str(exc).strip().splitlines()
+    return lines[0][:limit] if lines else type(exc).__name__
+
+
+def described(exc: BaseException, limit: int = 200) -> str:
+    """`Type: first line` of an exception (just `Type` if it has no message)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:limit]}" if lines else type(exc).__name__
+
+
 class UserError(Exception):
     """A problem the user can fix; printed as one line per entry, exit code 2."""
 

@@ -20,7 +20,7 @@ from rich.markup import escape
 from datetime import datetime, timezone
 from pathlib import Path
 
-from elastic.errors import UserError
+from elastic.errors import UserError, described, first_line
 from elastic.events import (
     BudgetExhausted, CapacityRefused, CheckpointFailed, CheckpointUploadFailed, CheckpointUploaded,
     ControllerStarted, Error, LaunchHeldBack, NodeJoinTimeout, NodeLaunched, NodeNotice, NodePreempted,
@@ -366,7 +366,7 @@ def _launch(recipe: Recipe, run_dir: Path, address: str | None, console, resume:
             status, message = "failed", "; ".join(exc.lines)
             log.error("run failed: %s", message, exc_info=True)
         except Exception as exc:  # the run fails; the user gets one line, the log the traceback
-            status, message = "failed", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            status, message = "failed", described(exc, 10_000)
             log.error("run failed: %s", message, exc_info=True)
         finally:
             with _signals_ignored():
@@ -396,7 +396,7 @@ def _record_plan(recipe: Recipe, ledger: Ledger) -> None:
     try:
         placement = plan_now(recipe)
     except Exception as exc:
-        log.warning("no plan recorded: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+        log.warning("no plan recorded: %s", first_line(exc, 10_000),
                     exc_info=True)
         return
     if placement is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import secrets
 
-from elastic.errors import UserError
+from elastic.errors import UserError, described
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def preflight(recipe) -> list[str]:
             problems += exc.lines
         except Exception as exc:  # one line for the user; the traceback to the log
             log.exception("%s preflight", name)
-            problems.append(f"{name}: preflight failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            problems.append(f"{name}: preflight failed: {described(exc)}")
         finally:
             provider.close()
     if recipe.checkpoint.uri and not problems:   # without credentials the probe can only repeat them
@@ -60,7 +60,7 @@ def checkpoint_problems(uri: str) -> list[str]:
         store.write_bytes(probe, b"")
         store.delete([probe])
     except Exception as exc:
-        return [f"checkpoint.uri: {uri}: not writable ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"]
+        return [f"checkpoint.uri: {uri}: not writable ({described(exc, 160)})"]
     finally:
         store.close()
     return []

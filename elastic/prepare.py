@@ -21,7 +21,7 @@ from typing import Iterator
 
 import numpy as np
 
-from elastic.errors import UserError
+from elastic.errors import UserError, first_line
 
 SUFFIXES = (".txt", ".md", ".jsonl", ".json", ".parquet")
 
@@ -102,8 +102,7 @@ def load_tokenizer(name: str):
     try:
         return AutoTokenizer.from_pretrained(name)
     except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"--tokenizer {name}: cannot load: {first[:200]}") from None
+        raise UserError(f"--tokenizer {name}: cannot load: {first_line(exc)}") from None
 
 
 def fingerprint(files: list[Path], tokenizer: str, settings: dict) -> str:

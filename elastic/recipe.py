@@ -17,7 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, PositiveFloat, ValidationError, model_validator
 
-from elastic.errors import RecipeError
+from elastic.errors import RecipeError, described, first_line
 from elastic.section import Section as _Section
 
 
@@ -630,8 +630,7 @@ def _check_files(recipe: Recipe, source: str) -> list[str]:
             try:
                 obj = getattr(importlib.import_module(mod), fn, None)
             except Exception as exc:  # any import failure is the user's to see, in one line
-                first = str(exc).splitlines()[0] if str(exc) else ""
-                problems.append(f"{source}: model.factory: cannot import {mod}: {type(exc).__name__}: {first}")
+                problems.append(f"{source}: model.factory: cannot import {mod}: {described(exc, 10_000)}")
             else:
                 if not callable(obj):
                     problems.append(f"{source}: model.factory: {mod} has no callable {fn}")
@@ -677,8 +676,7 @@ def _check_factory(factory, recipe: Recipe, source: str) -> list[str]:
         with torch.device("meta"):
             model = factory(recipe.model.model_dump())
     except Exception as exc:  # the user's code: its failure is theirs to see, in one line
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        return [f"{source}: model.factory: {recipe.model.factory} failed: {type(exc).__name__}: {first}"[:300]]
+        return [f"{source}: model.factory: {recipe.model.factory} failed: {described(exc, 10_000)}"[:300]]
     if not isinstance(model, nn.Module):
         return [f"{source}: model.factory: {recipe.model.factory} returned {type(model).__name__}, not an nn.Module"]
     return []
@@ -751,7 +749,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        problem = getattr(exc, "problem", None) or first_line(exc, 10_000)
         raise RecipeError([f"{source}: invalid YAML: {where}{problem}"]) from None
     if doc is None:
         doc = {}
@@ -784,7 +782,7 @@ def validate_recipe(doc: dict, source: str = "<recipe>") -> Recipe:
             try:
                 rows = read_trace(trace)
             except (TraceError, OSError, UnicodeDecodeError) as exc:
-                problems.append(f"{source}: local.market.trace: {str(exc).splitlines()[0]}")
+                problems.append(f"{source}: local.market.trace: {first_line(exc, 10_000)}")
             else:
                 known = {(it.zone, it.name) for it in recipe.local.instance_types}
                 for zone, itype in sorted(set(rows) - known):

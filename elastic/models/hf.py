@@ -11,7 +11,7 @@ from pathlib import Path
 
 from torch import nn
 
-from elastic.errors import UserError
+from elastic.errors import UserError, first_line
 
 EXTRA = "model.hf needs the hf extra: pip install 'elastic[hf]'"
 
@@ -57,8 +57,7 @@ def hf_config(name: str):
     except UserError:
         raise
     except Exception as exc:   # hub errors, bad JSON, unknown model type: the user's to fix
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"model.hf: {name} does not resolve to a causal LM config: {first[:200]}") from None
+        raise UserError(f"model.hf: {name} does not resolve to a causal LM config: {first_line(exc)}") from None
 
 
 class HFCausalLM(nn.Module):

@@ -41,7 +41,7 @@ import uuid
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
-from elastic.errors import UserError
+from elastic.errors import UserError, described
 from elastic.overlay import OVERLAY_PORT
 from elastic.section import LOOPBACK_HOSTS, endpoint_problem
 from providers.base import CapacityError, Instance, Offer
@@ -413,8 +413,7 @@ class GCPProvider(CloudProvider):
         except UserError as exc:
             return [line if line.startswith("gcp:") else f"gcp: {line}" for line in exc.lines]
         except Exception as exc:   # e.g. NotFound: the project does not exist or the API is off
-            return [f"gcp: project {self._project!r}: cannot list zones ({type(exc).__name__}: "
-                    f"{str(exc).splitlines()[0][:160]})"]
+            return [f"gcp: project {self._project!r}: cannot list zones ({described(exc, 160)})"]
         up = {z.name.rsplit("-", 1)[0] for z in zones if z.status == "UP"}
         known = {z.name.rsplit("-", 1)[0] for z in zones}
         mine = [r for r in resources.regions if _GCP_REGION_RE.match(r)]

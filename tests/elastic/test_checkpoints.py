@@ -156,6 +156,59 @@ def test_node_lost_during_the_write_leaves_the_previous_checkpoint(nodes, local_
         assert torch.equal(got["after"][k], at_one[k]), k
 
 
+def test_a_store_that_refuses_the_manifest_or_the_prune_costs_that_step_not_the_run(nodes, s3_server, tmp_path,
+                                                                                     monkeypatch):
+    """The shards went up but the store refuses the manifest (AccessDenied): that step is a partial
+    checkpoint and `checkpoint_upload_failed`, the previous one still loads, and saving goes on. A
+    store that refuses deletes fails the save before anything is written (it could not clear an old
+    manifest of that step), and a refused prune leaves old checkpoints for the next save to delete."""
+    recipe = tiny_recipe(**{"train.outer_steps": 5})
+    world = trained_world(recipe, nodes, steps=1)        # its ranks upload to the store directly
+    proxy = GateProxy(s3_server)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)   # the saver's own writes (manifest, prune) go through it
+    denied = (403, b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>AccessDenied</Code>"
+                   b"<Message>Access Denied</Message></Error>", "application/xml")
+    refuse = {"manifest": False, "delete": False}
+    proxy.answer = lambda method, path, headers, body: denied if (
+        (refuse["manifest"] and method == "PUT" and path.split("?")[0].endswith("/" + ckpt.MANIFEST))
+        or (refuse["delete"] and (method == "DELETE" or (method == "POST" and "delete" in path)))) else None
+    uri, saver = s3_saver(tmp_path, "staging", keep_last=1, threads=2)
+    try:
+        lead = world.lead_replica()
+        saver.save(world, lead, recipe)
+        assert saver.wait(timeout_s=120)
+        world.run_step()
+        refuse["manifest"] = True
+        saver.save(world, lead, recipe)
+        assert saver.wait(timeout_s=120)                 # no error: the step is reported, not raised
+        refuse["manifest"] = False
+        assert ckpt.latest(open_storage(uri), saver.keys)["step"] == 1
+        world.run_step()
+        refuse["delete"] = True
+        with pytest.raises(ckpt.CheckpointError, match="cannot clear step-00000003/elastic.json before saving"):
+            saver.save(world, lead, recipe)
+        refuse["delete"] = False
+        saver.save(world, lead, recipe)
+        refuse["delete"] = True                          # the prune after this upload is refused
+        assert saver.wait(timeout_s=120)
+        refuse["delete"] = False
+        world.run_step()
+        saver.save(world, lead, recipe)
+        assert saver.wait(timeout_s=120)
+    finally:
+        world.shutdown()
+        proxy.stop()
+    events = read_events(tmp_path / "events.jsonl")
+    assert [e["step"] for e in events if e["type"] == "checkpoint_uploaded"] == [1, 3, 4]
+    failed = [e for e in events if e["type"] == "checkpoint_upload_failed"]
+    assert [e["step"] for e in failed] == [2] and "AccessDenied" in failed[0]["message"]
+    assert [e["step"] for e in events if e["type"] == "checkpoint_deleted"] == [1, 3]   # none at step 3: refused
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
+    store = open_storage(uri)
+    assert {c["step"]: c["complete"] for c in ckpt.listing(store)} == {4: True}
+    assert ckpt.latest(store, saver.keys)["step"] == 4
+
+
 def error_feedback(rep) -> torch.Tensor:
     return ray.get(rep.actors[0].outer_state.remote())["error"]
 
