@@ -82,3 +82,17 @@ def test_no_policy_comes_in_under_the_floor_on_its_worse_twin(recipe):
             assert set(ratio) == set(POLICIES)
             for policy, both in ratio.items():
                 assert max(both) >= least, (policy, seed, both, least)
+
+
+def test_where_spot_is_dearer_than_on_demand_the_token_floor_prices_on_demand(recipe):
+    """A trace may price spot above on-demand; the on-demand baseline then pays less than any spot
+    VM would, and the floor must not claim otherwise."""
+    uncapped = recipe.model_copy(update={"resources": recipe.resources.model_copy(update={"max_usd_per_hour": None})})
+    dear = [dataclasses.replace(r, state=dataclasses.replace(r.state, spot_usd_per_hour=1.6 * r.state.on_demand_usd_per_hour))
+            for r in still(read_trace_rows(ROOT / "bench/traces/calm.csv"))]
+    at_s = 40 * 3600.0
+    down, up = (TraceMarket(t, uncapped) for t in twins(dear, at_s, 1.5))
+    got = floor(uncapped, down, up, at_s, token_floor)
+    ratios = [next(r for r in simulate(uncapped, "", market=m, policies=["on-demand"]))["cost_usd"] / got[f"bound_{k}_usd"]
+              for k, m in (("down", down), ("up", up))]
+    assert max(ratios) >= got["floor"]
