@@ -104,6 +104,9 @@ def _parse_row(row: dict, n: int, seen: dict) -> TraceRow:
             raise ValueError(f"row {n}: {name} must be a finite number >= 0, got {row[name]!r}")
         if v > TRACE_MAX[name]:
             raise ValueError(f"row {n}: {name} {row[name]} is beyond any real market (at most {TRACE_MAX[name]:g})")
+    if spot > od:   # no cloud asks more for a VM it may take back; the bound and the baselines assume it
+        raise ValueError(f"row {n}: spot_usd_per_hour {row['spot_usd_per_hour']} is above on_demand_usd_per_hour "
+                         f"{row['on_demand_usd_per_hour']} (spot never costs more than on-demand)")
     if not row["zone"] or not row["instance_type"] or not row["region"] or not row["cloud"]:
         raise ValueError(f"row {n}: cloud, region, zone and instance_type must not be empty")
     key, desc = (row["zone"], row["instance_type"]), (row["cloud"], row["region"], row["gpu"], gpus)

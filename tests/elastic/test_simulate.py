@@ -43,9 +43,10 @@ def random_trace(path, rng: random.Random):
     rows = []
     for zone in zones:
         for step in range(rng.randint(1, 30)):
-            rows.append(row(step * rng.choice([60, 600, 3600]), zone, round(rng.uniform(0, 40), 3),
+            spot = round(rng.uniform(0, 40), 3)
+            rows.append(row(step * rng.choice([60, 600, 3600]), zone, spot,
                             rate=rng.choice([0, 0.1, 1, 10, 60]), cap=rng.choice([0, 1, 4, 100]),   # 60/h: a trace's most
-                            od=round(rng.uniform(0, 60), 2)))
+                            od=round(spot + rng.uniform(0, 30), 3)))                                 # never below spot
     rng.shuffle(rows)
     return write_trace(path, rows)
 
@@ -249,7 +250,7 @@ def test_a_price_spike_is_waited_out_paused_and_the_run_restarts_from_its_checkp
     # quadruples from 3 h to 7 h. The pause rule waits the spike out with no VM held. (A spike
     # much longer than the cheap time seen before it would make it judge the spike's price the
     # usual one: the history stands for the future.)
-    rows = [row(h * 300, "r1a", 40.0 if 3 * 12 <= h < 7 * 12 else 10.0) for h in range(24 * 12)]
+    rows = [row(h * 300, "r1a", 40.0 if 3 * 12 <= h < 7 * 12 else 10.0, od=45.0) for h in range(24 * 12)]
     trace = write_trace(tmp_path / "spike.csv", rows)
     r = recipe(**{"budget.max_hours": 24, "planner.pauses": True})
     ledgers: dict = {}

@@ -81,6 +81,9 @@ def test_bad_traces_are_one_line_errors(tmp_path):
     bad = write_trace(tmp_path / "b.csv", ["zero,local,r1,r1a,cpu,,0,0.4,1.5,0,2"])
     with pytest.raises(TraceError, match="row 2"):
         read_trace(bad)
+    dear = write_trace(tmp_path / "d.csv", ["0,local,r1,r1a,cpu,,0,0.4,1.5,0,2", "300,local,r1,r1a,cpu,,0,1.6,1.5,0,2"])
+    with pytest.raises(TraceError, match="row 3: spot_usd_per_hour 1.6 is above on_demand_usd_per_hour 1.5"):
+        read_trace(dear)
     recipe = tmp_path / "r.yaml"
     recipe.write_text("name: x\nlocal:\n  market:\n    trace: b.csv\n")
     out = subprocess.run([sys.executable, "-m", "elastic", "validate", str(recipe)], capture_output=True, text=True,
