@@ -85,8 +85,9 @@ def test_no_policy_comes_in_under_the_floor_on_its_worse_twin(recipe):
 
 
 def test_where_spot_is_dearer_than_on_demand_the_token_floor_prices_on_demand(recipe):
-    """A trace may price spot above on-demand; the on-demand baseline then pays less than any spot
-    VM would, and the floor must not claim otherwise."""
+    """A market built in memory may price spot above on-demand (a trace file may not: the reader
+    refuses such a row); the on-demand baseline then pays less than any spot VM would, and the
+    floor must not claim otherwise."""
     uncapped = recipe.model_copy(update={"resources": recipe.resources.model_copy(update={"max_usd_per_hour": None})})
     dear = [dataclasses.replace(r, state=dataclasses.replace(r.state, spot_usd_per_hour=1.6 * r.state.on_demand_usd_per_hour))
             for r in still(read_trace_rows(ROOT / "bench/traces/calm.csv"))]
