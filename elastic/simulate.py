@@ -298,6 +298,15 @@ class _Run:
     def quotes_of(self, nodes) -> list[Quote]:
         return [Quote(self.now_offer(n), 0.0, "trace") for n in nodes]
 
+    def phase_of(self, members: list[_Node]):
+        """The planner's figures for an inner phase of `members` (`planner.evaluate`). A phase never
+        has more than world.max_replicas members: every policy's figures (and bench/foresight.py's
+        floor) rest on it, so a policy that broke it is a bug, raised here."""
+        if len(members) > self.recipe.world.max_replicas:
+            raise RuntimeError(f"{self.policy}: a phase of {len(members)} replicas at t={self.t:.0f} s, "
+                               f"over world.max_replicas {self.recipe.world.max_replicas}")
+        return evaluate(self.quotes_of(members), self.recipe)
+
     def result(self) -> dict:
         tokens = min(self.tokens, self.target_tokens)
         return {"policy": self.policy, "status": self.status or "completed", "cost_usd": round(self.spent, 4),
@@ -438,7 +447,7 @@ def _elastic(run: _Run) -> None:
             run.advance(dt, stop_at_first_loss=False)
             continue
         short_since = None
-        world = evaluate(run.quotes_of(members), recipe)
+        world = run.phase_of(members)
         dt = world.phase_s
         if not run.affordable(dt):
             break
@@ -530,7 +539,7 @@ def _whole_job(run: _Run, spot: bool, on_loss: str) -> None:
             if run.status is not None:
                 break
         else:
-            dt = evaluate(run.quotes_of(members), recipe).phase_s
+            dt = run.phase_of(members).phase_s
             if not run.affordable(dt):
                 break
             lost = run.advance(dt, stop_at_first_loss=True)
