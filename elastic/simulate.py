@@ -406,18 +406,22 @@ def _elastic(run: _Run) -> None:
             if not refused:
                 return
 
-    while run.tokens < run.target_tokens:
-        for iid in leaving:
-            run.release(iid)
-        leaving.clear()
-        # A moved replica leaves once its replacement trains.
+    def hand_over() -> None:
+        """A moved replica leaves once its replacement trains."""
         for n in [n for n in run.nodes.values() if n.drain_for]:
             if n.ready_at <= run.t:
                 run.release(n.drain_for)
                 n.drain_for = None
             elif n.drain_for not in run.nodes:
                 n.drain_for = None
+
+    while run.tokens < run.target_tokens:
+        for iid in leaving:
+            run.release(iid)
+        leaving.clear()
+        hand_over()
         act(0.0)
+        hand_over()                     # a replacement ready at once (planner.recovery_s 0) takes over now
         if run.status is not None:
             break
         if state["pause"] is not None:   # as the driver: a checkpoint, then every VM goes

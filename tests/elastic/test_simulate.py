@@ -127,6 +127,11 @@ def test_elastic_moves_to_a_much_cheaper_zone_and_ignores_jitter(tmp_path):
     by = {x["policy"]: x for x in simulate(r, drop)}
     assert by["elastic"]["moves"] == 4
     assert by["elastic"]["usd_per_mtok"] < 0.75 * by["spot-static"]["usd_per_mtok"]
+    # With no boot the replacement is ready the moment it is rented: it takes over at once, so a
+    # world of max_replicas never trains with the old and the new VM both (the simulator raises).
+    r = recipe(**{"planner.recovery_s": 0, "world.replicas": 2, "world.max_replicas": 2})
+    by = {x["policy"]: x for x in simulate(r, drop)}
+    assert by["elastic"]["status"] == "completed" and by["elastic"]["moves"] == 2
 
 
 def test_budget_max_hours_is_met_with_faster_gpus_when_the_cheapest_are_too_slow(tmp_path):
