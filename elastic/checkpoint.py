@@ -500,6 +500,7 @@ class Checkpointer:
         self.threads = threads
         self.ledger = ledger
         self._pending: dict | None = None
+        self.failed: tuple[int, str] | None = None   # (step, why) when the newest phase 2 did not land
 
     @property
     def uploading(self) -> int | None:
@@ -512,15 +513,19 @@ class Checkpointer:
         t0 = time.monotonic()
         self.wait()
         step = world.outer_step
-        # A resumed run saves again at a step an older attempt completed: that manifest goes first,
-        # so it never vouches for files being overwritten.
         try:
-            self.storage.delete([f"{step_name(step)}/{MANIFEST}"])
-        except Exception as exc:
-            raise CheckpointError(f"{self.uri}: cannot clear {step_name(step)}/{MANIFEST} before saving: "
-                                  f"{first_line(exc)}") from None
-        local = f"{self.staging}/{step_name(step)}"
-        write_s = max(r["seconds"] for r in world.call_replica(lead, "save_checkpoint", local))
+            # A resumed run saves again at a step an older attempt completed: that manifest goes
+            # first, so it never vouches for files being overwritten.
+            try:
+                self.storage.delete([f"{step_name(step)}/{MANIFEST}"])
+            except Exception as exc:
+                raise CheckpointError(f"{self.uri}: cannot clear {step_name(step)}/{MANIFEST} before saving: "
+                                      f"{first_line(exc)}") from None
+            local = f"{self.staging}/{step_name(step)}"
+            write_s = max(r["seconds"] for r in world.call_replica(lead, "save_checkpoint", local))
+        except Exception as exc:   # the caller records it; `failed` says the newest save did not land
+            self.failed = (step, first_line(exc))
+            raise
         stall_s = time.monotonic() - t0
         refs = [a.upload_checkpoint.remote(local, self.uri, step, self.threads) for a in lead.actors]
         self._pending = {"step": step, "refs": refs, "lead": lead, "local": local, "t0": time.monotonic(),
@@ -554,22 +559,21 @@ class Checkpointer:
         try:
             files = [f for per_rank in ray.get(p["refs"]) for f in per_rank]
         except Exception as exc:  # a rank (its node) was lost mid-upload: no manifest, never loaded
-            self.ledger.append(CheckpointUploadFailed(step=p["step"], message=first_line(exc)))
-            self._drop_staging(p)
+            self._failed(p, first_line(exc))
             return
         manifest = {**p["manifest"], "saved_at": time.time(), "files": sorted(files, key=lambda f: f["name"])}
         manifest["hmac"] = manifest_mac(manifest, self._key)
         try:
             self.storage.write_bytes(f"{step_name(p['step'])}/{MANIFEST}", json.dumps(manifest, indent=2).encode())
         except Exception as exc:  # the store refused or failed it: the step stays partial, the run goes on
-            self.ledger.append(CheckpointUploadFailed(step=p["step"], message=f"manifest not written: {first_line(exc)}"))
-            self._drop_staging(p)
+            self._failed(p, f"manifest not written: {first_line(exc)}")
             return
         seconds = time.monotonic() - p["t0"]
         size = sum(f["bytes"] for f in files)
         self.ledger.append(CheckpointUploaded(step=p["step"], uri=self.uri, bytes=size, files=len(files),
                                               seconds=round(seconds, 3),
                                               mb_per_s=round(size / 1e6 / max(seconds, 1e-6), 1)))
+        self.failed = None
         self._drop_staging(p)
         try:
             deleted = prune(self.storage, self.keep_last)
@@ -578,6 +582,11 @@ class Checkpointer:
             return
         for step in deleted:
             self.ledger.append(CheckpointDeleted(step=step))
+
+    def _failed(self, p: dict, why: str) -> None:
+        self.failed = (p["step"], why)
+        self.ledger.append(CheckpointUploadFailed(step=p["step"], message=why))
+        self._drop_staging(p)
 
     @staticmethod
     def _drop_staging(p: dict) -> None:

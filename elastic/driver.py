@@ -781,6 +781,17 @@ class Driver:
         self._view = view
         status = self._train(view)
         self.finish_checkpoints(view)
+        if self.ckpt.failed is not None and self.world.replicas:
+            # The newest save did not land, and the world still holds what it trained: once more,
+            # and if that fails too, the run says so rather than ending as if its work were saved.
+            self.checkpoint(view)
+            self.finish_checkpoints(view)
+            if self.ckpt.failed is None:
+                return status
+            step, why = self.ckpt.failed
+            raise UserError(f"checkpoint.uri: checkpoint {step} was not written ({why}), so the run's last steps "
+                            f"are not saved; once {self.ckpt.uri} takes writes again, `elastic launch --resume` "
+                            "trains them again from the newest complete checkpoint")
         return status
 
     def _train(self, view) -> str:

@@ -77,9 +77,17 @@ class S3Storage(Storage):
         return out
 
     def delete(self, names: list[str]) -> None:
+        """Raises OSError naming the first key S3 did not delete: DeleteObjects answers 200 and lists
+        the keys it refused (AccessDenied, say) in the body."""
         for i in range(0, len(names), 1000):
             batch = [{"Key": self._key(n)} for n in names[i:i + 1000]]
-            self._client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+            resp = self._client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+            errors = resp.get("Errors") or []
+            if errors:
+                e = errors[0]
+                more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+                raise OSError(f"s3://{self.bucket}/{e.get('Key', '')}: not deleted: {e.get('Code', '?')}: "
+                              f"{e.get('Message', '')}{more}")
 
 
 class SSMKeys(KeyStore):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 
@@ -169,9 +170,19 @@ def test_a_store_that_refuses_the_manifest_or_the_prune_costs_that_step_not_the_
     denied = (403, b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>AccessDenied</Code>"
                    b"<Message>Access Denied</Message></Error>", "application/xml")
     refuse = {"manifest": False, "delete": False}
-    proxy.answer = lambda method, path, headers, body: denied if (
-        (refuse["manifest"] and method == "PUT" and path.split("?")[0].endswith("/" + ckpt.MANIFEST))
-        or (refuse["delete"] and (method == "DELETE" or (method == "POST" and "delete" in path)))) else None
+
+    def answer(method, path, headers, body):
+        if refuse["manifest"] and method == "PUT" and path.split("?")[0].endswith("/" + ckpt.MANIFEST):
+            return denied
+        if refuse["delete"] and method == "POST" and "delete" in path:
+            # As S3 refuses a DeleteObjects it may not do: 200, and each key refused in the body.
+            keys = re.findall(rb"<Key>(.*?)</Key>", body)
+            return 200, (b'<?xml version="1.0" encoding="UTF-8"?><DeleteResult xmlns="http://s3.amazonaws.com/doc/'
+                         b'2006-03-01/">' + b"".join(b"<Error><Key>%s</Key><Code>AccessDenied</Code><Message>Access"
+                                                      b" Denied</Message></Error>" % k for k in keys)
+                         + b"</DeleteResult>"), "application/xml"
+        return None
+    proxy.answer = answer
     uri, saver = s3_saver(tmp_path, "staging", keep_last=1, threads=2)
     try:
         lead = world.lead_replica()
@@ -192,6 +203,7 @@ def test_a_store_that_refuses_the_manifest_or_the_prune_costs_that_step_not_the_
         refuse["delete"] = True                          # the prune after this upload is refused
         assert saver.wait(timeout_s=120)
         refuse["delete"] = False
+        assert {c["step"]: c["complete"] for c in ckpt.listing(open_storage(uri))} == {1: True, 2: False, 3: True}
         world.run_step()
         saver.save(world, lead, recipe)
         assert saver.wait(timeout_s=120)
@@ -202,7 +214,7 @@ def test_a_store_that_refuses_the_manifest_or_the_prune_costs_that_step_not_the_
     assert [e["step"] for e in events if e["type"] == "checkpoint_uploaded"] == [1, 3, 4]
     failed = [e for e in events if e["type"] == "checkpoint_upload_failed"]
     assert [e["step"] for e in failed] == [2] and "AccessDenied" in failed[0]["message"]
-    assert [e["step"] for e in events if e["type"] == "checkpoint_deleted"] == [1, 3]   # none at step 3: refused
+    assert [e["step"] for e in events if e["type"] == "checkpoint_deleted"] == [1, 3]   # both after step 4
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
     store = open_storage(uri)
     assert {c["step"]: c["complete"] for c in ckpt.listing(store)} == {4: True}

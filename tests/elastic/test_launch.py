@@ -20,6 +20,7 @@ from elastic.market import Market
 from elastic.recipe import load_recipe
 from elastic.storage import open_storage
 from tests.conftest import REPO, cli_env, run_cli
+from tests.servers.object_stores import GateProxy
 
 pytestmark = pytest.mark.slow
 
@@ -454,6 +455,46 @@ def test_a_preemptible_run_tells_its_story_and_a_closed_session_releases_every_n
     assert events[-1]["type"] == "run_ended"
     assert "Traceback" not in out
     assert not session_pids(run_dir)
+
+
+@pytest.mark.parametrize("refusals", [1, 1000])
+def test_a_final_checkpoint_the_store_refuses_is_saved_again_or_the_run_fails(tmp_path, s3_server, refusals):
+    """The store refuses the final checkpoint's manifest (AccessDenied): the run saves it once more
+    while its world still holds the work. Once refused, that second save lands and the run
+    completes; refused every time, the run fails with one line saying which checkpoint is missing,
+    rather than ending "completed" with its last steps unsaved, and still releases every node."""
+    proxy = GateProxy(s3_server)
+    left = {"n": refusals}
+
+    def answer(method, path, headers, body):
+        if method == "PUT" and path.split("?")[0].endswith(f"/step-00000004/{ckpt.MANIFEST}") and left["n"]:
+            left["n"] -= 1
+            return 403, (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>AccessDenied</Code>"
+                         b"<Message>Access Denied</Message></Error>"), "application/xml"
+        return None
+    proxy.answer = answer
+    uri = f"s3://ckpt-{uuid.uuid4().hex[:8]}/run"
+    run_dir = tmp_path / "run"
+    try:
+        proc = launch(run_dir, *SMALL, "--set", "train.outer_steps=4", "--set", "checkpoint.every_outer_steps=2",
+                      "--set", f"checkpoint.uri={uri}", env={"AWS_ENDPOINT_URL": proxy.url})
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        proxy.stop()
+    events = read_events(run_dir / "events.jsonl")
+    assert_every_node_released(events)
+    failed = [e["step"] for e in events if e["type"] == "checkpoint_upload_failed"]
+    uploaded = [e["step"] for e in events if e["type"] == "checkpoint_uploaded"]
+    report = json.loads((run_dir / "report.json").read_text())
+    if refusals == 1:
+        assert proc.returncode == 0, out
+        assert failed == [4] and uploaded == [2, 4] and report["status"] == "completed"
+    else:
+        assert proc.returncode == 1, out
+        assert failed == [4, 4] and uploaded == [2] and report["status"] == "failed"
+        assert "checkpoint 4 was not written (manifest not written: " in out and "AccessDenied" in out, out
+        assert "Traceback" not in out
+    assert ckpt.latest(open_storage(uri), ckpt.open_keys(uri, run_dir))["step"] == (4 if refusals == 1 else 2)
 
 
 def test_failed_run_logs_its_traceback(tmp_path):
