@@ -11,8 +11,7 @@ def first_line(exc: BaseException, limit: int = 200) -> str:
 
 def described(exc: BaseException, limit: int = 200) -> str:
     """`Type: first line` of an exception (just `Type` if it has no message)."""
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0][:limit]}" if lines else type(exc).__name__
+    return f"{type(exc).__name__}: {first_line(exc, limit)}" if str(exc).strip() else type(exc).__name__
 
 
 class UserError(Exception):

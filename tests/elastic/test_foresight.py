@@ -51,14 +51,15 @@ def test_on_the_calmest_market_a_lasting_move_of_half_is_worth_more_than_fifteen
     # least at x = 1/2: (1 + f) / 2 = 1.25, less what the bound pays for its boots.
     assert 1.22 < got["floor"] <= 1.25
     assert got["share_before"] == pytest.approx(0.5, abs=0.01)
-    assert floor(recipe, down, up, AT_S, slot_floor)["floor"] == pytest.approx(got["floor"], abs=0.01)
+    assert floor(recipe, down, up, AT_S, slot_floor, known=got)["floor"] == pytest.approx(got["floor"], abs=0.01)
 
 
 def test_with_nothing_moving_the_floor_claims_nothing_above_the_bound(recipe):
     rows = _calm_east()
     one, same = (TraceMarket(t, recipe) for t in twins(rows, AT_S, 1.0))
-    for costs in (token_floor, slot_floor):
-        assert floor(recipe, one, same, AT_S, costs)["floor"] <= 1.0
+    by_tokens = floor(recipe, one, same, AT_S, token_floor)
+    assert by_tokens["floor"] <= 1.0
+    assert floor(recipe, one, same, AT_S, slot_floor, known=by_tokens)["floor"] <= 1.0
 
 
 def test_no_policy_comes_in_under_the_floor_on_its_worse_twin(recipe):
@@ -72,7 +73,7 @@ def test_no_policy_comes_in_under_the_floor_on_its_worse_twin(recipe):
         assert by_tokens["floor"] > 1.15
         least = by_tokens["floor"]
         if not any(r.state.preempt_per_hour for r in rows):   # nothing drawn: the slots floor holds run by run
-            least = max(least, floor(recipe, down, up, AT_S, slot_floor)["floor"])
+            least = max(least, floor(recipe, down, up, AT_S, slot_floor, known=by_tokens)["floor"])
         for seed in range(seeds):
             ratio = {}
             for name, market in (("down", down), ("up", up)):
