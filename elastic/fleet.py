@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from elastic.errors import UserError
-from elastic.recipe import Recipe
+from elastic.recipe import Recipe, format_errors
 
 
 def cloud_names() -> list[str]:
@@ -32,9 +32,8 @@ def _pseudo_recipe(name: str, clouds: list[str], **resources) -> Recipe:
     except Exception as exc:  # pydantic's message, first line per problem
         from pydantic import ValidationError
 
-        from elastic.recipe import _format_errors
         if isinstance(exc, ValidationError):
-            raise UserError(_format_errors("arguments", exc)) from None
+            raise UserError(format_errors("arguments", exc)) from None
         raise
 
 
