@@ -8,6 +8,8 @@ from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
+    from providers import PROVIDERS   # the registry only: no provider module, no cloud SDK
+
     p = argparse.ArgumentParser(
         prog="elastic",
         description="Train on cheap preemptible GPU VMs across clouds with elastic DiLoCo on Ray.")
@@ -79,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
                          "policy's ratio_to_bound")
 
     sp = sub.add_parser("prices", help="live offers for an accelerator, cheapest per GPU-hour first")
-    sp.add_argument("--cloud", choices=["aws", "gcp", "local"],
+    sp.add_argument("--cloud", choices=sorted(PROVIDERS),
                     help="one cloud (default: every cloud whose credentials are configured)")
     sp.add_argument("--accelerator", required=True, metavar="MODEL[:N]",
                     help="GPU model and optional count per VM, e.g. A10G, A100:8")

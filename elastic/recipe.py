@@ -19,6 +19,7 @@ from pydantic import Field, PositiveFloat, ValidationError, model_validator
 
 from elastic.errors import RecipeError, described, first_line
 from elastic.section import Section as _Section
+from providers import PROVIDERS
 
 
 def _uri_schemes() -> list[str]:
@@ -287,7 +288,8 @@ class WorldSection(_Section):
 class ResourcesSection(_Section):
     """What to rent."""
 
-    clouds: list[Literal["local", "aws", "gcp"]] = Field(default_factory=lambda: ["local"], min_length=1)
+    # The registry's names, in its order: a new provider is a directory and a line in PROVIDERS.
+    clouds: list[Literal[tuple(PROVIDERS)]] = Field(default_factory=lambda: ["local"], min_length=1)
     """Providers to rent from."""
     regions: list[str] = Field(default_factory=list)
     """Allowed regions (any provider's names); empty means all of them."""
