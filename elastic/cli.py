@@ -8,6 +8,8 @@ from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
+    from providers import PROVIDERS   # the registry only: no provider module, no cloud SDK
+
     p = argparse.ArgumentParser(
         prog="elastic",
         description="Train on cheap preemptible GPU VMs across clouds with elastic DiLoCo on Ray.")
@@ -79,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
                          "policy's ratio_to_bound")
 
     sp = sub.add_parser("prices", help="live offers for an accelerator, cheapest per GPU-hour first")
-    sp.add_argument("--cloud", choices=["aws", "gcp", "local"],
+    sp.add_argument("--cloud", choices=sorted(PROVIDERS),
                     help="one cloud (default: every cloud whose credentials are configured)")
     sp.add_argument("--accelerator", required=True, metavar="MODEL[:N]",
                     help="GPU model and optional count per VM, e.g. A10G, A100:8")
@@ -125,15 +127,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def plain_console(console):
-    """`console` on a terminal; piped, a wide console, so tables keep whole rows and words (a
-    table squeezed into 80 columns wraps `cloud:zone` cells letter by letter)."""
-    if console.is_terminal:
-        return console
-    from rich.console import Console
-    return Console(width=200, file=console.file, soft_wrap=True)
-
-
 def _hours(h: float) -> str:
     """A duration for people: `2.5 h`, or minutes below an hour (a tiny run is not `0.0 h`)."""
     return f"{h:.1f} h" if h >= 1 else f"{max(1, round(h * 60))} min"
@@ -166,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
     from elastic.errors import UserError
+    from elastic.termout import plain_console
 
     # A model.factory module next to the recipe resolves as with `python -m`; Ray workers get the
     # driver's working directory on their path too.
@@ -198,6 +192,8 @@ def _print_warnings(out, warnings: list[str]) -> None:
 
 def _dispatch(args, err) -> int:
     from rich.console import Console
+
+    from elastic.termout import plain_console
 
     out = plain_console(Console())   # piped: whole table rows, one line per message
     if args.command == "validate":
@@ -385,7 +381,7 @@ def _plan(args, out) -> int:
     from rich.table import Table
 
     from elastic.errors import UserError
-    from elastic.market import plan_now
+    from elastic.fleet import plan_now
     from elastic.recipe import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)

@@ -1,15 +1,21 @@
-"""`elastic prices` and `elastic down`: what the clouds offer now, and terminating what runs left
-behind. Generic over `providers.PROVIDERS`; no cloud SDK is imported here."""
+"""`elastic prices`, `elastic plan` and `elastic down`: what the clouds offer now, where a recipe
+would rent now, and terminating what runs left behind. Generic over `providers.PROVIDERS`; no cloud
+SDK is imported here."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from elastic.errors import UserError
-from elastic.recipe import Recipe
+from elastic.market import Market, load_history, load_throughput, workload_key
+from elastic.planner import Placement, plan
+from elastic.recipe import Recipe, format_errors
+from elastic.termout import plain_console
+from providers.base import Offer
 
 
 def cloud_names() -> list[str]:
@@ -32,9 +38,8 @@ def _pseudo_recipe(name: str, clouds: list[str], **resources) -> Recipe:
     except Exception as exc:  # pydantic's message, first line per problem
         from pydantic import ValidationError
 
-        from elastic.recipe import _format_errors
         if isinstance(exc, ValidationError):
-            raise UserError(_format_errors("arguments", exc)) from None
+            raise UserError(format_errors("arguments", exc)) from None
         raise
 
 
@@ -91,13 +96,40 @@ def prices(args, out) -> int:
     for r in rows:
         t.add_row(r["cloud"], r["region"], r["zone"], r["instance_type"], f"{r['gpus']}×{r['gpu']}" if r["gpus"] else "-",
                   str(r["cpus"]), _usd(r["usd_per_hour"]), _usd(r["usd_per_gpu_hour"]), _usd(r["on_demand_usd_per_hour"]))
-    from elastic.cli import plain_console
     plain_console(out).print(t)
     return 0
 
 
 def _usd(x: float) -> str:
     return f"{x:.4f}" if x >= 0.01 or x == 0 else f"{x:.6f}"
+
+
+# -- elastic plan -----------------------------------------------------------------------------------
+
+def live_offers(recipe: Recipe) -> list[Offer]:
+    """Offers of every cloud the recipe enables, read now (no cluster needed)."""
+    from providers import build
+
+    out: list[Offer] = []
+    for name in recipe.resources.clouds:
+        provider = build(name, recipe, None, recipe.name)
+        try:
+            out.extend(provider.offers(recipe.resources))
+        finally:
+            provider.close()
+    return out
+
+
+def plan_now(recipe: Recipe) -> Placement | None:
+    """The placement `elastic plan` shows: live offers, risk from the preemption history, speed
+    from the throughput history of this workload. None when no offer matches."""
+    offers = live_offers(recipe)
+    if not offers:
+        return None
+    t = recipe.train
+    market = Market(recipe.planner, load_history(), tokens_per_inner_step=t.batch_size * t.seq_len,
+                    measured_before=load_throughput(workload_key(recipe)))
+    return plan(market.quotes(offers, time.time()), recipe)
 
 
 # -- elastic down -----------------------------------------------------------------------------------
@@ -176,8 +208,6 @@ def down(args, out, err) -> int:
         for inst in (provider.list_instances(run) if run else provider.find_instances(None)):
             found.append((provider, inst))
     if args.orphans:
-        import time
-
         live = live_runs([i for _, i in found], time.time(), args.stale_after_s)
         found = [(p, i) for p, i in found if i.run not in live]
     what = f"run {run}" if run else "orphaned runs"

@@ -379,7 +379,7 @@ def _launch(recipe: Recipe, run_dir: Path, address: str | None, console, resume:
                 _save_throughput(recipe, ledger.events)
                 report = write_report(run_dir)
                 log.info("run ended: %s; report %s", status, run_dir / "report.html")
-    from elastic.cli import plain_console
+    from elastic.termout import plain_console
     plain_console(console).print(summary_table(report))
     if message:
         console.print(f"[red]error:[/red] {escape(message)}" if status == "failed"
@@ -391,7 +391,7 @@ def _launch(recipe: Recipe, run_dir: Path, address: str | None, console, resume:
 def _record_plan(recipe: Recipe, ledger: Ledger) -> None:
     """Record what `elastic plan` would say now (`run_planned`), for the report's plan-against-actual;
     a plan that cannot be made (no offer yet, a cloud not answering) is logged, not fatal."""
-    from elastic.market import plan_now
+    from elastic.fleet import plan_now
 
     try:
         placement = plan_now(recipe)

@@ -357,34 +357,3 @@ def save_throughput(measured: dict[tuple[str, str], tuple[int, float]], workload
     rows = [{"cloud": c, "instance_type": t, "workload": w, "tokens": n, "seconds": round(sec, 3)}
             for (c, t, w), (n, sec) in sorted(merged.items())]
     write_json_atomic(path, rows, indent=1)
-
-
-def plan_now(recipe):
-    """The placement `elastic plan` shows: live offers, risk from the preemption history, speed
-    from the throughput history of this workload. Returns the planner's Placement (None when no
-    offer matches)."""
-    import time
-
-    from elastic.planner import plan
-
-    offers = live_offers(recipe)
-    if not offers:
-        return None
-    t = recipe.train
-    market = Market(recipe.planner, load_history(), tokens_per_inner_step=t.batch_size * t.seq_len,
-                    measured_before=load_throughput(workload_key(recipe)))
-    return plan(market.quotes(offers, time.time()), recipe)
-
-
-def live_offers(recipe) -> list[Offer]:
-    """Offers of every cloud the recipe enables, read now (no cluster needed)."""
-    from providers import build
-
-    out: list[Offer] = []
-    for name in recipe.resources.clouds:
-        provider = build(name, recipe, None, recipe.name)
-        try:
-            out.extend(provider.offers(recipe.resources))
-        finally:
-            provider.close()
-    return out

@@ -19,6 +19,7 @@ from pydantic import Field, PositiveFloat, ValidationError, model_validator
 
 from elastic.errors import RecipeError, described, first_line
 from elastic.section import Section as _Section
+from providers import PROVIDERS
 
 
 def _uri_schemes() -> list[str]:
@@ -287,7 +288,8 @@ class WorldSection(_Section):
 class ResourcesSection(_Section):
     """What to rent."""
 
-    clouds: list[Literal["local", "aws", "gcp"]] = Field(default_factory=lambda: ["local"], min_length=1)
+    # The registry's names, in its order: a new provider is a directory and a line in PROVIDERS.
+    clouds: list[Literal[tuple(PROVIDERS)]] = Field(default_factory=lambda: ["local"], min_length=1)
     """Providers to rent from."""
     regions: list[str] = Field(default_factory=list)
     """Allowed regions (any provider's names); empty means all of them."""
@@ -506,7 +508,7 @@ class _RecipeCore(_Section):
             problems.append(f"resources.clouds: provider(s) {', '.join(missing)} are not available in this version")
 
         if problems:
-            # One line per problem: _format_errors splits the message on newlines.
+            # One line per problem: format_errors splits the message on newlines.
             raise ValueError("\n".join(problems))
         return self
 
@@ -584,7 +586,8 @@ def _loc(loc: tuple) -> str:
     return ".".join(parts)
 
 
-def _format_errors(source: str, err: ValidationError) -> list[str]:
+def format_errors(source: str, err: ValidationError) -> list[str]:
+    """pydantic's validation errors as lines for people, one per problem: `SOURCE: field.path: what`."""
     lines = []
     for e in err.errors(include_url=False):
         loc = _loc(e["loc"])
@@ -771,7 +774,7 @@ def validate_recipe(doc: dict, source: str = "<recipe>") -> Recipe:
     try:
         recipe = Recipe.model_validate(doc)
     except ValidationError as err:
-        raise RecipeError(_format_errors(source, err)) from None
+        raise RecipeError(format_errors(source, err)) from None
     problems = _check_files(recipe, source) + _check_sources(recipe, source)
     trace = recipe.local.market.trace
     if trace is not None:

@@ -7,7 +7,9 @@ VMs bill. Here the driver only queues the text. While more than `LIMIT_CHARS` wa
 text is dropped, and once the reader catches up one line says how much was lost; the ledger,
 driver.log and the report are files and lose nothing. The thread writes with `os.write` on the
 streams' descriptors, so no Python buffer is left half-written at exit. When the run ends the
-driver waits at most `DRAIN_S` for the reader, then exits anyway."""
+driver waits at most `DRAIN_S` for the reader, then exits anyway.
+
+`plain_console` is the other rule of what elastic prints: piped output keeps whole table rows."""
 
 from __future__ import annotations
 
@@ -135,3 +137,12 @@ def detached(console):
         sys.stdout, sys.stderr = saved[0], saved[1]
         console.file = saved[2]
         pump.close(DRAIN_S)
+
+
+def plain_console(console):
+    """`console` on a terminal; piped, a wide console, so tables keep whole rows and words (a
+    table squeezed into 80 columns wraps `cloud:zone` cells letter by letter)."""
+    if console.is_terminal:
+        return console
+    from rich.console import Console
+    return Console(width=200, file=console.file, soft_wrap=True)

@@ -39,23 +39,20 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from urllib.parse import urlparse
 
 from elastic.errors import UserError, described
 from elastic.overlay import OVERLAY_PORT
-from elastic.section import LOOPBACK_HOSTS, endpoint_problem
 from providers.base import CapacityError, Instance, Offer
 from providers.cloud import (CONTROLLER_TEMPLATE, CloudProvider, NodeJoin, cached_json, head_address,
                              heartbeat_time, join_values, labels_arg, quote, render_bootstrap, usable_price)
+from providers.gcp.api import (BILLING_ENDPOINT_ENV, COMPUTE_ENDPOINT_ENV, SECRETS_ENDPOINT_ENV, credentials_or_line,
+                              endpoint_override, is_local, label_value)
 from providers.gcp.config import GCPSection
 from providers.gcp.scope import RunScope
 
 log = logging.getLogger(__name__)
 
 COMPUTE_SERVICE = "services/6F81-5844-456A"      # Compute Engine in the Cloud Billing Catalog
-COMPUTE_ENDPOINT_ENV = "ELASTIC_GCP_COMPUTE_ENDPOINT"
-BILLING_ENDPOINT_ENV = "ELASTIC_GCP_BILLING_ENDPOINT"
-SECRETS_ENDPOINT_ENV = "ELASTIC_GCP_SECRETS_ENDPOINT"
 METADATA_URL_ENV = "ELASTIC_GCP_METADATA_URL"
 METADATA_URL = "http://metadata.google.internal/computeMetadata/v1"
 PREEMPT_NOTICE_S = 30.0                           # GCP stops a preempted Spot VM ~30 s after notice
@@ -161,11 +158,6 @@ def gpu_matches(requested: str, gpu: str) -> bool:
     return gpu == requested or gpu.startswith(requested + "-")
 
 
-def label_value(text: str) -> str:
-    """A GCP label value: lowercase letters, digits, `_` and `-`, at most 63 characters."""
-    return re.sub(r"[^a-z0-9_-]", "-", text.lower())[:63]
-
-
 def run_network_tag(run: str) -> str:
     """The network tag (and firewall rule name) of run `run`'s VMs: `elastic-run-<slug>`, a valid
     tag (`[a-z]([-a-z0-9]{0,61}[a-z0-9])?`) kept distinct for long names by a digest."""
@@ -247,35 +239,6 @@ def vm_price(prices: dict[str, float], shape: VMShape, spot: bool) -> float | No
 _GCP_REGION_RE = re.compile(r"^[a-z]+-[a-z]+\d+$")
 
 
-def _is_local(endpoint: str | None) -> bool:
-    if not endpoint:
-        return False
-    host = urlparse(endpoint if "://" in endpoint else f"//{endpoint}").hostname
-    return host in LOOPBACK_HOSTS
-
-
-def _endpoint(recipe_value: str | None, env: str) -> str | None:
-    """The endpoint override in use: the recipe's (checked when it was validated), else the
-    environment's, held to the same rule (UserError otherwise)."""
-    if recipe_value:
-        return recipe_value
-    url = os.environ.get(env) or None
-    if url is not None and (why := endpoint_problem(url, "googleapis.com")):
-        raise UserError(f"{env}: {why}")
-    return url
-
-
-def _credentials_or_line():
-    """(credentials, project) from Application Default Credentials, or (None, one line why not)."""
-    import google.auth
-    from google.auth.exceptions import DefaultCredentialsError
-    try:
-        return google.auth.default(scopes=["https://www.googleapis.com/auth/cloud-platform"])
-    except DefaultCredentialsError:
-        return None, ("gcp: no Google Cloud credentials found (run `gcloud auth application-default login`, "
-                      "or set GOOGLE_APPLICATION_CREDENTIALS to a service account key file)")
-
-
 class GCPProvider(CloudProvider):
     """Args:
         recipe: the run's recipe (its `gcp` section, `resources.join_timeout_s`).
@@ -295,14 +258,14 @@ class GCPProvider(CloudProvider):
     def __init__(self, recipe, cluster, run_name: str):
         super().__init__(recipe, cluster, run_name)
         self.config = section = recipe.gcp
-        self.compute_endpoint = _endpoint(section.compute_endpoint, COMPUTE_ENDPOINT_ENV)
-        self.billing_endpoint = _endpoint(section.billing_endpoint, BILLING_ENDPOINT_ENV)
+        self.compute_endpoint = endpoint_override(section.compute_endpoint, COMPUTE_ENDPOINT_ENV)
+        self.billing_endpoint = endpoint_override(section.billing_endpoint, BILLING_ENDPOINT_ENV)
         self._project = section.project
         self._credentials = None
         self._clients: dict[str, object] = {}
         self._client_lock = threading.Lock()
         self._memo: tuple[float, tuple, list[Offer]] | None = None
-        self.secrets_endpoint = _endpoint(section.secrets_endpoint, SECRETS_ENDPOINT_ENV)
+        self.secrets_endpoint = endpoint_override(section.secrets_endpoint, SECRETS_ENDPOINT_ENV)
         self._tokens: set[str] = set()        # runs whose token secret this provider created
         self._firewalls: set[str] = set()     # runs whose firewall rule this provider created
         self._firewall_lock = threading.Lock()
@@ -329,9 +292,9 @@ class GCPProvider(CloudProvider):
 
     @classmethod
     def configured(cls) -> str | None:
-        if _is_local(os.environ.get(COMPUTE_ENDPOINT_ENV)) and _is_local(os.environ.get(BILLING_ENDPOINT_ENV)):
+        if is_local(os.environ.get(COMPUTE_ENDPOINT_ENV)) and is_local(os.environ.get(BILLING_ENDPOINT_ENV)):
             return None
-        creds, why = _credentials_or_line()
+        creds, why = credentials_or_line()
         return None if creds is not None else why
 
     # -- clients ---------------------------------------------------------------------------------
@@ -340,7 +303,7 @@ class GCPProvider(CloudProvider):
         kwargs: dict = {"transport": "rest"}
         if endpoint:
             kwargs["client_options"] = {"api_endpoint": endpoint}
-        if _is_local(endpoint):
+        if is_local(endpoint):
             from google.auth.credentials import AnonymousCredentials
             kwargs["credentials"] = AnonymousCredentials()   # a local endpoint (tests) takes none
         else:
@@ -349,7 +312,7 @@ class GCPProvider(CloudProvider):
 
     def _default_credentials(self):
         if self._credentials is None:
-            creds, project = _credentials_or_line()
+            creds, project = credentials_or_line()
             if creds is None:
                 raise UserError(project)
             self._credentials = creds
@@ -379,7 +342,7 @@ class GCPProvider(CloudProvider):
     def cache_origin(self, endpoint: str | None) -> str:
         """Where answers from `endpoint` come from, for the price cache's key: the endpoint, the
         project and the identity of the credentials (an account's email or client id, no secret)."""
-        if _is_local(endpoint):
+        if is_local(endpoint):
             who = "anonymous"
         else:
             creds = self._default_credentials()
@@ -396,8 +359,8 @@ class GCPProvider(CloudProvider):
         says."""
         from elastic.errors import UserError
 
-        if not (_is_local(self.compute_endpoint) and _is_local(self.billing_endpoint)):
-            creds, why = _credentials_or_line()
+        if not (is_local(self.compute_endpoint) and is_local(self.billing_endpoint)):
+            creds, why = credentials_or_line()
             if creds is None:
                 return [why]
         model, _, count = (resources.accelerators or "").partition(":")
@@ -451,7 +414,7 @@ class GCPProvider(CloudProvider):
     def project(self) -> str:
         if not self._project:
             self._project = os.environ.get("GOOGLE_CLOUD_PROJECT") or os.environ.get("CLOUDSDK_CORE_PROJECT")
-        if not self._project and not _is_local(self.compute_endpoint):
+        if not self._project and not is_local(self.compute_endpoint):
             self._default_credentials()   # Application Default Credentials may name the project
         if not self._project:
             raise UserError("gcp: no project: set gcp.project in the recipe, or GOOGLE_CLOUD_PROJECT")

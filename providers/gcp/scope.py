@@ -31,6 +31,8 @@ import re
 import threading
 from urllib.parse import quote, urlparse
 
+from providers.gcp.api import endpoint_override, is_local
+
 log = logging.getLogger(__name__)
 
 PREFIX = "elastic-run-"
@@ -92,20 +94,16 @@ class RunScope:
     # -- REST ---------------------------------------------------------------------------------------
 
     def _endpoints(self) -> tuple[str, str]:
-        from providers.gcp.provider import _endpoint
-
-        return ((_endpoint(None, IAM_ENDPOINT_ENV) or "https://iam.googleapis.com").rstrip("/"),
-                (_endpoint(None, STORAGE_ENDPOINT_ENV) or "https://storage.googleapis.com").rstrip("/"))
+        return ((endpoint_override(None, IAM_ENDPOINT_ENV) or "https://iam.googleapis.com").rstrip("/"),
+                (endpoint_override(None, STORAGE_ENDPOINT_ENV) or "https://storage.googleapis.com").rstrip("/"))
 
     def _rest(self, what: str, method: str, url: str, body: dict | None = None) -> dict:
         """One REST call, retried like the clients' calls; an HTTP error raises the API exception it
         maps to (refusals as one line, through the provider's `_call`)."""
         from google.api_core import exceptions
 
-        from providers.gcp.provider import _is_local
-
         if self._session is None:
-            if _is_local(url):
+            if is_local(url):
                 import requests
                 self._session = requests.Session()
             else:

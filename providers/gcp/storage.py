@@ -10,6 +10,7 @@ from typing import Iterator
 
 from elastic.errors import UserError
 from elastic.storage import CHUNK_BYTES, KeyStore, Storage, key_slug
+from providers.gcp.api import SECRETS_ENDPOINT_ENV, credentials_or_line, endpoint_override, is_local, label_value
 
 KEY_SECRET_PREFIX = "elastic-ckpt-key-"   # a run's node service account reads only its token secret
 
@@ -88,18 +89,16 @@ class SecretKeys(KeyStore):
         super().__init__()
         from google.cloud import secretmanager_v1
 
-        from providers.gcp.provider import SECRETS_ENDPOINT_ENV, _credentials_or_line, _endpoint, _is_local
-
-        endpoint = _endpoint(None, SECRETS_ENDPOINT_ENV)
+        endpoint = endpoint_override(None, SECRETS_ENDPOINT_ENV)
         kwargs: dict = {"transport": "rest"}
         project = os.environ.get("GOOGLE_CLOUD_PROJECT") or os.environ.get("CLOUDSDK_CORE_PROJECT")
         if endpoint:
             kwargs["client_options"] = {"api_endpoint": endpoint}
-        if _is_local(endpoint):
+        if is_local(endpoint):
             from google.auth.credentials import AnonymousCredentials
             kwargs["credentials"] = AnonymousCredentials()
         else:
-            creds, found = _credentials_or_line()
+            creds, found = credentials_or_line()
             if creds is None:
                 raise UserError(f"{uri}: checkpoint keys: {found}")
             kwargs["credentials"], project = creds, project or found
@@ -127,7 +126,6 @@ class SecretKeys(KeyStore):
     def _create(self, run: str, key: bytes) -> bytes:
         from google.api_core import exceptions
 
-        from providers.gcp.provider import label_value
         try:
             self._client.create_secret(request={
                 "parent": f"projects/{self._project}", "secret_id": self._name(run).rsplit("/", 1)[-1],

@@ -105,7 +105,7 @@ def terminate_self(instance_id: str) -> bool:
     import urllib.parse
     import urllib.request
 
-    from providers.gcp.provider import COMPUTE_ENDPOINT_ENV
+    from providers.gcp.api import COMPUTE_ENDPOINT_ENV
 
     base = metadata_url()
 
