@@ -82,8 +82,8 @@ def rows(result: dict) -> list[str]:
         ratio = _median([r["usd_per_mtok"] / bound for r in done]) if bound else None
         worst = max((r["usd_per_mtok"] / bound for r in done), default=None) if bound else None
         wall = _median([r["wall_h"] for r in done])
-        out.append(f"| {Path(result['trace']).name} | {policy} | {len(done)}/{len(rs)} | {other or '-'} | "
-                   f"{usd:.2f} | {_fmt(per_mtok, 4)} | {_fmt(ratio, 2)} | {_fmt(worst, 2)} | {_fmt(wall, 1)} |")
+        out.append(f"| {Path(result['trace']).name} | {policy} | {len(done)}/{len(rs)} | {other or '-'} | {usd:.2f} | "
+                   f"{_fmt(per_mtok, 4)} | {_fmt(ratio, 2)} | {_fmt(worst, 2)} | {_fmt(wall, 1)} |")
     return out
 
 
@@ -113,7 +113,8 @@ def main() -> None:
         print(f"bound, {Path(result['trace']).name} ({result['recipe']}): "
               + ("none (no policy can finish in time)" if bound is None else f"{bound:.4f} USD / 1M tok"))
     if args.json:
-        args.json.write_text(json.dumps({"seeds": args.seeds, "overrides": args.overrides, "results": results}, indent=1))
+        doc = {"seeds": args.seeds, "overrides": args.overrides, "results": results}
+        args.json.write_text(json.dumps(doc, indent=1))
 
 
 if __name__ == "__main__":
