@@ -94,7 +94,8 @@ def _fmt(x: float | None, digits: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 of the preemption draws")
-    ap.add_argument("--traces", nargs="+", type=Path, help="trace CSVs (default: bench/traces/real/*.csv, bench/traces/*.csv)")
+    ap.add_argument("--traces", nargs="+", type=Path,
+                    help="trace CSVs (default: bench/traces/real/*.csv, bench/traces/*.csv)")
     ap.add_argument("--recipe", type=Path, help="one recipe for every trace (default: by the trace's folder)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD.PATH=VALUE",
                     help="override a recipe field (repeatable)")
