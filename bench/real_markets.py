@@ -1,0 +1,122 @@
+"""Every policy on every trace, real and synthetic, over several seeds: did it finish by the deadline,
+what it paid, and its ratio to the clairvoyant bound.
+
+    python bench/real_markets.py [--seeds 5] [--traces A.csv ...] [--recipe R.yaml] [--set FIELD=VALUE ...]
+                                 [--json FILE]
+
+Traces and recipes: `bench/traces/real/*.csv` (AWS p3.2xlarge markets measured for Can't Be Late,
+NSDI'24; `bench/traces/convert_real.py`) with `bench/recipes/real-v100.yaml` (3 B tokens within
+72 h on 2-8 one-V100 replicas), and `bench/traces/*.csv` (the synthetic 8-GPU markets of
+`bench/traces/make_traces.py`) with `recipes/multi-cloud.yaml`. `--traces` runs other traces, each
+with the recipe of its folder (real/ or not) unless `--recipe` names one for all; `--set` overrides
+recipe fields as `elastic simulate --set` does (e.g. world.capacity_timeout_s=259200).
+
+Per trace and policy, over seeds 0..N-1 (the preemption draws): how many runs completed (the whole
+token budget within budget.max_hours and budget.max_usd), how the others ended (status, at which
+simulated hour), and medians of USD, USD per 1M tokens and the ratio to the bound
+(`elastic.simulate.bound_usd_per_mtok`: the least any policy could pay on the trace, every price
+known in advance; "none" when no policy can finish in time). USD per 1M tokens and the ratio are
+of the completed runs only: a run that stopped early paid for fewer tokens, and its ratio would say
+nothing about the deadline it missed. Uses `elastic.simulate`'s public `simulate` and
+`bound_usd_per_mtok` only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from elastic.recipe import load_recipe  # noqa: E402
+from elastic.simulate import POLICIES, bound_usd_per_mtok, simulate  # noqa: E402
+
+REAL_RECIPE = ROOT / "bench" / "recipes" / "real-v100.yaml"
+SYNTHETIC_RECIPE = ROOT / "recipes" / "multi-cloud.yaml"
+
+
+def default_traces() -> list[Path]:
+    """The real traces, then the synthetic ones."""
+    traces = ROOT / "bench" / "traces"
+    return sorted((traces / "real").glob("*.csv")) + sorted(traces.glob("*.csv"))
+
+
+def recipe_for(trace: Path) -> Path:
+    """The recipe a trace is run with: the V100 one for real/, the 8-GPU multi-cloud one otherwise."""
+    return REAL_RECIPE if trace.resolve().parent.name == "real" else SYNTHETIC_RECIPE
+
+
+def run_trace(recipe_path: Path, trace: Path, seeds: int, overrides: list[str]) -> dict:
+    """{"recipe", "trace", "bound_usd_per_mtok", "runs": {policy: [result per seed]}}."""
+    recipe = load_recipe(recipe_path, overrides)
+    runs: dict[str, list[dict]] = collections.defaultdict(list)
+    for seed in range(seeds):
+        for r in simulate(recipe, str(trace), None, seed):
+            runs[r["policy"]].append(r)
+    return {"recipe": str(recipe_path.relative_to(ROOT)) if recipe_path.is_relative_to(ROOT) else str(recipe_path),
+            "trace": str(trace), "bound_usd_per_mtok": bound_usd_per_mtok(recipe, str(trace)), "runs": dict(runs)}
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def rows(result: dict) -> list[str]:
+    """Markdown rows of one trace's table (one per policy)."""
+    bound = result["bound_usd_per_mtok"]
+    out = []
+    for policy in POLICIES:
+        rs = result["runs"][policy]
+        done = [r for r in rs if r["status"] == "completed"]
+        ended = collections.Counter(r["status"] for r in rs if r["status"] != "completed")
+        other = ", ".join(
+            f"{status} ×{n} (at {statistics.median(r['wall_h'] for r in rs if r['status'] == status):.1f} h)"
+            for status, n in sorted(ended.items()))
+        usd = _median([r["cost_usd"] for r in rs])
+        per_mtok = _median([r["usd_per_mtok"] for r in done])
+        ratio = _median([r["usd_per_mtok"] / bound for r in done]) if bound else None
+        worst = max((r["usd_per_mtok"] / bound for r in done), default=None) if bound else None
+        wall = _median([r["wall_h"] for r in done])
+        out.append(f"| {Path(result['trace']).name} | {policy} | {len(done)}/{len(rs)} | {other or '-'} | {usd:.2f} | "
+                   f"{_fmt(per_mtok, 4)} | {_fmt(ratio, 2)} | {_fmt(worst, 2)} | {_fmt(wall, 1)} |")
+    return out
+
+
+def _fmt(x: float | None, digits: int) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 of the preemption draws")
+    ap.add_argument("--traces", nargs="+", type=Path,
+                    help="trace CSVs (default: bench/traces/real/*.csv, bench/traces/*.csv)")
+    ap.add_argument("--recipe", type=Path, help="one recipe for every trace (default: by the trace's folder)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD.PATH=VALUE",
+                    help="override a recipe field (repeatable)")
+    ap.add_argument("--json", type=Path, help="also write every run's figures here")
+    args = ap.parse_args()
+    print("| trace | policy | completed | other ends (median hour) | USD, median | USD / 1M tok (completed) "
+          "| ratio to bound, median | worst | hours (completed) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    results = []
+    for trace in args.traces or default_traces():
+        result = run_trace((args.recipe or recipe_for(trace)).resolve(), trace, args.seeds, args.overrides)
+        results.append(result)
+        print("\n".join(rows(result)), flush=True)
+    for result in results:
+        bound = result["bound_usd_per_mtok"]
+        print(f"bound, {Path(result['trace']).name} ({result['recipe']}): "
+              + ("none (no policy can finish in time)" if bound is None else f"{bound:.4f} USD / 1M tok"))
+    if args.json:
+        doc = {"seeds": args.seeds, "overrides": args.overrides, "results": results}
+        args.json.write_text(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()
