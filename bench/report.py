@@ -86,7 +86,8 @@ def main() -> None:
     args = p.parse_args()
 
     from elastic.ledger import read_events
-    from elastic.report import build_report, cost_so_far
+    from elastic.billing import cost_so_far
+    from elastic.report import build_report
     from elastic.report_html import render_html
 
     with tempfile.TemporaryDirectory() as tmp:

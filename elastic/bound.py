@@ -6,12 +6,14 @@ tokens on the trace by a given time. It keeps the costs the simulator charges ev
 policy can dodge, and drops the rest in the policy's favour:
 - kept: the trace's prices, each VM billed from launch, `planner.recovery_s` of boot (paid, no
   tokens) for every VM started, preemptions at the trace's rates (a preempted VM is gone: going on
-  means booting another) with the seconds short of its cloud's billing minimum that a VM preempted
-  early still bills (`elastic.billing`), at most `world.max_replicas` VMs, each offer's capacity;
+  means booting another) with what a VM preempted in its first row bills past its life by its
+  cloud's terms (`elastic.billing.terms`: the seconds short of the minimum, then the rest of the
+  increment it was preempted in), at most `world.max_replicas` VMs, each offer's capacity;
 - dropped: uncertainty about prices (the whole trace is known in advance), the slowest replica
   setting the world's pace, the outer sync and its cross-region cost, work lost without a notice,
   `world.min_replicas`, decisions between the trace's rows (made at row starts), the minimum of a
-  VM the policy lets go itself (rows are longer than a minimum) and the rounding to increments.
+  VM the policy lets go itself (rows are longer than a minimum), the rounding to increments of a VM
+  the policy lets go (it may go on an increment's end) or that is preempted after its first row.
 
 Method. Each of the `world.max_replicas` slots is a small Markov decision process over the trace's
 rows: at each row start it is off or holds one VM of one offer; moving to another offer boots a new
@@ -39,7 +41,7 @@ UNLIMITED = 1e9   # capacity of an offer the trace gives none for
 
 def _arrays(recipe, market, finish_h: float | None):
     """Per row (until `finish_h`) and offer: USD/h (inf where the recipe does not allow it),
-    capacity, preemptions per hour; seconds per row; tokens/s and billing minimum (s) per offer."""
+    capacity, preemptions per hour; seconds per row; tokens/s and billing terms per offer."""
     times = market.times()
     limit_s = (finish_h if finish_h is not None else recipe.budget.max_hours or math.inf) * 3600
     spot = recipe.resources.spot
@@ -59,9 +61,8 @@ def _arrays(recipe, market, finish_h: float | None):
         rate.append([market.state(o.zone, o.instance_type, t).preempt_per_hour if spot else 0.0 for o in row])
     first = market.offers(0.0, spot)
     tps = [recipe_tokens_per_s(o, recipe.planner) for o in first]
-    minimum_s = [billing.terms(o.cloud).minimum_s for o in first]
-    return (np.array(usd), np.array(cap, float), np.array(rate), np.array(row_s), np.array(tps),
-            np.array(minimum_s, float))
+    terms = [billing.terms(o.cloud) for o in first]
+    return (np.array(usd), np.array(cap, float), np.array(rate), np.array(row_s), np.array(tps), terms)
 
 
 def _expected_min(rate_per_h, seconds):
@@ -71,11 +72,31 @@ def _expected_min(rate_per_h, seconds):
         return np.where(r > 0, -np.expm1(-r * seconds) / np.where(r > 0, r, 1), seconds)
 
 
-def _short_usd(usd, rate, minimum_s):
-    """USD a VM booted at each row and offer is expected to bill past its life when preempted
-    before its cloud's `minimum_s`: its price × E[(minimum − τ)⁺]."""
+def _mean_rounding_s(rate_per_h, increment_s):
+    """E[increment − x | x < increment] for x exponential at `rate_per_h` per hour: the seconds a
+    VM preempted within an increment bills past its end (increment/2 at low rates)."""
+    r = np.asarray(rate_per_h) / 3600
+    ri = r * increment_s
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        mean_x = 1 / r - increment_s * np.exp(-ri) / -np.expm1(-ri)
+        return np.where(ri > 1e-6, increment_s - mean_x, increment_s / 2 + r * increment_s ** 2 / 12)
+
+
+def _short_usd(usd, rate, row_s, terms):
+    """USD a VM booted at each row and offer is expected to bill past its life when preempted in
+    that row, by its cloud's `terms` (minimum m, increment i): its price × E[(billed(τ) − τ)·1{τ <
+    row}]. Counted: m − τ before the minimum, and between the first whole increment from m and the
+    row's last the mean rounding of an increment (the same in each: τ is memoryless); the seconds
+    between m and that increment are left out, in the policy's favour."""
+    minimum_s = np.array([t.minimum_s for t in terms], float)
+    inc_s = np.array([t.increment_s for t in terms], float)
+    first_s = np.ceil(minimum_s / inc_s - 1e-9) * inc_s                 # first increment boundary from m
+    last_s = np.floor(row_s[:, None] / inc_s + 1e-9) * inc_s             # the row's last one
+    r = rate / 3600
+    rounded = np.maximum(0.0, np.exp(-r * first_s) - np.exp(-r * last_s)) * _mean_rounding_s(rate, inc_s)
+    short_s = minimum_s - _expected_min(rate, minimum_s) + rounded
     with np.errstate(invalid="ignore"):           # inf × 0 where no price is allowed and nothing is short
-        return np.where(np.isfinite(usd), usd * (minimum_s - _expected_min(rate, minimum_s)) / 3600, 0.0)
+        return np.where(np.isfinite(usd), usd * short_s / 3600, 0.0)
 
 
 def _slot(usd, rate, row_s, tps, lam, mu, boot_s, short_usd):
@@ -141,8 +162,8 @@ def lower_bound_usd_per_mtok(recipe, market, finish_h: float | None = None, iter
     """USD per 1M tokens below which no policy's expected cost can go on this market (a
     `simulate.TraceMarket`), training the run's tokens by `finish_h` (default budget.max_hours,
     else the trace's end). inf: not even every slot on its fastest offer trains them in time."""
-    usd, cap, rate, row_s, tps, minimum_s = _arrays(recipe, market, finish_h)
-    short_usd = _short_usd(usd, rate, minimum_s)
+    usd, cap, rate, row_s, tps, terms = _arrays(recipe, market, finish_h)
+    short_usd = _short_usd(usd, rate, row_s, terms)
     slots, boot_s, needed = recipe.world.max_replicas, recipe.planner.recovery_s, run_tokens(recipe)
     if _most_tokens(usd, cap, row_s, tps, slots) < needed:
         return math.inf

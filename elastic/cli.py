@@ -253,7 +253,8 @@ def _dispatch(args, err) -> int:
     if args.command == "report":
         from elastic.errors import UserError
         from elastic.ledger import read_events
-        from elastic.report import build_report, compare_table, summary_table, write_report
+        from elastic.report import build_report, compare_table, summary_table
+        from elastic.report_html import write_report
         from elastic.status import latest_run_dir
         args.run_dir = args.run_dir or latest_run_dir()
         for d in filter(None, [args.run_dir, args.compare]):

@@ -33,7 +33,7 @@ from elastic.ledger import Ledger
 from elastic.market import offer_key
 from elastic.planner import site
 from elastic.recipe import Recipe
-from elastic.report import cost_so_far
+from elastic.billing import cost_so_far
 
 log = logging.getLogger(__name__)
 
@@ -1027,9 +1027,8 @@ class Driver:
     def _record_launch(self, inst, offer, joined: bool = True) -> None:
         if joined:
             self._price[inst.instance_id] = round(offer.usd_per_hour, 6)
-        self.ledger.append(NodeLaunched(instance_id=inst.instance_id, ray_node_id=inst.ray_node_id,
-                                        role=inst.role, launched_at=inst.launched_at, joined=joined,
-                                        **offer.vm_fields()))
+        self.ledger.append(NodeLaunched.of(offer, instance_id=inst.instance_id, ray_node_id=inst.ray_node_id,
+                                           role=inst.role, launched_at=inst.launched_at, joined=joined))
 
     def _record_join_timeout(self, exc, offer) -> None:
         """A VM that was rented but never joined: launched, timed out, released (billed between)."""

@@ -1,35 +1,98 @@
-"""Every event a run's ledger holds, with its fields: the one list of them.
+"""Every event a run's ledger holds, with its fields and its story line: the one list of them.
 
 An event is a frozen dataclass; `Ledger.append` takes one and writes it as a JSON line
 `{"t": unix seconds, "type": TYPE, **fields}` (every field, None included). Constructing an event
 with a field missing or one too many raises TypeError, and the ledger refuses any object that is
-not a declared event: a new event is a new class here, never a bare string elsewhere.
+not a declared event: a new event is a new class here (its fields, and `story` if the terminal
+tells it), never a bare string elsewhere.
 
-Views (report, status, report.html, the live terminal, metrics, the market's estimates) read the
-JSON records back as dicts and compare their `"type"` with the classes' `TYPE`: a ledger written
-by an older version (fewer optional fields) still reads. Fields keep the names the on-disk format
-has always had; units are in the names where a field has one (`_s` seconds, `_usd` dollars,
-`usd_per_hour`); `t`, `deadline`, `launched_at` and `released_at` are unix seconds.
+Views (report, status, report.html, the live terminal, the market's estimates, the bill) read the
+JSON records back through `read`: the typed events, each stamped with its `t`. Fields keep the
+names the on-disk format has always had; units are in the names where a field has one (`_s`
+seconds, `_usd` dollars, `usd_per_hour`); `t`, `deadline`, `launched_at` and `released_at` are unix
+seconds. Field values that come from a closed set are the str enums below (the JSON holds their
+strings).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from enum import StrEnum
+from typing import Any, ClassVar, Iterable
+
+from providers.base import Offer
 
 EVENTS: dict[str, type[Event]] = {}   # TYPE -> class, every declared event
 
 
+class RunStatus(StrEnum):
+    """How a run ended (`run_ended.status`, report.json's `status`)."""
+
+    COMPLETED = "completed"
+    FAILED = "failed"
+    BUDGET_EXHAUSTED = "budget_exhausted"
+    INSUFFICIENT_CAPACITY = "insufficient_capacity"
+    INTERRUPTED = "interrupted"
+
+
+class Role(StrEnum):
+    """What a rented VM is for (`node_launched.role`)."""
+
+    REPLICA = "replica"
+    CONTROLLER = "controller"
+
+
+class HeldBack(StrEnum):
+    """Why launches are held back (`launch_held_back.reason`)."""
+
+    CAPACITY = "capacity"               # every offer at its known capacity
+    BUDGET = "budget.max_usd"           # the next VM would take the spend past the budget
+
+
+class RestoredAfter(StrEnum):
+    """Why the world starts again from a checkpoint (`world_restored.after`)."""
+
+    LOSS = "loss"      # every replica was lost
+    PAUSE = "pause"    # the policy paused the run
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Event:
-    """Base of every ledger event (not one itself)."""
+    """Base of every ledger event (not one itself).
+
+    Args:
+        t: unix seconds the ledger recorded it (set on events `read` back; None on one not yet
+            appended). Not a field on disk beside the others, and not compared.
+    """
 
     TYPE: ClassVar[str] = ""
+    STYLE: ClassVar[str] = ""   # how its story line shows: "" plain, "yellow" a warning, "red" a loss
+
+    t: float | None = dataclasses.field(default=None, compare=False)
 
     def record(self, t: float) -> dict:
         """The ledger's JSON record of this event at unix time `t` (seconds)."""
         return {"t": t, "type": self.TYPE,
-                **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
+                **{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "t"}}
+
+    def story(self) -> str | None:
+        """The terminal's one line for this event when it tells the run's story (a node rented, a
+        notice, a preemption, a join, a loss, a committed checkpoint, a move, the budget); None for
+        the rest (outer steps are the live panel's)."""
+        return None
+
+    def story_style(self) -> str:
+        """The rich style of its story line (`STYLE`)."""
+        return self.STYLE
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class UnknownEvent(Event):
+    """A record of a type this version does not declare (written by a newer one): views pass over
+    it. Args: type: its `type`. fields: the rest of the record."""
+
+    type: str
+    fields: dict
 
 
 def _event(type_: str):
@@ -49,14 +112,46 @@ def declared(event: Any) -> bool:
     return EVENTS.get(getattr(type(event), "TYPE", None)) is type(event)
 
 
+def fields(cls: type[Event]) -> list[dataclasses.Field]:
+    """The on-disk fields of an event class (its dataclass fields but `t`)."""
+    return [f for f in dataclasses.fields(cls) if f.name != "t"]
+
+
 def parse(record: dict) -> Event:
-    """The typed event of a JSON record (`t` dropped). Raises TypeError for an undeclared type or
-    a missing or unknown field (tests check that what a run wrote is what this module declares)."""
-    fields = {k: v for k, v in record.items() if k not in ("t", "type")}
+    """The typed event of a JSON record, strictly. Raises TypeError for an undeclared type or a
+    missing or unknown field (tests check that what a run wrote is what this module declares)."""
+    rest = {k: v for k, v in record.items() if k not in ("t", "type")}
     cls = EVENTS.get(record.get("type"))
     if cls is None:
         raise TypeError(f"undeclared event type {record.get('type')!r}")
-    return cls(**fields)
+    return cls(t=record.get("t"), **rest)
+
+
+_ABSENT: dict[type, tuple[tuple[str, bool], ...]] = {}   # class -> ((field, required), ...), memo of `read`
+
+
+def read(records: Iterable[dict]) -> list[Event]:
+    """The typed events of ledger records (the JSON objects of `read_events` and `Ledger.events`),
+    each stamped with its `t`. Leniently, as views read ledgers of other versions: a type this
+    version does not declare reads as an `UnknownEvent`; a field a record lacks reads as the
+    field's default, else None (a ledger written before the field was added, or by hand); a field
+    the class does not declare is dropped (written by a newer version)."""
+    out = []
+    for r in records:
+        cls = EVENTS.get(r["type"])
+        if cls is None:
+            out.append(UnknownEvent(t=r["t"], type=r["type"],
+                                    fields={k: v for k, v in r.items() if k not in ("t", "type")}))
+            continue
+        names = _ABSENT.get(cls)
+        if names is None:
+            names = _ABSENT[cls] = tuple((f.name, f.default is dataclasses.MISSING) for f in fields(cls))
+        out.append(cls(t=r["t"], **{k: r.get(k) for k, required in names if required or k in r}))
+    return out
+
+
+def _replica(replica: int | None) -> str:
+    return f"replica {replica}" if replica is not None else "no replica"
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -105,10 +200,9 @@ class RunPlanned(Event):
 
 @_event("run_ended")
 class RunEnded(Event):
-    """The run ended. Args: status: `completed`, `failed`, `budget_exhausted`,
-    `insufficient_capacity` or `interrupted`. wall_s: seconds the run took (None from code)."""
+    """The run ended. Args: status: how (`RunStatus`). wall_s: seconds the run took (None from code)."""
 
-    status: str
+    status: RunStatus
     wall_s: float | None = None
 
 
@@ -171,27 +265,33 @@ class NodeLaunched(Event):
 
     Args:
         instance_id: the provider's id. ray_node_id: its Ray node (None: never joined, or a
-            controller). role: `replica` or `controller`. launched_at: unix seconds. joined: it
-            joined the Ray cluster.
+            controller). role: what it is for. launched_at: unix seconds. joined: it joined the
+            Ray cluster.
         cloud, region, zone, instance_type, gpu, gpus, cpus, spot, usd_per_hour,
-        on_demand_usd_per_hour: the offer it was rented from (`Offer.vm_fields`).
+        on_demand_usd_per_hour: the offer it was rented from, declared once by `Offer` (all of
+            its fields but `Offer.NOT_KEPT`); `NodeLaunched.of` builds one from the offer.
     """
 
     instance_id: str
     ray_node_id: str | None
-    role: str
+    role: Role
     launched_at: float
     joined: bool
-    cloud: str
-    region: str
-    zone: str
-    instance_type: str
-    gpu: str
-    gpus: int
-    cpus: int
-    spot: bool
-    usd_per_hour: float
-    on_demand_usd_per_hour: float
+    # The offer's fields, as `Offer` declares them (same names, types and order).
+    __annotations__.update({f.name: f.type for f in dataclasses.fields(Offer) if f.name not in Offer.NOT_KEPT})
+
+    @classmethod
+    def of(cls, offer: Offer, *, instance_id: str, ray_node_id: str | None, role: Role, launched_at: float,
+           joined: bool) -> NodeLaunched:
+        """The event of a VM rented from `offer`."""
+        return cls(instance_id=instance_id, ray_node_id=ray_node_id, role=role, launched_at=launched_at,
+                   joined=joined, **{f.name: getattr(offer, f.name) for f in dataclasses.fields(Offer)
+                                     if f.name not in Offer.NOT_KEPT})
+
+    def story(self) -> str:
+        kind = "spot" if self.spot else "on-demand"
+        return (f"rented {self.instance_id}: {self.instance_type} in {self.cloud}:{self.zone} ({kind}, "
+                f"${self.usd_per_hour:.4f}/h)")
 
 
 @_event("node_price")
@@ -217,10 +317,16 @@ class NodeNotice(Event):
     """A preemption notice. Args: instance_id: the VM. deadline: unix seconds it goes at.
     notice_s: seconds of notice given. replica: its replica, if any."""
 
+    STYLE = "yellow"
+
     instance_id: str
     deadline: float
     notice_s: float
     replica: int | None
+
+    def story(self) -> str:
+        return (f"notice: {self.instance_id} ({_replica(self.replica)}) will be reclaimed in "
+                f"{self.notice_s or 0:.0f} s")
 
 
 @_event("node_preempted")
@@ -228,9 +334,15 @@ class NodePreempted(Event):
     """The provider took a VM back. Args: instance_id: the VM. with_notice: a notice came first.
     replica: its replica, if any."""
 
+    STYLE = "red"
+
     instance_id: str
     with_notice: bool
     replica: int | None
+
+    def story(self) -> str:
+        return (f"preempted: {self.instance_id} ({_replica(self.replica)}, "
+                f"{'after a notice' if self.with_notice else 'no notice'})")
 
 
 @_event("node_released")
@@ -250,6 +362,9 @@ class NodeJoinTimeout(Event):
     instance_id: str
     timeout_s: float
 
+    def story(self) -> str:
+        return f"never joined: {self.instance_id}"
+
 
 @_event("capacity_error")
 class CapacityRefused(Event):
@@ -259,6 +374,9 @@ class CapacityRefused(Event):
     zone: str
     instance_type: str
     message: str
+
+    def story(self) -> str:
+        return f"no capacity: {self.instance_type} in {self.zone}"
 
 
 @_event("launch_failed")
@@ -273,14 +391,18 @@ class LaunchFailed(Event):
 
 @_event("launch_held_back")
 class LaunchHeldBack(Event):
-    """Launches are held back. Args: reason: `capacity` (then held: VMs held or on their way,
-    message) or `budget.max_usd` (then spent_usd: USD spent, usd_per_hour: the next VM's price)."""
+    """Launches are held back. Args: reason: `HeldBack.CAPACITY` (then held: VMs held or on their
+    way, message) or `HeldBack.BUDGET` (then spent_usd: USD spent, usd_per_hour: the next VM's
+    price)."""
 
-    reason: str
+    reason: HeldBack
     held: int | None = None
     message: str | None = None
     spent_usd: float | None = None
     usd_per_hour: float | None = None
+
+    def story(self) -> str:
+        return f"launches held back ({self.reason})"
 
 
 @_event("market_unavailable")
@@ -332,12 +454,18 @@ class ReplicaJoined(Event):
     source: str
     setup_s: float
 
+    def story(self) -> str:
+        return (f"joined: replica {self.replica} on {self.instance_id} after outer step {self.outer_step} "
+                f"(state from {self.source})")
+
 
 @_event("replica_lost")
 class ReplicaLost(Event):
     """The world lost a replica (see `world.Loss`). Args: replica, instance_id: it. reason: what
     happened. rule: which rule removed it. phase: `inner`, `sync`, `idle` or `setup`.
     lost_inner_steps: inner steps of work it took with it. outer_step: the world's outer steps."""
+
+    STYLE = "red"
 
     replica: int
     instance_id: str
@@ -346,6 +474,10 @@ class ReplicaLost(Event):
     phase: str
     lost_inner_steps: int
     outer_step: int
+
+    def story(self) -> str:
+        return (f"lost: replica {self.replica} on {self.instance_id} ({self.reason}, "
+                f"{self.lost_inner_steps} inner step(s) lost)")
 
 
 @_event("replica_drained")
@@ -357,6 +489,9 @@ class ReplicaDrained(Event):
     instance_id: str
     outer_step: int
     steps_done: int | None
+
+    def story(self) -> str:
+        return f"drained: replica {self.replica} on {self.instance_id} gave its last step"
 
 
 @_event("replica_move")
@@ -372,6 +507,10 @@ class ReplicaMove(Event):
     usd_per_mtok_before: float
     usd_per_mtok_after: float
 
+    def story(self) -> str:
+        return (f"moving: {self.drain_instance_id} to {self.instance_type} in {self.zone} "
+                f"(${self.usd_per_mtok_before:.4f} → ${self.usd_per_mtok_after:.4f} per 1M tokens)")
+
 
 @_event("world_target")
 class WorldTarget(Event):
@@ -381,6 +520,9 @@ class WorldTarget(Event):
     replicas: int
     reason: str
     hours_to_finish: float
+
+    def story(self) -> str:
+        return f"world grows to {self.replicas} replicas to finish within budget.max_hours"
 
 
 @_event("world_formed")
@@ -398,11 +540,20 @@ class WorldFormed(Event):
 class WorldRestored(Event):
     """The world had no replica (every one lost, or a pause) and starts again. Args: from_step: the
     checkpoint's step (0: the initial state). uri: the checkpoint's location (None: no checkpoint).
-    after: `loss` (every replica was lost) or `pause` (the policy paused the run)."""
+    after: why (`RestoredAfter`)."""
 
     from_step: int
     uri: str | None
-    after: str = "loss"
+    after: RestoredAfter = RestoredAfter.LOSS
+
+    def story(self) -> str:
+        start = f"checkpoint step {self.from_step}" if self.uri else "the initial state"
+        if self.after == RestoredAfter.PAUSE:
+            return f"pause over: the world starts again from {start}"
+        return f"every replica lost: restarting from {start}"
+
+    def story_style(self) -> str:
+        return "" if self.after == RestoredAfter.PAUSE else "red"
 
 
 @_event("world_paused")
@@ -417,6 +568,10 @@ class WorldPaused(Event):
     threshold_usd_per_mtok: float
     need: float
 
+    def story(self) -> str:
+        return (f"paused at outer step {self.outer_step}: the market's ${self.usd_per_mtok:.4f} per 1M tokens is "
+                f"dear (trains at ≤ ${self.threshold_usd_per_mtok:.4f}); every replica VM released")
+
 
 @_event("world_unpaused")
 class WorldUnpaused(Event):
@@ -428,6 +583,10 @@ class WorldUnpaused(Event):
     usd_per_mtok: float
     threshold_usd_per_mtok: float
     need: float
+
+    def story(self) -> str:
+        return (f"unpaused after {self.paused_s / 60:.0f} min: ${self.usd_per_mtok:.4f} per 1M tokens"
+                + (" (the deadline needs the time)" if self.need >= 0.95 else ""))
 
 
 @_event("resumed")
@@ -465,8 +624,13 @@ class BudgetExhausted(Event):
     """The run stops for its budget. Args: reason: which limit and why. outer_step: the world's
     outer steps."""
 
+    STYLE = "red"
+
     reason: str
     outer_step: int
+
+    def story(self) -> str:
+        return f"budget: stopping ({self.reason})"
 
 
 # -- training --------------------------------------------------------------------------------------
@@ -570,13 +734,22 @@ class CheckpointUploaded(Event):
     seconds: float
     mb_per_s: float
 
+    def story(self) -> str:
+        return (f"checkpoint step {self.step} committed to {self.uri} ({self.bytes / 1e6:.1f} MB in "
+                f"{self.seconds:.1f} s)")
+
 
 @_event("checkpoint_upload_failed")
 class CheckpointUploadFailed(Event):
     """Phase 2 failed (never loaded). Args: step: it. message: why."""
 
+    STYLE = "red"
+
     step: int
     message: str
+
+    def story(self) -> str:
+        return f"checkpoint step {self.step} failed: {self.message}"
 
 
 @_event("checkpoint_upload_abandoned")
@@ -590,8 +763,13 @@ class CheckpointUploadAbandoned(Event):
 class CheckpointFailed(Event):
     """Phase 1 failed (the saving replica was lost). Args: step: it. message: why."""
 
+    STYLE = "red"
+
     step: int
     message: str
+
+    def story(self) -> str:
+        return f"checkpoint step {self.step} failed: {self.message}"
 
 
 @_event("checkpoint_skipped")

@@ -21,17 +21,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from elastic.errors import UserError, described, first_line
-from elastic.events import (
-    BudgetExhausted, CapacityRefused, CheckpointFailed, CheckpointUploadFailed, CheckpointUploaded,
-    ControllerStarted, Error, LaunchHeldBack, NodeJoinTimeout, NodeLaunched, NodeNotice, NodePreempted,
-    ReplicaDrained, ReplicaJoined, ReplicaLost, ReplicaMove, RunEnded, RunPlanned, RunStarted, WorldPaused,
-    WorldRestored, WorldTarget, WorldUnpaused)
+from elastic.events import ControllerStarted, Error, Event, NodeLaunched, Role, RunEnded, RunPlanned, RunStarted, RunStatus
 from elastic.ledger import Ledger
 from elastic.recipe import Recipe, dump_recipe
 
 log = logging.getLogger(__name__)
 
-EXIT = {"completed": 0, "failed": 1, "budget_exhausted": 3, "insufficient_capacity": 4, "interrupted": 130}
+EXIT = {RunStatus.COMPLETED: 0, RunStatus.FAILED: 1, RunStatus.BUDGET_EXHAUSTED: 3, RunStatus.INSUFFICIENT_CAPACITY: 4,
+        RunStatus.INTERRUPTED: 130}
 
 
 def default_run_dir(recipe: Recipe) -> Path:
@@ -111,57 +108,6 @@ def _signals_ignored():
 BUDGET_WARN_FRACTION = 0.8   # one line when the run has spent this share of budget.max_usd
 
 
-def event_line(e: dict) -> str | None:
-    """The terminal's one line for a ledger event that tells the run's story (a node rented, a
-    notice, a preemption, a join, a loss, a committed checkpoint, a move, the budget), or None for
-    the rest (outer steps are the panel's)."""
-    kind, iid = e["type"], e.get("instance_id", "")
-    replica = f"replica {e['replica']}" if e.get("replica") is not None else "no replica"
-    if kind == NodeLaunched.TYPE:
-        kind_s = "spot" if e.get("spot") else "on-demand"
-        return (f"rented {iid}: {e['instance_type']} in {e['cloud']}:{e['zone']} ({kind_s}, "
-                f"${e['usd_per_hour']:.4f}/h)")
-    if kind == NodeNotice.TYPE:
-        return f"notice: {iid} ({replica}) will be reclaimed in {e.get('notice_s', 0):.0f} s"
-    if kind == NodePreempted.TYPE:
-        return f"preempted: {iid} ({replica}, {'after a notice' if e.get('with_notice') else 'no notice'})"
-    if kind == ReplicaJoined.TYPE:
-        return f"joined: replica {e['replica']} on {iid} after outer step {e['outer_step']} (state from {e['source']})"
-    if kind == ReplicaLost.TYPE:
-        return f"lost: replica {e['replica']} on {iid} ({e['reason']}, {e['lost_inner_steps']} inner step(s) lost)"
-    if kind == ReplicaDrained.TYPE:
-        return f"drained: replica {e['replica']} on {iid} gave its last step"
-    if kind == CheckpointUploaded.TYPE:
-        return f"checkpoint step {e['step']} committed to {e['uri']} ({e['bytes'] / 1e6:.1f} MB in {e['seconds']:.1f} s)"
-    if kind in (CheckpointFailed.TYPE, CheckpointUploadFailed.TYPE):
-        return f"checkpoint step {e['step']} failed: {e['message']}"
-    if kind == CapacityRefused.TYPE:
-        return f"no capacity: {e['instance_type']} in {e['zone']}"
-    if kind == NodeJoinTimeout.TYPE:
-        return f"never joined: {iid}"
-    if kind == ReplicaMove.TYPE:
-        return (f"moving: {e['drain_instance_id']} to {e['instance_type']} in {e['zone']} "
-                f"(${e['usd_per_mtok_before']:.4f} → ${e['usd_per_mtok_after']:.4f} per 1M tokens)")
-    if kind == WorldTarget.TYPE:
-        return f"world grows to {e['replicas']} replicas to finish within budget.max_hours"
-    if kind == LaunchHeldBack.TYPE:
-        return f"launches held back ({e['reason']})"
-    if kind == BudgetExhausted.TYPE:
-        return f"budget: stopping ({e['reason']})"
-    if kind == WorldRestored.TYPE:
-        start = 'checkpoint step ' + str(e['from_step']) if e.get('uri') else 'the initial state'
-        if e.get("after") == "pause":
-            return f"pause over: the world starts again from {start}"
-        return f"every replica lost: restarting from {start}"
-    if kind == WorldPaused.TYPE:
-        return (f"paused at outer step {e['outer_step']}: the market's ${e['usd_per_mtok']:.4f} per 1M tokens is "
-                f"dear (trains at ≤ ${e['threshold_usd_per_mtok']:.4f}); every replica VM released")
-    if kind == WorldUnpaused.TYPE:
-        return (f"unpaused after {e['paused_s'] / 60:.0f} min: ${e['usd_per_mtok']:.4f} per 1M tokens"
-                + (" (the deadline needs the time)" if e["need"] >= 0.95 else ""))
-    return None
-
-
 def story_line(console, text: str, style: str = "") -> None:
     """One timestamped line of the run's story (above the live panel while it shows)."""
     from datetime import datetime
@@ -172,15 +118,11 @@ def story_line(console, text: str, style: str = "") -> None:
 
 
 def story_listener(console):
-    """A ledger listener printing `event_line` of each event that tells the story."""
-    bad = {NodePreempted.TYPE, ReplicaLost.TYPE, CheckpointFailed.TYPE, CheckpointUploadFailed.TYPE,
-           BudgetExhausted.TYPE, WorldRestored.TYPE}
-
-    def on_event(e: dict) -> None:
-        text = event_line(e)
+    """A ledger listener printing the story line (`Event.story`) of each event that tells one."""
+    def on_event(e: Event) -> None:
+        text = e.story()
         if text is not None:
-            red = e["type"] in bad and e.get("after") != "pause"
-            story_line(console, text, "red" if red else "yellow" if e["type"] == NodeNotice.TYPE else "")
+            story_line(console, text, e.story_style())
 
     return on_event
 
@@ -188,7 +130,7 @@ def story_listener(console):
 class _View:
     """Live terminal view while training: a rich panel when attached to a terminal (it stays on
     screen at the end), else one plain line per outer step; above it, one line per event that tells
-    the story (`event_line`) and a budget warning."""
+    the story (`Event.story`) and a budget warning."""
 
     def __init__(self, console, recipe: Recipe, total_outer: int):
         self._console = console
@@ -302,12 +244,11 @@ def launch_controller(recipe: Recipe, run_dir: Path, console) -> int:
     try:
         inst = provider.launch_controller(run_dir.name, text)
     except BaseException:
-        ledger.append(RunEnded(status="failed"))
+        ledger.append(RunEnded(status=RunStatus.FAILED))
         ledger.close()
         raise
-    ledger.append(NodeLaunched(instance_id=inst.instance_id, ray_node_id=None, role="controller",
-                               launched_at=inst.launched_at, joined=False,
-                               **inst.offer.vm_fields()))
+    ledger.append(NodeLaunched.of(inst.offer, instance_id=inst.instance_id, ray_node_id=None, role=Role.CONTROLLER,
+                                  launched_at=inst.launched_at, joined=False))
     ledger.append(ControllerStarted(instance_id=inst.instance_id, cloud=cloud, region=inst.offer.region))
     ledger.close()
     console.print(f"[bold]elastic[/bold] run [cyan]{escape(run_dir.name)}[/cyan]: controller {inst.instance_id} "
@@ -331,7 +272,8 @@ def launch(recipe: Recipe, run_dir: Path, address: str | None = None, console=No
 
 def _launch(recipe: Recipe, run_dir: Path, address: str | None, console, resume: bool) -> int:
     from elastic.logs import run_logging
-    from elastic.report import summary_table, write_report
+    from elastic.report import summary_table
+    from elastic.report_html import write_report
 
     prepare_run_dir(run_dir)
     (run_dir / "recipe.yaml").write_text(dump_recipe(recipe), encoding="utf-8")
@@ -344,7 +286,7 @@ def _launch(recipe: Recipe, run_dir: Path, address: str | None, console, resume:
         _record_plan(recipe, ledger)
         # Every event of the story gets its line, also those of the start and of the teardown.
         ledger.listeners.append(story_listener(console))
-        status, message = "failed", None
+        status, message = RunStatus.FAILED, None
         driver = None
         t_start = time.monotonic()
         try:
@@ -360,13 +302,13 @@ def _launch(recipe: Recipe, run_dir: Path, address: str | None, console, resume:
                     status = driver.run(view)
                 message = driver.end_message
         except KeyboardInterrupt:
-            status, message = "interrupted", "interrupted by signal"
+            status, message = RunStatus.INTERRUPTED, "interrupted by signal"
             log.warning("run interrupted")
         except UserError as exc:
-            status, message = "failed", "; ".join(exc.lines)
+            status, message = RunStatus.FAILED, "; ".join(exc.lines)
             log.error("run failed: %s", message, exc_info=True)
         except Exception as exc:  # the run fails; the user gets one line, the log the traceback
-            status, message = "failed", described(exc, 10_000)
+            status, message = RunStatus.FAILED, described(exc, 10_000)
             log.error("run failed: %s", message, exc_info=True)
         finally:
             with _signals_ignored():
@@ -382,7 +324,7 @@ def _launch(recipe: Recipe, run_dir: Path, address: str | None, console, resume:
     from elastic.termout import plain_console
     plain_console(console).print(summary_table(report))
     if message:
-        console.print(f"[red]error:[/red] {escape(message)}" if status == "failed"
+        console.print(f"[red]error:[/red] {escape(message)}" if status == RunStatus.FAILED
                       else f"[yellow]{escape(message)}[/yellow]", highlight=False, soft_wrap=True)
     console.print(f"report: {run_dir / 'report.json'}, {run_dir / 'report.html'}", highlight=False, soft_wrap=True)
     return EXIT[status]

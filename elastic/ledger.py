@@ -1,5 +1,8 @@
 """The run's ledger: every event (typed: elastic/events.py), appended as one JSON line to `events.jsonl`.
 
+`Ledger.events` and `read_events` hold the JSON records; views read them back typed with
+`elastic.events.read`.
+
 Status views, reports and the live terminal are views of these events; nothing keeps a second
 tally. Each line is written whole and flushed, so a crash leaves at most one torn last line, which
 `read_events` skips.
@@ -7,6 +10,7 @@ tally. Each line is written whole and flushed, so a crash leaves at most one tor
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -32,9 +36,9 @@ class Ledger:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        # Called with each event after it is written (the live terminal view, elastic.metrics); a
-        # listener that fails is logged, never the run's problem.
-        self.listeners: list[Callable[[dict], None]] = []
+        # Called with each event after it is written, typed and stamped with its `t` (the live
+        # terminal view, elastic.metrics); a listener that fails is logged, never the run's problem.
+        self.listeners: list[Callable[[Event], None]] = []
         self._f = open(self.path, "a", encoding="utf-8")
         self.events: list[dict] = read_events(self.path)
         # A crash can leave a torn last line with no newline; end it, or the next event would be glued
@@ -55,9 +59,10 @@ class Ledger:
             self._f.flush()
             self.events.append(event)
         log.info("%s", typed.TYPE, extra={"event": event})
+        stamped = dataclasses.replace(typed, t=event["t"])
         for listener in list(self.listeners):
             try:
-                listener(event)
+                listener(stamped)
             except Exception:
                 log.exception("ledger listener")
         return event

@@ -20,22 +20,20 @@ from pathlib import Path
 
 from elastic.cache import cache_dir, write_json_atomic
 from elastic.events import (
-    LinkMeasured, NodeLaunched, NodeNotice, NodePreempted, NodeReleased, OuterStep, ReplicaStarting)
+    LinkMeasured, NodeLaunched, NodeNotice, NodePreempted, NodeReleased, OuterStep, ReplicaStarting, read)
 from providers.base import Offer
 
 Key = tuple[str, str, str, str]   # cloud, region, zone, instance type
 
 
 def offer_key(o) -> Key:
-    """The market key of an Offer (or of a `node_launched` event dict)."""
-    if isinstance(o, dict):
-        return (o["cloud"], o["region"], o["zone"], o["instance_type"])
+    """The market key of an Offer (or of a `node_launched` event)."""
     return (o.cloud, o.region, o.zone, o.instance_type)
 
 
 def recipe_tokens_per_s(o, planner) -> float:
     """The recipe's training throughput of one replica on the VM of an Offer (or of a
-    `node_launched` event dict), tokens/s: `planner.tokens_per_s` by instance type, else by GPU
+    `node_launched` event, or a dict of its instance type), tokens/s: `planner.tokens_per_s` by instance type, else by GPU
     model times the GPU count."""
     if isinstance(o, dict):
         instance_type, gpu, gpus = o["instance_type"], o.get("gpu", ""), o.get("gpus", 0)
@@ -85,7 +83,7 @@ def link_sync_s(rtt_ms: float, mbit_s: float, sync_bytes: int) -> float:
     return 2 * sync_bytes * 8 / (max(mbit_s, 1e-6) * 1e6) + 2 * rtt_ms / 1000
 
 
-def measured_links(links: list[dict], sync_bytes: int | None) -> dict[frozenset, float]:
+def measured_links(links: list[LinkMeasured], sync_bytes: int | None) -> dict[frozenset, float]:
     """Sync seconds per pair of sites from `link_measured` events (the newest measurement of a pair
     wins; a pair inside one site is not a cross-region cost), given the bytes one rank sends per
     outer sync (None: no sync yet, so no cost can be derived and the planner keeps its guess)."""
@@ -93,9 +91,9 @@ def measured_links(links: list[dict], sync_bytes: int | None) -> dict[frozenset,
         return {}
     out: dict[frozenset, float] = {}
     for e in links:
-        pair = frozenset((e["site"], e["peer_site"]))
+        pair = frozenset((e.site, e.peer_site))
         if len(pair) == 2:
-            out[pair] = link_sync_s(e["rtt_ms"], e["mbit_s"], sync_bytes)
+            out[pair] = link_sync_s(e.rtt_ms, e.mbit_s, sync_bytes)
     return out
 
 
@@ -126,51 +124,51 @@ class Market:
         self._trained: dict[tuple[str, str], list] = {}          # (cloud, type) -> [tokens, seconds]
         self._measured: dict[tuple[str, str], float] = {}        # (cloud, type) -> tokens/s, from _trained
         self._recipe_scale: float | None = None                  # measured / recipe, geometric mean
-        self._links: list[dict] = []                              # link_measured events
+        self._links: list[LinkMeasured] = []                              # link_measured events
         self._sync_bytes: int | None = None                      # bytes one rank sent in the last sync
         self._links_cost: dict[frozenset, float] = {}            # site pair -> sync seconds (measured)
         self._seen = 0
 
     # -- what happened --------------------------------------------------------------------------
 
-    def observe(self, events: list[dict]) -> None:
-        """Take in the ledger events appended since the last call."""
-        for e in events[self._seen:]:
-            kind, t = e["type"], e["t"]
-            if kind == NodeLaunched.TYPE:
-                typ = (e["cloud"], e["instance_type"])
-                self._vm_type[e["instance_id"]] = typ
+    def observe(self, records: list[dict]) -> None:
+        """Take in the ledger records appended since the last call (read back typed)."""
+        for e in read(records[self._seen:]):
+            t = e.t
+            if isinstance(e, NodeLaunched):
+                typ = (e.cloud, e.instance_type)
+                self._vm_type[e.instance_id] = typ
                 self._recipe_tps[typ] = recipe_tokens_per_s(e, self._p)
-                if e.get("spot", True):
-                    self._open[e["instance_id"]] = (offer_key(e), e.get("launched_at", t))
-            elif kind == ReplicaStarting.TYPE:
-                self._replica_vm[int(e["replica"])] = e["instance_id"]
-            elif kind == OuterStep.TYPE:
-                if e.get("bytes_sent"):
-                    self._sync_bytes = int(e["bytes_sent"])
+                if e.spot is not False:
+                    self._open[e.instance_id] = (offer_key(e), e.launched_at if e.launched_at is not None else t)
+            elif isinstance(e, ReplicaStarting):
+                self._replica_vm[int(e.replica)] = e.instance_id
+            elif isinstance(e, OuterStep):
+                if e.bytes_sent:
+                    self._sync_bytes = int(e.bytes_sent)
                     self._links_cost = measured_links(self._links, self._sync_bytes)
                 if self._tokens_per_inner_step:
                     self._measure(e)
-            elif kind == LinkMeasured.TYPE:
+            elif isinstance(e, LinkMeasured):
                 self._links.append(e)
                 self._links_cost = measured_links(self._links, self._sync_bytes)
-            elif kind in (NodeNotice.TYPE, NodePreempted.TYPE):
-                iid = e["instance_id"]
+            elif isinstance(e, (NodeNotice, NodePreempted)):
+                iid = e.instance_id
                 if iid in self._open and iid not in self._counted:
                     self._counted.add(iid)
                     key = self._open[iid][0]
                     self._preempted[key] += 1
                     self._hit_region(key[1], t)
-                if kind == NodePreempted.TYPE:
+                if isinstance(e, NodePreempted):
                     self._close(iid, t)
-            elif kind == NodeReleased.TYPE:
-                self._close(e["instance_id"], t)
-        self._seen = len(events)
+            elif isinstance(e, NodeReleased):
+                self._close(e.instance_id, t)
+        self._seen = len(records)
 
-    def _measure(self, step: dict) -> None:
+    def _measure(self, step: OuterStep) -> None:
         """Credit each replica's inner phase of an outer step to its VM's instance type."""
-        steps_done = {int(r): n for r, n in (step.get("steps_done") or {}).items()}
-        for rid, seconds in (step.get("inner_s_by_replica") or {}).items():
+        steps_done = {int(r): n for r, n in (step.steps_done or {}).items()}
+        for rid, seconds in (step.inner_s_by_replica or {}).items():
             typ = self._vm_type.get(self._replica_vm.get(int(rid), ""))
             n = steps_done.get(int(rid), 0)
             if typ is not None and n and seconds > 0:

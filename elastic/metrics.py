@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from elastic.events import NodeNotice, NodePreempted, OuterStep, Validation
+from elastic.events import Event, NodeNotice, NodePreempted, OuterStep, Validation
 
 log = logging.getLogger(__name__)
 
@@ -50,27 +50,26 @@ class Metrics:
         if self._tb is not None or self._wandb is not None:
             ledger.listeners.append(self.on_event)
 
-    def on_event(self, e: dict) -> None:
+    def on_event(self, e: Event) -> None:
         """Write the scalars one ledger event carries."""
-        from elastic.report import burn_usd_per_hour, cost_so_far
+        from elastic.billing import burn_usd_per_hour, cost_so_far
 
-        kind = e["type"]
-        if kind in (NodePreempted.TYPE, NodeNotice.TYPE):
-            self._preempted.add(e["instance_id"])
+        if isinstance(e, (NodePreempted, NodeNotice)):
+            self._preempted.add(e.instance_id)
             self._write({"world/preemptions": len(self._preempted)})
-        elif kind == OuterStep.TYPE:
-            self._step = e["outer_step"]
-            seconds = e["inner_s"] + e["sync_s"]
+        elif isinstance(e, OuterStep):
+            self._step = e.outer_step
+            seconds = e.inner_s + e.sync_s
             events = self._ledger.events
-            scalars = {"world/replicas": len(e["replicas"]), "world/preemptions": len(self._preempted),
-                       "cost/usd": cost_so_far(events, e["t"]), "cost/usd_per_hour": burn_usd_per_hour(events)}
-            if e["losses"]:
-                scalars["train/loss"] = sum(e["losses"]) / len(e["losses"])
+            scalars = {"world/replicas": len(e.replicas), "world/preemptions": len(self._preempted),
+                       "cost/usd": cost_so_far(events, e.t), "cost/usd_per_hour": burn_usd_per_hour(events)}
+            if e.losses:
+                scalars["train/loss"] = sum(e.losses) / len(e.losses)
             if seconds > 0:
-                scalars["train/tokens_per_s"] = e["tokens"] / seconds
+                scalars["train/tokens_per_s"] = e.tokens / seconds
             self._write(scalars)
-        elif kind == Validation.TYPE:
-            self._write({"val/loss": e["loss"], "val/perplexity": e["perplexity"]})
+        elif isinstance(e, Validation):
+            self._write({"val/loss": e.loss, "val/perplexity": e.perplexity})
 
     def _write(self, scalars: dict) -> None:
         if self._tb is not None:

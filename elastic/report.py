@@ -1,7 +1,8 @@
 """The run report: a view of the ledger, never a second tally.
 
-`build_report(events)` turns `events.jsonl` into the figures of `report.json`; the same function
-feeds the live view's "$ so far", `elastic status` and `elastic report RUN_DIR`. Nothing here reads
+`build_report(events)` turns `events.jsonl` (read back typed: `elastic.events.read`) into the
+figures of `report.json`, every dollar priced by `elastic.billing`; `elastic.report_html` draws the
+same ledger and writes both files (`write_report`). Nothing here reads
 the clock: the report of a ledger is the same whenever it is built (the end of a running ledger is
 its last event, unless the caller passes `now`).
 
@@ -13,130 +14,41 @@ same VM-seconds at `on_demand_usd_per_hour`. Storage and egress are estimates fr
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
-from pathlib import Path
+from typing import TypeVar
 
 from elastic import billing
+from elastic.billing import WASTE_CAUSES
 from elastic.events import (
     BudgetExhausted, CapacityWaitEnded, CheckpointDeleted, CheckpointSaved, CheckpointUploadFailed,
-    CheckpointUploaded, Error, NodeJoinTimeout, NodeLaunched, NodeNotice, NodePreempted, NodePrice,
-    NodeReleased, OuterStep, ReplicaDrained, ReplicaJoined, ReplicaLost, Resumed, RunEnded, RunPlanned,
-    RunStarted, SyncRetried, Validation, WorldFormed, WorldPaused, WorldRestored, WorldUnpaused)
-from elastic.ledger import LedgerError, read_events, SHAPE_ERRORS
+    CheckpointUploaded, Error, Event, NodeNotice, NodePreempted, OuterStep, ReplicaDrained, ReplicaJoined,
+    ReplicaLost, Resumed, RunEnded, RunPlanned, RunStarted, SyncRetried, Validation, WorldFormed, WorldPaused,
+    WorldRestored, WorldUnpaused, read)
+
+E = TypeVar("E", bound=Event)
 
 # Estimate rate (list price, USD) of traffic between regions per GB. Object storage is priced by
 # the provider whose URI scheme a checkpoint's is (`providers.storage_usd_per_gb_month`); local
 # disks are part of the VM price.
 EGRESS_USD_PER_GB = 0.02
 _MONTH_S = 30 * 86400
-WASTE_CAUSES = ("preemption", "capacity_wait", "checkpoint_stalls", "never_joined")
 
 
-def _vms(events: list[dict], now: float) -> dict[str, dict]:
-    """Every VM the run held: its launch fields, price segments [(from_t, usd_per_hour)], end."""
-    vms: dict[str, dict] = {}
-    for e in events:
-        kind = e["type"]
-        if kind == NodeLaunched.TYPE:
-            start = e.get("launched_at") or e["t"]
-            vms[e["instance_id"]] = {**e, "start": start, "end": None, "ended": "held",
-                                     "segments": [(start, e["usd_per_hour"])],
-                                     "joined": e.get("joined", True) is not False}
-        elif e.get("instance_id") not in vms:
-            continue
-        elif kind == NodePrice.TYPE:
-            vm = vms[e["instance_id"]]
-            if vm["end"] is None:
-                vm["segments"].append((max(e["t"], vm["start"]), e["usd_per_hour"]))
-        elif kind in (NodeReleased.TYPE, NodePreempted.TYPE):
-            vm = vms[e["instance_id"]]
-            if vm["end"] is None:
-                end = e["t"] if e.get("released_at") is None else e["released_at"]   # null: the event's time
-                vm["end"], vm["ended"] = max(end, vm["start"]), kind.removeprefix("node_")
-        elif kind == NodeJoinTimeout.TYPE:
-            vms[e["instance_id"]]["joined"] = False
-    for vm in vms.values():
-        vm["stop"] = vm["end"] if vm["end"] is not None else max(now, vm["start"])
-    return vms
-
-
-def _spot_usd(vm: dict, t0: float, t1: float) -> float:
-    """USD the VM accrued over [t0, t1] at the prices in effect (no minimum)."""
-    return billing.usd_between(vm["segments"], vm["stop"], t0, t1)
-
-
-def _billed_s(vm: dict) -> float:
-    """Seconds billed: held seconds, raised to the cloud's minimum once the VM is gone."""
-    return billing.billed_s(vm["cloud"], vm["stop"] - vm["start"], vm["end"] is not None)
-
-
-def _vm_usd(vm: dict, until: float | None = None) -> float:
-    """USD billed for the VM up to `until` (default: its whole life), minimum included at its end."""
-    return billing.vm_usd(vm["cloud"], vm["segments"], vm["stop"], vm["end"] is not None, until)
-
-
-def _vm_on_demand_usd(vm: dict, until: float | None = None) -> float:
-    return billing.vm_on_demand_usd(vm["cloud"], vm["start"], vm["stop"], vm["end"] is not None,
-                                    vm["on_demand_usd_per_hour"], until)
-
-
-def _instances(vms: dict[str, dict]) -> list[dict]:
+def _instances(vms: dict[str, billing.Hold]) -> list[dict]:
     """Every VM the run held, with seconds held, seconds billed and cost."""
     out = []
-    for vm in vms.values():
-        seconds, billed = vm["stop"] - vm["start"], _billed_s(vm)
-        cost = _vm_usd(vm)
-        out.append({"instance_id": vm["instance_id"], "cloud": vm["cloud"], "region": vm["region"], "zone": vm["zone"],
-                    "instance_type": vm["instance_type"], "gpu": vm.get("gpu") or "", "gpus": vm.get("gpus") or 0,
-                    "spot": vm["spot"], "usd_per_hour": vm["usd_per_hour"],
-                    "on_demand_usd_per_hour": vm["on_demand_usd_per_hour"],
-                    "mean_usd_per_hour": round(cost / billed * 3600, 6) if billed > 0 else vm["usd_per_hour"],
-                    "price_changes": len(vm["segments"]) - 1,
-                    "launched_at": vm["start"], "released_at": vm["end"],
+    for h in vms.values():
+        vm, seconds, billed, cost = h.vm, h.stop_s - h.start_s, h.billed_s(), h.usd()
+        out.append({"instance_id": vm.instance_id, "cloud": vm.cloud, "region": vm.region, "zone": vm.zone,
+                    "instance_type": vm.instance_type, "gpu": vm.gpu or "", "gpus": vm.gpus or 0,
+                    "spot": vm.spot, "usd_per_hour": vm.usd_per_hour,
+                    "on_demand_usd_per_hour": vm.on_demand_usd_per_hour,
+                    "mean_usd_per_hour": round(cost / billed * 3600, 6) if billed > 0 else vm.usd_per_hour,
+                    "price_changes": len(h.segments) - 1,
+                    "launched_at": h.start_s, "released_at": h.end_s,
                     "seconds": round(seconds, 3), "billed_seconds": round(billed, 3),
-                    "cost_usd": round(cost, 6), "on_demand_cost_usd": round(_vm_on_demand_usd(vm), 6),
-                    "joined": vm["joined"], "ended": vm["ended"]})
-    return out
-
-
-def _joined_usd(vms: dict[str, dict], t0: float, t1: float) -> float:
-    """USD every VM that joined accrued over [t0, t1] (a VM that never joined is all waste already)."""
-    return sum(_spot_usd(vm, t0, t1) for vm in vms.values() if vm["joined"])
-
-
-def _wasted(events: list[dict], vms: dict[str, dict], end: float) -> dict:
-    """USD spent on VM time that produced no kept progress, by cause (see docs/report.md)."""
-    waste = dict.fromkeys(WASTE_CAUSES, 0.0)
-    joined_at: dict[int, float] = {}
-    last_step_t = None
-    for e in events:
-        kind = e["type"]
-        if kind == ReplicaJoined.TYPE:
-            joined_at[e["replica"]] = e["t"]
-        elif kind == OuterStep.TYPE:
-            last_step_t = e["t"]
-        elif kind == ReplicaLost.TYPE and e.get("instance_id") in vms and (
-                e["reason"].startswith("preempted") or e["reason"] == "notice while joining"):
-            vm = vms[e["instance_id"]]
-            if e.get("phase") in ("inner", "sync"):
-                # The work of the outer step under way: from its start (or the replica's admission).
-                since = max(last_step_t or vm["start"], joined_at.get(e["replica"], vm["start"]))
-            elif e.get("phase") == "setup":
-                since = vm["start"]   # renting and setting up a replica that never trained
-            else:
-                continue
-            waste["preemption"] += _spot_usd(vm, since, e["t"])
-        elif kind == CapacityWaitEnded.TYPE:
-            waste["capacity_wait"] += _joined_usd(vms, e["t"] - e.get("waited_s", 0), e["t"])
-        elif kind == CheckpointSaved.TYPE:
-            waste["checkpoint_stalls"] += _joined_usd(vms, e["t"] - e["stall_s"], e["t"])
-    for vm in vms.values():
-        if not vm["joined"]:
-            waste["never_joined"] += _vm_usd(vm)
-    out = {k: round(v, 6) for k, v in waste.items()}
-    out["total"] = round(sum(waste.values()), 6)
+                    "cost_usd": round(cost, 6), "on_demand_cost_usd": round(h.on_demand_usd(), 6),
+                    "joined": h.joined, "ended": h.ended})
     return out
 
 
@@ -153,126 +65,131 @@ def _breakdown(instances: list[dict], key: str) -> dict:
     return {k: {f: round(v, 6) if isinstance(v, float) else v for f, v in row.items()} for k, row in sorted(out.items())}
 
 
-def _estimates(events: list[dict], vms: dict[str, dict], end: float) -> dict:
+def _of(events: list[Event], cls: type[E]) -> list[E]:
+    """The events of one type, in ledger order."""
+    return [e for e in events if isinstance(e, cls)]
+
+
+def _estimates(events: list[Event], vms: dict[str, billing.Hold], end: float) -> dict:
     """Storage and egress: estimates from bytes moved, at the providers' storage list prices and
     the egress rate above."""
     from providers import storage_usd_per_gb_month
 
     storage_rates = storage_usd_per_gb_month()
-    deleted = {e["step"]: e["t"] for e in events if e["type"] == CheckpointDeleted.TYPE}
+    deleted = {e.step: e.t for e in _of(events, CheckpointDeleted)}
     written, storage_usd = 0, 0.0
-    for e in events:
-        if e["type"] == CheckpointUploaded.TYPE:
-            written += e["bytes"]
-            scheme = e["uri"].partition("://")[0]
-            rate = storage_rates.get(scheme, 0.0)
-            kept_s = max(0.0, deleted.get(e["step"], end) - e["t"])
-            storage_usd += e["bytes"] / 1e9 * rate * kept_s / _MONTH_S
-    start = next((e for e in events if e["type"] == RunStarted.TYPE), {})
-    ranks = start.get("ranks_per_replica") or 1
+    for e in _of(events, CheckpointUploaded):
+        written += e.bytes
+        rate = storage_rates.get(e.uri.partition("://")[0], 0.0)
+        kept_s = max(0.0, deleted.get(e.step, end) - e.t)
+        storage_usd += e.bytes / 1e9 * rate * kept_s / _MONTH_S
+    ranks = _ranks(events)
     region_of: dict[int, str] = {}
     cross = 0
     for e in events:
-        if e["type"] == ReplicaJoined.TYPE and e.get("instance_id") in vms:
-            region_of[e["replica"]] = f'{vms[e["instance_id"]]["cloud"]}/{vms[e["instance_id"]]["region"]}'
-        elif e["type"] == OuterStep.TYPE:
-            regions = {region_of.get(r) for r in e["replicas"]} - {None}
+        if isinstance(e, ReplicaJoined) and e.instance_id in vms:
+            region_of[e.replica] = f"{vms[e.instance_id].vm.cloud}/{vms[e.instance_id].vm.region}"
+        elif isinstance(e, OuterStep):
+            regions = {region_of.get(r) for r in e.replicas} - {None}
             if len(regions) > 1:
                 # A ring all-reduce crosses a region boundary once per region; each crossing carries
                 # about what one rank sends.
-                cross += e.get("bytes_sent", 0) * ranks * len(regions)
+                cross += (e.bytes_sent or 0) * ranks * len(regions)
     return {"checkpoint_bytes_written": written, "checkpoint_storage_usd": round(storage_usd, 6),
             "cross_region_sync_bytes": cross, "egress_usd": round(cross / 1e9 * EGRESS_USD_PER_GB, 6),
             "storage_usd_per_gb_month": storage_rates, "egress_usd_per_gb": EGRESS_USD_PER_GB}
 
 
-def _sync_traffic(events: list[dict], steps: list[dict]) -> dict:
+def _ranks(events: list[Event]) -> int:
+    """Ranks per replica (the first `run_started`'s; 1 when unknown)."""
+    start = next(iter(_of(events, RunStarted)), None)
+    return (start.ranks_per_replica if start else None) or 1
+
+
+def _sync_traffic(events: list[Event], steps: list[OuterStep]) -> dict:
     """Outer-sync bytes per trained token, against what data-parallel training would have sent for
     the same tokens: DDP all-reduces the whole bfloat16 gradient every inner step (a ring: each of
     n replicas sends 2(n-1)/n of it)."""
-    start = next((e for e in events if e["type"] == RunStarted.TYPE), {})
-    ranks = start.get("ranks_per_replica") or 1
-    params = next((e["params"] for e in reversed(events) if e["type"] == WorldFormed.TYPE and e.get("params")), 0)
+    ranks = _ranks(events)
+    params = next((e.params for e in reversed(_of(events, WorldFormed)) if e.params), 0)
     sent = ddp = tokens = 0
     for e in steps:
-        n = len(e["replicas"])
-        sent += e.get("bytes_sent", 0) * ranks * n
-        ddp += 4 * (n - 1) * max(e.get("steps_done", {}).values(), default=0) * params
-        tokens += e["tokens"]
+        n = len(e.replicas)
+        sent += (e.bytes_sent or 0) * ranks * n
+        ddp += 4 * (n - 1) * max((e.steps_done or {}).values(), default=0) * params
+        tokens += e.tokens
     return {"bytes_sent": sent,
             "bytes_per_token": round(sent / tokens, 4) if tokens else None,
             "ddp_bytes_per_token": round(ddp / tokens, 4) if tokens and params else None,
             "vs_ddp": round(ddp / sent, 1) if sent and params else None,
-            "network_s": round(sum(e.get("network_s", 0.0) for e in steps), 3),
-            "wait_s": round(sum(e.get("wait_s", 0.0) for e in steps), 3),
-            "overlapped_s": round(sum(e.get("overlapped_s", 0.0) for e in steps), 3)}
+            "network_s": round(sum(e.network_s or 0.0 for e in steps), 3),
+            "wait_s": round(sum(e.wait_s for e in steps), 3),
+            "overlapped_s": round(sum(e.overlapped_s for e in steps), 3)}
 
 
-def _recovery_s(events: list[dict], steps: list[dict]) -> list[float]:
+def _recovery_s(events: list[Event], steps: list[OuterStep]) -> list[float]:
     """For each replica lost while training: seconds from the loss to the next outer step the
     re-formed world completed."""
     out = []
-    for e in events:
-        if e["type"] != ReplicaLost.TYPE or e.get("phase") == "setup":
+    for e in _of(events, ReplicaLost):
+        if e.phase == "setup":
             continue
-        nxt = next((s for s in steps if s["t"] > e["t"]), None)
+        nxt = next((s for s in steps if s.t > e.t), None)
         if nxt is not None:
-            out.append(round(nxt["t"] - e["t"], 3))
+            out.append(round(nxt.t - e.t, 3))
     return out
 
 
-def _effective(steps: list[dict], instances: list[dict]) -> float | None:
+def _effective(steps: list[OuterStep], instances: list[dict]) -> float | None:
     """Fraction of rented node-seconds that produced kept training progress: each completed outer
     step credits its duration to every replica whose pseudo-gradient it applied."""
     rented = sum(i["seconds"] for i in instances)
     if rented <= 0:
         return None
-    useful = sum((s["inner_s"] + s["sync_s"]) * len(s["replicas"]) for s in steps)
+    useful = sum((s.inner_s + s.sync_s) * len(s.replicas) for s in steps)
     return round(min(1.0, useful / rented), 4)
 
 
-def cost_so_far(events: list[dict], now: float) -> float:
-    """USD accrued by every VM the run has held, up to `now`."""
-    return sum(_vm_usd(vm) for vm in _vms(events, now).values())
+def _mean_loss(step: OuterStep | None) -> float | None:
+    """Mean loss over an outer step's inner phase (None without one)."""
+    return sum(step.losses) / len(step.losses) if step is not None and step.losses else None
 
 
-def burn_usd_per_hour(events: list[dict]) -> float:
-    """USD per hour of the VMs held at the end of the ledger, at their current prices."""
-    return sum(vm["segments"][-1][1] for vm in _vms(events, 0.0).values() if vm["end"] is None)
-
-
-def build_report(events: list[dict], now: float | None = None) -> dict:
-    """The report.json figures, computed from ledger events alone."""
-    start = next((e for e in events if e["type"] == RunStarted.TYPE), None)
-    end = next((e for e in reversed(events) if e["type"] == RunEnded.TYPE), None)
+def build_report(records: list[dict], now: float | None = None) -> dict:
+    """The report.json figures, computed from a ledger's records (`read_events`) alone."""
+    events = read(records)
+    start = next(iter(_of(events, RunStarted)), None)
+    end = next(iter(reversed(_of(events, RunEnded))), None)
     if now is None:
-        now = end["t"] if end else (events[-1]["t"] if events else 0.0)
-    steps = [e for e in events if e["type"] == OuterStep.TYPE]
-    vms = _vms(events, now)
+        now = end.t if end else (events[-1].t if events else 0.0)
+    steps = _of(events, OuterStep)
+    vms = billing.holds(events, now)
     instances = _instances(vms)
     # The totals sum the unrounded per-VM figures, so the report's cost is the driver's running cost
-    # (`cost_so_far`) to the sixth decimal, however many VMs the run held.
-    cost = sum(map(_vm_usd, vms.values()))
-    on_demand_exact = sum(_vm_on_demand_usd(vm) for vm in vms.values())
-    tokens = steps[-1]["tokens_total"] if steps else 0
-    errors = [e["message"] for e in events if e["type"] == Error.TYPE]
-    deleted = {e["step"] for e in events if e["type"] == CheckpointDeleted.TYPE}
-    uploads = [e for e in events if e["type"] == CheckpointUploaded.TYPE]
-    train_s = sum(e["inner_s"] + e["sync_s"] for e in steps)
+    # (`billing.cost_so_far`) to the sixth decimal, however many VMs the run held.
+    cost = sum(h.usd() for h in vms.values())
+    on_demand_exact = sum(h.on_demand_usd() for h in vms.values())
+    tokens = steps[-1].tokens_total if steps else 0
+    deleted = {e.step for e in _of(events, CheckpointDeleted)}
+    uploads = _of(events, CheckpointUploaded)
+    validations = _of(events, Validation)
+    lost = _of(events, ReplicaLost)
+    preempted, noticed = _of(events, NodePreempted), _of(events, NodeNotice)
+    train_s = sum(e.inner_s + e.sync_s for e in steps)
     report = {
-        "run": start["run"] if start else None,
-        "status": end["status"] if end else "running",
-        "recipe_digest": start.get("recipe_digest") if start else None,
+        "run": start.run if start else None,
+        "status": end.status if end else "running",
+        "recipe_digest": start.recipe_digest if start else None,
         "tokens": tokens,
-        "outer_steps": steps[-1]["outer_step"] if steps else 0,
-        "inner_steps": steps[-1]["inner_step"] if steps else 0,
+        "outer_steps": steps[-1].outer_step if steps else 0,
+        "inner_steps": steps[-1].inner_step if steps else 0,
         # Mean loss over the first and the last inner phase: the first and last points of the loss
         # chart, the figures of the first and last progress lines.
-        "loss_first": (sum(steps[0]["losses"]) / len(steps[0]["losses"])) if steps and steps[0]["losses"] else None,
-        "loss_last": (sum(steps[-1]["losses"]) / len(steps[-1]["losses"])) if steps and steps[-1]["losses"] else None,
-        "wall_s": round(now - start["t"], 3) if start else 0.0,
+        "loss_first": _mean_loss(steps[0] if steps else None),
+        "loss_last": _mean_loss(steps[-1] if steps else None),
+        "wall_s": round(now - start.t, 3) if start else 0.0,
         "train_s": round(train_s, 3),
-        "first_step_s": round(steps[0]["t"] - steps[0]["inner_s"] - steps[0]["sync_s"] - start["t"], 3)
+        "first_step_s": round(steps[0].t - steps[0].inner_s - steps[0].sync_s - start.t, 3)
         if steps and start else None,
         "tokens_per_s": round(tokens / train_s, 1) if train_s > 0 else 0.0,
         "cost_usd": round(cost, 6),
@@ -282,7 +199,7 @@ def build_report(events: list[dict], now: float | None = None) -> dict:
         if on_demand_exact > 0 else None,
         "vm_hours": round(sum(i["billed_seconds"] for i in instances) / 3600, 6),
         "gpu_hours": round(sum(i["billed_seconds"] * i["gpus"] for i in instances) / 3600, 6),
-        "wasted_usd": _wasted(events, vms, now),
+        "wasted_usd": billing.wasted(events, vms),
         "estimates": _estimates(events, vms, now),
         "sync": _sync_traffic(events, steps),
         "by_cloud": _breakdown(instances, "cloud"),
@@ -293,83 +210,63 @@ def build_report(events: list[dict], now: float | None = None) -> dict:
         "nodes_never_joined": sum(1 for i in instances if not i["joined"]),
         # A VM the cloud reclaims counts once, whether it was killed outright or after a notice
         # (and whether or not the run released it before the deadline).
-        "preemptions": len({e["instance_id"] for e in events if e["type"] in (NodePreempted.TYPE, NodeNotice.TYPE)}),
-        "preemptions_with_notice": len({e["instance_id"] for e in events if e["type"] == NodeNotice.TYPE}),
-        "preemptions_without_notice": len({e["instance_id"] for e in events
-                                           if e["type"] == NodePreempted.TYPE and not e.get("with_notice")}),
-        "drained": sum(1 for e in events if e["type"] == ReplicaDrained.TYPE),
-        "joins": sum(1 for e in events if e["type"] == ReplicaJoined.TYPE and e.get("outer_step", 0) > 0),
-        "replicas_lost": sum(1 for e in events if e["type"] == ReplicaLost.TYPE and e.get("phase") != "setup"),
+        "preemptions": len({e.instance_id for e in preempted + noticed}),
+        "preemptions_with_notice": len({e.instance_id for e in noticed}),
+        "preemptions_without_notice": len({e.instance_id for e in preempted if not e.with_notice}),
+        "drained": len(_of(events, ReplicaDrained)),
+        "joins": sum(1 for e in _of(events, ReplicaJoined) if (e.outer_step or 0) > 0),
+        "replicas_lost": sum(1 for e in lost if e.phase != "setup"),
         "recovery_s": _recovery_s(events, steps),
-        "lost_inner_steps": sum(e.get("lost_inner_steps", 0) for e in events if e["type"] == ReplicaLost.TYPE),
-        "sync_retries": sum(e["attempts"] - 1 for e in events if e["type"] == SyncRetried.TYPE),
+        "lost_inner_steps": sum(e.lost_inner_steps or 0 for e in lost),
+        "sync_retries": sum(e.attempts - 1 for e in _of(events, SyncRetried)),
         "effective_training_time": _effective(steps, instances),
-        "driver_restarts": max(0, sum(1 for e in events if e["type"] == RunStarted.TYPE) - 1),
-        "capacity_wait_s": round(sum(e.get("waited_s", 0) for e in events if e["type"] == CapacityWaitEnded.TYPE), 3),
-        "pauses": sum(1 for e in events if e["type"] == WorldPaused.TYPE),
+        "driver_restarts": max(0, len(_of(events, RunStarted)) - 1),
+        "capacity_wait_s": round(sum(e.waited_s or 0 for e in _of(events, CapacityWaitEnded)), 3),
+        "pauses": len(_of(events, WorldPaused)),
         "paused_s": round(_paused_s(events), 3),
-        "resumed_from_step": next((e["from_step"] for e in events if e["type"] == Resumed.TYPE), None),
-        "restored_from_checkpoint": sum(1 for e in events if e["type"] == WorldRestored.TYPE and e.get("uri")),
-        "max_replicas_seen": max((len(e["replicas"]) for e in steps), default=0),
+        "resumed_from_step": next((e.from_step for e in _of(events, Resumed)), None),
+        "restored_from_checkpoint": sum(1 for e in _of(events, WorldRestored) if e.uri),
+        "max_replicas_seen": max((len(e.replicas) for e in steps), default=0),
         # Complete checkpoints still kept (retention deletes the older ones).
-        "checkpoints": [f"{e['uri'].rstrip('/')}/step-{e['step']:08d}" for e in uploads if e["step"] not in deleted],
-        "checkpoint_stall_s": round(sum(e["stall_s"] for e in events if e["type"] == CheckpointSaved.TYPE), 3),
-        "checkpoint_upload_s": round(sum(e["seconds"] for e in uploads), 3),
-        "checkpoint_uploads_failed": sum(1 for e in events if e["type"] == CheckpointUploadFailed.TYPE),
-        "validation": [{k: e[k] for k in ("outer_step", "tokens_total", "loss", "perplexity")}
-                       for e in events if e["type"] == Validation.TYPE],
-        "val_loss_last": next((e["loss"] for e in reversed(events) if e["type"] == Validation.TYPE), None),
-        "budget_exhausted": next((e["reason"] for e in events if e["type"] == BudgetExhausted.TYPE), None),
-        "errors": errors,
+        "checkpoints": [f"{e.uri.rstrip('/')}/step-{e.step:08d}" for e in uploads if e.step not in deleted],
+        "checkpoint_stall_s": round(sum(e.stall_s for e in _of(events, CheckpointSaved)), 3),
+        "checkpoint_upload_s": round(sum(e.seconds for e in uploads), 3),
+        "checkpoint_uploads_failed": len(_of(events, CheckpointUploadFailed)),
+        "validation": [{"outer_step": e.outer_step, "tokens_total": e.tokens_total, "loss": e.loss,
+                        "perplexity": e.perplexity} for e in validations],
+        "val_loss_last": validations[-1].loss if validations else None,
+        "budget_exhausted": next((e.reason for e in _of(events, BudgetExhausted)), None),
+        "errors": [e.message for e in _of(events, Error)],
     }
     report["plan_vs_actual"] = _plan_vs_actual(events, report)
     return report
 
 
-def _paused_s(events: list[dict]) -> float:
+def _paused_s(events: list[Event]) -> float:
     """Seconds the run spent paused by the pause rule: each `world_unpaused`'s `paused_s`, and a
     pause still under way when the ledger ends (a run stopped while paused) up to its last event."""
     total, since = 0.0, None
     for e in events:
-        if e["type"] == WorldPaused.TYPE:
-            since = e["t"]
-        elif e["type"] == WorldUnpaused.TYPE and since is not None:
-            total, since = total + e["paused_s"], None
+        if isinstance(e, WorldPaused):
+            since = e.t
+        elif isinstance(e, WorldUnpaused) and since is not None:
+            total, since = total + e.paused_s, None
     if since is not None and events:
-        total += max(0.0, events[-1]["t"] - since)
+        total += max(0.0, events[-1].t - since)
     return total
 
 
-def _plan_vs_actual(events: list[dict], report: dict) -> dict | None:
+def _plan_vs_actual(events: list[Event], report: dict) -> dict | None:
     """What `elastic plan` predicted when the run started (`run_planned`) beside what the run did:
     tokens/s, USD and hours. None when no plan was recorded."""
-    planned = next((e for e in events if e["type"] == RunPlanned.TYPE), None)
+    planned = next(iter(_of(events, RunPlanned)), None)
     if planned is None:
         return None
-    return {"planned": {"tokens_per_s": planned["useful_tokens_per_s"], "source": planned["tokens_per_s_source"],
-                        "usd": planned["expected_usd"], "hours": planned["expected_hours"],
-                        "replicas": planned["replicas"]},
+    return {"planned": {"tokens_per_s": planned.useful_tokens_per_s, "source": planned.tokens_per_s_source,
+                        "usd": planned.expected_usd, "hours": planned.expected_hours,
+                        "replicas": planned.replicas},
             "actual": {"tokens_per_s": report["tokens_per_s"], "usd": report["cost_usd"],
                        "hours": round(report["wall_s"] / 3600, 6), "replicas": report["max_replicas_seen"]}}
-
-
-def write_report(run_dir: str | Path) -> dict:
-    """Rebuild `report.json` and `report.html` in `run_dir` from its ledger (each an atomic replace)."""
-    from elastic.report_html import render_html
-
-    run_dir = Path(run_dir)
-    events = read_events(run_dir / "events.jsonl")
-    try:
-        report = build_report(events)
-    except SHAPE_ERRORS as exc:
-        raise LedgerError(f"{run_dir / 'events.jsonl'}: an event is not of the shape elastic writes "
-                          f"({type(exc).__name__}: {str(exc)[:80]})") from None
-    for name, text in (("report.json", json.dumps(report, indent=2) + "\n"),
-                       ("report.html", render_html(events, report))):
-        tmp = run_dir / f"{name}.tmp"
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, run_dir / name)
-    return report
 
 
 def _fmt(v, spec=""):

@@ -5,18 +5,24 @@ USD wasted by cause (a table and a bar chart), then charts of loss, world size, 
 against the on-demand equivalent, each VM's price over its life, a timeline of launches, joins,
 notices and preemptions, and USD by cloud and region (billed against on demand) above the
 breakdown tables. Charts span the page's width. Deterministic: the same ledger gives
-the same bytes.
+the same bytes. Every dollar drawn is `elastic.billing`'s; `write_report` writes report.json and
+report.html together.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from html import escape
+from pathlib import Path
 
+from elastic import billing
 from elastic.events import (
-    CapacityWaitEnded, NodeLaunched, NodeNotice, NodePreempted, NodeReleased, OuterStep, ReplicaDrained,
-    ReplicaJoined, ReplicaLost, RunEnded, RunStarted, Validation)
-from elastic.report import _billed_s, _vms
+    CapacityWaitEnded, Event, NodeLaunched, NodeNotice, NodePreempted, NodeReleased, OuterStep, ReplicaDrained,
+    ReplicaJoined, ReplicaLost, RunEnded, RunStarted, Validation, read)
+from elastic.ledger import LedgerError, read_events, SHAPE_ERRORS
+from elastic.report import build_report, headline_rows
 
 W, H = 1200, 300                     # chart size in SVG units; drawn at the page's full width
 ML, MR, MT, MB = 72, 16, 14, 40      # margins: left (y labels), right, top, bottom (x labels)
@@ -165,7 +171,7 @@ def _bars(groups: list[tuple[str, list[tuple[str, str, float]]]], unit: str = "U
     return "".join(parts) + (f'<div class="legend">{legend}</div>' if legend else "")
 
 
-def _timeline(events: list[dict], vms: dict, t0: float, x_max: float) -> str:
+def _timeline(events: list[Event], vms: dict[str, billing.Hold], t0: float, x_max: float) -> str:
     """One row per VM: a bar from launch to release (colour by how it ended), with its replica's
     joins (green dots), notices (orange ticks), preemptions (red crosses); capacity waits shaded."""
     if not vms:
@@ -183,34 +189,33 @@ def _timeline(events: list[dict], vms: dict, t0: float, x_max: float) -> str:
     parts = [f'<svg class="chart" xmlns="http://www.w3.org/2000/svg" width="{W}" height="{h}" '
              f'viewBox="0 0 {W} {h}" role="img" aria-label="timeline">']
     for e in events:
-        if e["type"] == CapacityWaitEnded.TYPE and e.get("waited_s"):
-            a, b = sx(e["t"] - e["waited_s"]), sx(e["t"])
+        if isinstance(e, CapacityWaitEnded) and e.waited_s:
+            a, b = sx(e.t - e.waited_s), sx(e.t)
             parts.append(f'<rect x="{a:.1f}" y="{MT}" width="{max(b - a, 1):.1f}" height="{h - MT - MB}" '
-                         f'fill="#fdecc8"><title>waiting for capacity {e["waited_s"]:.1f} s</title></rect>')
+                         f'fill="#fdecc8"><title>waiting for capacity {e.waited_s:.1f} s</title></rect>')
     for t in _nice_ticks(0.0, x_max):
         parts.append(f'<text x="{sx(t0 + t):.1f}" y="{h - MB + 16}" text-anchor="middle">{_fmt(t)}</text>')
     parts.append(f'<text x="{ML + pw / 2:.0f}" y="{h - 4}" text-anchor="middle">seconds since run start</text>')
-    for iid, vm in vms.items():
+    for iid, h in vms.items():
         y = MT + rows[iid] * row_h
-        color = fill[vm["ended"]] if vm["joined"] else "#bbbbbb"
-        a, b = sx(vm["start"]), sx(vm["stop"])
-        state = vm["ended"] + ("" if vm["joined"] else ", never joined")
+        color = fill[h.ended] if h.joined else "#bbbbbb"
+        a, b = sx(h.start_s), sx(h.stop_s)
+        state = h.ended + ("" if h.joined else ", never joined")
         parts.append(f'<text x="{ML - 6}" y="{y + 13}" text-anchor="end">{escape(iid[-12:])}</text>'
                      f'<rect x="{a:.1f}" y="{y + 3}" width="{max(b - a, 1.5):.1f}" height="{row_h - 6}" '
-                     f'fill="{color}" opacity="0.55"><title>{escape(iid)}: {escape(vm["instance_type"])} in '
-                     f'{escape(vm["zone"])}, {state}, {vm["stop"] - vm["start"]:.1f} s</title></rect>')
+                     f'fill="{color}" opacity="0.55"><title>{escape(iid)}: {escape(h.vm.instance_type)} in '
+                     f'{escape(h.vm.zone)}, {state}, {h.stop_s - h.start_s:.1f} s</title></rect>')
     for e in events:
-        iid = e.get("instance_id")
-        if iid not in rows:
+        if not isinstance(e, (ReplicaJoined, NodeNotice, NodePreempted)) or e.instance_id not in rows:
             continue
-        x, y = sx(e["t"]), MT + rows[iid] * row_h + row_h / 2
-        if e["type"] == ReplicaJoined.TYPE:
-            parts.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="4" fill="#2ca02c"><title>replica {e["replica"]} '
-                         f'joined at outer step {e.get("outer_step", 0)}</title></circle>')
-        elif e["type"] == NodeNotice.TYPE:
+        x, y = sx(e.t), MT + rows[e.instance_id] * row_h + row_h / 2
+        if isinstance(e, ReplicaJoined):
+            parts.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="4" fill="#2ca02c"><title>replica {e.replica} '
+                         f'joined at outer step {e.outer_step or 0}</title></circle>')
+        elif isinstance(e, NodeNotice):
             parts.append(f'<path d="M{x:.1f},{y - 7:.1f}L{x:.1f},{y + 7:.1f}" stroke="#ff7f0e" stroke-width="3">'
                          f'<title>preemption notice</title></path>')
-        elif e["type"] == NodePreempted.TYPE:
+        else:
             parts.append(f'<path d="M{x - 5:.1f},{y - 5:.1f}L{x + 5:.1f},{y + 5:.1f}M{x - 5:.1f},{y + 5:.1f}'
                          f'L{x + 5:.1f},{y - 5:.1f}" stroke="#d62728" stroke-width="2.5"><title>preempted</title></path>')
     parts.append("</svg>")
@@ -222,64 +227,26 @@ def _timeline(events: list[dict], vms: dict, t0: float, x_max: float) -> str:
     return "".join(parts) + legend
 
 
-def _cumulative(vms: dict, t0: float, end: float):
-    """Cumulative billed and on-demand USD at every change of the total rate: one sweep over the
-    VMs' price segments (plus each minimum-billing top-up, due when its VM goes)."""
-    steps: dict[float, list[float]] = {}   # t -> [Δ USD/s billed, Δ USD/s on demand, lump billed, lump on demand]
-
-    def at(t):
-        return steps.setdefault(min(max(t, t0), end), [0.0, 0.0, 0.0, 0.0])
-
-    for vm in vms.values():
-        segs = vm["segments"]
-        for i, (since, price) in enumerate(segs):
-            until = segs[i + 1][0] if i + 1 < len(segs) else vm["stop"]
-            if until > since:
-                at(since)[0] += price / 3600
-                at(until)[0] -= price / 3600
-        held = vm["stop"] - vm["start"]
-        if held > 0:
-            at(vm["start"])[1] += vm["on_demand_usd_per_hour"] / 3600
-            at(vm["stop"])[1] -= vm["on_demand_usd_per_hour"] / 3600
-            extra_s = _billed_s(vm) - held
-            at(vm["stop"])[2] += extra_s * segs[-1][1] / 3600
-            at(vm["stop"])[3] += extra_s * vm["on_demand_usd_per_hour"] / 3600
-    usd, od = [], []
-    total = total_od = rate = rate_od = 0.0
-    last = t0
-    for t in sorted(steps):
-        d_rate, d_od, lump, lump_od = steps[t]
-        total += rate * (t - last) + lump
-        total_od += rate_od * (t - last) + lump_od
-        rate, rate_od, last = rate + d_rate, rate_od + d_od, t
-        usd.append((t - t0, total))
-        od.append((t - t0, total_od))
-    if steps and last < end:
-        usd.append((end - t0, total + rate * (end - last)))
-        od.append((end - t0, total_od + rate_od * (end - last)))
-    return usd, od
-
-
-def _series(events: list[dict], vms: dict, t0: float, end: float):
+def _series(events: list[Event], vms: dict[str, billing.Hold], t0: float, end: float):
     loss, world, held = [], [], []
     replicas = nodes = 0
     for e in events:
-        x = e["t"] - t0
-        if e["type"] == OuterStep.TYPE and e.get("losses"):
-            loss.append((x, sum(e["losses"]) / len(e["losses"])))
-        if e["type"] == ReplicaJoined.TYPE:
+        x = e.t - t0
+        if isinstance(e, OuterStep) and e.losses:
+            loss.append((x, sum(e.losses) / len(e.losses)))
+        if isinstance(e, ReplicaJoined):
             replicas += 1
-        elif e["type"] in (ReplicaDrained.TYPE,) or (e["type"] == ReplicaLost.TYPE and e.get("phase") != "setup"):
+        elif isinstance(e, ReplicaDrained) or (isinstance(e, ReplicaLost) and e.phase != "setup"):
             replicas = max(0, replicas - 1)
-        elif e["type"] == NodeLaunched.TYPE:
+        elif isinstance(e, NodeLaunched):
             nodes += 1
-        elif e["type"] in (NodeReleased.TYPE, NodePreempted.TYPE):
+        elif isinstance(e, (NodeReleased, NodePreempted)):
             nodes = max(0, nodes - 1)
         else:
             continue
         world.append((x, replicas))
         held.append((x, nodes))
-    usd, od = _cumulative(vms, t0, end)
+    usd, od = billing.cumulative(vms, t0, end)
     if world:
         world.append((end - t0, world[-1][1]))
         held.append((end - t0, held[-1][1]))
@@ -300,21 +267,21 @@ def _breakdown_table(name: str, rows: dict) -> str:
     return f"<table>{head}{body}</table>"
 
 
-def render_html(events: list[dict], report: dict) -> str:
-    """The whole page for a run's ledger and its report (from `build_report(events)`)."""
-    from elastic.report import headline_rows
-
-    start = next((e for e in events if e["type"] == RunStarted.TYPE), None)
-    end_ev = next((e for e in reversed(events) if e["type"] == RunEnded.TYPE), None)
-    t0 = start["t"] if start else (events[0]["t"] if events else 0.0)
-    end = end_ev["t"] if end_ev else (events[-1]["t"] if events else t0)
-    vms = _vms(events, end)
-    x_max = max([end - t0] + [vm["stop"] - t0 for vm in vms.values()])
+def render_html(records: list[dict], report: dict) -> str:
+    """The whole page for a run's ledger records (`read_events`) and its report (from
+    `build_report(records)`)."""
+    events = read(records)
+    start = next((e for e in events if isinstance(e, RunStarted)), None)
+    end_ev = next((e for e in reversed(events) if isinstance(e, RunEnded)), None)
+    t0 = start.t if start else (events[0].t if events else 0.0)
+    end = end_ev.t if end_ev else (events[-1].t if events else t0)
+    vms = billing.holds(events, end)
+    x_max = max([end - t0] + [h.stop_s - t0 for h in vms.values()])
     loss, world, held, usd, od = _series(events, vms, t0, end)
-    val = [(e["t"] - t0, e["loss"]) for e in events if e["type"] == Validation.TYPE]
-    prices = [(f"{iid} ({vm['instance_type']}, {vm['zone']})", color(n),
-               [(t - t0, p) for t, p in vm["segments"]] + [(vm["stop"] - t0, vm["segments"][-1][1])])
-              for n, (iid, vm) in enumerate(vms.items())]
+    val = [(e.t - t0, e.loss) for e in events if isinstance(e, Validation)]
+    prices = [(f"{iid} ({h.vm.instance_type}, {h.vm.zone})", color(n),
+               [(t - t0, p) for t, p in h.segments] + [(h.stop_s - t0, h.segments[-1][1])])
+              for n, (iid, h) in enumerate(vms.items())]
     waste = report["wasted_usd"]
     est = report["estimates"]
     title = f"elastic run {report['run'] or '(unnamed)'}"
@@ -361,3 +328,20 @@ def render_html(events: list[dict], report: dict) -> str:
         body.append("<h2>Errors</h2><ul>" + "".join(f"<li>{escape(m)}</li>" for m in report["errors"]) + "</ul>")
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'
             f"<style>{CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+
+
+def write_report(run_dir: str | Path) -> dict:
+    """Rebuild `report.json` and `report.html` in `run_dir` from its ledger (each an atomic replace)."""
+    run_dir = Path(run_dir)
+    events = read_events(run_dir / "events.jsonl")
+    try:
+        report = build_report(events)
+    except SHAPE_ERRORS as exc:
+        raise LedgerError(f"{run_dir / 'events.jsonl'}: an event is not of the shape elastic writes "
+                          f"({type(exc).__name__}: {str(exc)[:80]})") from None
+    for name, text in (("report.json", json.dumps(report, indent=2) + "\n"),
+                       ("report.html", render_html(events, report))):
+        tmp = run_dir / f"{name}.tmp"
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, run_dir / name)
+    return report

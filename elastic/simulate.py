@@ -37,7 +37,7 @@ import random
 
 from elastic import billing
 from elastic.errors import UserError
-from elastic.events import (CapacityRefused, CheckpointSaved, NodeLaunched, NodePreempted, NodePrice, NodeReleased,
+from elastic.events import (CapacityRefused, CheckpointSaved, NodeLaunched, NodePreempted, NodePrice, NodeReleased, Role,
                             ReplicaMove, WorldPaused, WorldUnpaused)
 from elastic.market import Market, Quote, offer_key, recipe_tokens_per_s
 from elastic.planner import Progress, allowed, evaluate, run_tokens, tokens_per_phase
@@ -192,8 +192,8 @@ class _Run:
             return None
         iid = f"sim-{next(self._ids):05d}"
         self.nodes[iid] = _Node(iid, offer, self.t, self.t + self.recipe.planner.recovery_s)
-        self.events.append(NodeLaunched(instance_id=iid, ray_node_id=None, role="replica", launched_at=self.t,
-                                        joined=True, **offer.vm_fields()).record(self.t))
+        self.events.append(NodeLaunched.of(offer, instance_id=iid, ray_node_id=None, role=Role.REPLICA,
+                                           launched_at=self.t, joined=True).record(self.t))
         return iid
 
     def release(self, iid: str) -> None:

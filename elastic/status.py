@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 from elastic.errors import UserError
+from elastic import billing
 from elastic.events import (NodeLaunched, NodeNotice, NodePreempted, NodeReleased, OuterStep, RunEnded, RunStarted,
-                            WorldPaused, WorldUnpaused)
+                            UnknownEvent, WorldPaused, WorldUnpaused, read)
 from elastic.ledger import LedgerError, read_events, SHAPE_ERRORS
-from elastic.report import burn_usd_per_hour, cost_so_far
 
 REFRESH_S = 1.0     # how often the live view re-reads the ledger
 RECENT_STEPS = 5    # tokens/s and step time over the last outer steps
@@ -53,51 +53,54 @@ def driver_alive(pid, host) -> bool:
     return True
 
 
-def snapshot(events: list[dict], now: float, target_outer_steps: int | None = None) -> dict:
-    """The live figures of a ledger at unix time `now` (the end of the run once it ended)."""
-    start = next((e for e in events if e["type"] == RunStarted.TYPE), None)
-    end = next((e for e in reversed(events) if e["type"] == RunEnded.TYPE), None)
+def snapshot(records: list[dict], now: float, target_outer_steps: int | None = None) -> dict:
+    """The live figures of a ledger's records at unix time `now` (the end of the run once it ended)."""
+    events = read(records)
+    start = next((e for e in events if isinstance(e, RunStarted)), None)
+    end = next((e for e in reversed(events) if isinstance(e, RunEnded)), None)
     if end is not None:
-        now = end["t"]
-    steps = [e for e in events if e["type"] == OuterStep.TYPE]
+        now = end.t
+    steps = [e for e in events if isinstance(e, OuterStep)]
     recent = steps[-RECENT_STEPS:]
-    busy_s = sum(s["inner_s"] + s["sync_s"] for s in recent)
-    spent = cost_so_far(events, now)
-    burn = burn_usd_per_hour(events) if end is None else 0.0
-    done = steps[-1]["outer_step"] if steps else 0
-    first = steps[0]["outer_step"] if steps else 0
+    busy_s = sum(s.inner_s + s.sync_s for s in recent)
+    vms = billing.holds(events, now)
+    spent = sum(h.usd() for h in vms.values())
+    burn = sum(h.segments[-1][1] for h in vms.values() if h.end_s is None) if end is None else 0.0
+    done = steps[-1].outer_step if steps else 0
+    first = steps[0].outer_step if steps else 0
     projected = None
     if end is not None:
         projected = spent
     elif target_outer_steps and len(steps) >= 2:
         # Wall time per outer step so far (joins, waits and checkpoints included), at today's burn.
-        per_step_s = (steps[-1]["t"] - steps[0]["t"]) / (done - first) if done > first else 0.0
+        per_step_s = (steps[-1].t - steps[0].t) / (done - first) if done > first else 0.0
         projected = spent + burn * max(0, target_outer_steps - done) * per_step_s / 3600
-    alive = end is not None or start is None or driver_alive(start.get("pid"), start.get("host"))
-    pause = next((e for e in reversed(events) if e["type"] in (WorldPaused.TYPE, WorldUnpaused.TYPE)), None)
-    paused = end is None and pause is not None and pause["type"] == WorldPaused.TYPE
+    alive = end is not None or start is None or driver_alive(start.pid, start.host)
+    pause = next((e for e in reversed(events) if isinstance(e, (WorldPaused, WorldUnpaused))), None)
+    paused = end is None and isinstance(pause, WorldPaused)
     running = ("paused: the market is dear, no replica VM held (planner.pauses)" if paused else "running")
+    last = events[-1] if events else None
     return {
-        "run": start["run"] if start else None,
-        "status": end["status"] if end else (running if alive else "driver gone (no run_ended)"),
+        "run": start.run if start else None,
+        "status": end.status if end else (running if alive else "driver gone (no run_ended)"),
         "ended": end is not None or not alive,
-        "elapsed_s": round(now - start["t"], 1) if start else 0.0,
+        "elapsed_s": round(now - start.t, 1) if start else 0.0,
         "outer_step": done,
         "target_outer_steps": target_outer_steps,
         # Replicas training now: none once the run ended or while it is paused (the last step's
         # count is `world_last`).
-        "world": 0 if end is not None or paused else (len(steps[-1]["replicas"]) if steps else 0),
-        "world_last": len(steps[-1]["replicas"]) if steps else 0,
-        "vms_held": sum(1 for e in events if e["type"] == NodeLaunched.TYPE)
-        - len({e["instance_id"] for e in events if e["type"] in (NodeReleased.TYPE, NodePreempted.TYPE)}),
-        "loss": (sum(steps[-1]["losses"]) / len(steps[-1]["losses"])) if steps and steps[-1]["losses"] else None,
-        "tokens": steps[-1]["tokens_total"] if steps else 0,
-        "tokens_per_s": sum(s["tokens"] for s in recent) / busy_s if busy_s > 0 else None,
+        "world": 0 if end is not None or paused else (len(steps[-1].replicas) if steps else 0),
+        "world_last": len(steps[-1].replicas) if steps else 0,
+        "vms_held": sum(1 for e in events if isinstance(e, NodeLaunched))
+        - len({e.instance_id for e in events if isinstance(e, (NodeReleased, NodePreempted))}),
+        "loss": (sum(steps[-1].losses) / len(steps[-1].losses)) if steps and steps[-1].losses else None,
+        "tokens": steps[-1].tokens_total if steps else 0,
+        "tokens_per_s": sum(s.tokens for s in recent) / busy_s if busy_s > 0 else None,
         "usd_so_far": spent,
         "burn_usd_per_hour": burn,
         "projected_usd": projected,
-        "preemptions": len({e["instance_id"] for e in events if e["type"] in (NodePreempted.TYPE, NodeNotice.TYPE)}),
-        "last_event": events[-1]["type"] if events else None,
+        "preemptions": len({e.instance_id for e in events if isinstance(e, (NodePreempted, NodeNotice))}),
+        "last_event": (last.type if isinstance(last, UnknownEvent) else last.TYPE) if last else None,
     }
 
 

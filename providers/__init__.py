@@ -1,8 +1,8 @@
 """Cloud providers behind one interface (`providers.base.Provider`), one directory each.
 
-`providers/<cloud>/` owns everything about its cloud: `provider.py` (offers and prices, launch and
-release, notices, billing, controller), `config.py` (its recipe section), `storage.py` (its object
-store), and whatever else it needs (the node watcher's poller, a network lab). Adding a cloud is
+`providers/<cloud>/` owns everything about its cloud: `facts.py` (what the cloud is, as data: its
+billing terms), `provider.py` (what it does: offers and prices, launch and release, notices,
+controller), `config.py` (its recipe section), `storage.py` (its object store), and whatever else it needs (the node watcher's poller, a network lab). Adding a cloud is
 one new directory and one entry in `PROVIDERS`. Modules are imported only when asked for, and
 cloud SDKs only inside them when used, so nothing of a cloud loads unless a recipe uses it.
 """
@@ -35,6 +35,14 @@ def build(name: str, recipe, cluster, run_name: str):
     (`elastic.cluster.LocalCluster`), or None for commands that do not train (`elastic prices`,
     `elastic down`): offers, list_instances and terminate work without one."""
     return provider_class(name)(recipe, cluster, run_name)
+
+
+def billing_terms(cloud: str):
+    """The `BillingTerms` of `cloud` (its `providers/<cloud>/facts.py`, data: the provider class is
+    not imported), or None for a cloud no provider is registered for (a trace may name any)."""
+    if cloud not in PROVIDERS:
+        return None
+    return importlib.import_module(f"providers.{cloud}.facts").BILLING
 
 
 def notice_s(cloud: str) -> float:

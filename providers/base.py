@@ -3,7 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class BillingTerms:
+    """How a cloud bills a VM (what the cloud *is*: data in `providers/<cloud>/facts.py`, read by
+    `elastic.billing` without importing the provider).
+
+    Args:
+        minimum_s: seconds billed at least once the VM is gone.
+        increment_s: billed time is rounded up to whole increments of this many seconds.
+    """
+
+    minimum_s: float
+    increment_s: float
 
 
 @dataclass(frozen=True)
@@ -39,13 +54,10 @@ class Offer:
     read_at: float
     capacity: int | None = None
 
+    NOT_KEPT = ("read_at", "capacity")   # what a VM rented from an offer does not keep of it (`node_launched`)
+
     def to_dict(self) -> dict:
         return asdict(self)
-
-    def vm_fields(self) -> dict:
-        """What a VM rented from this offer keeps of it (the ledger's `node_launched`): not when the
-        price was read, nor how many could be had."""
-        return {k: v for k, v in asdict(self).items() if k not in ("read_at", "capacity")}
 
 
 @dataclass
@@ -75,20 +87,28 @@ class Instance:
     heartbeat_at: float | None = None
 
 
+class NodeEventKind(StrEnum):
+    """What a provider saw happen to a VM."""
+
+    NOTICE = "notice"          # it will be reclaimed at the event's deadline
+    PREEMPTED = "preempted"    # it is gone
+    REBALANCE = "rebalance"    # elevated interruption risk, no deadline (AWS's rebalance recommendation)
+
+
 @dataclass(frozen=True)
 class NodeEvent:
     """Something the provider saw happen to a VM.
 
     Args:
         instance_id: the instance.
-        kind: `notice` (it will be reclaimed at `deadline`) or `preempted` (it is gone).
+        kind: what happened (`NodeEventKind`).
         at: unix time the provider saw it.
         deadline: for a notice, unix time the VM goes.
         with_notice: for a preemption, whether a notice came first.
     """
 
     instance_id: str
-    kind: str
+    kind: NodeEventKind
     at: float
     deadline: float | None = None
     with_notice: bool = False
@@ -114,10 +134,6 @@ class Provider(Protocol):
     """Its recipe section, a pydantic model (`providers/<cloud>/config.py`)."""
     notice_s: float
     """Seconds between a spot VM's interruption notice and its end (AWS 120, GCP 30)."""
-    billing_minimum_s: float
-    """Seconds a VM is billed at least, however short its life."""
-    billing_increment_s: float
-    """Seconds of the billing granularity past the minimum (1: per second)."""
     storage_scheme: str | None
     """URI scheme of its object store (`s3`, `gs`), None without one (`open_storage`)."""
     storage_usd_per_gb_month: float

@@ -34,7 +34,7 @@ from typing import Callable
 
 from elastic import overlay
 from elastic.cache import cache_dir, write_json_atomic
-from providers.base import BaseProvider, Instance, JoinTimeout, NodeEvent, Offer
+from providers.base import BaseProvider, Instance, JoinTimeout, NodeEvent, NodeEventKind, Offer
 
 log = logging.getLogger(__name__)
 
@@ -462,16 +462,16 @@ class CloudProvider(BaseProvider):
                 self._seen.add((inst.instance_id, notice.get("kind")))
                 if notice.get("kind") == "notice":   # an interruption: the VM goes at the deadline
                     self._noticed.add(inst.instance_id)
-                    self._events.append(NodeEvent(inst.instance_id, "notice", now, deadline=notice["deadline"]))
+                    self._events.append(NodeEvent(inst.instance_id, NodeEventKind.NOTICE, now, deadline=notice["deadline"]))
                 else:                                 # a rebalance recommendation: risk, no deadline
-                    self._events.append(NodeEvent(inst.instance_id, "rebalance", now))
+                    self._events.append(NodeEvent(inst.instance_id, NodeEventKind.REBALANCE, now))
         if self._state_poll is not None and self._state_poll.done():
             for iid in self._state_poll.result():
                 with self._lock:
                     inst = self._held.pop(iid, None)   # None: released meanwhile, not lost
                 if inst is not None:
                     self._revoke(iid)
-                    self._events.append(NodeEvent(iid, "preempted", now, with_notice=iid in self._noticed))
+                    self._events.append(NodeEvent(iid, NodeEventKind.PREEMPTED, now, with_notice=iid in self._noticed))
             self._state_poll = None
         if held and self._state_poll is None and time.monotonic() - self._last_state_poll >= STATE_POLL_S:
             self._state_poll = self._poll_states(held)

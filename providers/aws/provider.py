@@ -113,8 +113,6 @@ class AWSProvider(CloudProvider):
     name = "aws"
     section = AWSSection
     notice_s = 120.0            # EC2's two-minute spot interruption notice
-    billing_minimum_s = 60.0    # Linux VMs bill per second with a one-minute minimum
-    billing_increment_s = 1.0
     storage_scheme = "s3"
     storage_usd_per_gb_month = 0.023   # S3 Standard, first 50 TB, us-east-1 list price
 

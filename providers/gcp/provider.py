@@ -250,8 +250,6 @@ class GCPProvider(CloudProvider):
     name = "gcp"
     section = GCPSection
     notice_s = PREEMPT_NOTICE_S
-    billing_minimum_s = 60.0    # Compute Engine bills per second with a one-minute minimum
-    billing_increment_s = 1.0
     storage_scheme = "gs"
     storage_usd_per_gb_month = 0.020   # Cloud Storage Standard, regional list price
 

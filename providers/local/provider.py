@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 
-from providers.base import BaseProvider, CapacityError, Instance, NodeEvent, Offer
+from providers.base import BaseProvider, CapacityError, Instance, NodeEvent, NodeEventKind, Offer
 from providers.local.config import LocalSection, MarketSection
 from providers.simmarket import SimMarket
 
@@ -48,8 +48,6 @@ class LocalProvider(BaseProvider):
     section = LocalSection
     # The simulated market's default notice, simulated seconds; a run's is its `local.market.notice_s`.
     notice_s = MarketSection.model_fields["notice_s"].default
-    billing_minimum_s = 0.0     # the simulated market bills per second from the first
-    billing_increment_s = 1.0
 
     @classmethod
     def accelerator_models(cls) -> set[str]:
@@ -248,7 +246,7 @@ class LocalProvider(BaseProvider):
             if notice:
                 deadline = now + self.market.notice_real_s
                 self._kill_at[instance_id] = deadline
-                self._events.append(NodeEvent(instance_id, "notice", now, deadline=deadline))
+                self._events.append(NodeEvent(instance_id, NodeEventKind.NOTICE, now, deadline=deadline))
                 return
         self._kill(instance_id, with_notice=False)
 
@@ -261,7 +259,7 @@ class LocalProvider(BaseProvider):
         self._cluster.remove_node(inst.ray_node_id, graceful=False)
         self._drop_host(instance_id)
         with self._lock:
-            self._events.append(NodeEvent(instance_id, "preempted", time.time(), with_notice=with_notice))
+            self._events.append(NodeEvent(instance_id, NodeEventKind.PREEMPTED, time.time(), with_notice=with_notice))
         log.info("preempted %s (%s notice)", instance_id, "with" if with_notice else "without")
 
     def _tick_loop(self) -> None:

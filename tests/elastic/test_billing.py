@@ -20,10 +20,10 @@ def test_minimum_applies_once_a_vm_is_gone_and_never_while_held():
 def test_increment_rounds_a_finished_hold_up_to_whole_increments(monkeypatch):
     assert billing.billed_s("local", 61.2, ended=True) == 62.0
     assert billing.billed_s("aws", 120.0, ended=True) == 120.0    # a whole number is not rounded up
-    # A cloud that bills by the hour (its provider's figures are what the bill reads).
-    from providers import provider_class
-    monkeypatch.setattr(provider_class("gcp"), "billing_minimum_s", 3600.0)
-    monkeypatch.setattr(provider_class("gcp"), "billing_increment_s", 3600.0)
+    # A cloud that bills by the hour (its facts are what the bill reads).
+    from providers.base import BillingTerms
+    from providers.gcp import facts
+    monkeypatch.setattr(facts, "BILLING", BillingTerms(minimum_s=3600.0, increment_s=3600.0))
     assert billing.billed_s("gcp", 3601.0, ended=True) == 7200.0
     # The seconds short of the increment bill at the last price.
     assert billing.vm_usd("gcp", [(0.0, 1.0), (1800.0, 3.0)], stop_s=3601.0, ended=True) == \
@@ -51,3 +51,38 @@ def test_a_launch_commits_the_budget_to_the_clouds_minimum():
     assert billing.launch_span_s("local") == 1.0
     assert billing.launch_span_s("gcp", override_s=3600.0) == 3600.0
     assert billing.terms("some-new-cloud") == billing.DEFAULT_TERMS
+
+
+def test_billing_terms_are_data_read_without_the_provider_classes():
+    import subprocess
+    import sys
+
+    code = ("import sys; from elastic import billing; t = [billing.terms(c) for c in ('aws', 'gcp', 'local')]; "
+            "print(sorted(m for m in sys.modules if m.endswith('.provider') and m.startswith('providers.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    assert billing.terms("aws") == billing.terms("gcp") == billing.BillingTerms(minimum_s=60.0, increment_s=1.0)
+    assert billing.terms("local") == billing.BillingTerms(minimum_s=0.0, increment_s=1.0)
+
+
+def test_a_ledger_is_priced_in_one_place_the_curve_ends_at_the_reports_totals():
+    from elastic.events import read
+    from elastic.report import build_report
+    from tests.elastic.test_report_costs import ended, started, vm
+    from tests.elastic.test_report_html import T0, richer_run
+
+    gcp_short = [started(), vm(T0 + 10, "g", usd=1.20, on_demand=3.60, cloud="gcp", region="us-central1"),
+                 {"t": T0 + 40, "type": "node_preempted", "instance_id": "g"}, ended(T0 + 100)]
+    for records in (richer_run(), gcp_short):
+        r = build_report(records)
+        end = records[-1]["t"]
+        usd, od = billing.cumulative(billing.holds(read(records), end), T0, end)
+        assert usd[-1] == (end - T0, pytest.approx(r["cost_usd"], abs=1e-5))
+        assert od[-1][1] == pytest.approx(r["on_demand_equivalent_usd"], abs=1e-5)
+        assert billing.cost_so_far(records, end) == pytest.approx(r["cost_usd"], abs=1e-6)
+        assert all(b[1] >= a[1] for a, b in zip(usd, usd[1:]))          # never decreases
+    # Along the way it is what the VMs had accrued by then.
+    records = richer_run()
+    usd, _ = billing.cumulative(billing.holds(read(records), records[-1]["t"]), T0, records[-1]["t"])
+    x, y = usd[len(usd) // 2]
+    assert y == pytest.approx(billing.cost_so_far([e for e in records if e["t"] <= T0 + x], T0 + x), abs=1e-6)

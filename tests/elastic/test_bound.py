@@ -47,15 +47,21 @@ def test_boots_and_preemptions_raise_it_but_not_past_a_known_schedule(tmp_path):
 
 def test_a_vm_preempted_within_its_clouds_minimum_bills_the_minimum(tmp_path):
     # No boot; a VM lives a minute on average (60 preemptions per hour). Billed per second from the
-    # first (local), the bound is the raw price; on gcp each VM also bills the seconds short of its
-    # one-minute minimum, E[(60 − τ)⁺] = 60/e s for every 60 s it is expected to live.
+    # first (local), each VM bills the rest of the second it was preempted in (c s, about half of
+    # one) for every 60 s it is expected to live; on gcp it also bills the seconds short of its
+    # one-minute minimum, E[(60 − τ)⁺] = 60/e s, and the rest of its second only when it lived
+    # past the minimum (probability 1/e).
+    from elastic.bound import _mean_rounding_s
+
+    c = float(_mean_rounding_s(60.0, 1.0))
     r = recipe(**{"planner.recovery_s": 0})
     per_second = [row(h * 3600, "r1a", 9.0, rate=60.0, cloud="local") for h in range(400)]
     with_minimum = [row(h * 3600, "r1a", 9.0, rate=60.0, cloud="gcp") for h in range(400)]
     local = bound(r, write_trace(tmp_path / "local.csv", per_second))
     gcp = bound(r, write_trace(tmp_path / "gcp.csv", with_minimum))
-    assert local == pytest.approx(raw(9.0), rel=1e-4)
-    assert gcp == pytest.approx(raw(9.0) * (1 + math.exp(-1)), rel=1e-3)
+    assert 0.5 < c < 0.51
+    assert local == pytest.approx(raw(9.0) * (1 + c / 60), rel=1e-4)
+    assert gcp == pytest.approx(raw(9.0) * (1 + math.exp(-1) * (1 + c / 60)), rel=1e-3)
 
 
 def test_capacity_sends_the_rest_to_the_dearer_offer(tmp_path):
@@ -87,3 +93,19 @@ def test_no_policy_beats_it(tmp_path):
     for res in simulate(r, trace):
         assert res["status"] == "completed" and res["wall_h"] < 20
         assert res["usd_per_mtok"] >= least * (1 - 1e-3), res
+
+
+def test_a_vm_preempted_mid_increment_bills_the_rest_of_it(tmp_path, monkeypatch):
+    # Billed per 10 minutes past the same one-minute minimum, each VM preempted in its first hour
+    # also bills the rest of the increment it was preempted in: the bound rises, never falls.
+    from providers.base import BillingTerms
+    from providers.gcp import facts
+
+    r = recipe(**{"planner.recovery_s": 0})
+    trace = write_trace(tmp_path / "gcp.csv", [row(h * 3600, "r1a", 9.0, rate=6.0, cloud="gcp") for h in range(400)])
+    per_second = bound(r, trace)
+    monkeypatch.setattr(facts, "BILLING", BillingTerms(minimum_s=60.0, increment_s=600.0))
+    per_ten_minutes = bound(r, trace)
+    assert per_ten_minutes > per_second * 1.01
+    # At most one whole increment more per VM: a VM lives 10 min on average at 6 preemptions per hour.
+    assert per_ten_minutes < per_second * 2

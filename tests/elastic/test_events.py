@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.events import EVENTS, Event, NodeReleased, RunEnded, parse
+from elastic.events import EVENTS, Event, NodeLaunched, NodeReleased, RunEnded, UnknownEvent, fields, parse, read
 from elastic.ledger import Ledger, read_events
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,13 +60,41 @@ def test_a_missing_or_unknown_field_is_an_error():
         parse({"t": 0.0, "type": "outer_step", "outer_step": 1})
 
 
-def test_every_declared_event_round_trips_through_json():
+def test_every_declared_event_round_trips_through_json_typed():
     for type_, cls in EVENTS.items():
         assert cls.TYPE == type_ and cls.__doc__, cls
-        fields = {f.name: (f.default if f.default is not dataclasses.MISSING else 1)
-                  for f in dataclasses.fields(cls)}
-        record = json.loads(json.dumps(cls(**fields).record(1.5)))
-        assert record["type"] == type_ and parse(record) == cls(**fields)
+        values = {f.name: (f.default if f.default is not dataclasses.MISSING else 1) for f in fields(cls)}
+        record = json.loads(json.dumps(cls(**values).record(1.5)))
+        assert record["type"] == type_ and "t" in record and list(record)[2:] == list(values)
+        assert parse(record) == cls(**values)
+        [typed] = read([record])
+        assert type(typed) is cls and typed == cls(**values) and typed.t == 1.5
+        assert typed.record(1.5) == record                  # back to the same bytes on disk
+        assert typed.story() is None or isinstance(typed.story(), str)
+
+
+def test_reading_back_is_lenient_about_other_versions():
+    [newer, older, extra] = read([
+        {"t": 1.0, "type": "run_paused_by_a_newer_version", "why": "x"},
+        {"t": 2.0, "type": "world_restored", "from_step": 3, "uri": None},        # before `after` was added
+        {"t": 3.0, "type": "node_released", "instance_id": "i", "released_at": None, "zone": "z"}])
+    assert isinstance(newer, UnknownEvent) and newer.type == "run_paused_by_a_newer_version"
+    assert newer.fields == {"why": "x"} and newer.story() is None
+    assert older.after == "loss" and older.t == 2.0
+    assert extra == NodeReleased(instance_id="i")       # a field this version does not know is dropped
+
+
+def test_node_launched_takes_its_vm_fields_from_the_offer():
+    from providers.base import Offer
+
+    kept = [f for f in dataclasses.fields(Offer) if f.name not in Offer.NOT_KEPT]
+    own = [f for f in fields(NodeLaunched) if f.name not in ("instance_id", "ray_node_id", "role", "launched_at",
+                                                                "joined")]
+    assert [(f.name, f.type) for f in own] == [(f.name, f.type) for f in kept]
+    offer = Offer("aws", "us-east-1", "us-east-1a", "g5.xlarge", "A10G", 1, 4, True, 0.5, 1.0, read_at=9.0)
+    e = NodeLaunched.of(offer, instance_id="i", ray_node_id=None, role="replica", launched_at=10.0, joined=True)
+    assert e.instance_type == "g5.xlarge" and e.on_demand_usd_per_hour == 1.0
+    assert e.story() == "rented i: g5.xlarge in aws:us-east-1a (spot, $0.5000/h)"
 
 
 def _names_an_event_type(node: ast.AST) -> str | None:
@@ -127,5 +155,5 @@ def test_the_guide_lists_every_event_and_its_fields():
         if type_ not in rows:
             missing.append(type_)
         else:
-            missing += [f"{type_}.{f.name}" for f in dataclasses.fields(cls) if f"`{f.name}`" not in rows[type_]]
+            missing += [f"{type_}.{f.name}" for f in fields(cls) if f"`{f.name}`" not in rows[type_]]
     assert missing == [], f"docs/guide.md's ledger table lacks: {missing}"

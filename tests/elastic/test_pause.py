@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from elastic.driver import run_attached
+from elastic.events import WorldPaused
 from elastic.policy import MIN_SAMPLES
 from elastic.report import build_report
 from tests.conftest import tiny_recipe
@@ -53,7 +54,7 @@ class Market:
         `then(driver)` is called at the pause's ledger event."""
         if not self.moved and phase == "inner" and driver.world.outer_step >= 2 and len(driver._prices) >= MIN_SAMPLES:
             self.move(driver, SPIKE_S)
-            driver.ledger.listeners.append(lambda e: then(driver) if e["type"] == "world_paused" else None)
+            driver.ledger.listeners.append(lambda e: then(driver) if isinstance(e, WorldPaused) else None)
 
 
 def test_a_price_spike_pauses_the_run_and_it_resumes_from_the_pause_checkpoint(local_cluster, tmp_path, monkeypatch):

@@ -294,13 +294,15 @@ def test_the_estimate_bills_each_vm_its_clouds_minimum():
 def test_measured_links_replace_the_cross_region_guess_per_pair():
     """Once the run measured a pair of sites (link_measured) and knows how many bytes a sync sends
     (outer_step), that pair costs what the measurement says; an unmeasured pair keeps the guess."""
+    from elastic.events import read
     from elastic.market import link_sync_s, measured_links
 
     # 100 MB per sync over 800 Mbit/s with 40 ms RTT: 2 × 0.8 Gbit / 0.8 Gbit/s + 2 × 0.04 s.
     assert link_sync_s(40.0, 800.0, 100_000_000) == pytest.approx(2.0 + 0.08)
-    links = [{"site": "aws/r1", "peer_site": "aws/r2", "rtt_ms": 100.0, "mbit_s": 10.0},
-             {"site": "aws/r2", "peer_site": "aws/r1", "rtt_ms": 40.0, "mbit_s": 800.0},   # newest wins
-             {"site": "aws/r1", "peer_site": "aws/r1", "rtt_ms": 1.0, "mbit_s": 9000.0}]   # same site: no cost
+    records = [{"site": "aws/r1", "peer_site": "aws/r2", "rtt_ms": 100.0, "mbit_s": 10.0},
+               {"site": "aws/r2", "peer_site": "aws/r1", "rtt_ms": 40.0, "mbit_s": 800.0},   # newest wins
+               {"site": "aws/r1", "peer_site": "aws/r1", "rtt_ms": 1.0, "mbit_s": 9000.0}]   # same site: no cost
+    links = read([{"type": "link_measured", "t": 1.0, **r} for r in records])
     assert measured_links(links, None) == {}      # no sync yet: nothing to price, the guess stays
     got = measured_links(links, 100_000_000)
     assert got == {frozenset(("aws/r1", "aws/r2")): pytest.approx(2.08)}
@@ -313,6 +315,6 @@ def test_measured_links_replace_the_cross_region_guess_per_pair():
     assert evaluate(measured + [Quote(g, 0.0, "prior", links=got)], r).sync_penalty_s == 40
     # The market hands the measurement to every quote once a sync told it the bytes.
     m = Market(r.planner)
-    m.observe([{"type": "link_measured", "t": 1.0, **links[1]},
+    m.observe([{"type": "link_measured", "t": 1.0, **records[1]},
                {"type": "outer_step", "t": 2.0, "bytes_sent": 100_000_000}])
     assert m.quote(a, 3.0).links == got

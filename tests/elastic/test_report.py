@@ -9,7 +9,9 @@ import pytest
 
 from elastic.events import RunEnded, RunStarted
 from elastic.ledger import Ledger, read_events
-from elastic.report import build_report, cost_so_far, summary_table, write_report
+from elastic.billing import cost_so_far
+from elastic.report import build_report, summary_table
+from elastic.report_html import write_report
 from tests.elastic.test_recipe import run_cli
 
 T0 = 1_700_000_000.0  # run start, unix seconds

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.report import build_report, burn_usd_per_hour, cost_so_far
+from elastic.billing import burn_usd_per_hour, cost_so_far
+from elastic.report import build_report
 
 T0 = 1_700_000_000.0
 

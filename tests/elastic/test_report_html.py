@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic.report import build_report, write_report
-from elastic.report_html import COLORS, color, render_html
+from elastic.report import build_report
+from elastic.report_html import COLORS, color, render_html, write_report
 from tests.elastic.test_report_costs import T0, wasteful_run
 
 CHARTS = 7   # loss, world size, cumulative USD, VM prices, timeline; bars: waste by cause, USD by cloud and region
@@ -122,24 +122,3 @@ def test_html_renders_its_charts_in_headless_chromium(tmp_path):
 
 def test_series_colours_never_repeat():
     assert len({color(n) for n in range(60)}) == 60
-
-
-def test_cumulative_usd_curve_ends_at_the_report_totals():
-    from elastic.report import _vms, cost_so_far
-    from elastic.report_html import _cumulative
-    from tests.elastic.test_report_costs import ended, started, vm
-
-    gcp_short = [started(), vm(T0 + 10, "g", usd=1.20, on_demand=3.60, cloud="gcp", region="us-central1"),
-                 {"t": T0 + 40, "type": "node_preempted", "instance_id": "g"}, ended(T0 + 100)]
-    for events in (richer_run(), gcp_short):
-        r = build_report(events)
-        end = events[-1]["t"]
-        usd, od = _cumulative(_vms(events, end), T0, end)
-        assert usd[-1] == (end - T0, pytest.approx(r["cost_usd"], abs=1e-5))
-        assert od[-1][1] == pytest.approx(r["on_demand_equivalent_usd"], abs=1e-5)
-        assert all(b[1] >= a[1] for a, b in zip(usd, usd[1:]))          # never decreases
-    # Along the way it is what the VMs had accrued by then.
-    events = richer_run()
-    usd, _ = _cumulative(_vms(events, events[-1]["t"]), T0, events[-1]["t"])
-    x, y = usd[len(usd) // 2]
-    assert y == pytest.approx(cost_so_far([e for e in events if e["t"] <= T0 + x], T0 + x), abs=1e-6)

@@ -12,7 +12,8 @@ import pytest
 
 from elastic import billing
 from elastic.driver import run_attached
-from elastic.report import build_report, cost_so_far
+from elastic.billing import cost_so_far
+from elastic.report import build_report
 from elastic.simulate import TraceMarket, simulate
 from providers.simmarket import read_trace_rows
 from tests.conftest import tiny_recipe

@@ -167,15 +167,20 @@ def test_report_compare_prints_both_runs(tmp_path):
 
 
 def test_the_story_tells_a_pause_and_a_restore_after_it_apart_from_a_loss():
-    from elastic.launch import event_line
+    from elastic.events import read
+
+    def story(record: dict) -> tuple[str | None, str]:
+        [e] = read([{"t": T0, **record}])
+        return e.story(), e.story_style()
+
     paused = {"type": "world_paused", "outer_step": 7, "usd_per_mtok": 0.3, "threshold_usd_per_mtok": 0.1,
               "need": 0.2}
-    assert event_line(paused) == ("paused at outer step 7: the market's $0.3000 per 1M tokens is dear "
-                                  "(trains at ≤ $0.1000); every replica VM released")
-    assert event_line({"type": "world_unpaused", "paused_s": 5400.0, "usd_per_mtok": 0.1,
-                       "threshold_usd_per_mtok": 0.1, "need": 0.2}) == "unpaused after 90 min: $0.1000 per 1M tokens"
-    assert event_line({"type": "world_unpaused", "paused_s": 60.0, "usd_per_mtok": 0.5,
-                       "threshold_usd_per_mtok": 0.1, "need": 0.97}).endswith("(the deadline needs the time)")
+    assert story(paused) == ("paused at outer step 7: the market's $0.3000 per 1M tokens is dear "
+                             "(trains at ≤ $0.1000); every replica VM released", "")
+    assert story({"type": "world_unpaused", "paused_s": 5400.0, "usd_per_mtok": 0.1,
+                  "threshold_usd_per_mtok": 0.1, "need": 0.2})[0] == "unpaused after 90 min: $0.1000 per 1M tokens"
+    assert story({"type": "world_unpaused", "paused_s": 60.0, "usd_per_mtok": 0.5,
+                  "threshold_usd_per_mtok": 0.1, "need": 0.97})[0].endswith("(the deadline needs the time)")
     restored = {"type": "world_restored", "from_step": 7, "uri": "file:///c"}
-    assert event_line({**restored, "after": "pause"}) == "pause over: the world starts again from checkpoint step 7"
-    assert event_line(restored) == "every replica lost: restarting from checkpoint step 7"   # an older ledger
+    assert story({**restored, "after": "pause"}) == ("pause over: the world starts again from checkpoint step 7", "")
+    assert story(restored) == ("every replica lost: restarting from checkpoint step 7", "red")   # an older ledger

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from providers import PROVIDERS, build, provider_class
+from providers import PROVIDERS, billing_terms, build, provider_class
 from providers.base import CapacityError, JoinTimeout, Provider
 from tests.conftest import events_within, join_as_vm, tiny_recipe
 
@@ -201,10 +201,11 @@ def test_implements_the_whole_protocol_and_its_figures(name):
     assert not missing, f"{name} lacks {missing}"
     assert cls.name == name and PROVIDERS[name].endswith(":" + cls.__name__)
     assert cls.section.__module__.startswith(f"providers.{name}.")     # its recipe section is its own
-    for figure in ("notice_s", "billing_minimum_s", "billing_increment_s", "storage_usd_per_gb_month"):
-        value = getattr(cls, figure)
+    terms = billing_terms(name)                                          # what the cloud is: its facts.py
+    for figure, value in (("notice_s", cls.notice_s), ("storage_usd_per_gb_month", cls.storage_usd_per_gb_month),
+                          ("billing minimum_s", terms.minimum_s), ("billing increment_s", terms.increment_s)):
         assert isinstance(value, float) and math.isfinite(value) and value >= 0, (figure, value)
-    assert cls.notice_s > 0 and cls.billing_increment_s > 0
+    assert cls.notice_s > 0 and terms.increment_s > 0
     # An object store has a price (the report's storage estimate); none, none.
     assert (cls.storage_usd_per_gb_month > 0) == (cls.storage_scheme is not None)
     assert cls.configured() is None or isinstance(cls.configured(), str)
