@@ -227,7 +227,7 @@ def test_cli_simulate_json_and_errors(tmp_path):
     bad.write_text("timestamp_s\n0\n")
     for args, message in ((["--trace", str(bad)], "missing columns"),
                           (["--trace", str(tmp_path / "none.csv")], "cannot read"),
-                          (["--trace", "bench/traces/calm.csv", "--policy", "greedy"], "--policy 'greedy'")):
+                          (["--trace", "bench/traces/calm.csv", "--policy", "greedy"], "no rental policy 'greedy': choose from elastic, on-demand")):
         proc = run_cli("simulate", "recipes/multi-cloud.yaml", *args)
         assert proc.returncode == 2, proc.stderr
         assert message in proc.stderr and "Traceback" not in proc.stderr
