@@ -52,6 +52,11 @@ class Driver:
     """
 
     def __init__(self, recipe: Recipe, run_dir: Path, ledger: Ledger, resume: bool = False):
+        self.policy = policy(recipe.planner.policy)
+        if self.policy.whole_job:
+            raise UserError(f"planner.policy: {self.policy.name} is a baseline `elastic simulate` runs (a whole job "
+                            f"that restarts after any loss), not the driver; it runs "
+                            f"{', '.join(n for n, p in POLICIES.items() if not p.whole_job)}")
         self.recipe = recipe
         self.run_dir = run_dir
         self.run_name = run_dir.name
@@ -68,11 +73,6 @@ class Driver:
         self.ckpt = ckpt.Checkpointer(ckpt.destination(c.uri, run_dir), ckpt.staging_root(c.local_dir, self.run_name),
                                       c.keep_last, c.upload_threads, ledger, run=self.run_name,
                                       run_dir=run_dir)
-        self.policy = policy(recipe.planner.policy)
-        if self.policy.whole_job:
-            raise UserError(f"planner.policy: {self.policy.name} is a baseline `elastic simulate` runs (a whole job "
-                            f"that restarts after any loss), not the driver; it runs "
-                            f"{', '.join(n for n, p in POLICIES.items() if not p.whole_job)}")
         self.executor = Executor(self.policy, self, recipe, started_s=time.time())   # the driver is its host
         self.prices = PriceWatch(ledger)
         self.offer_feed = None                           # elastic.offerfeed.OfferFeed, once attached
