@@ -68,7 +68,8 @@ from elastic.bound import _arrays, _slot, lower_bound_usd_per_mtok  # noqa: E402
 from elastic.market import recipe_tokens_per_s  # noqa: E402
 from elastic.planner import run_tokens  # noqa: E402
 from elastic.recipe import load_recipe  # noqa: E402
-from elastic.simulate import POLICIES, TraceMarket, simulate  # noqa: E402
+from elastic.policies import POLICIES  # noqa: E402
+from elastic.simulate import TraceMarket, simulate  # noqa: E402
 from providers.simmarket import read_trace_rows  # noqa: E402
 
 CELLS = 400          # the grid of y (tokens trained before t1)

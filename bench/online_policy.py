@@ -47,8 +47,8 @@ preemptions and bound.py's bound are on the true trace as without it. Still give
 shape (AR(1) + spikes, offers independent), on-demand prices, preemption rates and tokens/s.
 `--price-states`: the chain's law known (`FittedFamily.exact`), the states read from prices as above.
 
-`--simulate N` plays the same plan inside the simulator (`SimDecide` in place of `policy.decide`, the
-recipe's own pause rule off: the plan pauses itself) on the first N traces, with the project's
+`--simulate N` plays the same plan inside the simulator (`PlanPolicy`, a `policy.Policy` handed to
+`simulate`, the recipe's own pause rule off: the plan pauses itself) on the first N traces, with the project's
 policy beside it.
 There the slots are the VMs held, decisions come whenever the simulator asks (each outer step's end,
 each preemption), a released replica leaves at its step boundary, and the world's pace, syncs,
@@ -74,7 +74,8 @@ from bench.online_bound import (  # noqa: E402
     STEP_S, Family, Offer, add_family_args, family_from_args, online_lower_bound, online_value, rouwenhorst)
 from elastic import billing  # noqa: E402
 from elastic.bound import lower_bound_usd_per_mtok  # noqa: E402
-from elastic.planner import run_tokens  # noqa: E402
+from elastic.planner import Move, run_tokens  # noqa: E402
+from elastic.policy import Policy, Release, Rent  # noqa: E402
 from elastic.recipe import load_recipe  # noqa: E402
 
 BARRED_USD_PER_HOUR = 1e6     # an offer above the recipe's price cap: never kept or booted
@@ -340,12 +341,16 @@ def _choose(plan: Plan, r: int, s: tuple, held: list[tuple[int, float]], tps, le
     return len(plan.lams) - 1
 
 
-class SimDecide:
-    """The plan as `elastic.simulate`'s policy (in place of `policy.decide`): the slots are the VMs
-    held (not leaving) and world.max_replicas less them off; each call acts on them with the
-    decisions of the present row (the trace's rows are the chain's states, known exactly) and the λ
-    chosen at its last kept row: a VM whose offer is not kept is released (at the next step
-    boundary), and every off slot rents the offer an off slot boots. Pausing is releasing every VM."""
+class PlanPolicy(Policy):
+    """The plan as a rental policy for `elastic.simulate` (`simulate(recipe, trace, [PlanPolicy(...)])`):
+    the slots are the VMs held (not leaving) and world.max_replicas less them off; each call acts on
+    them with the decisions of the present row (the trace's rows are the chain's states, known
+    exactly) and the λ chosen at its last kept row: a VM whose offer is not kept is released (at the
+    next step boundary), and every off slot rents the offer an off slot boots. Pausing is releasing
+    every VM. Not pure: the λ chosen is kept here between calls (a benchmark's policy, never
+    registered)."""
+
+    name = "plan"
 
     def __init__(self, plan: Plan, family: Family, states: np.ndarray, safety: float, margin_h: float = 0.0):
         self.plan, self.family, self.states, self.safety = plan, family, states, safety
@@ -354,10 +359,7 @@ class SimDecide:
         self.tps = [o.tokens_per_s for o in family.offers]
         self.lam_i, self.at = len(plan.lams) - 1, -1
 
-    def __call__(self, snap):
-        from elastic.planner import Move
-        from elastic.policy import Release, Rent
-
+    def decide(self, snap):
         r = snap.recipe
         t = min(int((snap.time_s - snap.started_s) // STEP_S), self.family.rows - 1)
         s = tuple(int(x) for x in self.states[t])
@@ -386,18 +388,13 @@ class SimDecide:
 
 def simulate_plan(plan: Plan, family: Family, states: np.ndarray, path: Path, recipe, seed: int,
                   safety: float, margin_h: float = 0.0) -> dict:
-    """`elastic.simulate.simulate` on the trace at `path` (drawn as `states`) with `SimDecide` as its
-    policy (patched in for the call); the recipe's world.capacity_timeout_s lifted (a pause of the
-    plan's holds no replica) and its own pause rule off (`planner.pauses`)."""
-    import elastic.simulate as simulate_module
+    """`elastic.simulate.simulate` on the trace at `path` (drawn as `states`) with `PlanPolicy` as its
+    policy; the recipe's world.capacity_timeout_s lifted (a pause of the plan's holds no replica)
+    and its own pause rule off (`planner.pauses`)."""
+    from elastic.simulate import simulate
 
     recipe = recipe.model_copy(update={"planner": recipe.planner.model_copy(update={"pauses": False})})
-    saved = simulate_module.decide
-    simulate_module.decide = SimDecide(plan, family, states, safety, margin_h)
-    try:
-        return simulate_module.simulate(recipe, str(path), ["elastic"], seed=seed)[0]
-    finally:
-        simulate_module.decide = saved
+    return simulate(recipe, str(path), [PlanPolicy(plan, family, states, safety, margin_h)], seed=seed)[0]
 
 
 def _summary(ratios: list[float]) -> str:

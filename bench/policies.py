@@ -44,7 +44,8 @@ from elastic.events import NodeLaunched, NodePreempted, NodeReleased  # noqa: E4
 from elastic.market import recipe_tokens_per_s  # noqa: E402
 from elastic.planner import allowed  # noqa: E402
 from elastic.recipe import load_recipe  # noqa: E402
-from elastic.simulate import POLICIES, TraceMarket, simulate  # noqa: E402
+from elastic.policies import POLICIES  # noqa: E402
+from elastic.simulate import TraceMarket, simulate  # noqa: E402
 from providers.simmarket import read_trace_rows  # noqa: E402
 
 

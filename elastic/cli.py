@@ -74,7 +74,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="trace CSV: timestamp_s,cloud,region,zone,instance_type,gpu,gpus,spot_usd_per_hour,"
                          "on_demand_usd_per_hour,preempt_per_hour,capacity")
     sp.add_argument("--policy", action="append", metavar="NAME",
-                    help="elastic, on-demand, spot-static or skypilot-like (repeatable; default: all)")
+                    help="a rental policy of the registry, elastic.policies (repeatable; default: every one; an "
+                         "unknown name lists them)")
     sp.add_argument("--seed", type=int, default=0, help="seed of the preemption draws (default 0)")
     sp.add_argument("--json", action="store_true",
                     help="print the figures as JSON, with the clairvoyant bound (bound_usd_per_mtok) and each "

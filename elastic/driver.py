@@ -7,6 +7,11 @@ short in time to contribute, then it leaves cleanly; a preemption drops the repl
 re-forms over the survivors. Replacement nodes are rented in the background and their replicas
 join at the next outer-step boundary with state copied from a live peer. `elastic.launch` wraps
 the driver with signals and the report.
+
+What to rent, move or pause is the recipe's policy's (`planner.policy`, `elastic.policies`), carried
+out by the executor (`elastic.executor`; the driver is its host). Around the loop: the offer feed
+(`elastic.offerfeed`), the VMs on their way (`elastic.rentals`), the price and spend watch
+(`elastic.pricewatch`) and the pause (`elastic.pausing`).
 """
 
 from __future__ import annotations
@@ -15,31 +20,26 @@ import json
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
 from pathlib import Path
 
 from elastic import checkpoint as ckpt
-from elastic.errors import UserError, described, first_line
-from elastic.events import (
-    BudgetExhausted, CapacityRefused, CapacityWaitEnded, CapacityWaitStarted, CheckpointFailed,
-    CheckpointSkipped, CheckpointUploadAbandoned, ClusterStarted, Error, LaunchFailed, LaunchHeldBack, LinkMeasured,
-    MarketAvailable, MarketUnavailable, NetworkStarted, NodeJoinTimeout, NodeLaunched, NodeNotice, NodePreempted, NodePrice,
-    NodeRebalance, NodeReleased, OuterStep, ReplicaCopying, ReplicaDrained, ReplicaJoined, ReplicaLost,
-    ReplicaMove, ReplicaStarting, Resumed, RunEnded, RunStarted, SyncFailed, SyncRetried, Validation,
-    ValidationFailed, WorldFormed, WorldPaused, WorldRestored, WorldTarget, WorldUnpaused)
-from elastic.ledger import Ledger
-from elastic.market import offer_key
-from elastic.planner import site
-from elastic.recipe import Recipe
 from elastic.billing import cost_so_far
+from elastic.errors import UserError, first_line
+from elastic.events import (
+    BudgetExhausted, CapacityRefused, CapacityWaitEnded, CapacityWaitStarted, CheckpointFailed, CheckpointSkipped,
+    CheckpointUploadAbandoned, ClusterStarted, Error, LaunchHeldBack, NetworkStarted, NodeJoinTimeout, NodeNotice,
+    NodePreempted, NodeRebalance, NodeReleased, OuterStep, ReplicaCopying, ReplicaDrained, ReplicaJoined, ReplicaLost,
+    Resumed, RunEnded, RunStarted, SyncFailed, SyncRetried, Validation, ValidationFailed, WorldFormed, WorldRestored)
+from elastic.executor import Executor
+from elastic.ledger import Ledger
+from elastic.pausing import Pauser
+from elastic.policies import POLICIES, policy
+from elastic.pricewatch import PriceWatch
+from elastic.recipe import Recipe
 
 log = logging.getLogger(__name__)
 
-PRICE_POLL_S = 1.0       # real seconds between reads of the held VMs' current prices
-OFFERS_WAIT_S = 0.2      # a tick waits this long for the clouds' offers, then goes on (asked in the background)
-OFFERS_FRESH_S = 10.0    # an answer older than this when next wanted is asked again
 HEARTBEAT_S = 5.0        # real seconds between two driver heartbeats (the VMs' autodown watchers read them)
 
 
@@ -52,6 +52,11 @@ class Driver:
     """
 
     def __init__(self, recipe: Recipe, run_dir: Path, ledger: Ledger, resume: bool = False):
+        self.policy = policy(recipe.planner.policy)
+        if self.policy.whole_job:
+            raise UserError(f"planner.policy: {self.policy.name} is a baseline `elastic simulate` runs (a whole job "
+                            f"that restarts after any loss), not the driver; it runs "
+                            f"{', '.join(n for n, p in POLICIES.items() if not p.whole_job)}")
         self.recipe = recipe
         self.run_dir = run_dir
         self.run_name = run_dir.name
@@ -68,39 +73,18 @@ class Driver:
         self.ckpt = ckpt.Checkpointer(ckpt.destination(c.uri, run_dir), ckpt.staging_root(c.local_dir, self.run_name),
                                       c.keep_last, c.upload_threads, ledger, run=self.run_name,
                                       run_dir=run_dir)
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="launch")
-        self._launching: dict[Future, object] = {}
-        self._joined_at: dict[str, tuple[str, str]] = {}  # instance id -> (site, Ray node) of nodes that joined
-        self._refusals: list = []                        # policy.Refusal of launches refused (the cooldown rule)
+        self.executor = Executor(self.policy, self, recipe, started_s=time.time())   # the driver is its host
+        self.prices = PriceWatch(ledger)
+        self.offer_feed = None                           # elastic.offerfeed.OfferFeed, once attached
+        self.rentals = None                              # elastic.rentals.Rentals, once attached
         self._draining: dict[int, float] = {}            # replica id -> notice deadline (unix)
+        self.pauser = Pauser(self, self._draining)
         self._members: list[int] = []
-        self._move_of: dict[Future, str] = {}           # launch of a move -> instance id it replaces
-        self._moves: dict[str, str] = {}                 # new instance id -> instance id it replaces
-        self._replanned_at = time.time()                 # the policy's last re-plan (unix)
-        self._budget_held_back = False                   # the last launch was held back by the budget
-        self._budget_logged = False
-        self._capacity_logged = False                    # launch_held_back (capacity) written for this shortage
-        self._target = 0                                 # the world's target size (policy.Retarget)
-        self._planned = False                            # the policy sized the world for budget.max_hours
         self._restored = False   # the world was restored after losing every replica
         self._checkpointed_step = 0                      # outer step of the newest checkpoint saved or restored
         self._step_started_s: float | None = None       # unix time the outer step under way began
         self._budget_stop: str | None = None            # a price rise mid-step stopped the run (why)
-        self._price: dict[str, float] = {}               # held instance id -> USD/h last recorded
-        self._price_poll_at = 0.0
-        self._prices: tuple[tuple[float, float, str], ...] = ()   # the market's price and pace at each sample (PriceSeen)
-        self._priced_at = float("-inf")                 # when the last sample was taken (unix)
-        self._paused = False                             # the policy paused the run (policy.Pause, until Unpause)
-        self._pause = None                               # the Pause's policy.Pace, until it takes effect
-        self._paused_at: float | None = None            # when the pause took effect: every node released (unix)
-        self._after_pause = False                        # the world is empty because of a pause
-        self._pause_tried_step = -1                      # the outer step a pause last tried to checkpoint at
-        self._unpaused = False                           # the world boots again after a pause: no capacity wait yet
-        self._offered = False                            # the clouds offered something the recipe allows, once
         self._beat_stop = threading.Event()             # ends the heartbeat thread (release_all)
-        self._market_seen: set[str] = set()             # clouds whose offers answered at least once
-        self._market_down: set[str] = set()             # clouds whose offers fail now (market_unavailable)
-        self._asking: Future | None = None               # the clouds' offers, asked in the background
         self._view = None                                # the run's view, once `run` started
         # Told (phase, members) as each phase of an outer step gets under way (`run_attached`'s
         # on_phase: tests and benchmarks inject faults there).
@@ -134,10 +118,11 @@ class Driver:
 
     def attach(self, cluster) -> None:
         """Use a running local cluster: build the provider and the world on it."""
+        from elastic.market import Market, load_history, load_throughput, workload_key
+        from elastic.offerfeed import OfferFeed
+        from elastic.rentals import Rentals
         from elastic.world import World
         from providers import build
-
-        from elastic.market import Market, load_history, load_throughput, workload_key
 
         self.cluster = cluster
         self.providers = {name: build(name, self.recipe, cluster, self.run_name)
@@ -148,6 +133,9 @@ class Driver:
                              tokens_per_inner_step=t.batch_size * t.seq_len,
                              measured_before=load_throughput(workload_key(self.recipe)))
         self.world = World(self.recipe)
+        self.offer_feed = OfferFeed(self.providers, self.recipe.resources, self.ledger)
+        self.rentals = Rentals(self.providers, self.run_name, self.ledger, self.world, self.prices,
+                               self.executor.refused)
         threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
 
     def _heartbeat(self) -> None:
@@ -190,59 +178,7 @@ class Driver:
             return Progress(resumed["tokens"], resumed["step"], (time.time() - self._t0) / 3600)
         return Progress(w.tokens, w.outer_step, (time.time() - self._t0) / 3600)
 
-    def _offers(self, wait_s: float = OFFERS_WAIT_S) -> list | None:
-        """Every provider's offers, cheapest per GPU-hour first (per VM-hour for CPU-only VMs); None
-        while the clouds have not answered within `wait_s`. They are asked on a thread of their own
-        (`_ask_clouds`): a cloud that is slow to answer (its SDK retrying a throttled call for
-        seconds) holds no tick, so notices and preemptions are still handled meanwhile, and a later
-        tick takes the answer. A cloud that answered before but fails now (the SDK's retries spent,
-        or an answer that does not parse) offers nothing until it answers again: the run trains on
-        what it holds, and the ledger says `market_unavailable` once per outage."""
-        if self._asking is None:
-            self._asking = self._ask_clouds()
-        try:
-            answers, answered_at = self._asking.result(timeout=wait_s)
-        except FutureTimeout:
-            return None
-        self._asking = None
-        if time.monotonic() - answered_at > OFFERS_FRESH_S:   # left unread while nothing was due
-            return self._offers(wait_s)
-        every = []
-        for name, offers in answers.items():
-            if isinstance(offers, Exception):
-                if name not in self._market_seen:
-                    raise offers   # never answered: the setup is wrong, and the run says so
-                if name not in self._market_down:
-                    self._market_down.add(name)
-                    message = described(offers)
-                    log.warning("%s prices and capacity unavailable: %s", name, message)
-                    self.ledger.append(MarketUnavailable(cloud=name, message=message))
-                continue
-            self._market_seen.add(name)
-            if name in self._market_down:
-                self._market_down.discard(name)
-                self.ledger.append(MarketAvailable(cloud=name))
-            every += offers
-        return sorted(every, key=lambda o: (o.usd_per_hour / max(1, o.gpus), o.usd_per_hour))
-
-    def _ask_clouds(self) -> Future:
-        """Ask every provider for its offers on a daemon thread (one a hung cloud cannot keep the
-        process from exiting): a future of ({cloud: offers, or the exception it raised}, when)."""
-        asked: Future = Future()
-
-        def ask() -> None:
-            answers: dict = {}
-            for name, p in self.providers.items():
-                try:
-                    answers[name] = p.offers(self.recipe.resources)
-                except Exception as exc:
-                    answers[name] = exc
-            asked.set_result((answers, time.monotonic()))
-
-        threading.Thread(target=ask, name="offers", daemon=True).start()
-        return asked
-
-    def _held(self) -> list:
+    def held(self) -> list:
         """Every VM the run holds, across providers."""
         return [i for p in self.providers.values() for i in p.list_instances(self.run_name)]
 
@@ -253,166 +189,49 @@ class Driver:
         from elastic.policy import Node, Snapshot
 
         now, w = time.time(), self.world
-        moving = set(self._moves.values()) | set(self._move_of.values())
+        moving = self.rentals.moving()
         nodes = []
-        for inst in self._held():
+        for inst in self.held():
             if inst.ray_node_id is None:
                 continue
             rep = w.replica_on(inst.instance_id)
             rid = rep.replica_id if rep is not None else None
-            offer = replace(inst.offer, usd_per_hour=self._price.get(inst.instance_id, inst.offer.usd_per_hour))
+            offer = replace(inst.offer, usd_per_hour=self.prices.usd_per_hour(inst.instance_id, inst.offer.usd_per_hour))
             nodes.append(Node(inst.instance_id, self.market.quote(offer, now), inst.launched_at,
                               ready=rid in w.replicas, leaving=rid in self._draining,
                               notice_deadline_s=self._draining.get(rid), moving=inst.instance_id in moving))
-        cooldown_s = self.recipe.planner.capacity_cooldown_s
-        self._refusals = [r for r in self._refusals if now - r.at_s < cooldown_s]
-        return Snapshot(self.recipe, now, self._t0, nodes=tuple(nodes), pending=tuple(self._launching.values()),
-                        quotes=tuple(quotes), progress=self._progress(), spent_usd=self._spent(now),
-                        refusals=tuple(self._refusals), target_replicas=self._target, planned=self._planned,
-                        last_replan_s=self._replanned_at, budget_horizon_s=self._last_step_s,
-                        checkpointed_step=self._checkpointed_step, prices=self._prices,
-                        priced_at_s=self._priced_at, paused=self._paused)
+        return Snapshot(self.recipe, now, self._t0, nodes=tuple(nodes), pending=tuple(self.rentals.under_way),
+                        quotes=tuple(quotes), progress=self._progress(), spent_usd=self.prices.spent_usd(now),
+                        budget_horizon_s=self._last_step_s, checkpointed_step=self._checkpointed_step,
+                        **self.executor.fed(now))
 
     def decide(self) -> None:
-        """Gather a snapshot, ask the policy (`policy.decide`) and do what it says: rent (in the
-        background; a move's old replica drains once the new one trains), grow the world's target,
-        record what was held back. Offers are read only when the policy has something to decide."""
-        from elastic.policy import HoldBack, Pause, PriceSeen, Release, Rent, Replan, Retarget, Unpause, decide, due
-
-        if not due(self._snapshot()):
+        """Gather a snapshot, ask the policy and have the executor do what it says (rent in the
+        background; a move's old replica drains once the new one trains). Offers are read only when
+        the policy has something to decide (`Policy.due`)."""
+        if not self.policy.due(self._snapshot()):
             return
-        every = self._offers()
+        every = self.offer_feed.to_decide_on()
         if every is None:
-            return   # the clouds are still answering: a later tick decides
-        if not every and (self._market_down or self._offered):
-            # A cloud is unreachable, or every offer it had left the recipe's filters (a price above
-            # resources.max_usd_per_hour): train on what is held, rent once one comes back.
             return
-        if not every:
-            raise UserError(f"resources: no offer from {', '.join(self.providers)} matches resources.accelerators / "
-                            "resources.regions / resources.max_usd_per_hour")
-        self._offered = True
         self.market.observe(self.ledger.events)
-        snap = self._snapshot(self.market.quotes(every, time.time()))
-        for a in decide(snap):
-            if isinstance(a, Retarget):
-                self._target, self._planned = a.replicas, True
-                if a.grown:
-                    self.ledger.append(WorldTarget(replicas=a.replicas, reason="budget.max_hours",
-                                                   hours_to_finish=round(a.hours_to_finish, 4)))
-            elif isinstance(a, Replan):
-                self._replanned_at = a.at_s
-            elif isinstance(a, PriceSeen):
-                self._prices = a.kept(self._prices)
-                self._priced_at = a.at_s
-            elif isinstance(a, Pause):   # takes effect at the next outer-step boundary (`_pause_world`)
-                self._paused, self._pause = True, a.pace
-                self._target, self._planned = 0, False   # the world is sized again when it unpauses
-            elif isinstance(a, Unpause):
-                self._paused, self._pause = False, None
-                if self._paused_at is not None:
-                    self.ledger.append(WorldUnpaused(paused_s=round(time.time() - self._paused_at, 3),
-                                                     usd_per_mtok=round(a.pace.usd_per_mtok, 6),
-                                                     threshold_usd_per_mtok=round(a.pace.threshold_usd_per_mtok, 6),
-                                                     need=round(a.pace.need, 4)))
-                    self._paused_at, self._unpaused = None, True
-            elif isinstance(a, HoldBack) and a.reason == "capacity":
-                if not self._capacity_logged:   # once per shortage: every offer is at its known capacity
-                    self._capacity_logged = True
-                    self.ledger.append(LaunchHeldBack(reason="capacity", held=a.held,
-                                                      message="every offer the recipe allows is at its known capacity"))
-            elif isinstance(a, HoldBack) and a.reason == "budget":
-                self._capacity_logged, self._budget_held_back = False, True
-                if not self._budget_logged:
-                    self._budget_logged = True
-                    self.ledger.append(LaunchHeldBack(reason="budget.max_usd", spent_usd=round(snap.spent_usd, 6),
-                                                      usd_per_hour=a.usd_per_hour))
-            elif isinstance(a, Release):   # a move whose old replica leaves now, not once the new one trains
-                rep = self.world.replica_on(a.instance_id)
-                if rep is not None and rep.replica_id in self.world.replicas:
-                    self._draining[rep.replica_id] = time.time()
-                    self._record_move(a.move)
-            elif isinstance(a, Rent):
-                self._capacity_logged = self._budget_held_back = False
-                fut = self._launch(a.quote.offer)
-                if a.move is not None:
-                    self._move_of[fut] = a.move.drain
-                    self._record_move(a.move)
+        self.executor.act(self._snapshot(self.market.quotes(every, time.time())))
 
-    def _record_move(self, move) -> None:
-        self.ledger.append(ReplicaMove(drain_instance_id=move.drain, zone=move.add.offer.zone,
-                                       instance_type=move.add.offer.instance_type,
-                                       usd_per_hour=move.add.offer.usd_per_hour,
-                                       usd_per_mtok_before=round(move.usd_per_mtok_before, 6),
-                                       usd_per_mtok_after=round(move.usd_per_mtok_after, 6)))
+    # -- the executor's host (elastic.executor.Host) ---------------------------------------------
 
-    def _launch(self, offer) -> Future:
-        fut = self._pool.submit(self.providers[offer.cloud].launch, offer, self.run_name, "replica")
-        self._launching[fut] = offer
-        return fut
+    def record(self, event) -> None:
+        self.ledger.append(event)
 
-    _spent_memo = (-1, 0.0, 0.0)   # (ledger events, unix time, USD)
+    def rent(self, quote, move) -> bool:
+        self.rentals.launch(quote.offer, move)
+        return True   # launched in the background: a refusal comes later (`Rentals.collect`)
 
-    def _spent(self, now: float) -> float:
-        """USD spent so far (the ledger priced up to `now`). Rebuilt only when the ledger grew or a
-        second passed: the policy asks on every 0.1 s tick while it wants a node."""
-        n, at, usd = self._spent_memo
-        if n != len(self.ledger.events) or now - at >= 1.0:
-            usd = cost_so_far(self.ledger.events, now)
-            self._spent_memo = (len(self.ledger.events), now, usd)
-        return usd
+    def trains(self, instance_id: str) -> bool:
+        rep = self.world.replica_on(instance_id)
+        return rep is not None and rep.replica_id in self.world.replicas
 
-    def _collect_launches(self) -> None:
-        from elastic.policy import Refusal
-        from providers.base import CapacityError, JoinTimeout
-
-        for fut in [f for f in self._launching if f.done()]:
-            offer = self._launching.pop(fut)
-            replaces = self._move_of.pop(fut, None)
-            try:
-                inst = fut.result()
-            except JoinTimeout as exc:  # rented, never joined, terminated: bill it, rest the offer
-                self._refusals.append(Refusal(offer_key(offer), time.time()))
-                self._record_join_timeout(exc, offer)
-                continue
-            except UserError:   # the recipe or the account setup is wrong: no other offer will do better
-                raise
-            except Exception as exc:  # no capacity, or a VM that failed to come up: the offer rests
-                self._refusals.append(Refusal(offer_key(offer), time.time()))
-                refused = isinstance(exc, CapacityError)
-                failed = CapacityRefused if refused else LaunchFailed
-                self.ledger.append(failed(zone=offer.zone, instance_type=offer.instance_type,
-                                          message=str(exc) if refused else f"{type(exc).__name__}: {str(exc)[:200]}"))
-                continue
-            self._record_launch(inst, offer)
-            if replaces is not None:
-                self._moves[inst.instance_id] = replaces
-            peer = self._link_peer(offer)
-            rep = self.world.start_replica(inst.instance_id, inst.ray_node_id)
-            self.ledger.append(ReplicaStarting(replica=rep.replica_id, instance_id=inst.instance_id))
-            self._joined_at[inst.instance_id] = (site(offer), inst.ray_node_id)
-            if peer is not None:
-                self._pool.submit(self._measure_link, inst.instance_id, site(offer), inst.ray_node_id, *peer)
-
-    def _link_peer(self, offer) -> tuple[str, str, str] | None:
-        """The peer a node joining from `offer` measures its link to: (instance id, site, Ray node)
-        of a held node on another site (a pair the planner prices); None when every held node sits
-        on its own site (a link inside one site costs the planner nothing: not measured)."""
-        return next(((iid, at[0], at[1]) for iid, at in self._joined_at.items()
-                     if at[0] != site(offer) and self.world.replica_on(iid) is not None), None)
-
-    def _measure_link(self, instance_id: str, node_site: str, node_id: str, peer_id: str, peer_site: str,
-                      peer_node: str) -> None:
-        """Measure one link (runs in the launch pool: a few seconds beside training) and record it."""
-        from elastic.linkprobe import measure
-
-        try:
-            got = measure(node_id, peer_node)
-        except Exception as exc:   # either node went meanwhile: nothing measured, nothing lost
-            log.info("link %s -> %s not measured: %s", instance_id, peer_id, exc)
-            return
-        self.ledger.append(LinkMeasured(instance_id=instance_id, peer_instance_id=peer_id, site=node_site,
-                                        peer_site=peer_site, **got))
+    def release(self, instance_id: str) -> None:
+        self._draining[self.world.replica_on(instance_id).replica_id] = time.time()
 
     # -- events ----------------------------------------------------------------------------------
 
@@ -433,15 +252,15 @@ class Driver:
                 if rep.replica_id in self.world.joining:
                     # Not training yet: nothing to save, leave now and stop paying.
                     self.world.drop(rep.replica_id, "notice while joining", phase="setup", rule="notice")
-                    self._record_world(self.world.take_events())
-                    self._terminate(ev.instance_id)
+                    self.record_world(self.world.take_events())
+                    self.terminate(ev.instance_id)
                     continue
                 # End the inner phase early enough to contribute before the node goes.
                 margin_s = max(0.5, 2 * self._last_sync_s)
                 self.world.request_stop(rep.replica_id, ev.deadline - margin_s)
                 self._draining[rep.replica_id] = ev.deadline
             elif ev.kind == "preempted":
-                self._price.pop(ev.instance_id, None)
+                self.prices.gone(ev.instance_id)
                 self.ledger.append(NodePreempted(instance_id=ev.instance_id, with_notice=ev.with_notice,
                                                  replica=rep.replica_id if rep else None))
                 if rep is not None:
@@ -449,48 +268,28 @@ class Driver:
                     lost = self.recipe.train.inner_steps if phase in ("inner", "sync") else 0
                     self.world.drop(rep.replica_id, "preempted" + (" after notice" if ev.with_notice else ""),
                                     phase=phase, lost_inner_steps=lost)
-                    self._record_world(self.world.take_events())
+                    self.record_world(self.world.take_events())
                     self._draining.pop(rep.replica_id, None)
-        self._collect_launches()
+        self.rentals.collect()
         self.ckpt.poll()
-        self._record_prices()
+        if self.prices.poll(self.providers.values()):
+            self._stop_mid_step_for_budget()
         # Replace what was lost or is about to go right away, not at the next step boundary.
         self.decide()
 
-    def _record_prices(self) -> None:
-        """A `node_price` event when the price in effect for a held VM changes (spot prices move)."""
-        now = time.monotonic()
-        if now < self._price_poll_at or not self._price:
-            return
-        self._price_poll_at = now + PRICE_POLL_S
-        rose = False
-        for p in self.providers.values():
-            for iid, usd in p.prices(list(self._price)).items():
-                if iid in self._price and round(usd, 6) != self._price[iid]:
-                    rose |= round(usd, 6) > self._price[iid]
-                    self._price[iid] = round(usd, 6)
-                    self.ledger.append(NodePrice(instance_id=iid, usd_per_hour=round(usd, 6)))
-        if rose:
-            self._stop_mid_step_for_budget()
-
     def _stop_mid_step_for_budget(self) -> None:
-        """A price rose during an inner phase: when the rest of the step (the last step's length
-        less the time it has run) would cross the budget (`policy.stop_for_budget`), every member
-        ends its phase now and syncs what it trained, and the run stops at the step's end, not one
-        step later. (Between steps the check before each step does it; the first step has no
-        length to go by yet.)"""
-        from elastic.policy import stop_for_budget
-
+        """A price rose during an inner phase: when the rest of the step would cross the budget
+        (`PriceWatch.stop_mid_step`), every member ends its phase now and syncs what it trained, and
+        the run stops at the step's end, not one step later. (Between steps the check before each
+        step does it; the first step has no length to go by yet.)"""
         if self._step_started_s is None or self.world.phase != "inner" or self._budget_stop:
             return
-        left_s = max(0.0, self._step_started_s + self._last_step_s - time.time())
-        stop = stop_for_budget(self._snapshot(), left_s)
-        if stop is None:
-            return
-        self._budget_stop = f"{stop.reason}: a price rose during outer step {self.world.outer_step + 1}"
-        now = time.time()
-        for rid in list(self.world.replicas):
-            self.world.request_stop(rid, now)
+        self._budget_stop = self.prices.stop_mid_step(self.policy, self._snapshot(), self._step_started_s,
+                                                      self._last_step_s, self.world.outer_step)
+        if self._budget_stop:
+            now = time.time()
+            for rid in list(self.world.replicas):
+                self.world.request_stop(rid, now)
 
     @property
     def draining(self) -> set[int]:
@@ -507,14 +306,14 @@ class Driver:
         self._step_started_s = time.time()
         try:
             while True:
-                done = self._record_world(self.world.step())
+                done = self.record_world(self.world.step())
                 if done is not None:
                     return done.result
                 self.tick()
         finally:
             self._step_started_s = None
 
-    def _record_world(self, happened: list):
+    def record_world(self, happened: list):
         """Record what the world returned (`World.step`, `World.take_events`); returns its
         `StepDone`, if the step ended."""
         from elastic.world import Loss, PhaseStarted, StepDone, SyncFailure
@@ -536,12 +335,12 @@ class Driver:
         self.ledger.append(ReplicaLost(replica=loss.replica_id, instance_id=loss.instance_id,
                                        reason=loss.reason, rule=loss.rule, phase=loss.phase,
                                        lost_inner_steps=loss.lost_inner_steps, outer_step=self.world.outer_step))
-        self._warn(f"replica {loss.replica_id} on {loss.instance_id} lost ({loss.rule}): {loss.reason}")
+        self.warn(f"replica {loss.replica_id} on {loss.instance_id} lost ({loss.rule}): {loss.reason}")
         self._draining.pop(loss.replica_id, None)
         # A replica lost for any reason other than its node going: release the node too.
-        inst = next((i for i in self._held() if i.instance_id == loss.instance_id), None)
+        inst = next((i for i in self.held() if i.instance_id == loss.instance_id), None)
         if inst is not None and not loss.reason.startswith("preempted"):
-            self._terminate(loss.instance_id)
+            self.terminate(loss.instance_id)
 
     def _record_sync_failed(self, fail) -> None:
         """An outer all-reduce attempt failed (a `world.SyncFailure`): a ledger event and a console
@@ -551,17 +350,18 @@ class Driver:
                                       failures={str(rid): f for rid, f in fail.failures.items()}))
         for rid, f in fail.failures.items():
             what = "could not join the outer group" if f.get("stage") == "connect" else "failed in the all-reduce"
-            self._warn(f"outer step {fail.outer_step}, attempt {fail.attempt}: replica {rid} ({f.get('addr')}) "
+            self.warn(f"outer step {fail.outer_step}, attempt {fail.attempt}: replica {rid} ({f.get('addr')}) "
                        f"{what}: {f.get('error')}")
 
-    def _warn(self, text: str) -> None:
+    def warn(self, text: str) -> None:
         """A line on the console (the run's view) and in driver.log."""
         log.warning("%s", text)
         if self._view is not None:
             self._view.warn(text)
 
-    def _terminate(self, instance_id: str) -> None:
-        self._price.pop(instance_id, None)
+    def terminate(self, instance_id: str) -> None:
+        """Release the VM `instance_id` now (ledger: `node_released`)."""
+        self.prices.gone(instance_id)
         for p in self.providers.values():
             if any(i.instance_id == instance_id for i in p.list_instances(self.run_name)):
                 p.terminate(instance_id)
@@ -574,7 +374,7 @@ class Driver:
         later boundary, once the copy is complete (`World.admit_copied`); the world keeps stepping."""
         joined = self.world.admit_copied()
         ready = self.world.ready_joiners()
-        self._record_world(self.world.take_events())   # joiners (or donors) lost on the way
+        self.record_world(self.world.take_events())   # joiners (or donors) lost on the way
         for rep in ready:
             if self._resume_from is not None and not self.world.replicas and self.world.outer_step == 0:
                 # --resume: the first replica loads the checkpoint (DCP reshards it to this world's
@@ -593,7 +393,7 @@ class Driver:
                 source = "initial state"
             elif not self.world.replicas:
                 self._restored = True
-                after, self._after_pause = ("pause" if self._after_pause else "loss"), False
+                after, self.pauser.after_pause = ("pause" if self.pauser.after_pause else "loss"), False
                 source, manifest = self._admit_from_checkpoint(rep)
                 if manifest is not None:
                     self.ledger.append(WorldRestored(from_step=manifest["step"], uri=self.ckpt.uri, after=after))
@@ -607,7 +407,7 @@ class Driver:
                     self.ledger.append(WorldRestored(from_step=0, uri=None, after=after))
             else:
                 copying = self.world.begin_copy(rep)
-                self._record_world(self.world.take_events())   # a donor lost exporting its state
+                self.record_world(self.world.take_events())   # a donor lost exporting its state
                 if copying:
                     self.ledger.append(ReplicaCopying(replica=rep.replica_id, instance_id=rep.instance_id,
                                                       donor=rep.copy.donor, outer_step=self.world.outer_step))
@@ -622,7 +422,7 @@ class Driver:
 
     def _drain_replaced(self, instance_id: str) -> None:
         """A moved replica's replacement trains now: the old one drains at the next step boundary."""
-        old = self.world.replica_on(self._moves.pop(instance_id, ""))
+        old = self.world.replica_on(self.rentals.replaced_by(instance_id) or "")
         if old is not None and old.replica_id in self.world.replicas:
             self._draining[old.replica_id] = time.time()
 
@@ -657,18 +457,18 @@ class Driver:
         waited = False
         while True:
             self.tick()
-            if self._pause is not None:
-                self._pause_world(view)
+            if self.executor.state.pause is not None:
+                self.pauser.take_effect(view)
             self.admit_joiners()
             alive = len(self.world.replicas)
             # At start, wait for every replica already on its way, so all begin together.
-            if alive >= w.min_replicas and (self.world.outer_step > 0 or not (self.world.joining or self._launching)):
-                self._unpaused = False
+            if alive >= w.min_replicas and (self.world.outer_step > 0 or not (self.world.joining or self.rentals.under_way)):
+                self.executor.state.unpaused = False
                 if waited:
                     self.ledger.append(CapacityWaitEnded(waited_s=round(time.monotonic() - start, 3),
                                                          replicas=alive))
                 return True
-            if self._paused:   # a pause is no capacity shortage: no clock, no giving up
+            if self.executor.state.paused:   # a pause is no capacity shortage: no clock, no giving up
                 if waited:
                     self.ledger.append(CapacityWaitEnded(waited_s=round(time.monotonic() - start, 3),
                                                          replicas=alive))
@@ -677,15 +477,15 @@ class Driver:
                 if reason:   # budget.max_hours passed while paused (no price to unpause on)
                     self._budget_stop = f"{reason} (while paused)"
                     return True
-                view.phase(self._paused_line())
+                view.phase(self.pauser.line(self.executor.state.prices))
                 self._wait_a_little()
                 continue
-            if not waited and self.world.outer_step > 0 and not self._unpaused:
+            if not waited and self.world.outer_step > 0 and not self.executor.state.unpaused:
                 self.ledger.append(CapacityWaitStarted(replicas=alive, min_replicas=w.min_replicas))
                 waited = True
             # The clock runs only while even the replicas on their way would not be enough.
             on_way = alive + len(self.world.joining)   # launches may be refused: they do not count
-            if self._budget_held_back and on_way < w.min_replicas and not self._launching:
+            if self.executor.state.budget_held_back and on_way < w.min_replicas and not self.rentals.under_way:
                 # The budget cannot pay for enough nodes: no point waiting.
                 if waited:
                     self.ledger.append(CapacityWaitEnded(waited_s=round(time.monotonic() - start, 3),
@@ -700,69 +500,11 @@ class Driver:
                 return False
             if self.world.outer_step == 0:
                 view.phase(f"starting: {alive} replica(s) ready, {len(self.world.joining)} starting, "
-                           f"{len(self._launching)} node(s) renting")
+                           f"{len(self.rentals.under_way)} node(s) renting")
             else:
                 view.phase(f"waiting for capacity: {alive} of at least {w.min_replicas} replica(s) alive, "
-                           f"{len(self.world.joining)} joining, {len(self._launching)} renting")
+                           f"{len(self.world.joining)} joining, {len(self.rentals.under_way)} renting")
             self._wait_a_little()
-
-    def _pause_world(self, view) -> None:
-        """A `policy.Pause` takes effect, at an outer-step boundary: the progress not saved yet is
-        checkpointed and made durable, then every replica leaves and every replica VM the run
-        holds is released. The world waits, not against world.capacity_timeout_s, until
-        `policy.Unpause`; its first joiner then restores the checkpoint (`world_restored`, after
-        `pause`). Without a durable checkpoint of this outer step nothing is released: training
-        goes on and the pause is tried again at the next step (once per step)."""
-        w = self.world
-        if w.replicas and w.outer_step > 0:
-            if self._pause_tried_step == w.outer_step:
-                return
-            self._pause_tried_step = w.outer_step
-            if not self._saved_durably(view):
-                self._warn(f"pause put off: no durable checkpoint of outer step {w.outer_step} could be written "
-                           "(see checkpoint events in the ledger); training goes on, the pause is tried again "
-                           "at the next outer step")
-                return
-        p, self._pause = self._pause, None
-        self._after_pause = w.outer_step > 0 and bool(w.replicas)
-        for rid in list(w.joining):   # none in practice: the policy pauses a world with nothing joining
-            w.drop(rid, "the run paused", phase="setup", rule="pause")
-        self._record_world(w.take_events())
-        for rid, rep in list(w.replicas.items()):
-            w.release(rid)
-            self.ledger.append(ReplicaDrained(replica=rid, instance_id=rep.instance_id, outer_step=w.outer_step,
-                                              steps_done=None))
-            self._terminate(rep.instance_id)
-        for inst in self._held():     # replica VMs that never joined (a controller stays)
-            if inst.role == "replica":
-                self._terminate(inst.instance_id)
-        self._draining.clear()
-        self._moves.clear()
-        self._move_of.clear()
-        self.ledger.append(WorldPaused(outer_step=w.outer_step, usd_per_mtok=round(p.usd_per_mtok, 6),
-                                       threshold_usd_per_mtok=round(p.threshold_usd_per_mtok, 6), need=round(p.need, 4)))
-        self._paused_at = time.time()
-
-    def _saved_durably(self, view) -> bool:
-        """The world's progress is in a complete checkpoint at `checkpoint.uri`: saved now when the
-        checkpoint rule says so, or again when the newest complete one is older (a save or an
-        upload of this step failed)."""
-        step = self.world.outer_step
-        self._checkpoint_if_due(view, ending=True)
-        self.finish_checkpoints(view)
-        for attempt in range(2):
-            found, _ = self.ckpt.candidates()
-            if found and found[0]["step"] == step:
-                return True
-            if attempt == 0:
-                self.checkpoint(view)
-                self.finish_checkpoints(view)
-        return False
-
-    def _paused_line(self) -> str:
-        """The console's phase line while paused: the market's price last seen, the price it trains at."""
-        last = f"${self._prices[-1][0]:.4f} per 1M tokens" if self._prices else "no price yet"
-        return f"paused while the market is dear ({last}); every replica VM released, training resumes when it falls"
 
     def _wait_a_little(self) -> None:
         """Block briefly on whatever can change next: a joiner's setup or a launch."""
@@ -804,13 +546,13 @@ class Driver:
         try:
             while not world.done():
                 self.tick()
-                if self._pause is not None:
-                    self._pause_world(view)
+                if self.executor.state.pause is not None:
+                    self.pauser.take_effect(view)
                 self.admit_joiners()
                 if not self.wait_for_capacity(view):
                     self.end_message = self._capacity_message()
-                    self._checkpoint_if_due(view, ending=True)
-                    if self._budget_held_back:
+                    self.checkpoint_if_due(view, ending=True)
+                    if self.executor.state.budget_held_back:
                         ledger.append(BudgetExhausted(
                             outer_step=world.outer_step,
                             reason=f"budget.max_usd (${recipe.budget.max_usd:.2f}) cannot pay for "
@@ -822,7 +564,7 @@ class Driver:
                 reason = self._budget_stop or self._over_budget(last_step_s)
                 if reason:
                     ledger.append(BudgetExhausted(reason=reason, outer_step=world.outer_step))
-                    self._checkpoint_if_due(view, ending=True)
+                    self.checkpoint_if_due(view, ending=True)
                     return "budget_exhausted"
                 members = sorted(world.replicas)
                 if members != self._members:
@@ -851,9 +593,9 @@ class Driver:
                 self._write_metrics(res)
                 if self._budget_stop:   # a price rise ended this step early: stop now, its work saved
                     ledger.append(BudgetExhausted(reason=self._budget_stop, outer_step=world.outer_step))
-                    self._checkpoint_if_due(view, ending=True)
+                    self.checkpoint_if_due(view, ending=True)
                     return "budget_exhausted"
-                saved = self._checkpoint_if_due(view)   # before the replicas leaving go: they may be all there is
+                saved = self.checkpoint_if_due(view)   # before the replicas leaving go: they may be all there is
                 if saved is not None and saved.reason == "leaving":
                     # Saved from a leaving replica (there is no other): durable before its node goes.
                     self.finish_checkpoints(view)
@@ -877,7 +619,7 @@ class Driver:
                 self._draining.pop(rid)
                 self.ledger.append(ReplicaDrained(replica=rid, instance_id=rep.instance_id,
                                                   outer_step=res.outer_step, steps_done=res.steps_done.get(rid)))
-                self._terminate(rep.instance_id)
+                self.terminate(rep.instance_id)
 
     def _write_metrics(self, res) -> None:
         """Training curves: one line per inner step (mean loss over the world)."""
@@ -909,18 +651,14 @@ class Driver:
         view.validation(self.world.outer_step, loss, ppl)
 
     def _over_budget(self, next_step_s: float) -> str | None:
-        """Why the next outer step must not start (`policy.stop_for_budget`), or None."""
-        from elastic.policy import stop_for_budget
-
-        stop = stop_for_budget(self._snapshot(), next_step_s)
+        """Why the next outer step must not start (`Policy.stop_for_budget`), or None."""
+        stop = self.policy.stop_for_budget(self._snapshot(), next_step_s)
         return stop.reason if stop else None
 
-    def _checkpoint_if_due(self, view, ending: bool = False):
-        """Checkpoint when the policy says (`policy.checkpoint_due`; `ending`: the run stops now)
+    def checkpoint_if_due(self, view, ending: bool = False):
+        """Checkpoint when the policy says (`Policy.checkpoint_due`; `ending`: the run stops now)
         and a replica is there to save it; returns the `policy.Checkpoint` taken, or None."""
-        from elastic.policy import checkpoint_due
-
-        due = checkpoint_due(self._snapshot(), ending) if self.world.replicas else None
+        due = self.policy.checkpoint_due(self._snapshot(), ending) if self.world.replicas else None
         if due is not None:
             self.checkpoint(view)
         return due
@@ -959,10 +697,9 @@ class Driver:
                 log.exception("world shutdown")
         for p in self.providers.values():
             p.stop_launches()   # VMs still booting give up waiting now
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self.rentals is not None:
+            self.rentals.shutdown()
         if self.providers:
-            if self.world is not None:
-                self._collect_launches_quietly()
             for p in self.providers.values():
                 for inst in p.list_instances(self.run_name):
                     try:
@@ -1011,38 +748,12 @@ class Driver:
         except Exception:
             log.exception("saving the preemption history")
 
-    def _collect_launches_quietly(self) -> None:
-        """Launches that finished during shutdown: record them so their release is priced."""
-        from providers.base import JoinTimeout
-
-        for fut in list(self._launching):
-            offer = self._launching.pop(fut)
-            if not fut.done() or fut.cancelled():
-                continue
-            if fut.exception() is None:
-                self._record_launch(fut.result(), offer)
-            elif isinstance(fut.exception(), JoinTimeout):
-                self._record_join_timeout(fut.exception(), offer)
-
-    def _record_launch(self, inst, offer, joined: bool = True) -> None:
-        if joined:
-            self._price[inst.instance_id] = round(offer.usd_per_hour, 6)
-        self.ledger.append(NodeLaunched.of(offer, instance_id=inst.instance_id, ray_node_id=inst.ray_node_id,
-                                           role=inst.role, launched_at=inst.launched_at, joined=joined))
-
-    def _record_join_timeout(self, exc, offer) -> None:
-        """A VM that was rented but never joined: launched, timed out, released (billed between)."""
-        self._record_launch(exc.instance, offer, joined=False)
-        if exc.waited_s >= exc.timeout_s:   # not when the run stopped while it was still booting
-            self.ledger.append(NodeJoinTimeout(instance_id=exc.instance.instance_id, timeout_s=exc.timeout_s))
-        self.ledger.append(NodeReleased(instance_id=exc.instance.instance_id, released_at=exc.released_at))
-
     def _capacity_message(self) -> str | None:
         """One line on why capacity never came: every offer at its known capacity, or (when no
         node ever joined) join timeouts and refused launches."""
         events = self.ledger.events
         held_back = [e for e in events if e["type"] == LaunchHeldBack.TYPE and e["reason"] == "capacity"]
-        if held_back and self._capacity_logged:   # the shortage is still on
+        if held_back and self.executor.state.capacity_logged:   # the shortage is still on
             return (f"no capacity: {held_back[-1]['message']} (room for {held_back[-1]['held']} replica(s); "
                     f"world.min_replicas is {self.recipe.world.min_replicas})")
         if any(e["type"] == ReplicaJoined.TYPE for e in events):

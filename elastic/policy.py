@@ -1,9 +1,13 @@
-"""The rental policy: what to rent, move, hold back or stop, as a pure function of a snapshot.
+"""Rental policies: what to rent, move, hold back or stop, as a pure function of a snapshot.
 
-`decide(snapshot)` returns actions; the driver executes them against the providers and the world,
-`elastic simulate` against a trace. Nothing here reads a clock, does I/O or talks to a cloud: the
-snapshot carries the time, what is held, what is offered (quoted by the market, its learnt risks
-included), how far the run is and what it has spent. The rules, each written once:
+A `Policy` decides from a `Snapshot` and returns actions (`Rent`, `Release`, ...); one executor
+(`elastic.executor`) carries them out, for the driver against the providers and the world, for
+`elastic simulate` against a trace. Policies are chosen by name from `elastic.policies.POLICIES`
+(the recipe's `planner.policy`, `elastic simulate --policy`). Nothing here reads a clock, does I/O
+or talks to a cloud: the snapshot carries the time, what is held, what is offered (quoted by the
+market, its learnt risks included), how far the run is, what it has spent and what the policy
+carried over from its last decisions (fed back by the executor). The `elastic` policy's rules
+(`ElasticPolicy`; the baselines are in `elastic.baselines`), each written once:
 
 - **cooldown**: an offer that refused capacity (or whose VM failed to come up) rests
   `planner.capacity_cooldown_s` from the refusal;
@@ -47,6 +51,7 @@ import dataclasses
 import math
 import statistics
 from dataclasses import dataclass
+from typing import ClassVar
 
 from elastic import billing
 from elastic.market import Key, Quote, offer_key
@@ -125,6 +130,7 @@ class Snapshot:
             far, oldest first (`PriceSeen`; at most `PRICE_HISTORY`).
         priced_at_s: when the last sample was taken.
         paused: the policy paused the run (`Pause`) and has not unpaused it.
+        place: where a whole-job baseline keeps its world (`Place`); None: not chosen yet.
     """
 
     recipe: object
@@ -144,6 +150,7 @@ class Snapshot:
     prices: tuple[tuple[float, float, str], ...] = ()
     priced_at_s: float = float("-inf")
     paused: bool = False
+    place: Offer | None = None
 
 
 @dataclass(frozen=True)
@@ -267,9 +274,70 @@ class Unpause:
     pace: Pace
 
 
-Action = Rent | Release | Retarget | Replan | HoldBack | PriceSeen | Pause | Unpause   # what `decide` returns
+@dataclass(frozen=True)
+class Place:
+    """A whole-job baseline keeps its world on `offer` from now (None: nothing fits): kept in
+    `Snapshot.place`."""
+
+    offer: Offer | None
+
+
+Action = Rent | Release | Retarget | Replan | HoldBack | PriceSeen | Pause | Unpause | Place   # what `decide` returns
 # `stop_for_budget` and `checkpoint_due` return the other two (StopForBudget, Checkpoint): each is
 # asked at its own moment of an outer step, `decide` whenever the world may need capacity.
+
+
+class Policy:
+    """A rental policy: decides from snapshots, never from a clock or a cloud. To add one, subclass
+    this, give it a `name`, and list an instance in `elastic.policies.POLICIES`; the recipe's
+    `planner.policy` and `elastic simulate --policy` then pick it by that name.
+
+    Declared as data, for the simulator's model of the job (and the driver's check that it can
+    run it):
+        name: the registry's name.
+        spot: the offers it is quoted: spot (True), on-demand (False), or the recipe's
+            resources.spot (None).
+        whole_job: a synchronous job of a fixed world (`baselines.whole_world`): any loss stops it
+            until it is whole again, and it restarts from its last checkpoint. False: DiLoCo's
+            survivors keep training (the driver runs only these).
+        moves_on_loss: with `whole_job`, a loss releases every VM, so the next decision places the
+            world afresh.
+    """
+
+    name: ClassVar[str]
+    spot: ClassVar[bool | None] = None
+    whole_job: ClassVar[bool] = False
+    moves_on_loss: ClassVar[bool] = False
+
+    def due(self, s: Snapshot) -> bool:
+        """Whether `decide` may do anything now, judged without the offers (`s.quotes` unread:
+        reading offers costs the driver a cloud API call)."""
+        return True
+
+    def decide(self, s: Snapshot) -> list[Action]:
+        """The actions to take now, in order."""
+        raise NotImplementedError
+
+    def stop_for_budget(self, s: Snapshot, span_s: float) -> StopForBudget | None:
+        """Whether the run must end before the next `span_s` seconds (asked before each outer step)."""
+        return stop_for_budget(s, span_s)
+
+    def checkpoint_due(self, s: Snapshot, ending: bool = False) -> Checkpoint | None:
+        """Whether to checkpoint at this outer-step boundary (`ending`: the run stops now)."""
+        return checkpoint_due(s, ending)
+
+
+class ElasticPolicy(Policy):
+    """The project's policy: the rules of this module (`due`, `decide`), for a world whose DiLoCo
+    survivors train through a preemption."""
+
+    name = "elastic"
+
+    def due(self, s: Snapshot) -> bool:
+        return due(s)
+
+    def decide(self, s: Snapshot) -> list[Action]:
+        return decide(s)
 
 
 # -- the rules -------------------------------------------------------------------------------------

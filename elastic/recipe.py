@@ -404,6 +404,23 @@ class PlannerSection(_Section):
     """Billing increment of a VM, seconds: a launch is allowed only when the spend so far plus every
     held VM and the new one for one increment stays within `budget.max_usd`. Empty: the cloud's
     (60 s, the minimum AWS and GCP bill; 1 s for the `local` market, billed per second)."""
+    policy: str = "elastic"
+    """The rental policy, by its name in the registry (`elastic.policies`): `elastic`, the project's
+    (the rules above: DiLoCo's survivors train through a preemption, replicas move as prices do),
+    or a baseline it is compared with (`on-demand`, `spot-static`, `skypilot-like`: whole jobs that
+    restart from their last checkpoint after any loss), which only `elastic simulate` runs.
+    `elastic simulate` runs this one first, then every other registered one."""
+
+    @model_validator(mode="after")
+    def _check_policy(self) -> "PlannerSection":
+        from elastic.errors import UserError
+        from elastic.policies import policy
+
+        try:
+            policy(self.policy)
+        except UserError as exc:
+            raise ValueError(f"@policy: {exc}") from None
+        return self
 
 
 class CheckpointSection(_Section):

@@ -1,30 +1,30 @@
-"""`elastic simulate`: rental policies replayed on a price/preemption trace, in simulated time.
+"""`elastic simulate`: rental policies (`elastic.policies`) replayed on a price/preemption trace, in
+simulated time.
 
 No training runs: a replica trains `planner.tokens_per_s` (the recipe's figure), in inner phases of
 `train.inner_steps × batch_size × seq_len` tokens. Preemptions are drawn from the trace's
 `preempt_per_hour` with a seeded generator; capacity is the trace's; a spot VM on `aws` gets a
-120 s notice and on `gcp` 30 s (its provider's `notice_s`). The `elastic` policy is the driver's:
-each decision is `policy.decide` on a snapshot of the simulated run (the market's learnt risks and
-region cool-downs, the planner, the cooldown, re-plan and budget rules), its actions executed
-against the trace. VMs bill through `elastic.billing` at the trace's prices; the budget
-(`policy.stop_for_budget`) is checked before every phase and wait and at every change of a held
+120 s notice and on `gcp` 30 s (its provider's `notice_s`). Each decision is the policy's, on a
+snapshot of the simulated run, and the driver's executor (`elastic.executor`) carries it out against
+the trace (`_Run` is its host). VMs bill through `elastic.billing` at the trace's prices; the budget
+(`Policy.stop_for_budget`) is checked before every phase and wait and at every change of a held
 VM's price, so no run ends above `budget.max_usd`. Every policy checkpoints when
-`policy.checkpoint_due` says (at each phase's end; a restore goes back to the newest).
+`Policy.checkpoint_due` says (at each phase's end; a restore goes back to the newest).
 
-Policies:
-- `elastic`: the planner's placement; DiLoCo survivors keep training through a preemption. A
-  replica lost without notice loses its inner phase; with a notice longer than twice the sync, the
-  world ends that phase early and syncs, the noticed replica's partial phase included (as the
-  driver does). Replacements are rented where the planner says, replicas move when a clearly
-  cheaper offer appears. Under the pause rule (budget.max_hours, `planner.pauses`) it samples the
-  market's price when the driver would (`planner.price_sample_s`), and a `Pause` takes effect at the
-  next outer-step boundary: a checkpoint, every VM released, the wait not counted against
-  world.capacity_timeout_s; after `Unpause` the world restarts from that checkpoint.
-- `on-demand`: the cheapest single region, on-demand, never preempted.
-- `spot-static`: the cheapest spot offer at the start, never moves; a preemption stops the job,
-  which restarts from its last checkpoint once the lost VM is replaced in the same place.
-- `skypilot-like`: the cheapest spot offer at the start; a preemption restarts the whole job from
-  its last checkpoint in the next-cheapest other region (SkyPilot's EAGER_NEXT_REGION).
+Two models of the job, by the policy's `whole_job`:
+- an elastic world (`_elastic_world`; the `elastic` policy): DiLoCo survivors keep training through
+  a preemption. The snapshot quotes the offers through the market (its learnt risks and region
+  cool-downs). A replica lost without notice loses its inner phase; with a notice longer than twice
+  the sync, the world ends that phase early and syncs, the noticed replica's partial phase included,
+  as in the driver. A move's old replica leaves at the step boundary, or once its replacement trains.
+  Under the pause rule (budget.max_hours, `planner.pauses`) the policy is asked at each price sample
+  (`planner.price_sample_s`), in a phase too, and a `Pause` takes effect at the next outer-step
+  boundary: a checkpoint, every VM released, the wait not counted against world.capacity_timeout_s;
+  after `Unpause` the world restarts from that checkpoint.
+- a whole job (`_whole_job`; the baselines of `elastic.baselines`): a fixed world that trains only
+  when every VM is up; any loss stops it, and it restarts from its last checkpoint once whole again
+  (with `moves_on_loss`, every VM is released first). The snapshot quotes the trace's offers as
+  they are.
 """
 
 from __future__ import annotations
@@ -37,16 +37,17 @@ import random
 
 from elastic import billing
 from elastic.errors import UserError
-from elastic.events import (CapacityRefused, CheckpointSaved, NodeLaunched, NodePreempted, NodePrice, NodeReleased, Role,
-                            ReplicaMove, WorldPaused, WorldUnpaused)
-from elastic.market import Market, Quote, offer_key, recipe_tokens_per_s
-from elastic.planner import Progress, allowed, evaluate, run_tokens, tokens_per_phase
-from elastic.policy import (HoldBack, Node, Pause, PriceSeen, Refusal, Release, Rent, Replan, Retarget, Snapshot,
-                            Unpause, checkpoint_due, decide, launch_fits_budget, pauses, stop_for_budget)
+from elastic.baselines import whole_world
+from elastic.events import (CapacityRefused, CheckpointSaved, NodeLaunched, NodePreempted, NodePrice, NodeReleased,
+                            ReplicaMove, Role, WorldPaused)
+from elastic.executor import Executor
+from elastic.market import Market, Quote, offer_key
+from elastic.planner import Move, Progress, evaluate, run_tokens, tokens_per_phase
+from elastic.policies import POLICIES, policy
+from elastic.policy import Node, Policy, Snapshot, pauses
 from providers import notice_s
 from providers.base import Offer
 
-POLICIES = ("elastic", "on-demand", "spot-static", "skypilot-like")
 WAIT_S = 300.0                 # simulated seconds between looks at the market while nothing runs
 DEFAULT_HORIZON_S = 60 * 86400  # without budget.max_hours, a run gives up after 60 simulated days
 
@@ -131,11 +132,12 @@ class _Node:
 
 
 class _Run:
-    """Simulated time, the VMs held, the bill and the ledger-shaped events of one policy's run."""
+    """Simulated time, the VMs held, the bill and the ledger-shaped events of one policy's run; the
+    executor's host (`executor.Host`: `record`, `rent`, `trains`, `release`)."""
 
-    def __init__(self, recipe, market: TraceMarket, seed: int, policy: str):
+    def __init__(self, recipe, market: TraceMarket, seed: int, policy: Policy):
         self.recipe, self.market, self.policy = recipe, market, policy
-        self.rng = random.Random(f"{seed}:{policy}")
+        self.rng = random.Random(f"{seed}:{policy.name}")
         self.t = 0.0
         self.closed_usd = 0.0   # the bill of the VMs already gone
         self.tokens = 0
@@ -143,11 +145,11 @@ class _Run:
         self.phases = 0
         self.ckpt_phases = 0
         self.ckpt_kept = 0
-        self.refused: str | None = None   # why the last launch was refused: "budget" or "capacity"
         self.nodes: dict[str, _Node] = {}
+        self.leaving: dict[str, None] = {}   # released by the policy mid-phase: they go at the step boundary, in order
+        self.in_phase = False            # a phase is under way: a replica released leaves at its end
         self.events: list[dict] = []
         self.preemptions = 0
-        self.moves = 0
         self.useful_node_s = 0.0
         self.rented_node_s = 0.0
         self.kept: list[tuple[float, float, list[Offer], int]] = []   # (start_s, end_s, members, tokens)
@@ -177,34 +179,58 @@ class _Run:
     def now_offer(self, node: _Node) -> Offer:
         return dataclasses.replace(node.offer, usd_per_hour=self.price(node), read_at=self.t)
 
-    def rate_usd_per_hour(self) -> float:
-        return sum(self.price(n) for n in self.nodes.values())
+    # -- the executor's host -----------------------------------------------------------------------
 
-    def launch(self, offer: Offer) -> str | None:
-        """Rent one VM now (None: refused for capacity, recorded as a capacity error)."""
-        self.refused = None
+    def record(self, event) -> None:
+        self.events.append(event.record(self.t))
+
+    def rent(self, quote: Quote, move: Move | None) -> bool:
+        """Rent one VM now (False: refused for capacity, recorded as a capacity error); with `move`
+        it replaces `move.drain` once it trains (`hand_over`)."""
+        offer = quote.offer
         st = self.market.state(offer.zone, offer.instance_type, self.t)
         held = sum(1 for n in self.nodes.values() if offer_key(n.offer) == offer_key(offer))
         if offer.spot and st.capacity is not None and held >= st.capacity:
-            self.events.append(CapacityRefused(zone=offer.zone, instance_type=offer.instance_type,
-                                               message="the trace's capacity is held").record(self.t))
-            self.refused = "capacity"
-            return None
+            self.record(CapacityRefused(zone=offer.zone, instance_type=offer.instance_type,
+                                        message="the trace's capacity is held"))
+            return False
         iid = f"sim-{next(self._ids):05d}"
-        self.nodes[iid] = _Node(iid, offer, self.t, self.t + self.recipe.planner.recovery_s)
-        self.events.append(NodeLaunched.of(offer, instance_id=iid, ray_node_id=None, role=Role.REPLICA,
-                                           launched_at=self.t, joined=True).record(self.t))
-        return iid
+        self.nodes[iid] = _Node(iid, offer, self.t, self.t + self.recipe.planner.recovery_s,
+                                drain_for=move.drain if move is not None else None)
+        self.record(NodeLaunched.of(offer, instance_id=iid, ray_node_id=None, role=Role.REPLICA,
+                                    launched_at=self.t, joined=True))
+        return True
+
+    def hand_over(self) -> None:
+        """A moved replica leaves once its replacement trains."""
+        for n in [n for n in self.nodes.values() if n.drain_for]:
+            if n.ready_at <= self.t:
+                self.drop(n.drain_for)
+                n.drain_for = None
+            elif n.drain_for not in self.nodes:
+                n.drain_for = None
+
+    def trains(self, iid: str) -> bool:
+        return iid in self.nodes
 
     def release(self, iid: str) -> None:
+        """Let the VM `iid` go: at the phase's end when one is under way (`in_phase`), else now."""
+        if self.in_phase:
+            self.leaving[iid] = None
+        else:
+            self.drop(iid)
+
+    def drop(self, iid: str) -> None:
+        """Release the VM `iid` now."""
         node = self.nodes.pop(iid, None)
         if node is not None:
             self.closed_usd += self.usd(node, self.t, ended=True)
-            self.events.append(NodeReleased(instance_id=iid).record(self.t))
+            self.record(NodeReleased(instance_id=iid))
 
     def release_all(self) -> None:
         for iid in list(self.nodes):
-            self.release(iid)
+            self.drop(iid)
+        self.leaving.clear()
 
     def snapshot(self, **fields) -> Snapshot:
         """What the policy sees now (`fields`: the rest of `policy.Snapshot`)."""
@@ -216,7 +242,7 @@ class _Run:
     def affordable(self, dt: float) -> bool:
         """The next `dt` seconds stay within the budget (`policy.stop_for_budget`) and, without
         budget.max_hours, the simulator's horizon."""
-        if stop_for_budget(self.snapshot(), dt):
+        if self.policy.stop_for_budget(self.snapshot(), dt):
             self.status = "budget_exhausted"
             return False
         if self.t + dt > self.horizon_s:
@@ -284,7 +310,7 @@ class _Run:
                       for n in self.nodes.values())
         snap = Snapshot(self.recipe, self.t, nodes=nodes + leaving, checkpointed_step=self.ckpt_phases,
                         progress=Progress(self.tokens, self.phases, self.t / 3600))
-        if checkpoint_due(snap, ending) is None:
+        if self.policy.checkpoint_due(snap, ending) is None:
             return
         self.ckpt_tokens, self.ckpt_phases, self.ckpt_kept = self.tokens, self.phases, len(self.kept)
         self.events.append(CheckpointSaved(step=self.phases, stall_s=0.0, write_s=0.0, local="",
@@ -303,34 +329,30 @@ class _Run:
         has more than world.max_replicas members: every policy's figures (and bench/foresight.py's
         floor) rest on it, so a policy that broke it is a bug, raised here."""
         if len(members) > self.recipe.world.max_replicas:
-            raise RuntimeError(f"{self.policy}: a phase of {len(members)} replicas at t={self.t:.0f} s, "
+            raise RuntimeError(f"{self.policy.name}: a phase of {len(members)} replicas at t={self.t:.0f} s, "
                                f"over world.max_replicas {self.recipe.world.max_replicas}")
         return evaluate(self.quotes_of(members), self.recipe)
 
     def result(self) -> dict:
         tokens = min(self.tokens, self.target_tokens)
-        return {"policy": self.policy, "status": self.status or "completed", "cost_usd": round(self.spent, 4),
+        return {"policy": self.policy.name, "status": self.status or "completed", "cost_usd": round(self.spent, 4),
                 "tokens": tokens, "usd_per_mtok": round(self.spent / tokens * 1e6, 4) if tokens else None,
-                "wall_h": round(self.t / 3600, 4), "preemptions": self.preemptions, "moves": self.moves,
+                "wall_h": round(self.t / 3600, 4), "preemptions": self.preemptions,
+                "moves": sum(e["type"] == ReplicaMove.TYPE for e in self.events),
                 "effective_training_time": round(self.useful_node_s / self.rented_node_s, 4)
                 if self.rented_node_s else None}
 
 
-# -- policies ---------------------------------------------------------------------------------------
+# -- the two models of a job ------------------------------------------------------------------------
 
-def _elastic(run: _Run) -> None:
-    """The driver's policy (`policy.decide`) on the trace: its actions run against the trace at
-    once (a launch the trace's capacity refuses is a capacity error, as a provider's would be)."""
+def _elastic_world(run: _Run) -> None:
+    """A world whose DiLoCo survivors train through a preemption, run by the policy (the `elastic`
+    one: the driver's) on the trace: its actions are carried out at once (a launch the trace's
+    capacity refuses is a capacity error, as a provider's would be)."""
     recipe = run.recipe
     w = recipe.world
     market = Market(recipe.planner)
-    state = {"target": 0, "planned": False, "last_replan": 0.0,   # as the driver: the first re-plan one interval in
-             "prices": (), "priced_at": -math.inf,
-             "paused": False,     # the policy paused (the pause may not have taken effect yet)
-             "pause": None,       # a Pause waiting for the next outer-step boundary
-             "paused_at": None}   # when the pause took effect (every VM released)
-    refusals: list[Refusal] = []
-    leaving: set[str] = set()   # released by the policy mid-phase: they go at the step boundary
+    ex = Executor(run.policy, run, recipe, started_s=0.0)   # as the driver: the first re-plan one interval in
     sample_s = recipe.planner.price_sample_s if pauses(recipe) else None
 
     def to_next_sample() -> float:
@@ -338,106 +360,49 @@ def _elastic(run: _Run) -> None:
         ticks take one every planner.price_sample_s, in a phase and while waiting alike."""
         if not sample_s:
             return math.inf
-        due_at = state["priced_at"] + sample_s
+        due_at = ex.state.priced_at_s + sample_s
         return due_at - run.t if due_at > run.t + 1e-6 else sample_s
     short_since = None
 
-    def record_move(move) -> None:
-        run.events.append(ReplicaMove(drain_instance_id=move.drain, zone=move.add.offer.zone,
-                                      instance_type=move.add.offer.instance_type,
-                                      usd_per_hour=move.add.offer.usd_per_hour,
-                                      usd_per_mtok_before=round(move.usd_per_mtok_before, 6),
-                                      usd_per_mtok_after=round(move.usd_per_mtok_after, 6)).record(run.t))
-
     def act(horizon_s: float) -> None:
         """Ask the policy and do what it says, again after each refused launch (the refusal rests
-        that offer), as the driver does on its next tick."""
+        that offer), as the driver does on its next tick. `horizon_s`: the rest of the phase under
+        way (0: at a step boundary)."""
+        run.in_phase = bool(horizon_s)
         for _ in range(len(run.market.offers(run.t, recipe.resources.spot)) + 1):
             market.observe(run.events)
             moving = {n.drain_for for n in run.nodes.values() if n.drain_for}
             nodes = tuple(Node(n.iid, market.quote(run.now_offer(n), run.t), n.launched_at,
-                               ready=n.ready_at <= run.t, leaving=n.iid in leaving, moving=n.iid in moving)
+                               ready=n.ready_at <= run.t, leaving=n.iid in run.leaving, moving=n.iid in moving)
                           for n in run.nodes.values())
             snap = run.snapshot(nodes=nodes,
                                 quotes=tuple(market.quotes(run.market.offers(run.t, recipe.resources.spot), run.t)),
-                                refusals=tuple(refusals), target_replicas=state["target"],
-                                planned=state["planned"], last_replan_s=state["last_replan"],
-                                budget_horizon_s=horizon_s, prices=state["prices"],
-                                priced_at_s=state["priced_at"], paused=state["paused"])
-            refused = False
-            for a in decide(snap):
-                if isinstance(a, Retarget):
-                    state["target"], state["planned"] = a.replicas, True
-                elif isinstance(a, Replan):
-                    state["last_replan"] = a.at_s
-                elif isinstance(a, PriceSeen):
-                    state["prices"] = a.kept(state["prices"])
-                    state["priced_at"] = a.at_s
-                elif isinstance(a, Pause):   # the world is sized again when it unpauses
-                    state["paused"], state["pause"], state["target"], state["planned"] = True, a.pace, 0, False
-                elif isinstance(a, Unpause):
-                    state["paused"], state["pause"] = False, None
-                    if state["paused_at"] is not None:
-                        run.events.append(WorldUnpaused(
-                            paused_s=run.t - state["paused_at"], usd_per_mtok=a.pace.usd_per_mtok,
-                            threshold_usd_per_mtok=a.pace.threshold_usd_per_mtok, need=a.pace.need).record(run.t))
-                        state["paused_at"] = None
-                elif isinstance(a, HoldBack):
-                    run.refused = a.reason
-                    if a.gives_up:
-                        run.status = "budget_exhausted"
-                elif isinstance(a, Rent):
-                    iid = run.launch(a.quote.offer)
-                    if iid is None:
-                        refusals.append(Refusal(a.quote.key, run.t))
-                        refused = True
-                        break
-                    if a.move is not None:
-                        run.nodes[iid].drain_for = a.move.drain   # the new VM replaces that one
-                        run.moves += 1
-                        record_move(a.move)
-                elif isinstance(a, Release):   # a move whose old replica leaves at once
-                    run.moves += 1
-                    record_move(a.move)
-                    if horizon_s:
-                        leaving.add(a.instance_id)
-                    else:
-                        run.release(a.instance_id)
-            if not refused:
-                return
-
-    def hand_over() -> None:
-        """A moved replica leaves once its replacement trains."""
-        for n in [n for n in run.nodes.values() if n.drain_for]:
-            if n.ready_at <= run.t:
-                run.release(n.drain_for)
-                n.drain_for = None
-            elif n.drain_for not in run.nodes:
-                n.drain_for = None
+                                budget_horizon_s=horizon_s, **ex.fed(run.t))
+            if ex.act(snap):
+                break
+        if ex.state.gave_up:
+            run.status = "budget_exhausted"
 
     while run.tokens < run.target_tokens:
-        for iid in leaving:
-            run.release(iid)
-        leaving.clear()
-        hand_over()
+        for iid in run.leaving:
+            run.drop(iid)
+        run.leaving.clear()
+        run.hand_over()
         act(0.0)
-        hand_over()                     # a replacement ready at once (planner.recovery_s 0) takes over now
+        run.hand_over()                     # a replacement ready at once (planner.recovery_s 0) takes over now
         if run.status is not None:
             break
-        if state["pause"] is not None:   # as the driver: a checkpoint, then every VM goes
-            p, state["pause"] = state["pause"], None
+        if ex.state.pause is not None:   # as the driver: a checkpoint, then every VM goes
             if any(n.ready_at <= run.t for n in run.nodes.values()):
                 run.checkpoint_if_due(ending=True)
             run.release_all()
-            leaving.clear()
-            run.events.append(WorldPaused(outer_step=run.phases, usd_per_mtok=p.usd_per_mtok,
-                                          threshold_usd_per_mtok=p.threshold_usd_per_mtok,
-                                          need=p.need).record(run.t))
-            state["paused_at"] = run.t
+            p = ex.pause_took_effect(run.t)
+            run.record(WorldPaused(outer_step=run.phases, usd_per_mtok=p.usd_per_mtok,
+                                   threshold_usd_per_mtok=p.threshold_usd_per_mtok, need=p.need))
         members = [n for n in run.nodes.values() if n.ready_at <= run.t]
         if len(members) < w.min_replicas:
             booting = [n.ready_at for n in run.nodes.values() if n.ready_at > run.t]
-            if state["paused"]:
+            if ex.state.paused:
                 short_since = None        # a pause is no capacity shortage
             elif short_since is None:
                 short_since = run.t
@@ -498,39 +463,18 @@ def _elastic(run: _Run) -> None:
     run.release_all()
 
 
-def _cheapest(run: _Run, spot: bool, exclude_region: str | None = None) -> Offer | None:
-    """The offer with the least USD per raw token that can hold the whole world (risk ignored)."""
-    recipe = run.recipe
-    n = min(recipe.world.replicas, recipe.world.max_replicas)
-    offers = run.market.offers(run.t, spot)
-    fit = [o for o in offers if allowed(o, recipe.resources.model_copy(update={"spot": spot}))
-           and o.region != exclude_region and (o.capacity is None or o.capacity >= n)]
-    if not fit:
-        return None
-    return min(fit, key=lambda o: o.usd_per_hour / recipe_tokens_per_s(o, recipe.planner))
-
-
-def _whole_job(run: _Run, spot: bool, on_loss: str) -> None:
-    """A fixed world of n VMs in one place; any loss stops the job until it is whole again and it
-    restarts from its last checkpoint (`same-place`: the lost VM is replaced where it was;
-    `next-region`: the whole job moves to the cheapest offer in another region)."""
-    recipe = run.recipe
-    n = min(recipe.world.replicas, recipe.world.max_replicas)
-    place: Offer | None = None
+def _whole_job(run: _Run) -> None:
+    """A fixed world of `whole_world` VMs (a baseline's): it trains while every VM is up; any loss
+    stops it until it is whole again and it restarts from its last checkpoint (with the policy's
+    `moves_on_loss`, every VM released first, so the policy places it afresh). The policy is asked
+    once per look at the market: a launch refused waits for the next."""
+    recipe, pol = run.recipe, run.policy
+    n = whole_world(recipe)
+    ex = Executor(pol, run, recipe, started_s=0.0)
     while run.tokens < run.target_tokens:
-        if not run.nodes and (place is None or on_loss == "next-region"):
-            away = place.region if place is not None else None
-            place = _cheapest(run, spot, exclude_region=away) or _cheapest(run, spot)
-        while place is not None and len(run.nodes) < n:
-            fresh = dataclasses.replace(place, usd_per_hour=(
-                run.market.state(place.zone, place.instance_type, run.t).spot_usd_per_hour if spot
-                else place.usd_per_hour))
-            if not launch_fits_budget(run.spent, run.rate_usd_per_hour(), fresh, recipe):
-                run.refused = "budget"
-                break
-            if run.launch(fresh) is None:
-                break
-        if run.refused == "budget" and len(run.nodes) < n:
+        quotes = tuple(Quote(o, 0.0, "trace") for o in run.market.offers(run.t, pol.spot))
+        ex.act(run.snapshot(quotes=quotes, **ex.fed(run.t)))
+        if ex.state.gave_up:
             run.status = "budget_exhausted"
             break
         members = list(run.nodes.values())
@@ -554,7 +498,7 @@ def _whole_job(run: _Run, spot: bool, on_loss: str) -> None:
                 run.checkpoint_if_due()
         if lost:
             run.restore()
-            if on_loss == "next-region":
+            if pol.moves_on_loss:
                 run.release_all()
     run.release_all()
 
@@ -578,33 +522,28 @@ def bound_usd_per_mtok(recipe, trace_path: str) -> float | None:
     return bound if math.isfinite(bound) else None
 
 
-def simulate(recipe, trace_path: str, policies: list[str] | None = None, seed: int = 0,
+def simulate(recipe, trace_path: str, policies: list[str | Policy] | None = None, seed: int = 0,
              ledgers: dict[str, list[dict]] | None = None, kept: dict[str, list] | None = None,
              market: TraceMarket | None = None) -> list[dict]:
     """Each policy's figures on the trace: cost_usd, tokens, usd_per_mtok, wall_h, preemptions,
-    effective_training_time (kept node-seconds over rented node-seconds), status. `ledgers`, when
-    given, receives each policy's ledger-shaped events (in trace seconds), as the driver's ledger
-    would hold them: node_launched, node_price, replica_move, capacity_error, node_preempted,
-    node_released, checkpoint_saved. `kept`, when given, receives each policy's outer steps whose work
-    was kept, as (start_s, end_s, members' offers, tokens), for `bench/policies.py --explain`.
-    `market`: the trace already read (`trace_path` is then unread), or another view of it."""
+    effective_training_time (kept node-seconds over rented node-seconds), status. `policies`: names
+    of `elastic.policies.POLICIES` or `Policy` objects (default: the recipe's `planner.policy`, then
+    every other registered one). `ledgers`,
+    when given, receives each policy's ledger-shaped events (in trace seconds), as the driver's ledger
+    would hold them: node_launched, node_price, replica_move, capacity_error, launch_held_back,
+    world_target, world_paused, world_unpaused, node_preempted, node_released, checkpoint_saved.
+    `kept`, when given, receives each policy's outer steps whose work was kept, as (start_s, end_s,
+    members' offers, tokens), for `bench/policies.py --explain`. `market`: the trace already read
+    (`trace_path` is then unread), or another view of it."""
     market = market or _market(recipe, trace_path)
     out = []
-    for policy in policies or list(POLICIES):
-        if policy not in POLICIES:
-            raise UserError(f"--policy {policy!r}: choose from {', '.join(POLICIES)}")
-        run = _Run(recipe, market, seed, policy)
-        if policy == "elastic":
-            _elastic(run)
-        elif policy == "on-demand":
-            _whole_job(run, spot=False, on_loss="same-place")
-        elif policy == "spot-static":
-            _whole_job(run, spot=True, on_loss="same-place")
-        else:
-            _whole_job(run, spot=True, on_loss="next-region")
+    policies = policies or [recipe.planner.policy] + [n for n in POLICIES if n != recipe.planner.policy]
+    for p in [x if isinstance(x, Policy) else policy(x) for x in policies]:
+        run = _Run(recipe, market, seed, p)
+        (_whole_job if p.whole_job else _elastic_world)(run)
         out.append(run.result())
         if ledgers is not None:
-            ledgers[policy] = run.events
+            ledgers[p.name] = run.events
         if kept is not None:
-            kept[policy] = run.kept
+            kept[p.name] = run.kept
     return out

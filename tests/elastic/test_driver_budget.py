@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic import driver as driver_module
+from elastic import pricewatch as pricewatch_module
 from elastic.driver import run_attached
 from elastic.report import build_report
 from tests.conftest import tiny_recipe
@@ -32,7 +32,7 @@ def test_a_price_rise_mid_step_stops_the_run_within_that_step(local_cluster, tmp
         "local.instance_types": "[{name: cpu, region: r1, zone: r1a}]"})
     # Read held prices on every tick (the driver reads them once a second): the rise is seen within
     # a tick of the jump, whatever the speed of this machine's inner steps.
-    monkeypatch.setattr(driver_module, "PRICE_POLL_S", 0.0)
+    monkeypatch.setattr(pricewatch_module, "PRICE_POLL_S", 0.0)
 
     def price_rises(driver, phase, members):
         # Two steps trained at $10/h (cents): the third step's inner phase starts, the market's

@@ -52,7 +52,7 @@ class Market:
     def spike_once_trained(self, driver, phase: str, then) -> None:
         """Once the world trains with MIN_SAMPLES prices seen, the market turns dear (SPIKE_S);
         `then(driver)` is called at the pause's ledger event."""
-        if not self.moved and phase == "inner" and driver.world.outer_step >= 2 and len(driver._prices) >= MIN_SAMPLES:
+        if not self.moved and phase == "inner" and driver.world.outer_step >= 2 and len(driver.executor.state.prices) >= MIN_SAMPLES:
             self.move(driver, SPIKE_S)
             driver.ledger.listeners.append(lambda e: then(driver) if isinstance(e, WorldPaused) else None)
 

@@ -227,7 +227,7 @@ def test_cli_simulate_json_and_errors(tmp_path):
     bad.write_text("timestamp_s\n0\n")
     for args, message in ((["--trace", str(bad)], "missing columns"),
                           (["--trace", str(tmp_path / "none.csv")], "cannot read"),
-                          (["--trace", "bench/traces/calm.csv", "--policy", "greedy"], "--policy 'greedy'")):
+                          (["--trace", "bench/traces/calm.csv", "--policy", "greedy"], "no rental policy 'greedy': choose from elastic, on-demand")):
         proc = run_cli("simulate", "recipes/multi-cloud.yaml", *args)
         assert proc.returncode == 2, proc.stderr
         assert message in proc.stderr and "Traceback" not in proc.stderr
@@ -283,3 +283,23 @@ def test_a_price_spike_is_waited_out_paused_and_the_run_restarts_from_its_checkp
             assert held == set()
     assert sum(e["type"] == "node_launched" and e["t"] >= unpause["t"] for e in events) == 6
     assert paused["cost_usd"] < 0.6 * steady["cost_usd"]
+
+
+def test_the_recipe_names_the_policy_simulated_first_and_a_policy_object_runs_behind_the_same_seam(tmp_path):
+    from elastic.policy import Policy
+
+    path = write_trace(tmp_path / "t.csv", [row(0, "r1a", 10.0), row(0, "r2a", 12.0)])
+    r = recipe(**{"planner.policy": "spot-static"})
+    runs = simulate(r, path)
+    assert [x["policy"] for x in runs] == ["spot-static", "elastic", "on-demand", "skypilot-like"]
+    assert simulate(r, path, ["spot-static"]) == runs[:1]
+
+    class Idle(Policy):
+        """Rents nothing."""
+        name = "idle"
+
+        def decide(self, s):
+            return []
+
+    (idle,) = simulate(recipe(**{"world.capacity_timeout_s": 600}), path, [Idle()])
+    assert (idle["policy"], idle["status"], idle["cost_usd"], idle["tokens"]) == ("idle", "insufficient_capacity", 0, 0)

@@ -16,18 +16,16 @@ from tests.conftest import aws_error, join_as_vm
 from tests.providers.test_aws import aws_recipe, instances, price_rule, spot_history
 
 
-def driver_on_aws(tmp_path, run: str):
-    """A driver (no cluster, no world) whose one provider is AWS in us-west-2: (driver, its ledger,
-    the provider)."""
-    from elastic.driver import Driver
+def feed_on_aws(tmp_path, run: str):
+    """The driver's offer feed (no cluster, no world) on one provider, AWS in us-west-2: (the feed,
+    its ledger, the provider)."""
+    from elastic.offerfeed import OfferFeed
     from providers import build
 
     recipe = aws_recipe(**{"resources.regions": "[us-west-2]"})
     ledger = Ledger(tmp_path / "run" / "events.jsonl")
-    driver = Driver(recipe, tmp_path / "run", ledger)
     p = build("aws", recipe, None, run)
-    driver.providers, driver.provider = {"aws": p}, p
-    return driver, ledger, p
+    return OfferFeed({"aws": p}, recipe.resources, ledger), ledger, p
 
 
 def test_throttled_and_malformed_price_answers_leave_the_run_going(aws_env, monkeypatch, tmp_path, caplog):
@@ -50,12 +48,12 @@ def test_throttled_and_malformed_price_answers_leave_the_run_going(aws_env, monk
         return price_rule(action, region, params)
 
     aws_env.rules.append(market)
-    driver, ledger, p = driver_on_aws(tmp_path, "run-outage")
+    feed, ledger, p = feed_on_aws(tmp_path, "run-outage")
 
     def fresh_offers():
         p._memo = None                                     # the in-memory 30 s reuse
         shutil.rmtree(aws_env.env["ELASTIC_CACHE"], ignore_errors=True)   # the price cache's TTL ran out
-        return [(o.zone, o.usd_per_hour) for o in driver._offers(wait_s=60)]
+        return [(o.zone, o.usd_per_hour) for o in feed.offers(wait_s=60)]
 
     with caplog.at_level(logging.WARNING, logger="providers"):
         assert fresh_offers() == [("us-west-2c", 0.42)]    # -0.40 and NaN dropped, not ranked first
@@ -82,7 +80,7 @@ def test_a_cloud_slow_to_answer_holds_no_tick(aws_env, tmp_path):
     was made meanwhile."""
     import time
 
-    from elastic.driver import OFFERS_WAIT_S
+    from elastic.offerfeed import OFFERS_WAIT_S
 
     held, arrived, asked = threading.Event(), threading.Event(), []
 
@@ -94,18 +92,18 @@ def test_a_cloud_slow_to_answer_holds_no_tick(aws_env, tmp_path):
         return None
 
     aws_env.rules.append(slow_market)
-    driver, ledger, p = driver_on_aws(tmp_path, "run-slow")
+    feed, ledger, p = feed_on_aws(tmp_path, "run-slow")
     try:
-        assert driver._offers() is None                        # asked ...
+        assert feed.offers() is None                        # asked ...
         assert arrived.wait(timeout=30)                        # ... and held at the cloud
         for _ in range(3):
             started = time.monotonic()
-            assert driver._offers() is None                    # not answered yet: the tick goes on
+            assert feed.offers() is None                    # not answered yet: the tick goes on
             assert time.monotonic() - started < OFFERS_WAIT_S + 1.0
         assert len(asked) == 1                                 # asked once, not once per tick
     finally:
         held.set()
-    assert [o.zone for o in driver._offers(wait_s=60)]          # the answer, taken by a later tick
+    assert [o.zone for o in feed.offers(wait_s=60)]          # the answer, taken by a later tick
     assert not [e for e in ledger.events if e["type"].startswith("market_")]
     ledger.close()
     p.close()
@@ -168,8 +166,8 @@ def test_a_run_on_aws_vms_trains_through_a_price_outage_and_completes(aws_env, l
         if after is not None and sum(e["type"] == after for e in driver.ledger.events) < count:
             # The world trains on while the clouds answer (40 short steps fit in the SDK's retries):
             # while a change waits for its effect, the answer under way lands before it steps on.
-            if driver._asking is not None:
-                driver._asking.result(timeout=60)
+            if driver.offer_feed._asking is not None:
+                driver.offer_feed._asking.result(timeout=60)
             return
         done.append(change)
         mode[0] = change
