@@ -44,12 +44,12 @@ def main() -> None:
     import boto3
     from boto3.s3.transfer import TransferConfig
 
-    from elastic import checkpoint as ckpt
-    from elastic.cluster import LocalCluster
-    from elastic.events import CheckpointSaved, CheckpointUploaded
-    from elastic.ledger import Ledger, read_events
-    from elastic.recipe import load_recipe
-    from elastic.world import World
+    from elastic.storage import checkpoint as ckpt
+    from elastic.run.cluster import LocalCluster
+    from elastic.record.events import CheckpointSaved, CheckpointUploaded
+    from elastic.record.ledger import Ledger, read_events
+    from elastic.recipe.model import load_recipe
+    from elastic.train.world import World
 
     recipe = load_recipe(REPO / "recipes/local-tiny.yaml", [
         f"model.width={args.width}", f"model.layers={args.layers}", "model.heads=6", "model.context=64",

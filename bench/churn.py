@@ -24,9 +24,9 @@ sys.path.insert(0, str(REPO))
 
 
 def run(recipe, cluster):
-    from elastic.driver import run_attached
-    from elastic.events import OuterStep
-    from elastic.report import build_report
+    from elastic.run.driver import run_attached
+    from elastic.record.events import OuterStep
+    from elastic.views.report import build_report
 
     with tempfile.TemporaryDirectory() as tmp:
         _, events = run_attached(recipe, cluster, Path(tmp) / "run", run_name="bench-churn")
@@ -49,8 +49,8 @@ def main() -> None:
     ap.add_argument("--preempt-per-hour", type=float, default=2.0)
     args = ap.parse_args()
 
-    from elastic.cluster import LocalCluster
-    from elastic.recipe import load_recipe
+    from elastic.run.cluster import LocalCluster
+    from elastic.recipe.model import load_recipe
 
     base = REPO / "recipes/local-preemptible.yaml"
     cluster = LocalCluster()

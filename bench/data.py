@@ -52,7 +52,7 @@ def main() -> None:
 
     import numpy as np
 
-    from elastic.data import SampleStream, ShardIndex, ShardSource, upload_shards
+    from elastic.train.data import SampleStream, ShardIndex, ShardSource, upload_shards
     from tests.servers.object_stores import MotoServer
 
     server = MotoServer()

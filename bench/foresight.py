@@ -1,5 +1,5 @@
 """What foresight is worth: no policy that does not see the future can be within 1.15× of
-`elastic/bound.py`'s bound on every trace.
+`elastic/sim/bound.py`'s bound on every trace.
 
     python bench/foresight.py [--recipe recipes/multi-cloud.yaml] [--at-h 24] [--factors 1.3 1.5 2]
                               [--traces still bench/traces/calm.csv ...] [--seeds 3]
@@ -22,7 +22,7 @@ suffix(N − y_i+1), both sides being nondecreasing in the tokens they train: a 
 
 Two ways to cost prefix and suffix (columns `floor, tokens` and `floor, slots`):
 - `tokens` (`token_floor`), for every policy the simulator can run: every VM-second is billed at the
-  trace's price in effect (`elastic.billing`: a minimum only adds), spot or on-demand, a replica
+  trace's price in effect (`elastic.record.billing`: a minimum only adds), spot or on-demand, a replica
   trains at most its offer's planner.tokens_per_s (a phase lasts as long as its slowest member
   needs), and at most world.max_replicas replicas train at once. So a row of the trace trains at
   most max_replicas × the fastest offer's tokens per second, each token at no less than the row's
@@ -64,12 +64,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from elastic.bound import _arrays, _slot, lower_bound_usd_per_mtok  # noqa: E402
-from elastic.market import recipe_tokens_per_s  # noqa: E402
-from elastic.planner import run_tokens  # noqa: E402
-from elastic.recipe import load_recipe  # noqa: E402
-from elastic.policies import POLICIES  # noqa: E402
-from elastic.simulate import TraceMarket, simulate  # noqa: E402
+from elastic.sim.bound import _arrays, _slot, lower_bound_usd_per_mtok  # noqa: E402
+from elastic.policy.market import recipe_tokens_per_s  # noqa: E402
+from elastic.policy.planner import run_tokens  # noqa: E402
+from elastic.recipe.model import load_recipe  # noqa: E402
+from elastic.policy.registry import POLICIES  # noqa: E402
+from elastic.sim.simulate import TraceMarket, simulate  # noqa: E402
 from providers.simmarket import read_trace_rows  # noqa: E402
 
 CELLS = 400          # the grid of y (tokens trained before t1)

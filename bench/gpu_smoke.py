@@ -3,7 +3,7 @@ then through Ray as a run places it (one replica, one rank per GPU of this machi
 
     python bench/gpu_smoke.py [--outer-steps 6]
 
-Part 1 runs `elastic.replica.RankWorker` in two processes exactly as the world drives it (NCCL
+Part 1 runs `elastic.train.replica.RankWorker` in two processes exactly as the world drives it (NCCL
 inner group, plain fp32 parameters under bf16 autocast (a one-rank replica is not FSDP2-wrapped),
 per-block torch.compile, θ_outer where `train.outer_device: auto` puts it, the DiLoCo all-reduce
 over a gloo group on the driver's store), then: a joiner's copy of θ_outer and the outer momentum
@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 
 
 def recipe_dict(h: int, outer: int) -> dict:
-    from elastic.recipe import validate_recipe
+    from elastic.recipe.model import validate_recipe
     return validate_recipe({
         "name": "gpu-smoke", "model": {"layers": 4, "width": 256, "heads": 8, "context": 256},
         "data": {"corpus_bytes": 2_000_000},
@@ -41,8 +41,8 @@ def child(replica_id: int, port: int, workdir: str, recipe: dict, queue) -> None
     import torch
     import torch.distributed as dist
 
-    from elastic.recipe import Recipe
-    from elastic.replica import RankSpec, RankWorker, Schedule
+    from elastic.recipe.model import Recipe
+    from elastic.train.replica import RankSpec, RankWorker, Schedule
 
     out = {"replica": replica_id}
     try:
@@ -175,9 +175,9 @@ def ray_placement(outer_steps: int, inner_steps: int) -> list[dict]:
     import ray
     import torch
 
-    from elastic.cluster import LocalCluster
-    from elastic.recipe import validate_recipe
-    from elastic.world import World
+    from elastic.run.cluster import LocalCluster
+    from elastic.recipe.model import validate_recipe
+    from elastic.train.world import World
 
     gpus = torch.cuda.device_count()
     recipe = validate_recipe({

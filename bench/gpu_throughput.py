@@ -42,7 +42,7 @@ PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0}
 
 
 def recipe_dict(name: str, steps: int, outer_device: str = "auto") -> dict:
-    from elastic.recipe import validate_recipe
+    from elastic.recipe.model import validate_recipe
 
     m = MODELS[name]
     return validate_recipe({
@@ -65,9 +65,9 @@ def plain_loop(name: str, steps: int, compiled: bool) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from elastic.data import BatchPrefetcher, open_stream
+    from elastic.train.data import BatchPrefetcher, open_stream
     from elastic.models import build_model
-    from elastic.recipe import Recipe
+    from elastic.recipe.model import Recipe
 
     r = Recipe.model_validate(recipe_dict(name, steps))
     device = torch.device("cuda", torch.cuda.current_device())
@@ -115,8 +115,8 @@ def rank_worker(name: str, steps: int, outer_device: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from elastic.recipe import Recipe
-    from elastic.replica import RankSpec, RankWorker, Schedule
+    from elastic.recipe.model import Recipe
+    from elastic.train.replica import RankSpec, RankWorker, Schedule
 
     recipe = recipe_dict(name, steps, outer_device)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,

@@ -1,4 +1,4 @@
-"""How close can a policy that does not see the future come to `elastic/bound.py`'s clairvoyant
+"""How close can a policy that does not see the future come to `elastic/sim/bound.py`'s clairvoyant
 bound? The least expected cost of an online (non-anticipating) rental policy over a family of
 volatile markets, in bound.py's own relaxed model, set against the mean of bound.py's bound on
 traces drawn from the family.
@@ -50,9 +50,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.traces.make_traces import write  # noqa: E402
-from elastic.bound import _expected_min, lower_bound_usd_per_mtok  # noqa: E402
-from elastic.planner import run_tokens  # noqa: E402
-from elastic.recipe import load_recipe  # noqa: E402
+from elastic.sim.bound import _expected_min, lower_bound_usd_per_mtok  # noqa: E402
+from elastic.policy.planner import run_tokens  # noqa: E402
+from elastic.recipe.model import load_recipe  # noqa: E402
 
 STEP_S = 300.0     # the trace's rows (bench/traces/make_traces.py)
 
@@ -312,8 +312,8 @@ def clairvoyant_value(recipe, path: Path, lam: float) -> float:
     `recovery_s` less one row, no capacity, no price cap, no billing minimum): slots·V + λ·tokens
     needed, in USD per 1M tokens. Set against `online_lower_bound` at the same λ, it is what
     foresight alone is worth in that model."""
-    from elastic.bound import _arrays, _slot
-    from elastic.simulate import TraceMarket
+    from elastic.sim.bound import _arrays, _slot
+    from elastic.sim.simulate import TraceMarket
     from providers.simmarket import read_trace_rows
 
     uncapped = recipe.model_copy(update={"resources": recipe.resources.model_copy(update={"max_usd_per_hour": None})})
@@ -352,7 +352,7 @@ def main() -> None:
     ap.add_argument("--traces", type=int, default=20, help="traces drawn from the family for E[bound]")
     ap.add_argument("--seed", type=int, default=0)
     add_family_args(ap)
-    ap.add_argument("--policy-seeds", type=int, default=1, help="elastic.simulate runs per trace (0: none)")
+    ap.add_argument("--policy-seeds", type=int, default=1, help="elastic.sim.simulate runs per trace (0: none)")
     ap.add_argument("--slopes", type=float, nargs="*", default=[],
                     help="also the bound with the token price set by the trace's cheap rows (counted_lower_bound)")
     ap.add_argument("--out", type=Path, default=Path("/tmp/online_bound"), help="folder for the traces")
@@ -367,7 +367,7 @@ def main() -> None:
         sharper = counted_lower_bound(family, recipe, lam, args.slopes)
         print(f"online, token price set by the trace's cheap rows: {sharper:.5f} USD/1M tok", flush=True)
 
-    from elastic.simulate import TraceMarket, simulate
+    from elastic.sim.simulate import TraceMarket, simulate
     from providers.simmarket import read_trace_rows
 
     rng = np.random.default_rng(args.seed)

@@ -1,4 +1,4 @@
-"""What does an online policy that must finish the run on every trace pay, in `elastic/bound.py`'s own
+"""What does an online policy that must finish the run on every trace pay, in `elastic/sim/bound.py`'s own
 slot model, with the market's law known exactly? The other side of `bench/online_bound.py`'s
 lower bound: a policy played on traces of the same family, against bound.py's bound on each.
 
@@ -72,11 +72,11 @@ sys.path.insert(0, str(ROOT))
 
 from bench.online_bound import (  # noqa: E402
     STEP_S, Family, Offer, add_family_args, family_from_args, online_lower_bound, online_value, rouwenhorst)
-from elastic import billing  # noqa: E402
-from elastic.bound import lower_bound_usd_per_mtok  # noqa: E402
-from elastic.planner import Move, run_tokens  # noqa: E402
-from elastic.policy import Policy, Release, Rent  # noqa: E402
-from elastic.recipe import load_recipe  # noqa: E402
+from elastic.record import billing  # noqa: E402
+from elastic.sim.bound import lower_bound_usd_per_mtok  # noqa: E402
+from elastic.policy.planner import Move, run_tokens  # noqa: E402
+from elastic.policy.rules import Policy, Release, Rent  # noqa: E402
+from elastic.recipe.model import load_recipe  # noqa: E402
 
 BARRED_USD_PER_HOUR = 1e6     # an offer above the recipe's price cap: never kept or booted
 LAST_RESORT = 30.0            # a grid's last λ, × the online bound's: train as much as possible
@@ -342,7 +342,7 @@ def _choose(plan: Plan, r: int, s: tuple, held: list[tuple[int, float]], tps, le
 
 
 class PlanPolicy(Policy):
-    """The plan as a rental policy for `elastic.simulate` (`simulate(recipe, trace, [PlanPolicy(...)])`):
+    """The plan as a rental policy for `elastic.sim.simulate` (`simulate(recipe, trace, [PlanPolicy(...)])`):
     the slots are the VMs held (not leaving) and world.max_replicas less them off; each call acts on
     them with the decisions of the present row (the trace's rows are the chain's states, known
     exactly) and the λ chosen at its last kept row: a VM whose offer is not kept is released (at the
@@ -388,10 +388,10 @@ class PlanPolicy(Policy):
 
 def simulate_plan(plan: Plan, family: Family, states: np.ndarray, path: Path, recipe, seed: int,
                   safety: float, margin_h: float = 0.0) -> dict:
-    """`elastic.simulate.simulate` on the trace at `path` (drawn as `states`) with `PlanPolicy` as its
+    """`elastic.sim.simulate.simulate` on the trace at `path` (drawn as `states`) with `PlanPolicy` as its
     policy; the recipe's world.capacity_timeout_s lifted (a pause of the plan's holds no replica)
     and its own pause rule off (`planner.pauses`)."""
-    from elastic.simulate import simulate
+    from elastic.sim.simulate import simulate
 
     recipe = recipe.model_copy(update={"planner": recipe.planner.model_copy(update={"pauses": False})})
     return simulate(recipe, str(path), [PlanPolicy(plan, family, states, safety, margin_h)], seed=seed)[0]
@@ -418,10 +418,10 @@ def main() -> None:
     ap.add_argument("--lams", type=int, default=16, help="token prices on the grid over 0.5-3 × the online bound's")
     ap.add_argument("--stride", type=int, default=3, help="rows between two choices of λ")
     ap.add_argument("--simulate", type=int, default=0,
-                    help="also play the plan in elastic.simulate on the first N traces (each safety, each seed), "
+                    help="also play the plan in elastic.sim.simulate on the first N traces (each safety, each seed), "
                     "and the project's policy (`elastic`) beside it")
     ap.add_argument("--margin-h", type=float, default=0.0,
-                    help="in elastic.simulate, λ is chosen as if the deadline came this many hours sooner")
+                    help="in elastic.sim.simulate, λ is chosen as if the deadline came this many hours sooner")
     ap.add_argument("--learned-h", type=float, default=0.0,
                     help="the policy learns the market: it plans on a chain fitted to the prices of one earlier "
                     "trace of this many hours (a separate draw from the family), and sees each row's state only "
@@ -455,7 +455,7 @@ def main() -> None:
     held_mb = sum(a.nbytes for a in (plan.boot, plan.stay, plan.k_off, plan.k_on)) / 1e6
     print(f"plan: {len(lams)} token prices, {held_mb:.0f} MB", flush=True)
 
-    from elastic.simulate import TraceMarket
+    from elastic.sim.simulate import TraceMarket
     from providers.simmarket import read_trace_rows
 
     rng = np.random.default_rng(args.seed)
@@ -484,7 +484,7 @@ def main() -> None:
             line.append(f"safety {f}: {' '.join(f'{r:.3f}' for r in rs)}")
         print(", ".join(line), flush=True)
         if i < args.simulate:
-            line = [f"trace {i} in elastic.simulate"]
+            line = [f"trace {i} in elastic.sim.simulate"]
             for f in args.safety:
                 runs = [simulate_plan(plan, planned, states if seen is None else seen, path, sim_recipe, k, f,
                                       args.margin_h)
@@ -493,7 +493,7 @@ def main() -> None:
                 sim[f].extend(rs)
                 line.append(f"safety {f}: {' '.join(f'{r:.3f}' for r in rs)} "
                             "(hours " + " ".join(f"{x['wall_h']:.1f}" for x in runs) + ")")
-            from elastic.simulate import simulate
+            from elastic.sim.simulate import simulate
             runs = [simulate(sim_recipe, str(path), ["elastic"], seed=k)[0] for k in range(args.seeds)]
             rs = [x["usd_per_mtok"] / bound if x["status"] == "completed" else math.inf for x in runs]
             ours.extend(rs)
@@ -514,9 +514,9 @@ def main() -> None:
               f"{statistics.fmean(r['released_booting'] for r in played[f]):.2f}; mean λ index "
               f"{statistics.fmean(r['lam_index'] for r in played[f]):.1f} of 0-{len(lams) - 1}")
         if sim[f]:
-            print(f"safety {f} in elastic.simulate ({args.simulate} traces): {_summary(sim[f])}")
+            print(f"safety {f} in elastic.sim.simulate ({args.simulate} traces): {_summary(sim[f])}")
     if ours:
-        print(f"elastic (the project's policy) in elastic.simulate: {_summary(ours)}")
+        print(f"elastic (the project's policy) in elastic.sim.simulate: {_summary(ours)}")
 
 
 if __name__ == "__main__":

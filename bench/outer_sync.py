@@ -55,7 +55,7 @@ REPLICAS = 2
 
 
 def recipe(args, overrides: dict):
-    from elastic.recipe import load_recipe
+    from elastic.recipe.model import load_recipe
     sets = {"model.width": args.width, "model.layers": args.layers, "model.heads": args.width // 32,
             "train.outer_steps": args.outer_steps, "train.inner_steps": args.inner_steps,
             "world.replicas": REPLICAS, **overrides}
@@ -67,10 +67,10 @@ def run(r, data, eval_batches, store_port: int, epoch: int, tag: str) -> dict:
     background needs its peers training at the same time), their outer group keyed by `epoch` (one
     per variant: a group never reads an earlier one's keys); returns losses, bytes sent and the
     seconds in the sync's collectives, waited for and overlapped."""
-    from elastic.diloco import Fragments, OuterState
+    from elastic.train.diloco import Fragments, OuterState
     from elastic.models import build_model
-    from elastic.outer_sync import make_codec
-    from elastic.replica import Schedule
+    from elastic.train.outer_sync import make_codec
+    from elastic.train.replica import Schedule
 
     t, w, vocab = r.train, r.world, r.model.vocab_size
     schedule = Schedule.for_recipe(r)
@@ -156,7 +156,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from elastic.data import SampleStream, load_tokens
+    from elastic.train.data import SampleStream, load_tokens
 
     base = recipe(args, {})
     t = base.train

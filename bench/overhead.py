@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 
 
 def recipe(outer_steps: int, inner_steps: int):
-    from elastic.recipe import load_recipe
+    from elastic.recipe.model import load_recipe
     return load_recipe(REPO / "recipes/local-tiny.yaml", [
         "world.replicas=1", "world.min_replicas=1", f"train.outer_steps={outer_steps}",
         f"train.inner_steps={inner_steps}"])
@@ -37,9 +37,9 @@ def recipe(outer_steps: int, inner_steps: int):
 
 def plain_loop(r) -> float:
     """tokens/s of a plain single-process PyTorch loop over the same work."""
-    from elastic.data import SampleStream, load_tokens
+    from elastic.train.data import SampleStream, load_tokens
     from elastic.models import build_model
-    from elastic.replica import Schedule
+    from elastic.train.replica import Schedule
 
     torch.set_num_threads(r.world.cpu_threads_per_rank)
     t = r.train
@@ -71,7 +71,7 @@ def plain_loop(r) -> float:
 
 def elastic_world(r, cluster) -> float:
     """tokens/s of the elastic world (1 replica × 1 rank), timed over its outer steps."""
-    from elastic.world import World
+    from elastic.train.world import World
 
     node = cluster.add_node(cpus=1, gpus=0, labels={}, resources={}, object_store_bytes=80 * 1024 * 1024)
     world = World(r)
@@ -88,7 +88,7 @@ def elastic_world(r, cluster) -> float:
 
 
 def launch_to_first_step() -> tuple[float, float]:
-    from elastic.events import OuterStep
+    from elastic.record.events import OuterStep
 
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
@@ -108,7 +108,7 @@ def main() -> None:
     ap.add_argument("--inner-steps", type=int, default=25)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    from elastic.cluster import LocalCluster
+    from elastic.run.cluster import LocalCluster
 
     r = recipe(args.outer_steps, args.inner_steps)
     plain_loop(r)  # warm up: corpus cache, allocator

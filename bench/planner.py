@@ -21,9 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elastic.market import Quote  # noqa: E402
-from elastic.planner import plan  # noqa: E402
-from elastic.recipe import load_recipe  # noqa: E402
+from elastic.policy.market import Quote  # noqa: E402
+from elastic.policy.planner import plan  # noqa: E402
+from elastic.recipe.model import load_recipe  # noqa: E402
 from providers.base import Offer  # noqa: E402
 
 

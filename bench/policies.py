@@ -19,7 +19,7 @@ the table shows medians, the ratios are of the medians, and the per-seed ratios'
 
 Next to the policies: ours again with budget.max_hours set to skypilot-like's median finish (the
 planner then buys speed: faster GPUs or more replicas); and the least any policy could pay on that
-trace (`elastic.bound.lower_bound_usd_per_mtok`: every price known in advance, but every VM's boot
+trace (`elastic.sim.bound.lower_bound_usd_per_mtok`: every price known in advance, but every VM's boot
 and the trace's preemptions paid), within the recipe's budget.max_hours and by skypilot-like's
 finish, and the first again with boots free (planner.recovery_s 0), to show what they cost.
 """
@@ -38,14 +38,14 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from elastic import billing  # noqa: E402
-from elastic.bound import lower_bound_usd_per_mtok  # noqa: E402
-from elastic.events import NodeLaunched, NodePreempted, NodeReleased  # noqa: E402
-from elastic.market import recipe_tokens_per_s  # noqa: E402
-from elastic.planner import allowed  # noqa: E402
-from elastic.recipe import load_recipe  # noqa: E402
-from elastic.policies import POLICIES  # noqa: E402
-from elastic.simulate import TraceMarket, simulate  # noqa: E402
+from elastic.record import billing  # noqa: E402
+from elastic.sim.bound import lower_bound_usd_per_mtok  # noqa: E402
+from elastic.record.events import NodeLaunched, NodePreempted, NodeReleased  # noqa: E402
+from elastic.policy.market import recipe_tokens_per_s  # noqa: E402
+from elastic.policy.planner import allowed  # noqa: E402
+from elastic.recipe.model import load_recipe  # noqa: E402
+from elastic.policy.registry import POLICIES  # noqa: E402
+from elastic.sim.simulate import TraceMarket, simulate  # noqa: E402
 from providers.simmarket import read_trace_rows  # noqa: E402
 
 

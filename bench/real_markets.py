@@ -14,10 +14,10 @@ recipe fields as `elastic simulate --set` does (e.g. world.capacity_timeout_s=25
 Per trace and policy, over seeds 0..N-1 (the preemption draws): how many runs completed (the whole
 token budget within budget.max_hours and budget.max_usd), how the others ended (status, at which
 simulated hour), and medians of USD, USD per 1M tokens and the ratio to the bound
-(`elastic.simulate.bound_usd_per_mtok`: the least any policy could pay on the trace, every price
+(`elastic.sim.simulate.bound_usd_per_mtok`: the least any policy could pay on the trace, every price
 known in advance; "none" when no policy can finish in time). USD per 1M tokens and the ratio are
 of the completed runs only: a run that stopped early paid for fewer tokens, and its ratio would say
-nothing about the deadline it missed. Uses `elastic.simulate`'s public `simulate` and
+nothing about the deadline it missed. Uses `elastic.sim.simulate`'s public `simulate` and
 `bound_usd_per_mtok` only.
 """
 
@@ -33,8 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from elastic.recipe import load_recipe  # noqa: E402
-from elastic.simulate import POLICIES, bound_usd_per_mtok, simulate  # noqa: E402
+from elastic.recipe.model import load_recipe  # noqa: E402
+from elastic.sim.simulate import POLICIES, bound_usd_per_mtok, simulate  # noqa: E402
 
 REAL_RECIPE = ROOT / "bench" / "recipes" / "real-v100.yaml"
 SYNTHETIC_RECIPE = ROOT / "recipes" / "multi-cloud.yaml"

@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO))
 
 
 def synthetic_ledger(path: Path, hours: float, vms: int) -> int:
-    from elastic.events import (CheckpointSaved, NodeLaunched, NodePreempted, NodePrice, OuterStep, ReplicaJoined,
+    from elastic.record.events import (CheckpointSaved, NodeLaunched, NodePreempted, NodePrice, OuterStep, ReplicaJoined,
                                 ReplicaLost, RunEnded, RunStarted)
 
     rng = random.Random(0)
@@ -85,10 +85,10 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args()
 
-    from elastic.ledger import read_events
-    from elastic.billing import cost_so_far
-    from elastic.report import build_report
-    from elastic.report_html import render_html
+    from elastic.record.ledger import read_events
+    from elastic.record.billing import cost_so_far
+    from elastic.views.report import build_report
+    from elastic.views.report_html import render_html
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "events.jsonl"

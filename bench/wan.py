@@ -7,7 +7,7 @@ pseudo-gradient, as the DiLoCo outer sync does it:
 - bare: the processes run on the two routers and talk over their public addresses (what a run
   would get with every port open between VMs);
 - overlay: the processes run on a host behind each router and talk over the overlay
-  (elastic/overlay.py, wireguard-go here), the only path the lab lets through.
+  (elastic/net/overlay.py, wireguard-go here), the only path the lab lets through.
 
 Both cross the same shaped uplinks in the same run. Prints seconds per all-reduce and the
 effective bandwidth (bytes each rank sends in a ring, 2(n-1)/n of the tensor, per second) and the
@@ -104,7 +104,7 @@ def main() -> None:
         worker(int(rank), master, ifname, int(numel), dtype, int(repeats))
         return
 
-    from elastic import overlay
+    from elastic.net import overlay
     from providers.local import localnet
 
     reason = localnet.missing_requirements() or (", ".join(overlay.missing_tools()) or None)

@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="trace CSV: timestamp_s,cloud,region,zone,instance_type,gpu,gpus,spot_usd_per_hour,"
                          "on_demand_usd_per_hour,preempt_per_hour,capacity")
     sp.add_argument("--policy", action="append", metavar="NAME",
-                    help="a rental policy of the registry, elastic.policies (repeatable; default: every one; an "
+                    help="a rental policy of the registry, elastic.policy.registry (repeatable; default: every one; an "
                          "unknown name lists them)")
     sp.add_argument("--seed", type=int, default=0, help="seed of the preemption draws (default 0)")
     sp.add_argument("--json", action="store_true",
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
     from elastic.errors import UserError
-    from elastic.termout import plain_console
+    from elastic.views.termout import plain_console
 
     # A model.factory module next to the recipe resolves as with `python -m`; Ray workers get the
     # driver's working directory on their path too.
@@ -194,32 +194,32 @@ def _print_warnings(out, warnings: list[str]) -> None:
 def _dispatch(args, err) -> int:
     from rich.console import Console
 
-    from elastic.termout import plain_console
+    from elastic.views.termout import plain_console
 
     out = plain_console(Console())   # piped: whole table rows, one line per message
     if args.command == "validate":
         from rich.markup import escape
 
         from elastic.errors import UserError
-        from elastic.recipe import launch_problems, launch_warnings, load_recipe
+        from elastic.recipe.model import launch_problems, launch_warnings, load_recipe
         recipe = load_recipe(args.recipe, args.overrides)
         if problems := launch_problems(recipe, args.recipe):
             raise UserError(problems)
         _print_warnings(out, launch_warnings(recipe))
         if not args.offline:
-            from elastic.preflight import check
+            from elastic.run.preflight import check
             check(recipe)
         out.print(f"{escape(args.recipe)}: ok ({recipe.name}: {recipe.world.replicas} replica(s) × "
                   f"{recipe.world.ranks_per_replica} rank(s), H={recipe.train.inner_steps})", highlight=False)
         return 0
     if args.command == "launch":
         from elastic.errors import UserError
-        from elastic.launch import default_run_dir, launch
-        from elastic.recipe import load_recipe
+        from elastic.run.launch import default_run_dir, launch
+        from elastic.recipe.model import load_recipe
         if args.address is not None and not _is_host_port(args.address):
             raise UserError(f"--address {args.address!r}: expected HOST:PORT of a running Ray head")
         recipe = load_recipe(args.recipe, args.overrides)
-        from elastic.recipe import launch_problems, launch_warnings
+        from elastic.recipe.model import launch_problems, launch_warnings
         if problems := launch_problems(recipe, args.recipe):
             raise UserError(problems)
         _print_warnings(out, launch_warnings(recipe))
@@ -228,24 +228,24 @@ def _dispatch(args, err) -> int:
             if problem := provider_class(cloud).network_problem(recipe):
                 raise UserError(problem)
         if not args.offline:   # before a run directory or Ray: a cloud mistake costs a second
-            from elastic.preflight import check
+            from elastic.run.preflight import check
             check(recipe)
         if args.resume:
-            from elastic import checkpoint as ckpt
+            from elastic.storage import checkpoint as ckpt
             if not recipe.checkpoint.uri:
                 raise UserError("--resume: set checkpoint.uri to where the checkpoints are "
                                 "(a run's default <run dir>/checkpoints is not shared with a new run)")
-            from elastic.storage import open_storage
+            from elastic.storage.stores import open_storage
             try:
                 store = open_storage(recipe.checkpoint.uri)
             except UserError as exc:
                 raise UserError(f"--resume: no complete checkpoint ({exc})") from None
             if not ckpt.complete_steps(store):
                 raise UserError(f"--resume: no complete checkpoint at {recipe.checkpoint.uri}")
-        from elastic import checkpoint as ckpt
+        from elastic.storage import checkpoint as ckpt
         run_dir = args.run_dir or default_run_dir(recipe)
         ckpt.check_destination(recipe.checkpoint.uri, args.resume, ckpt.model_digest(recipe), run_dir)
-        from elastic.launch import launch_controller, uses_controller
+        from elastic.run.launch import launch_controller, uses_controller
         if uses_controller(recipe, args.address):
             if args.resume:
                 raise UserError("--resume with resources.head: controller: not supported yet; use head: local")
@@ -253,10 +253,10 @@ def _dispatch(args, err) -> int:
         return launch(recipe, run_dir, address=args.address, console=out, resume=args.resume)
     if args.command == "report":
         from elastic.errors import UserError
-        from elastic.ledger import read_events
-        from elastic.report import build_report, compare_table, summary_table
-        from elastic.report_html import write_report
-        from elastic.status import latest_run_dir
+        from elastic.record.ledger import read_events
+        from elastic.views.report import build_report, compare_table, summary_table
+        from elastic.views.report_html import write_report
+        from elastic.views.status import latest_run_dir
         args.run_dir = args.run_dir or latest_run_dir()
         for d in filter(None, [args.run_dir, args.compare]):
             if not (d / "events.jsonl").is_file():
@@ -271,7 +271,7 @@ def _dispatch(args, err) -> int:
                   soft_wrap=True)
         return 0
     if args.command == "status":
-        from elastic.status import latest_run_dir, watch
+        from elastic.views.status import latest_run_dir, watch
         return watch(args.run_dir or latest_run_dir(), out, once=args.once)
     if args.command == "checkpoints":
         return _checkpoints(args, out, err)
@@ -280,15 +280,15 @@ def _dispatch(args, err) -> int:
     if args.command == "simulate":
         return _simulate(args, out)
     if args.command == "prices":
-        from elastic.fleet import prices
+        from elastic.run.fleet import prices
         return prices(args, out)
     if args.command == "down":
-        from elastic.fleet import down
+        from elastic.run.fleet import down
         return down(args, out, err)
     if args.command == "prepare-data":
         return _prepare_data(args, out)
     if args.command == "export":
-        from elastic.export import export
+        from elastic.train.export import export
         done = export(args.run_dir, args.to, args.step)
         out.print(f"exported step {done['step']} of {args.run_dir} ({done['params']:,} parameters) to "
                   f"{done['to']} ({done['format']})", highlight=False)
@@ -296,7 +296,7 @@ def _dispatch(args, err) -> int:
     if args.command == "cache":
         return _cache_clear(args, out)
     if args.command == "schema":
-        from elastic.schema import json_schema, markdown_reference
+        from elastic.recipe.schema import json_schema, markdown_reference
         sys.stdout.write(markdown_reference() if args.markdown else json_schema())
         return 0
     raise AssertionError(args.command)
@@ -306,7 +306,7 @@ def _cache_clear(args, out) -> int:
     import shutil
 
     from elastic.cache import cache_dir
-    from elastic.market import history_path, throughput_path
+    from elastic.policy.market import history_path, throughput_path
     from providers.cloud import price_cache_dir
 
     gone = []
@@ -327,8 +327,8 @@ def _checkpoints(args, out, err) -> int:
 
     from rich.table import Table
 
-    from elastic import checkpoint as ckpt
-    from elastic.storage import FileStorage, open_keys, open_storage
+    from elastic.storage import checkpoint as ckpt
+    from elastic.storage.stores import FileStorage, open_keys, open_storage
 
     root = open_storage(args.uri)
     if args.action == "list":
@@ -356,7 +356,7 @@ def _prepare_data(args, out) -> int:
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
     from rich.table import Table
 
-    from elastic.prepare import prepare
+    from elastic.train.prepare import prepare
 
     total = sum(f.stat().st_size for p in args.inputs if p.exists()
                 for f in ([p] if p.is_file() else p.rglob("*")) if f.is_file())
@@ -383,8 +383,8 @@ def _plan(args, out) -> int:
     from rich.table import Table
 
     from elastic.errors import UserError
-    from elastic.fleet import plan_now
-    from elastic.recipe import load_recipe
+    from elastic.run.fleet import plan_now
+    from elastic.recipe.model import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
     if args.refresh:
@@ -425,13 +425,13 @@ def _simulate(args, out) -> int:
 
     from rich.table import Table
 
-    from elastic.recipe import load_recipe
-    from elastic.simulate import bound_usd_per_mtok, simulate
+    from elastic.recipe.model import load_recipe
+    from elastic.sim.simulate import bound_usd_per_mtok, simulate
 
     recipe = load_recipe(args.recipe, args.overrides)
     results = simulate(recipe, args.trace, args.policy, seed=args.seed)
     if args.json:
-        # The yardstick: what any policy could at best pay per token on this trace (elastic.bound).
+        # The yardstick: what any policy could at best pay per token on this trace (elastic.sim.bound).
         bound = bound_usd_per_mtok(recipe, args.trace)
         for r in results:
             r["ratio_to_bound"] = round(r["usd_per_mtok"] / bound, 4) if bound and r["usd_per_mtok"] else None

@@ -32,7 +32,7 @@ def available(name: str) -> bool:
 
 def build(name: str, recipe, cluster, run_name: str):
     """The provider `name` for a run of `recipe`. `cluster` is the run's Ray cluster
-    (`elastic.cluster.LocalCluster`), or None for commands that do not train (`elastic prices`,
+    (`elastic.run.cluster.LocalCluster`), or None for commands that do not train (`elastic prices`,
     `elastic down`): offers, list_instances and terminate work without one."""
     return provider_class(name)(recipe, cluster, run_name)
 

@@ -10,7 +10,7 @@ from typing import Protocol, runtime_checkable
 @dataclass(frozen=True)
 class BillingTerms:
     """How a cloud bills a VM (what the cloud *is*: data in `providers/<cloud>/facts.py`, read by
-    `elastic.billing` without importing the provider).
+    `elastic.record.billing` without importing the provider).
 
     Args:
         minimum_s: seconds billed at least once the VM is gone.
@@ -152,13 +152,13 @@ class Provider(Protocol):
     @classmethod
     def open_storage(cls, uri: str, bucket: str, prefix: str, create: bool):
         """Its object store at `uri` (`bucket`, `prefix` parsed from it) as an
-        `elastic.storage.Storage`; `create`: make the bucket when missing, else a missing one is a
+        `elastic.storage.stores.Storage`; `create`: make the bucket when missing, else a missing one is a
         UserError."""
 
     @classmethod
     def open_keys(cls, uri: str, bucket: str):
         """The secret store keeping the per-run keys that authenticate the checkpoint manifests at
-        `uri` (an `elastic.storage.KeyStore`): readable by drivers, not by nodes."""
+        `uri` (an `elastic.storage.stores.KeyStore`): readable by drivers, not by nodes."""
 
     @classmethod
     def start_network(cls, recipe):

@@ -9,7 +9,7 @@ preflight, the controller, its storage, its billing and notice figures); `launch
 `list_instances`, `find_instances`, `heartbeat`, `prices`, `events`, `stop_launches` and `close`
 come from here.
 
-The overlay (elastic/overlay.py): a cloud run's driver host is the overlay's head (`CloudNetwork`,
+The overlay (elastic/net/overlay.py): a cloud run's driver host is the overlay's head (`CloudNetwork`,
 from `start_network`). For each VM the driver makes a WireGuard key pair, hands the private key to
 the cloud's secret store the way it hands over the Ray token (`_put_node_key`: the node reads it
 at boot with its own role, and it is deleted once the node joined), admits the public key on the
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from elastic import overlay
+from elastic.net import overlay
 from elastic.cache import cache_dir, write_json_atomic
 from providers.base import BaseProvider, Instance, JoinTimeout, NodeEvent, NodeEventKind, Offer
 
@@ -165,7 +165,7 @@ def join_values(join: NodeJoin | None, token_source: str) -> dict[str, str]:
         f"# The node's private key was made by the driver and waits in {token_source} ({join.key_name});\n"
         "# it reaches the interface through a pipe: never a file, an argument or this log.\n"
         f"OVERLAY_IP={quote(join.overlay_ip)}\n"
-        f"{join.key_cmd} | python3 -m elastic.overlay up --address \"$OVERLAY_IP\" --peer {quote(peer)} "
+        f"{join.key_cmd} | python3 -m elastic.net.overlay up --address \"$OVERLAY_IP\" --peer {quote(peer)} "
         "--wait-handshake-s 600"),
         "node_ip_arg": '--node-ip-address="$OVERLAY_IP" ', "watcher_overlay_arg": '--overlay-ip "$OVERLAY_IP" '}
 

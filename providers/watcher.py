@@ -10,7 +10,7 @@ cluster's KV every few seconds) has not changed for `--autodown-after-s`: a driv
 max run duration deletes it). The heartbeat being unreadable (the head gone) counts as no change.
 
 On a run with an overlay (`--overlay-ip`), each round it also reads the run's peers document
-(`elastic.overlay.PEERS_KV_KEY`, written by the driver) and applies it to this node's WireGuard
+(`elastic.net.overlay.PEERS_KV_KEY`, written by the driver) and applies it to this node's WireGuard
 interface: new members become peers, revoked keys are removed.
 
 Each cloud's own half lives in its provider's directory (`providers/<cloud>/watcher.py`: the
@@ -136,7 +136,7 @@ def read_peers() -> str | None:
     try:
         from ray.experimental import internal_kv
 
-        from elastic.overlay import PEERS_KV_KEY
+        from elastic.net.overlay import PEERS_KV_KEY
 
         value = internal_kv._internal_kv_get(PEERS_KV_KEY)
     except Exception:   # the head unreachable: keep the peers as they are
@@ -149,19 +149,17 @@ class PeerSync:
 
     Args:
         overlay_ip: this node's overlay address (it finds itself in the document by it).
-        iface: its interface (default: `elastic.overlay.IFNAME`).
+        iface: its interface (default: `elastic.net.overlay.IFNAME`).
     """
 
     def __init__(self, overlay_ip: str, iface=None):
-        from elastic import overlay
-
+        from elastic.net import overlay
         self.overlay_ip = overlay_ip
         self.iface = iface or overlay.Interface(ifname=overlay.IFNAME)
         self._applied: str | None = None
 
     def sync(self, doc: str | None) -> None:
-        from elastic import overlay
-
+        from elastic.net import overlay
         if doc is None or doc == self._applied:
             return
         members = overlay.decode_members(doc)

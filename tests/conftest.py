@@ -96,7 +96,7 @@ def gcs_server():
 @pytest.fixture(scope="session")
 def local_cluster():
     """A real local Ray cluster (head on 127.0.0.1); tests add and remove raylets as 'VMs'."""
-    from elastic.cluster import LocalCluster
+    from elastic.run.cluster import LocalCluster
 
     cluster = LocalCluster()
     yield cluster
@@ -198,7 +198,7 @@ def join_as_vm(cluster, instance_id: str, cloud: str | None = None) -> str:
 
 def tiny_recipe(**overrides):
     """A small valid recipe dict for fast training tests; `overrides` as dotted paths."""
-    from elastic.recipe import apply_overrides, validate_recipe
+    from elastic.recipe.model import apply_overrides, validate_recipe
 
     doc = {
         "name": "test",

@@ -30,7 +30,7 @@ def local_dir(name: str, weights: bool) -> str:
     if "://" not in name:
         return str(Path(name).expanduser()) if Path(name).expanduser().exists() else name
     from elastic.cache import cache_dir
-    from elastic.storage import FileStorage, open_storage
+    from elastic.storage.stores import FileStorage, open_storage
 
     storage = open_storage(name)
     if isinstance(storage, FileStorage):

@@ -3,7 +3,7 @@
 #   terraform init && terraform apply -var project=MY-PROJECT -var bucket=MY-CKPT-BUCKET
 #
 # Creates:
-#   - service account elastic-driver: what `elastic` itself may do (custom roles elastic.driver and
+#   - service account elastic-driver: what `elastic` itself may do (custom roles elastic.run.driver and
 #     elastic.driverInstances: list instances, and create/label/delete only instances named
 #     elastic-*; read zones, regions, machine and accelerator types, operations; create and list
 #     secrets, and write/read/delete only those named elastic-* (run tokens, checkpoint keys); create per-run
@@ -96,7 +96,7 @@ resource "google_service_account" "node" {
 }
 
 resource "google_project_iam_custom_role" "driver" {
-  role_id     = "elastic.driver"
+  role_id     = "elastic.run.driver"
   title       = "elastic driver"
   description = "Rent, label, list and delete elastic's VMs; read the machine catalog."
   permissions = [

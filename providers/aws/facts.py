@@ -1,4 +1,4 @@
-"""What AWS *is*, as data (no SDK, nothing imported from the provider): read by `elastic.billing`."""
+"""What AWS *is*, as data (no SDK, nothing imported from the provider): read by `elastic.record.billing`."""
 
 from providers.base import BillingTerms
 

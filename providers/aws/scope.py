@@ -9,7 +9,7 @@ security group per region. Created when the run first launches, deleted when it 
   give a node more than infra/aws/node-policy.json allows, whatever it writes inline.
 - **Security group `elastic-run-<run>`** per region: only the overlay's UDP port (51820) open, to
   the whole internet (IPv4 and IPv6): every byte between the run's nodes, in one VPC or across
-  regions and clouds, is WireGuard (elastic/overlay.py), which answers nothing that does not carry
+  regions and clouds, is WireGuard (elastic/net/overlay.py), which answers nothing that does not carry
   a key the run's driver admitted, so another run's VMs (and anyone else) reach nothing. Ray and
   torch.distributed ports are open only inside the overlay; no VPC peering is needed.
   `aws.security_group` (SSH, if the account's setup admits it) is added beside it.
@@ -27,7 +27,7 @@ import threading
 from urllib.parse import urlparse
 
 from elastic.errors import UserError
-from elastic.overlay import OVERLAY_PORT
+from elastic.net.overlay import OVERLAY_PORT
 
 log = logging.getLogger(__name__)
 

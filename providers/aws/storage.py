@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Iterator
 
 from elastic.errors import UserError
-from elastic.storage import CHUNK_BYTES, KeyStore, Storage, key_slug
+from elastic.storage.stores import CHUNK_BYTES, KeyStore, Storage, key_slug
 
 KEY_PARAMETER_PREFIX = "/elastic-checkpoint-keys/"   # outside /elastic/<run>/*, which a run's nodes may read
 

@@ -10,7 +10,7 @@ import re
 from urllib.parse import urlparse
 
 from elastic.errors import UserError
-from elastic.section import LOOPBACK_HOSTS, endpoint_problem
+from elastic.recipe.section import LOOPBACK_HOSTS, endpoint_problem
 
 COMPUTE_ENDPOINT_ENV = "ELASTIC_GCP_COMPUTE_ENDPOINT"
 BILLING_ENDPOINT_ENV = "ELASTIC_GCP_BILLING_ENDPOINT"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from elastic.section import Section, endpoint_problem
+from elastic.recipe.section import Section, endpoint_problem
 
 
 class GCPSection(Section):

@@ -41,7 +41,7 @@ import uuid
 from dataclasses import dataclass
 
 from elastic.errors import UserError, described
-from elastic.overlay import OVERLAY_PORT
+from elastic.net.overlay import OVERLAY_PORT
 from providers.base import CapacityError, Instance, Offer
 from providers.cloud import (CONTROLLER_TEMPLATE, CloudProvider, NodeJoin, cached_json, head_address,
                              heartbeat_time, join_values, labels_arg, quote, render_bootstrap, usable_price)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Iterator
 
 from elastic.errors import UserError
-from elastic.storage import CHUNK_BYTES, KeyStore, Storage, key_slug
+from elastic.storage.stores import CHUNK_BYTES, KeyStore, Storage, key_slug
 from providers.gcp.api import SECRETS_ENDPOINT_ENV, credentials_or_line, endpoint_override, is_local, label_value
 
 KEY_SECRET_PREFIX = "elastic-ckpt-key-"   # a run's node service account reads only its token secret

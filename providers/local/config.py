@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from elastic.section import Section
+from elastic.recipe.section import Section
 
 
 class LocalInstanceType(Section):

@@ -1,4 +1,4 @@
-"""What the local market *is*, as data (no SDK, nothing imported from the provider): read by `elastic.billing`."""
+"""What the local market *is*, as data (no SDK, nothing imported from the provider): read by `elastic.record.billing`."""
 
 from providers.base import BillingTerms
 

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from elastic import overlay
-from elastic.overlay import OVERLAY_PORT
+from elastic.net import overlay
+from elastic.net.overlay import OVERLAY_PORT
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ class LocalProvider(BaseProvider):
     """Args:
         recipe: the run's recipe (its `local` section; `world.ranks_per_replica`, the CPUs each
             node needs at least, one per rank).
-        cluster: the `elastic.cluster.LocalCluster` nodes are added to (None: offers only).
+        cluster: the `elastic.run.cluster.LocalCluster` nodes are added to (None: offers only).
         run_name: the run's name.
     """
 
@@ -80,7 +80,7 @@ class LocalProvider(BaseProvider):
         or the recipe asks for no lab."""
         if "local" not in recipe.resources.clouds or recipe.local.network is None:
             return None
-        from elastic import overlay
+        from elastic.net import overlay
         from providers.local import localnet
 
         missing = overlay.missing_tools()

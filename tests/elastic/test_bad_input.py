@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from elastic.errors import RecipeError
-from elastic.recipe import launch_problems, launch_warnings, load_recipe
-from tests.elastic.test_recipe import TINY, error_lines, run_cli
+from elastic.recipe.model import launch_problems, launch_warnings, load_recipe
+from tests.elastic.recipe.test_recipe import TINY, error_lines, run_cli
 
 
 @pytest.mark.parametrize("text, names, says", [
@@ -123,7 +123,7 @@ def test_run_dir_dot_or_a_used_directory_is_refused_and_nothing_is_written(tmp_p
     ("https://attacker.example/googleapis.com", False), ("ftp://127.0.0.1", False), ("127.0.0.1:80", False),
 ])
 def test_endpoint_overrides_only_on_the_clouds_domain_or_loopback(url, ok):
-    from elastic.section import endpoint_problem
+    from elastic.recipe.section import endpoint_problem
 
     assert (endpoint_problem(url, "googleapis.com") is None) is ok
 

@@ -8,7 +8,7 @@ import sys
 import textwrap
 
 from tests.conftest import REPO
-from tests.elastic.test_recipe import TINY, error_lines, run_cli
+from tests.elastic.recipe.test_recipe import TINY, error_lines, run_cli
 
 
 PRELUDE = """\
@@ -67,7 +67,6 @@ def test_light_commands_import_neither_torch_nor_ray(tmp_path):
 
 def test_version():
     from elastic import __version__
-
     proc = run_cli("--version")
     assert proc.returncode == 0
     assert proc.stdout.strip() == __version__
@@ -119,7 +118,7 @@ def test_schema_markdown():
 
 
 def test_docs_recipe_reference_is_generated():
-    from elastic.schema import markdown_reference
+    from elastic.recipe.schema import markdown_reference
 
     proc = run_cli("schema", "--markdown")
     assert proc.returncode == 0, proc.stderr

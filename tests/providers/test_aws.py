@@ -194,7 +194,7 @@ def test_launch_request_spot_imdsv2_tags_user_data_then_join_timeout_terminates(
 def _join(p, offer, run: str):
     """What the launch path makes for a node of a run with an overlay: a key pair (the private key
     into the cloud's secret store) and the head as the first peer."""
-    from elastic import overlay
+    from elastic.net import overlay
     from providers.cloud import NodeJoin
 
     private, public = overlay.keypair()
@@ -219,7 +219,7 @@ def test_bootstrap_joins_the_overlay_before_ray_with_its_key_from_ssm_never_in_u
     raw = ec2.describe_instance_attribute(InstanceId=inst.instance_id, Attribute="userData")["UserData"]["Value"]
     script = base64.b64decode(raw).decode()
     assert private not in script and "PrivateKey" not in script
-    up = script.index("python3 -m elastic.overlay up --address \"$OVERLAY_IP\"")
+    up = script.index("python3 -m elastic.net.overlay up --address \"$OVERLAY_IP\"")
     assert script.index("OVERLAY_IP=100.80.0.2") < up < script.index("ray start --address=")
     # wireguard-go is installed where the kernel has no WireGuard module, before the overlay comes up.
     assert script.index("modprobe wireguard 2>/dev/null || command -v wireguard-go") \
@@ -365,8 +365,8 @@ def test_down_orphans_judges_runs_by_their_heartbeat_in_the_cloud(aws_env, tmp_p
 def test_driver_release_ends_the_controller_and_strays_of_its_run(aws_env, local_cluster, tmp_path):
     """The driver on a controller (head: controller) releases its nodes, then what the cloud still
     holds for the run: a VM whose launch it lost track of, and last the controller it runs on."""
-    from elastic.driver import Driver
-    from elastic.ledger import Ledger
+    from elastic.run.driver import Driver
+    from elastic.record.ledger import Ledger
 
     terminated = []
     aws_env.rules.extend([price_rule, lambda a, r, params: terminated.append(params) if a == "TerminateInstances" else None])

@@ -275,7 +275,7 @@ def test_close_is_idempotent_and_stops_launches(cloud, local_cluster):
 
 def test_storage_backend_round_trips_an_object(cloud):
     from elastic.errors import UserError
-    from elastic.storage import open_storage
+    from elastic.storage.stores import open_storage
 
     cls = provider_class(cloud.name)
     if cls.storage_scheme is None:

@@ -434,7 +434,7 @@ def test_startup_script_joins_the_overlay_with_its_key_from_secret_manager_never
     stranger = gcp_fake.token_of(f"{account_id('run-other')}@elastic-test.iam.gserviceaccount.com")
     assert _node_call(gcp_fake, stranger, "GET", access) == 403
     up = script.index(f"gcloud secrets versions access latest --secret={secret} --project=elastic-test | "
-                      "python3 -m elastic.overlay up")
+                      "python3 -m elastic.net.overlay up")
     assert script.index("OVERLAY_IP=100.80.0.2") < up < script.index("ray start --address=")
     assert f"--peer {join.head.public_key},100.80.0.1,198.51.100.7:51820 " in script
     assert '--node-ip-address="$OVERLAY_IP"' in script and '--overlay-ip "$OVERLAY_IP"' in script
@@ -579,7 +579,7 @@ def test_driver_trains_on_gcp_vms_and_drains_one_on_its_notice(gcp_fake, local_c
     labelled with its instance name (as the startup script's `ray start` would), a notice is
     forwarded for one of them as its watcher would, and the run drains it, rents a replacement,
     completes, and deletes every VM."""
-    from elastic.driver import run_attached
+    from elastic.run.driver import run_attached
     from providers import cloud, watcher
 
     from concurrent.futures import ThreadPoolExecutor

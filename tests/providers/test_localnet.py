@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from elastic import overlay
+from elastic.net import overlay
 from providers.local import localnet
 from tests.conftest import no_cloud_env, run_cli
 

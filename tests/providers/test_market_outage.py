@@ -10,8 +10,8 @@ import threading
 
 import pytest
 
-from elastic.events import MarketAvailable, MarketUnavailable
-from elastic.ledger import Ledger
+from elastic.record.events import MarketAvailable, MarketUnavailable
+from elastic.record.ledger import Ledger
 from tests.conftest import aws_error, join_as_vm
 from tests.providers.test_aws import aws_recipe, instances, price_rule, spot_history
 
@@ -19,7 +19,7 @@ from tests.providers.test_aws import aws_recipe, instances, price_rule, spot_his
 def feed_on_aws(tmp_path, run: str):
     """The driver's offer feed (no cluster, no world) on one provider, AWS in us-west-2: (the feed,
     its ledger, the provider)."""
-    from elastic.offerfeed import OfferFeed
+    from elastic.run.offerfeed import OfferFeed
     from providers import build
 
     recipe = aws_recipe(**{"resources.regions": "[us-west-2]"})
@@ -80,7 +80,7 @@ def test_a_cloud_slow_to_answer_holds_no_tick(aws_env, tmp_path):
     was made meanwhile."""
     import time
 
-    from elastic.offerfeed import OFFERS_WAIT_S
+    from elastic.run.offerfeed import OFFERS_WAIT_S
 
     held, arrived, asked = threading.Event(), threading.Event(), []
 
@@ -119,7 +119,7 @@ def test_a_run_on_aws_vms_trains_through_a_price_outage_and_completes(aws_env, l
     real run would expire them: the offers are read on a thread of their own, so an answer asked
     before a change may land after it, and must not outlive it.)"""
     import providers.aws.provider
-    from elastic.driver import run_attached
+    from elastic.run.driver import run_attached
 
     monkeypatch.setattr(providers.aws.provider, "MAX_ATTEMPTS", 2)   # the SDK's retries, fewer of them
     cached = providers.aws.provider.cached_json

@@ -3,7 +3,7 @@ real overlay head: the driver makes each VM's key pair, stores the private key i
 secret store, admits the public key on the head's WireGuard interface (and in the peers document)
 before the node can join, and revokes it when the VM goes. The "VMs" boot as local raylets; each
 boot reads its key from the secret store as the bootstrap would and joins only once the head
-knows that key (what `elastic.overlay up --wait-handshake-s` waits for on a real VM).
+knows that key (what `elastic.net.overlay up --wait-handshake-s` waits for on a real VM).
 
 Needs root and wireguard-tools (the head's interface is real; CI runs as root)."""
 
@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import boto3
 import pytest
 
-from elastic import overlay
+from elastic.net import overlay
 from tests.conftest import join_as_vm, polled_events, tiny_recipe
 from tests.providers.test_aws import spot_history
 
@@ -124,8 +124,8 @@ def test_replicas_in_two_aws_regions_and_gcp_join_the_overlay_and_leave_it(aws_e
                                                                           tmp_path, monkeypatch, caplog):
     from ray.experimental import internal_kv
 
-    from elastic import linkprobe
-    from elastic.driver import run_attached
+    from elastic.net import linkprobe
+    from elastic.run.driver import run_attached
     from providers import cloud
     from providers.cloud import CloudNetwork
 
@@ -189,7 +189,7 @@ def test_replicas_in_two_aws_regions_and_gcp_join_the_overlay_and_leave_it(aws_e
     # anything the project logged (botocore's own debug log, off by default, would show the SSM
     # request that stores it).
     assert len(vms.private_keys) >= 3
-    from elastic.report import build_report
+    from elastic.views.report import build_report
 
     written = "".join(f.read_text(errors="replace") for f in (tmp_path / "run").rglob("*") if f.is_file())
     written += json.dumps(build_report(events))

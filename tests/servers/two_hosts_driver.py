@@ -1,6 +1,6 @@
 """The driver of the two-host test, in its own process (the test process may hold another Ray
 cluster): a Ray head on HOST_IP with one CPU, a raylet started inside namespace NS at PEER_IP,
-and a world of one replica on each, built as elastic/driver.py builds it. Prints one JSON line.
+and a world of one replica on each, built as elastic/run/driver.py builds it. Prints one JSON line.
 
     python -m tests.servers.two_hosts_driver NS HOST_IP PEER_IP OVERRIDES_JSON
 """
@@ -14,13 +14,13 @@ import time
 
 
 def main(ns: str, host_ip: str, peer_ip: str, overrides: dict) -> dict:
-    from elastic.cluster import quiet_ray_env
+    from elastic.run.cluster import quiet_ray_env
 
     quiet_ray_env()
     import ray
     from ray.cluster_utils import Cluster
 
-    from elastic.world import Loss, World
+    from elastic.train.world import Loss, World
     from tests.conftest import tiny_recipe
 
     t0 = time.monotonic()

@@ -1,0 +1,1 @@
+"""What to rent, move, hold back or stop: the policies (pure functions of a snapshot), the market and planner they read, their registry, and the one executor that carries out their actions for the driver and the simulator."""

@@ -1,0 +1,357 @@
+"""The market: one view of what can be rented now, with an interruption-risk estimate per offer.
+
+Offers come from the enabled providers (or, in `elastic simulate`, from a trace). Risk is a
+preemption rate per node-hour, estimated per (cloud, region, zone, instance type) from the recipe's
+prior blended with what was observed: preemptions over node-hours held in this run's ledger, and in
+earlier runs through a small history file. Regions whose preemptions spike cool down for a while. Throughput per instance type is what the run's replicas measured (each
+outer step's `inner_s_by_replica`), else the recipe's figure. The market reads ledger-shaped events
+only, so the driver (real ledger) and the simulator (events it writes in simulated time) share this
+code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Mapping
+from pathlib import Path
+
+from elastic.cache import cache_dir, write_json_atomic
+from elastic.record.events import (
+    LinkMeasured, NodeLaunched, NodeNotice, NodePreempted, NodeReleased, OuterStep, ReplicaStarting, read)
+from providers.base import Offer
+
+Key = tuple[str, str, str, str]   # cloud, region, zone, instance type
+
+
+def offer_key(o) -> Key:
+    """The market key of an Offer (or of a `node_launched` event)."""
+    return (o.cloud, o.region, o.zone, o.instance_type)
+
+
+def recipe_tokens_per_s(o, planner) -> float:
+    """The recipe's training throughput of one replica on the VM of an Offer (or of a
+    `node_launched` event, or a dict of its instance type), tokens/s: `planner.tokens_per_s` by instance type, else by GPU
+    model times the GPU count."""
+    if isinstance(o, dict):
+        instance_type, gpu, gpus = o["instance_type"], o.get("gpu", ""), o.get("gpus", 0)
+    else:
+        instance_type, gpu, gpus = o.instance_type, o.gpu, o.gpus
+    by = planner.tokens_per_s
+    if instance_type in by:
+        return by[instance_type]
+    return by.get(gpu, planner.default_tokens_per_s) * max(1, gpus)
+
+
+@dataclass(frozen=True)
+class Quote:
+    """One offer in the market view.
+
+    Args:
+        offer: the provider's offer (price and when it was read).
+        preempt_per_hour: estimated preemptions per node-hour (0 for on-demand).
+        risk_source: `prior`, `observed` (this run or earlier ones) or `on-demand`.
+        capacity: VMs of this offer that can be held at once, when known (the offer's); None: unknown.
+        tokens_per_s: one replica's throughput on this VM, tokens/s, as this run measured it (or
+            earlier runs of the same workload, or the recipe's figure rescaled by the measurements
+            of other types); None: the recipe's figure.
+        speed_source: `measured` (this run or an earlier run of the same workload on this instance
+            type) or `estimate` (the recipe's figure, rescaled or not).
+        links: seconds an outer sync spends between two sites ({`cloud/region`, `cloud/region`}),
+            as this run measured them (`planner.measured_links`); the same for every quote.
+    """
+
+    offer: Offer
+    preempt_per_hour: float
+    risk_source: str
+    capacity: int | None = None
+    tokens_per_s: float | None = None
+    speed_source: str = "estimate"
+    links: Mapping[frozenset, float] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def key(self) -> Key:
+        return offer_key(self.offer)
+
+
+def link_sync_s(rtt_ms: float, mbit_s: float, sync_bytes: int) -> float:
+    """Seconds one outer sync spends crossing a link of `rtt_ms` round trip and `mbit_s`: a ring
+    all-reduce sends about twice the pseudo-gradient over each link (reduce-scatter, then
+    all-gather), and waits a round trip in each half."""
+    return 2 * sync_bytes * 8 / (max(mbit_s, 1e-6) * 1e6) + 2 * rtt_ms / 1000
+
+
+def measured_links(links: list[LinkMeasured], sync_bytes: int | None) -> dict[frozenset, float]:
+    """Sync seconds per pair of sites from `link_measured` events (the newest measurement of a pair
+    wins; a pair inside one site is not a cross-region cost), given the bytes one rank sends per
+    outer sync (None: no sync yet, so no cost can be derived and the planner keeps its guess)."""
+    if not sync_bytes:
+        return {}
+    out: dict[frozenset, float] = {}
+    for e in links:
+        pair = frozenset((e.site, e.peer_site))
+        if len(pair) == 2:
+            out[pair] = link_sync_s(e.rtt_ms, e.mbit_s, sync_bytes)
+    return out
+
+
+
+class Market:
+    """Args:
+        planner: the recipe's `planner` section (prior, region cool-downs).
+        history: {key: (node_hours, preemptions)} observed by earlier runs (see `load_history`).
+    """
+
+    def __init__(self, planner, history: dict[Key, tuple[float, int]] | None = None,
+                 tokens_per_inner_step: int | None = None,
+                 measured_before: dict[tuple[str, str], float] | None = None):
+        self._p = planner
+        # (cloud, type) -> tokens/s earlier runs of this workload measured (see `load_throughput`).
+        self._before = dict(measured_before or {})
+        self._tokens_per_inner_step = tokens_per_inner_step
+        self._history = dict(history or {})
+        self._hours: dict[Key, float] = defaultdict(float)       # closed node-hours this run
+        self._preempted: dict[Key, int] = defaultdict(int)
+        self._open: dict[str, tuple[Key, float]] = {}            # instance id -> (key, held since)
+        self._counted: set[str] = set()                           # instances whose preemption counted
+        self._region_hits: dict[str, list[float]] = defaultdict(list)
+        self._cool_region: dict[str, float] = {}                  # region -> until
+        self._vm_type: dict[str, tuple[str, str]] = {}           # instance id -> (cloud, instance type)
+        self._recipe_tps: dict[tuple[str, str], float] = {}      # (cloud, type) -> the recipe's tokens/s
+        self._replica_vm: dict[int, str] = {}                     # replica id -> instance id
+        self._trained: dict[tuple[str, str], list] = {}          # (cloud, type) -> [tokens, seconds]
+        self._measured: dict[tuple[str, str], float] = {}        # (cloud, type) -> tokens/s, from _trained
+        self._recipe_scale: float | None = None                  # measured / recipe, geometric mean
+        self._links: list[LinkMeasured] = []                              # link_measured events
+        self._sync_bytes: int | None = None                      # bytes one rank sent in the last sync
+        self._links_cost: dict[frozenset, float] = {}            # site pair -> sync seconds (measured)
+        self._seen = 0
+
+    # -- what happened --------------------------------------------------------------------------
+
+    def observe(self, records: list[dict]) -> None:
+        """Take in the ledger records appended since the last call (read back typed)."""
+        for e in read(records[self._seen:]):
+            t = e.t
+            if isinstance(e, NodeLaunched):
+                typ = (e.cloud, e.instance_type)
+                self._vm_type[e.instance_id] = typ
+                self._recipe_tps[typ] = recipe_tokens_per_s(e, self._p)
+                if e.spot is not False:
+                    self._open[e.instance_id] = (offer_key(e), e.launched_at if e.launched_at is not None else t)
+            elif isinstance(e, ReplicaStarting):
+                self._replica_vm[int(e.replica)] = e.instance_id
+            elif isinstance(e, OuterStep):
+                if e.bytes_sent:
+                    self._sync_bytes = int(e.bytes_sent)
+                    self._links_cost = measured_links(self._links, self._sync_bytes)
+                if self._tokens_per_inner_step:
+                    self._measure(e)
+            elif isinstance(e, LinkMeasured):
+                self._links.append(e)
+                self._links_cost = measured_links(self._links, self._sync_bytes)
+            elif isinstance(e, (NodeNotice, NodePreempted)):
+                iid = e.instance_id
+                if iid in self._open and iid not in self._counted:
+                    self._counted.add(iid)
+                    key = self._open[iid][0]
+                    self._preempted[key] += 1
+                    self._hit_region(key[1], t)
+                if isinstance(e, NodePreempted):
+                    self._close(iid, t)
+            elif isinstance(e, NodeReleased):
+                self._close(e.instance_id, t)
+        self._seen = len(records)
+
+    def _measure(self, step: OuterStep) -> None:
+        """Credit each replica's inner phase of an outer step to its VM's instance type."""
+        steps_done = {int(r): n for r, n in (step.steps_done or {}).items()}
+        for rid, seconds in (step.inner_s_by_replica or {}).items():
+            typ = self._vm_type.get(self._replica_vm.get(int(rid), ""))
+            n = steps_done.get(int(rid), 0)
+            if typ is not None and n and seconds > 0:
+                acc = self._trained.setdefault(typ, [0, 0.0])
+                acc[0] += n * self._tokens_per_inner_step
+                acc[1] += seconds
+        if self._trained:
+            self._measured = {typ: tokens / seconds for typ, (tokens, seconds) in self._trained.items()}
+            logs = [math.log(tps / self._recipe_tps[typ]) for typ, tps in self._measured.items()]
+            self._recipe_scale = math.exp(sum(logs) / len(logs))
+
+    def measured_tokens_per_s(self) -> dict[tuple[str, str], float]:
+        """{(cloud, instance type): tokens/s one replica trained} over this run's outer steps."""
+        return dict(self._measured)
+
+    def tokens_per_s(self, offer: Offer) -> float | None:
+        """A replica's throughput on this offer's VM: measured for its type; for a type not run yet,
+        the recipe's figure times how far measured types came from their own (geometric mean);
+        None before any measurement (the planner takes the recipe's figure)."""
+        typ = (offer.cloud, offer.instance_type)
+        mine = self._measured.get(typ, self._before.get(typ))
+        if mine is not None:
+            return mine
+        scale = self._recipe_scale
+        if scale is None and self._before:   # no measurement yet in this run: earlier runs' types
+            logs = [math.log(tps / recipe_tokens_per_s({"cloud": c, "instance_type": t}, self._p))
+                    for (c, t), tps in self._before.items()]
+            scale = math.exp(sum(logs) / len(logs))
+        return None if scale is None else recipe_tokens_per_s(offer, self._p) * scale
+
+    def speed_source(self, offer: Offer) -> str:
+        """`measured` when this run or an earlier one of the same workload trained on this type."""
+        typ = (offer.cloud, offer.instance_type)
+        return "measured" if typ in self._measured or typ in self._before else "estimate"
+
+    def _close(self, instance_id: str, t: float) -> None:
+        held = self._open.pop(instance_id, None)
+        if held is not None:
+            self._hours[held[0]] += max(0.0, t - held[1]) / 3600
+
+    def _hit_region(self, region: str, t: float) -> None:
+        hits = [h for h in self._region_hits[region] if h > t - self._p.region_cooldown_window_s] + [t]
+        self._region_hits[region] = hits
+        if len(hits) >= self._p.region_cooldown_preemptions:
+            self._cool_region[region] = t + self._p.region_cooldown_s
+            self._region_hits[region] = []
+
+    # -- the view -------------------------------------------------------------------------------
+
+    def risk(self, offer: Offer, now: float) -> tuple[float, str]:
+        """(preemptions per node-hour, where the figure comes from) for an offer."""
+        if not offer.spot:
+            return 0.0, "on-demand"
+        key = offer_key(offer)
+        h_hours, h_n = self._history.get(key, (0.0, 0))
+        hours = h_hours + self._hours.get(key, 0.0) + sum(
+            max(0.0, now - since) / 3600 for k, since in self._open.values() if k == key)
+        n = h_n + self._preempted.get(key, 0)
+        w = self._p.prior_weight_hours
+        rate = (self._p.preempt_per_hour_prior * w + n) / (w + hours)
+        return rate, ("observed" if hours or n else "prior")
+
+    def cooled_regions(self, now: float) -> set[str]:
+        """Regions resting after a spike of preemptions."""
+        return {r for r, until in self._cool_region.items() if until > now}
+
+    def quote(self, offer: Offer, now: float) -> Quote:
+        rate, source = self.risk(offer, now)
+        return Quote(offer, rate, source, offer.capacity, self.tokens_per_s(offer), self.speed_source(offer),
+                     self._links_cost)
+
+    def quotes(self, offers: list[Offer], now: float) -> list[Quote]:
+        """Every offer with its risk, speed and capacity (when known). Regions whose preemptions
+        spiked are left out while any other region has an offer (the next region first; a cooled
+        region is still better than none). An offer resting after a capacity error is the policy's
+        to leave out (`elastic.policy.rules.resting`)."""
+        cooled = self.cooled_regions(now)
+        elsewhere = [o for o in offers if o.region not in cooled]
+        return [self.quote(o, now) for o in (elsewhere or offers)]
+
+    def stats(self, now: float) -> dict[Key, tuple[float, int]]:
+        """This run's observations: {key: (node_hours, preemptions)} (open VMs counted up to now)."""
+        out: dict[Key, list] = {k: [h, 0] for k, h in self._hours.items()}
+        for key, since in self._open.values():
+            out.setdefault(key, [0.0, 0])[0] += max(0.0, now - since) / 3600
+        for key, n in self._preempted.items():
+            out.setdefault(key, [0.0, 0])[1] += n
+        return {k: (h, n) for k, (h, n) in out.items()}
+
+
+# -- history of earlier runs ----------------------------------------------------------------------
+
+def history_path() -> Path:
+    """Where observed preemption rates of earlier runs are kept ($ELASTIC_CACHE or ~/.cache/elastic)."""
+    return cache_dir() / "preemptions.json"
+
+
+def load_history(path: Path | None = None) -> dict[Key, tuple[float, int]]:
+    """{key: (node_hours, preemptions)} of earlier runs; empty when missing or unreadable."""
+    path = path or history_path()
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+        return {tuple(r["key"]): (float(r["node_hours"]), int(r["preemptions"])) for r in rows}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def save_history(stats: dict[Key, tuple[float, int]], path: Path | None = None) -> None:
+    """Add a run's observations to the history (written to a temp file, then renamed)."""
+    path = path or history_path()
+    merged = load_history(path)
+    for key, (hours, n) in stats.items():
+        h0, n0 = merged.get(key, (0.0, 0))
+        merged[key] = (h0 + hours, n0 + n)
+    rows = [{"key": list(k), "node_hours": round(h, 6), "preemptions": n} for k, (h, n) in sorted(merged.items())]
+    write_json_atomic(path, rows, indent=1)
+
+
+# -- measured throughput of earlier runs ----------------------------------------------------------
+
+def throughput_path() -> Path:
+    """Where measured tokens/s of earlier runs are kept ($ELASTIC_CACHE or ~/.cache/elastic)."""
+    return cache_dir() / "throughput.json"
+
+
+def workload_key(recipe) -> str:
+    """What a throughput figure holds for: the model's size and what one replica trains per step
+    (a figure measured for another model or batch says little about this one)."""
+    import hashlib
+
+    t = recipe.train
+    model = hashlib.sha256(json.dumps(recipe.model.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+    return f"model-{model[:12]}/b{t.batch_size}x{t.seq_len}/r{recipe.world.ranks_per_replica}"
+
+
+def measure_throughput(events: list[dict], tokens_per_inner_step: int) -> dict[tuple[str, str], tuple[int, float]]:
+    """{(cloud, instance type): (tokens, seconds)} one replica trained on that type over a run's
+    outer steps. A replica's seconds are the whole phase (its inner steps and the outer sync all
+    replicas wait for), so the figures sum to the run's training tokens/s."""
+    vm_type: dict[str, tuple[str, str]] = {}
+    replica_vm: dict[int, str] = {}
+    out: dict[tuple[str, str], list] = {}
+    for e in events:
+        if e["type"] == NodeLaunched.TYPE:
+            vm_type[e["instance_id"]] = (e["cloud"], e["instance_type"])
+        elif e["type"] == ReplicaStarting.TYPE:
+            replica_vm[int(e["replica"])] = e["instance_id"]
+        elif e["type"] == OuterStep.TYPE:
+            phase_s = e.get("inner_s", 0.0) + e.get("sync_s", 0.0)
+            for rid, n in (e.get("steps_done") or {}).items():
+                typ = vm_type.get(replica_vm.get(int(rid), ""))
+                if typ is not None and n and phase_s > 0:
+                    acc = out.setdefault(typ, [0, 0.0])
+                    acc[0] += n * tokens_per_inner_step
+                    acc[1] += phase_s
+    return {typ: (tokens, seconds) for typ, (tokens, seconds) in out.items()}
+
+
+def load_throughput(workload: str, path: Path | None = None) -> dict[tuple[str, str], float]:
+    """{(cloud, instance type): tokens/s} earlier runs of `workload` measured; empty when none."""
+    path = path or throughput_path()
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+        return {(r["cloud"], r["instance_type"]): r["tokens"] / r["seconds"] for r in rows
+                if r["workload"] == workload and r["seconds"] > 0}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def save_throughput(measured: dict[tuple[str, str], tuple[int, float]], workload: str,
+                    path: Path | None = None) -> None:
+    """Add a run's measured (tokens, seconds) per instance type to the throughput history."""
+    path = path or throughput_path()
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+        merged = {(r["cloud"], r["instance_type"], r["workload"]): [int(r["tokens"]), float(r["seconds"])]
+                  for r in rows}
+    except (OSError, ValueError, KeyError, TypeError):
+        merged = {}
+    for (cloud, itype), (tokens, seconds) in measured.items():
+        acc = merged.setdefault((cloud, itype, workload), [0, 0.0])
+        acc[0] += tokens
+        acc[1] += seconds
+    rows = [{"cloud": c, "instance_type": t, "workload": w, "tokens": n, "seconds": round(sec, 3)}
+            for (c, t, w), (n, sec) in sorted(merged.items())]
+    write_json_atomic(path, rows, indent=1)

@@ -1,0 +1,672 @@
+"""Rental policies: what to rent, move, hold back or stop, as a pure function of a snapshot.
+
+A `Policy` decides from a `Snapshot` and returns actions (`Rent`, `Release`, ...); one executor
+(`elastic.policy.executor`) carries them out, for the driver against the providers and the world, for
+`elastic simulate` against a trace. Policies are chosen by name from `elastic.policy.registry.POLICIES`
+(the recipe's `planner.policy`, `elastic simulate --policy`). Nothing here reads a clock, does I/O
+or talks to a cloud: the snapshot carries the time, what is held, what is offered (quoted by the
+market, its learnt risks included), how far the run is, what it has spent and what the policy
+carried over from its last decisions (fed back by the executor). The `elastic` policy's rules
+(`ElasticPolicy`; the baselines are in `elastic.policy.baselines`), each written once:
+
+- **cooldown**: an offer that refused capacity (or whose VM failed to come up) rests
+  `planner.capacity_cooldown_s` from the refusal;
+- **renting**: up to the world's target size (world.replicas, grown when budget.max_hours needs a
+  bigger world; world.max_replicas under the pause rule), counting nodes held, booting and on their way, not those leaving; each launch where
+  the planner says (`planner.choose_launch`);
+- **re-plan**: once `planner.replan_every_s` has passed since the last one and the world is steady
+  (nothing booting, renting, leaving or moving), grow the target if the deadline needs it and move
+  the replicas a clearly cheaper offer beats (`planner.replan_all`; the whole world when its region
+  rests after a spike of preemptions). The new VM is rented; the old one leaves at once (`Release`)
+  when its tokens cost more than the new VM's, boot included (`planner.leaves_at_once`), else
+  drains once the new one trains;
+- **budget**: a launch must leave the spend within budget.max_usd for its cloud's billing minimum
+  (or until the budget is next checked, when longer) of every held VM and the new one
+  (`launch_fits_budget`, inside `decide`); an outer step (or a wait) must not carry the spend past
+  budget.max_usd nor the run past budget.max_hours (`stop_for_budget`, asked before each step);
+- **pause** (with budget.max_hours and `planner.pauses`): the world is world.max_replicas and trains
+  while the market's price now (`market_price`: the planner's world of that size, USD per 1M useful
+  tokens) is at most θ, up to `HYSTERESIS` θ once training. θ is read off the prices seen so far
+  (one sample per `planner.price_sample_s`, each standing for an equal share of the hours left to
+  the deadline): the least price whose samples at or below it would train `planner.pause_slack` ×
+  (the tokens left and one boot), plus two outer steps, at their own pace, and at least `MIN_SHARE`
+  of what all of them would (`pace`). Dearer, it pauses (`Pause`: a checkpoint at the next
+  outer-step boundary, every VM released, the wait not counted as a capacity shortage), and rents
+  again (`Unpause`) once the price is at most `UNPAUSE_AT` θ or the deadline needs `GO_ON_NEED` of
+  the time left. It never pauses on fewer than `MIN_SAMPLES` prices, with launches under way or
+  with a replica booting. While training, a replica dearer than `HYSTERESIS` θ leaves at once when
+  the planner's launch in its place is `DEAR_SAVING` cheaper (`_dear`). This is the shape of
+  elastic/sim/bound.py's bound on a volatile market (every VM through the cheap spells, none in
+  between) played with only the past in hand: the market's future is taken to look like its past;
+- **checkpoint**: at an outer-step boundary with progress not saved yet, save every
+  `checkpoint.every_outer_steps`, when the run has trained what it needs, when every replica
+  training is leaving (their notices came: the world is about to empty and would restart from the
+  last checkpoint), and when the run ends early (`checkpoint_due`, asked at each boundary before
+  the leaving replicas go, and when the run stops).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from dataclasses import dataclass
+from typing import ClassVar
+
+from elastic.record import billing
+from elastic.policy.market import Key, Quote, offer_key
+from elastic.policy.planner import (Move, Progress, choose_launch, evaluate, hours_to_finish, launch_usd_per_mtok,
+                             leaves_at_once, plan, replan_all, run_tokens, speed_source, tokens_per_phase,
+                             usd_per_mtok)
+from providers.base import Offer
+
+PRICE_HISTORY = 4032     # samples kept: two weeks at one per 5 minutes
+MIN_SAMPLES = 12         # an hour of prices before the policy ever pauses
+HYSTERESIS = 1.3         # once training, it goes on up to this many times θ
+UNPAUSE_AT = 1.05        # paused, it trains again at this many times θ (a price as cheap as θ, within noise)
+MIN_SHARE = 0.05         # θ is never below the price of the cheapest 5 % of the samples' tokens (not an outlier)
+DEAR_SAVING = 0.25       # a replica dearer than HYSTERESIS θ leaves for a launch this much cheaper
+GO_ON_NEED = 0.95        # at this share of the time left needed, it trains whatever the price
+
+
+@dataclass(frozen=True)
+class Node:
+    """A VM the run holds.
+
+    Args:
+        instance_id: the provider's id.
+        quote: its offer at the price in effect now, with the market's risk.
+        launched_at_s: when it was launched (the snapshot's clock).
+        ready: its replica trains (False: booting, joining, copying state).
+        leaving: it is going (a notice came, or a move's replacement trains): not counted in the world.
+        notice_deadline_s: when a notice says it goes, else None.
+        moving: a move's replacement is on its way for it.
+    """
+
+    instance_id: str
+    quote: Quote
+    launched_at_s: float
+    ready: bool = True
+    leaving: bool = False
+    notice_deadline_s: float | None = None
+    moving: bool = False
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A launch an offer refused (capacity error, a VM that failed or never joined).
+
+    Args:
+        key: the offer's market key.
+        at_s: when (the snapshot's clock).
+    """
+
+    key: Key
+    at_s: float
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What the policy sees, at one moment.
+
+    Args:
+        recipe: the run's recipe (world, planner and budget sections are read).
+        time_s: now (unix seconds for the driver, trace seconds for the simulator).
+        started_s: when the run started (budget.max_hours counts from here).
+        nodes: VMs held.
+        pending: offers of launches under way (no VM to show yet).
+        quotes: what can be rented now, quoted by the market (regions resting after a spike of
+            preemptions already left out).
+        progress: tokens and outer steps done, hours since the start.
+        spent_usd: USD billed so far (`elastic.record.billing`).
+        refusals: recent launch refusals.
+        target_replicas: the world's target size so far.
+        planned: the target was sized for budget.max_hours at least once.
+        last_replan_s: when the policy last re-planned.
+        budget_horizon_s: seconds until the budget is next checked (the last outer step's length).
+        checkpointed_step: the outer step of the newest checkpoint saved (or restored from); 0: none.
+        prices: the market's price, pace and the pace's source (`market_price`: USD per 1M useful
+            tokens, useful tokens/s, `measured`/`estimate`/`partly measured`) at each sample so
+            far, oldest first (`PriceSeen`; at most `PRICE_HISTORY`).
+        priced_at_s: when the last sample was taken.
+        paused: the policy paused the run (`Pause`) and has not unpaused it.
+        place: where a whole-job baseline keeps its world (`Place`); None: not chosen yet.
+    """
+
+    recipe: object
+    time_s: float
+    started_s: float = 0.0
+    nodes: tuple[Node, ...] = ()
+    pending: tuple[Offer, ...] = ()
+    quotes: tuple[Quote, ...] = ()
+    progress: Progress = Progress()
+    spent_usd: float = 0.0
+    refusals: tuple[Refusal, ...] = ()
+    target_replicas: int = 0
+    planned: bool = False
+    last_replan_s: float = float("-inf")
+    budget_horizon_s: float = 0.0
+    checkpointed_step: int = 0
+    prices: tuple[tuple[float, float, str], ...] = ()
+    priced_at_s: float = float("-inf")
+    paused: bool = False
+    place: Offer | None = None
+
+
+@dataclass(frozen=True)
+class Rent:
+    """Rent one VM from `quote.offer`; with `move`, it replaces `move.drain` once it trains."""
+
+    quote: Quote
+    move: Move | None = None
+
+
+@dataclass(frozen=True)
+class Retarget:
+    """The world's target size is now `replicas` (`grown`: larger than before, for budget.max_hours)."""
+
+    replicas: int
+    hours_to_finish: float
+    grown: bool
+
+
+@dataclass(frozen=True)
+class Replan:
+    """The policy re-planned now (the next re-plan is due `planner.replan_every_s` later)."""
+
+    at_s: float
+
+
+@dataclass(frozen=True)
+class HoldBack:
+    """A launch the world wants was not made.
+
+    Args:
+        reason: `capacity` (every offer is at its known capacity), `resting` (every offer rests
+            after a refusal) or `budget`.
+        held: nodes held or on their way.
+        usd_per_hour: for `budget`, the price of the launch refused.
+        gives_up: for `budget`, too few nodes for world.min_replicas and none on its way: the run
+            cannot go on.
+    """
+
+    reason: str
+    held: int
+    usd_per_hour: float = 0.0
+    gives_up: bool = False
+
+
+@dataclass(frozen=True)
+class StopForBudget:
+    """End the run now (checkpoint, release everything): the next step would cross a hard limit."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Save the world's state now, at this outer-step boundary.
+
+    Args:
+        reason: `schedule` (checkpoint.every_outer_steps), `final` (the run trained what it
+            needs), `leaving` (every replica training is about to go), `ending` (the run stops
+            early: budget, capacity).
+    """
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Release:
+    """Let the replica on `instance_id` leave at the next step boundary and release its VM: the old
+    replica of `move`, not worth keeping while its replacement (the `Rent` that follows) boots."""
+
+    instance_id: str
+    move: Move
+
+
+@dataclass(frozen=True)
+class PriceSeen:
+    """A sample of the market's price and pace (`market_price`) at `at_s`: keep it in
+    `Snapshot.prices`."""
+
+    at_s: float
+    usd_per_mtok: float
+    tokens_per_s: float
+    speed: str
+
+
+    def kept(self, prices: tuple[tuple[float, float, str], ...]) -> tuple[tuple[float, float, str], ...]:
+        """The history `prices` with this sample added (the newest `PRICE_HISTORY` kept): what
+        the executor hands back as `Snapshot.prices`."""
+        return (prices + ((self.usd_per_mtok, self.tokens_per_s, self.speed),))[-PRICE_HISTORY:]
+
+
+@dataclass(frozen=True)
+class Pace:
+    """The pause rule's reading of the market now (see the module's docstring).
+
+    Args:
+        usd_per_mtok: the market's price now (`market_price`).
+        threshold_usd_per_mtok: θ (inf: too few prices seen to judge).
+        need: the share of the time left the run keeps for training (1: all of it).
+        trains: the world should train now.
+    """
+
+    usd_per_mtok: float
+    threshold_usd_per_mtok: float
+    need: float
+    trains: bool
+
+
+@dataclass(frozen=True)
+class Pause:
+    """Pause the run: a checkpoint at the next outer-step boundary, then every VM released; rent
+    nothing until `Unpause`."""
+
+    pace: Pace
+
+
+@dataclass(frozen=True)
+class Unpause:
+    """End the pause: the `Rent`s that follow start the world again (from the checkpoint)."""
+
+    pace: Pace
+
+
+@dataclass(frozen=True)
+class Place:
+    """A whole-job baseline keeps its world on `offer` from now (None: nothing fits): kept in
+    `Snapshot.place`."""
+
+    offer: Offer | None
+
+
+Action = Rent | Release | Retarget | Replan | HoldBack | PriceSeen | Pause | Unpause | Place   # what `decide` returns
+# `stop_for_budget` and `checkpoint_due` return the other two (StopForBudget, Checkpoint): each is
+# asked at its own moment of an outer step, `decide` whenever the world may need capacity.
+
+
+class Policy:
+    """A rental policy: decides from snapshots, never from a clock or a cloud. To add one, subclass
+    this, give it a `name`, and list an instance in `elastic.policy.registry.POLICIES`; the recipe's
+    `planner.policy` and `elastic simulate --policy` then pick it by that name.
+
+    Declared as data, for the simulator's model of the job (and the driver's check that it can
+    run it):
+        name: the registry's name.
+        spot: the offers it is quoted: spot (True), on-demand (False), or the recipe's
+            resources.spot (None).
+        whole_job: a synchronous job of a fixed world (`baselines.whole_world`): any loss stops it
+            until it is whole again, and it restarts from its last checkpoint. False: DiLoCo's
+            survivors keep training (the driver runs only these).
+        moves_on_loss: with `whole_job`, a loss releases every VM, so the next decision places the
+            world afresh.
+    """
+
+    name: ClassVar[str]
+    spot: ClassVar[bool | None] = None
+    whole_job: ClassVar[bool] = False
+    moves_on_loss: ClassVar[bool] = False
+
+    def due(self, s: Snapshot) -> bool:
+        """Whether `decide` may do anything now, judged without the offers (`s.quotes` unread:
+        reading offers costs the driver a cloud API call)."""
+        return True
+
+    def decide(self, s: Snapshot) -> list[Action]:
+        """The actions to take now, in order."""
+        raise NotImplementedError
+
+    def stop_for_budget(self, s: Snapshot, span_s: float) -> StopForBudget | None:
+        """Whether the run must end before the next `span_s` seconds (asked before each outer step)."""
+        return stop_for_budget(s, span_s)
+
+    def checkpoint_due(self, s: Snapshot, ending: bool = False) -> Checkpoint | None:
+        """Whether to checkpoint at this outer-step boundary (`ending`: the run stops now)."""
+        return checkpoint_due(s, ending)
+
+
+class ElasticPolicy(Policy):
+    """The project's policy: the rules of this module (`due`, `decide`), for a world whose DiLoCo
+    survivors train through a preemption."""
+
+    name = "elastic"
+
+    def due(self, s: Snapshot) -> bool:
+        return due(s)
+
+    def decide(self, s: Snapshot) -> list[Action]:
+        return decide(s)
+
+
+# -- the rules -------------------------------------------------------------------------------------
+
+def resting(s: Snapshot, key: Key) -> bool:
+    """The cooldown rule: an offer rests `planner.capacity_cooldown_s` after a refusal."""
+    rest_s = s.recipe.planner.capacity_cooldown_s
+    return any(r.key == key and s.time_s - r.at_s < rest_s for r in s.refusals)
+
+
+def launch_fits_budget(spent_usd: float, held_usd_per_hour: float, offer, recipe, horizon_s: float = 0.0) -> bool:
+    """The budget rule for a launch: the spend stays within budget.max_usd with every held VM and
+    the new one billed for the new one's certain minimum (`billing.launch_span_s`; the recipe's
+    `planner.billing_increment_s` when set), or for `horizon_s` (until the budget is next checked)
+    when that is longer."""
+    cap = recipe.budget.max_usd
+    if cap is None:
+        return True
+    span_h = max(billing.launch_span_s(offer.cloud, recipe.planner.billing_increment_s), horizon_s) / 3600
+    return spent_usd + (held_usd_per_hour + offer.usd_per_hour) * span_h <= cap
+
+
+def usd_per_hour_held(s: Snapshot) -> float:
+    """What every held VM bills per hour now, and every launch under way will."""
+    return sum(n.quote.offer.usd_per_hour for n in s.nodes) + sum(o.usd_per_hour for o in s.pending)
+
+
+def stop_for_budget(s: Snapshot, span_s: float) -> StopForBudget | None:
+    """The budget rule for time, asked before each outer step (and, in the simulator, each wait):
+    stop when the next `span_s` seconds would pass budget.max_hours, or bill past budget.max_usd at
+    today's prices (every VM held and every launch under way); else None."""
+    b = s.recipe.budget
+    if b.max_hours is not None and s.time_s - s.started_s + span_s > b.max_hours * 3600:
+        return StopForBudget(f"budget.max_hours ({b.max_hours} h) would be passed by the next outer step")
+    if b.max_usd is not None and s.spent_usd + usd_per_hour_held(s) * span_s / 3600 > b.max_usd:
+        return StopForBudget(f"budget.max_usd (${b.max_usd:.2f}) would be passed by the next outer step "
+                             f"(spent ${s.spent_usd:.4f})")
+    return None
+
+
+def finished(s: Snapshot) -> bool:
+    """The run trained what it needs: train.token_budget tokens, else train.outer_steps steps."""
+    t = s.recipe.train
+    if t.token_budget is not None:
+        return s.progress.tokens >= t.token_budget
+    return s.progress.outer_steps >= t.outer_steps
+
+
+def checkpoint_due(s: Snapshot, ending: bool = False) -> Checkpoint | None:
+    """The checkpoint rule, asked at each outer-step boundary once the step's replicas contributed
+    (before the leaving ones go), and with `ending` when the run stops early: a `Checkpoint` when
+    some progress is not saved yet and the schedule (`checkpoint.every_outer_steps`) says so, the
+    run is finished, every replica training is leaving (their notices came: the world would
+    otherwise restart from the last checkpoint), or the run ends; else None."""
+    step = s.progress.outer_steps
+    if step <= s.checkpointed_step:
+        return None
+    if ending:
+        return Checkpoint("ending")
+    if finished(s):
+        return Checkpoint("final")
+    every = s.recipe.checkpoint.every_outer_steps
+    if every and step % every == 0:
+        return Checkpoint("schedule")
+    training = [n for n in s.nodes if n.ready]
+    if training and all(n.leaving for n in training):
+        return Checkpoint("leaving")
+    return None
+
+
+def pauses(recipe) -> bool:
+    """Whether the pause rule applies: `planner.pauses` and a deadline (budget.max_hours) to keep."""
+    return recipe.planner.pauses and recipe.budget.max_hours is not None
+
+
+def _sized(recipe):
+    """The recipe as the pause rule trains it: a world of world.max_replicas."""
+    w = recipe.world
+    if w.replicas == w.max_replicas:
+        return recipe
+    return recipe.model_copy(update={"world": w.model_copy(update={"replicas": w.max_replicas})})
+
+
+def market_price(quotes: list[Quote], recipe) -> tuple[float, float, str]:
+    """The market's price now: the planner's cheapest world of world.max_replicas on `quotes`, as
+    (USD per 1M useful tokens, useful tokens/s, where that pace comes from: `measured`, `estimate`
+    or `partly measured`); (inf, 0, `estimate`) when nothing can be placed."""
+    world = plan(quotes, _sized(recipe), n=recipe.world.max_replicas)
+    if not world.quotes or world.useful_tokens_per_s <= 0:
+        return math.inf, 0.0, "estimate"
+    return world.usd_per_mtok, world.useful_tokens_per_s, speed_source(world.quotes)
+
+
+def pace(s: Snapshot, usd_per_mtok: float, prices: tuple[tuple[float, float], ...]) -> Pace:
+    """The pause rule (see the module's docstring) at the market's price now, against the `prices`
+    seen (the one now included). Each sample stands for an equal share of the hours left; θ is the
+    least price whose samples at or below it would train `planner.pause_slack` × the tokens left
+    at their own pace (the cheapest world's pace jumps with its GPUs: 8×H100 trains 2.5× faster
+    than 8×A100). `need` is that many tokens over what every sample's hours would train."""
+    r = s.recipe
+    left_h = max(r.budget.max_hours - (s.time_s - s.started_s) / 3600, 1e-9)
+    share_s = left_h * 3600 / len(prices)
+    # The tokens left and one boot, with the slack; and two whole outer steps of the world, which
+    # the slack of a nearly finished run would not cover (a step's tokens count only once synced).
+    want = (r.planner.pause_slack * (max(0, run_tokens(r) - s.progress.tokens)
+                                     + r.planner.recovery_s * statistics.median(t for _, t in prices))
+            + 2 * tokens_per_phase(r) * r.world.max_replicas)
+    total = sum(t for _, t in prices) * share_s
+    need = min(1.0, want / max(total, 1e-9))
+    theta, trained = math.inf, 0.0
+    if len(prices) >= MIN_SAMPLES:
+        for usd, tps in sorted(prices):
+            trained += tps * share_s
+            if trained >= max(want, MIN_SHARE * total):
+                theta = usd
+                break
+    trains = need >= GO_ON_NEED or usd_per_mtok <= theta * (UNPAUSE_AT if s.paused else HYSTERESIS)
+    return Pace(usd_per_mtok, theta, need, trains)
+
+
+def _paced(s: Snapshot, quotes: list[Quote]) -> tuple[list[Action], Pace | None]:
+    """The price sample due now (a `PriceSeen`) and the pause rule's reading of it; ([], None) when
+    the rule does not apply, no sample is due, or nothing can be placed."""
+    if not pauses(s.recipe) or not quotes:
+        return [], None
+    if s.time_s - s.priced_at_s < s.recipe.planner.price_sample_s and s.prices:
+        return [], None   # no sample due: nothing to judge by
+    usd, tps, speed = market_price(quotes, s.recipe)
+    if not math.isfinite(usd):
+        return [], None
+    prices = s.prices + ((usd, tps, speed),)
+    return [PriceSeen(s.time_s, usd, tps, speed)], pace(s, usd, _rescaled(prices, tps, speed))
+
+
+def _rescaled(prices: tuple[tuple[float, float, str], ...], tps: float, speed: str) -> tuple[tuple[float, float], ...]:
+    """The prices seen, each group priced at another source of pace than the one now (the run's
+    first measured step rescales every estimate: by 20× on a small model) brought to the pace now:
+    its prices × k, its paces ÷ k, k = its median pace ÷ the median pace of the samples at today's
+    source (the worlds are taken to be alike on the whole; not one world's pace, which jumps with
+    its GPUs)."""
+    groups: dict[str, list[tuple[float, float]]] = {}
+    for u, t, src in prices:
+        groups.setdefault(src, []).append((u, t))
+    out: list[tuple[float, float]] = list(groups.pop(speed, []))
+    ref = statistics.median(t for _, t in out) if out else tps
+    for group in groups.values():
+        k = statistics.median(t for _, t in group) / ref
+        out += [(u * k, t / k) for u, t in group]
+    return tuple(out)
+
+
+def _dear(s: Snapshot, quotes: list[Quote], p: Pace) -> list[Release]:
+    """Replicas whose price per token passed `HYSTERESIS` θ leave at once (dearest first) when the
+    planner's launch in their place (`choose_launch`, capacity kept) is `DEAR_SAVING` cheaper, its
+    boot spread over its life, and fits the budget; world.min_replicas keep training. The world
+    tops up there as usual."""
+    if p.need >= GO_ON_NEED or not math.isfinite(p.threshold_usd_per_mtok) or not quotes:
+        return []
+    r = s.recipe
+    staying = _in_world(s)
+    rate = usd_per_hour_held(s)
+    out: list[Release] = []
+    for n in sorted((n for n in staying if n.ready), key=lambda n: -usd_per_mtok(n.quote, r)):
+        now = usd_per_mtok(n.quote, r)
+        if now <= p.threshold_usd_per_mtok * HYSTERESIS or len(staying) <= r.world.min_replicas:
+            break
+        rest = [m.quote for m in staying if m is not n] + [_pending_quote(s, o) for o in s.pending] + \
+               [a.move.add for a in out]
+        add = choose_launch(quotes, r, rest, s.progress)
+        if add is None or add.key == n.quote.key or launch_usd_per_mtok(add, r) >= now * (1 - DEAR_SAVING):
+            continue
+        if not launch_fits_budget(s.spent_usd, rate, add.offer, r, horizon_s=s.budget_horizon_s):
+            break
+        out.append(Release(n.instance_id, Move(add, n.instance_id, now, usd_per_mtok(add, r))))
+        staying = [m for m in staying if m is not n]
+        rate += add.offer.usd_per_hour
+    return out
+
+
+def _in_world(s: Snapshot) -> list[Node]:
+    return [n for n in s.nodes if not n.leaving]
+
+
+def _steady(s: Snapshot) -> bool:
+    """Nothing booting, renting, leaving or moving: a re-plan sees the world as it is."""
+    return not s.pending and all(n.ready and not n.leaving and not n.moving for n in s.nodes)
+
+
+def _initial_target(s: Snapshot) -> int:
+    w = s.recipe.world
+    return max(s.target_replicas, min(w.replicas, w.max_replicas))
+
+
+def _retarget(s: Snapshot, quotes: list[Quote], held: list[Quote], target: int) -> Retarget | None:
+    """The world grows when the planner needs more replicas to finish within budget.max_hours
+    (never shrinks: replicas that joined keep training)."""
+    pl = plan(quotes, s.recipe, held, progress=s.progress)
+    if len(pl.quotes) > target:
+        return Retarget(len(pl.quotes), hours_to_finish(pl, s.recipe, s.progress), grown=True)
+    return None
+
+
+def _replan_due(s: Snapshot) -> bool:
+    """The re-plan rule's timing: `planner.replan_every_s` since the last one, and a steady world."""
+    return s.time_s - s.last_replan_s >= s.recipe.planner.replan_every_s and _steady(s)
+
+
+def due(s: Snapshot) -> bool:
+    """Whether `decide` may do anything now, judged without the offers (`s.quotes` unread): the
+    world was never sized, is below its target (and not paused), a re-plan is due, or (under the
+    pause rule) a price sample. Reading offers costs a cloud API call; the driver asks this first
+    on every tick."""
+    if pauses(s.recipe) and s.time_s - s.priced_at_s >= s.recipe.planner.price_sample_s:
+        return True
+    if s.paused:
+        return False
+    return (not s.planned or _initial_target(s) > len(_in_world(s)) + len(s.pending)
+            or _replan_due(s))
+
+
+def decide(s: Snapshot) -> list[Action]:
+    """The actions the policy takes now (in order). See the module's docstring for the rules."""
+    quotes = [q for q in s.quotes if not resting(s, q.key)]
+    out, p = _paced(s, quotes)
+    if pauses(s.recipe):
+        # The pause rule judges at each price sample only (`due` asks for one every
+        # planner.price_sample_s): the driver and the simulator then judge at the same moments.
+        if s.paused:
+            if p is None or not p.trains:
+                return out   # dear, or no price to judge by: stay paused
+            out.append(Unpause(p))
+            s = dataclasses.replace(s, paused=False)
+        elif p is not None and not p.trains:
+            if not s.pending and all(n.ready for n in s.nodes):
+                return out + [Pause(p)]
+            return out       # dear, with a launch or a boot under way: rent nothing more, pause at a later sample
+        s = dataclasses.replace(s, recipe=_sized(s.recipe))
+        dear = _dear(s, quotes, p) if p is not None else []
+        if dear:   # they leave; the world tops up below, where the planner says
+            out += dear
+            gone = {r.instance_id for r in dear}
+            s = dataclasses.replace(s, nodes=tuple(dataclasses.replace(n, leaving=True) if n.instance_id in gone
+                                                   else n for n in s.nodes))
+    out += _steady_world(s, quotes)
+    return out
+
+
+def _steady_world(s: Snapshot, quotes: list[Quote]) -> list[Action]:
+    """Renting, re-planning and moving for the world's target size (the rules before the pause)."""
+    out: list[Action] = []
+    in_world = _in_world(s)
+    held = [n.quote for n in in_world] + [_pending_quote(s, o) for o in s.pending]
+    target = _initial_target(s)
+    if not s.planned and s.quotes:
+        grown = _retarget(s, quotes, held, target)
+        target = grown.replicas if grown else target
+        out.append(grown or Retarget(target, 0.0, grown=False))
+    wanted = max(0, target - len(held))
+    if wanted:
+        return out + _top_up(s, quotes, held, wanted)
+    if _replan_due(s) and s.quotes:
+        out.append(Replan(s.time_s))
+        grown = _retarget(s, quotes, held, target)
+        if grown:
+            out.append(grown)
+            return out + _top_up(s, quotes, held, grown.replicas - len(held))
+        out += _moves(s, quotes, in_world)
+    return out
+
+
+def _pending_quote(s: Snapshot, offer: Offer) -> Quote:
+    """A launch under way, as the planner counts it (the market's quote when it still offers it)."""
+    return next((q for q in s.quotes if q.key == offer_key(offer)), Quote(offer, 0.0, "prior"))
+
+
+def _top_up(s: Snapshot, quotes: list[Quote], held: list[Quote], wanted: int) -> list[Action]:
+    """Rent `wanted` more where the planner says, each within the budget."""
+    out: list[Action] = []
+    held = list(held)
+    spent, rate = s.spent_usd, usd_per_hour_held(s)
+    for _ in range(wanted):
+        if not quotes:
+            out.append(HoldBack("resting", held=len(held)))
+            break
+        q = choose_launch(quotes, s.recipe, held, s.progress)
+        if q is None:
+            out.append(HoldBack("capacity", held=len(held)))
+            break
+        if not launch_fits_budget(spent, rate, q.offer, s.recipe, horizon_s=s.budget_horizon_s):
+            # It gives up only when nothing is on its way (launches under way, or rented just now).
+            on_way = bool(s.pending) or any(isinstance(a, Rent) for a in out)
+            out.append(HoldBack("budget", held=len(held), usd_per_hour=q.offer.usd_per_hour,
+                                gives_up=not on_way and len(_in_world(s)) < s.recipe.world.min_replicas))
+            break
+        out.append(Rent(q))
+        held.append(q)
+        rate += q.offer.usd_per_hour
+    return out
+
+
+def _moves(s: Snapshot, quotes: list[Quote], in_world: list[Node]) -> list[Action]:
+    """Move the replicas a clearly cheaper offer beats (most expensive first), each within the
+    budget. The old replica leaves at once when it trains dearer than its replacement will
+    (`planner.leaves_at_once`; at least world.min_replicas keep training), else once the new one
+    trains: old and new are then both held for a boot's length, so a move may pass
+    world.max_replicas for that long (capping the moves at the room left cost about 5 % per token
+    on bench/traces/volatile.csv, where whole worlds move at once)."""
+    held = [(n.instance_id, n.quote) for n in in_world if n.ready]
+    staying = len(in_world)
+    hours_left = _hours_left(s, [q for _, q in held])
+    out: list[Action] = []
+    rate = usd_per_hour_held(s)
+    for move in replan_all(quotes, held, s.recipe, progress=s.progress):
+        old = next(q for iid, q in held if iid == move.drain)
+        at_once = staying > s.recipe.world.min_replicas and leaves_at_once(old, move.add, s.recipe, hours_left)
+        if not launch_fits_budget(s.spent_usd, rate, move.add.offer, s.recipe, horizon_s=s.budget_horizon_s):
+            break
+        if at_once:
+            out += [Release(move.drain, move), Rent(move.add)]
+            staying -= 1   # still billed until it leaves: its price stays in `rate`
+        else:
+            out.append(Rent(move.add, move=move))
+        rate += move.add.offer.usd_per_hour
+    return out
+
+
+def _hours_left(s: Snapshot, held: list[Quote]) -> float | None:
+    """Hours the held world needs to finish at its expected pace (None: unknown)."""
+    if not held:
+        return None
+    left = hours_to_finish(evaluate(held, s.recipe), s.recipe, s.progress)
+    return left if 0 < left < float("inf") else None

@@ -1,0 +1,1 @@
+"""What a run records: every event type, the ledger they are appended to, and the one bill that prices it."""

@@ -1,0 +1,264 @@
+"""The one bill: what a held VM costs. Pure functions of data (no I/O, no clock).
+
+A VM bills per billing increment of its cloud from its launch, at the price in effect in each
+interval (a spot price moves while the VM is held: its price is a series of `(from_s, usd_per_hour)`
+segments), and, once it is gone, at least its cloud's minimum (the seconds short of the minimum, or
+of the last whole increment, bill at its last price). A VM still held bills the seconds so far, with
+no minimum yet. The driver's running spend, the budget checks of the policy, the simulator's bill,
+the clairvoyant bound, `elastic plan`'s estimate, `elastic status`, report.json and report.html all
+price VMs here, so the ledger's cost and the report's cost are one number.
+
+A ledger is priced in two steps: `holds(events, now)` (each VM's hold: its price segments, when it
+ended and how), then the holds' figures: `Hold.usd`, `cost_so_far`, `burn_usd_per_hour`,
+`cumulative` (the curve report.html draws) and `wasted` (USD that bought no kept progress, by cause).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from elastic.record.events import (CapacityWaitEnded, CheckpointSaved, Event, NodeJoinTimeout, NodeLaunched, NodePreempted,
+                            NodePrice, NodeReleased, OuterStep, ReplicaJoined, ReplicaLost, read)
+from providers import billing_terms
+from providers.base import BillingTerms
+
+DEFAULT_TERMS = BillingTerms(minimum_s=60.0, increment_s=1.0)   # a cloud not registered (a trace may name any)
+
+
+def terms(cloud: str) -> BillingTerms:
+    """The billing terms of `cloud`: its `providers/<cloud>/facts.py` (AWS and GCP: per second with
+    a one-minute minimum; the local market per second), `DEFAULT_TERMS` for a cloud not registered."""
+    return billing_terms(cloud) or DEFAULT_TERMS
+
+
+def billed_s(cloud: str, held_s: float, ended: bool) -> float:
+    """Seconds billed for a VM held `held_s` seconds: as held while it runs; once `ended`, rounded
+    up to the cloud's increment and raised to its minimum (a VM never held bills nothing)."""
+    if not ended or held_s <= 0:
+        return max(0.0, held_s)
+    t = terms(cloud)
+    # 1e-9: a float sum of whole seconds must not round up a whole increment.
+    rounded = math.ceil(held_s / t.increment_s - 1e-9) * t.increment_s if t.increment_s > 0 else held_s
+    return max(rounded, t.minimum_s, held_s)
+
+
+def usd_between(segments, stop_s: float, t0: float, t1: float) -> float:
+    """USD a VM accrued over [t0, t1] at the prices in effect, no minimum.
+
+    Args:
+        segments: [(from_s, usd_per_hour)] in time order, the first at the VM's launch.
+        stop_s: when the VM stopped billing (released, preempted, or now while held).
+        t0, t1: the span asked for, seconds (same clock as `segments`).
+    """
+    t0, t1 = max(t0, segments[0][0]), min(t1, stop_s)
+    usd = 0.0
+    for i, (since, usd_per_hour) in enumerate(segments):
+        until = segments[i + 1][0] if i + 1 < len(segments) else stop_s
+        lo, hi = max(since, t0), min(until, t1)
+        if hi > lo:
+            usd += (hi - lo) * usd_per_hour / 3600
+    return usd
+
+
+def vm_usd(cloud: str, segments, stop_s: float, ended: bool, until: float | None = None) -> float:
+    """USD billed for one VM up to `until` (default: the whole hold), its minimum included once it
+    has ended and `until` reaches its end.
+
+    Args:
+        cloud: the VM's cloud (its billing terms).
+        segments: [(from_s, usd_per_hour)] from launch, in time order.
+        stop_s: end of the hold (release or preemption; now while held).
+        ended: the VM is gone (the minimum and the increment apply).
+        until: bill up to this time only.
+    """
+    until = stop_s if until is None else until
+    usd = usd_between(segments, stop_s, segments[0][0], until)
+    if until >= stop_s:
+        held = stop_s - segments[0][0]
+        usd += (billed_s(cloud, held, ended) - max(0.0, held)) * segments[-1][1] / 3600
+    return usd
+
+
+def vm_on_demand_usd(cloud: str, start_s: float, stop_s: float, ended: bool, on_demand_usd_per_hour: float,
+                     until: float | None = None) -> float:
+    """USD the same hold would have billed on demand (same billed seconds, the on-demand price)."""
+    until = stop_s if until is None else until
+    held = max(0.0, min(until, stop_s) - start_s)
+    if until >= stop_s:
+        held = billed_s(cloud, stop_s - start_s, ended)
+    return held * on_demand_usd_per_hour / 3600
+
+
+def launch_span_s(cloud: str, override_s: float | None = None) -> float:
+    """Seconds a new VM is certain to bill once launched (what a launch commits the budget to):
+    `planner.billing_increment_s` when the recipe sets it, else the cloud's minimum (at least one
+    increment)."""
+    if override_s:
+        return override_s
+    t = terms(cloud)
+    return max(t.minimum_s, t.increment_s)
+
+
+class Ended(StrEnum):
+    """How a VM's hold ended (report.json's `instances[].ended`)."""
+
+    HELD = "held"              # still held when the ledger ends
+    RELEASED = "released"
+    PREEMPTED = "preempted"
+
+
+@dataclass
+class Hold:
+    """One VM the run held, as its ledger tells it.
+
+    Args:
+        vm: its `node_launched` event (the offer it was rented from).
+        start_s: unix seconds it bills from (`launched_at`, else the event's time).
+        segments: [(from_s, usd_per_hour)] the prices in effect, the first at `start_s`.
+        end_s: unix seconds it was released or preempted; None while held.
+        ended: how the hold ended.
+        joined: it joined the Ray cluster (False: all its cost is waste).
+        stop_s: `end_s`, or the time the ledger is priced at while held.
+    """
+
+    vm: NodeLaunched
+    start_s: float
+    segments: list[tuple[float, float]]
+    end_s: float | None = None
+    ended: Ended = Ended.HELD
+    joined: bool = True
+    stop_s: float = field(default=0.0)
+
+    def billed_s(self) -> float:
+        """Seconds billed: held seconds, rounded and raised to the cloud's terms once it is gone."""
+        return billed_s(self.vm.cloud, self.stop_s - self.start_s, self.end_s is not None)
+
+    def usd(self, until: float | None = None) -> float:
+        """USD billed up to `until` (default: the whole hold), the minimum included at its end."""
+        return vm_usd(self.vm.cloud, self.segments, self.stop_s, self.end_s is not None, until)
+
+    def on_demand_usd(self, until: float | None = None) -> float:
+        """USD the same billed seconds would have cost on demand."""
+        return vm_on_demand_usd(self.vm.cloud, self.start_s, self.stop_s, self.end_s is not None,
+                                self.vm.on_demand_usd_per_hour, until)
+
+    def usd_between(self, t0: float, t1: float) -> float:
+        """USD accrued over [t0, t1] at the prices in effect (no minimum)."""
+        return usd_between(self.segments, self.stop_s, t0, t1)
+
+
+def holds(events: list[Event], now: float) -> dict[str, Hold]:
+    """Every VM a ledger's typed events (`events.read`) say the run held, by instance id, priced
+    as of unix time `now` while still held."""
+    out: dict[str, Hold] = {}
+    for e in events:
+        if isinstance(e, NodeLaunched):
+            start = e.launched_at or e.t
+            out[e.instance_id] = Hold(vm=e, start_s=start, segments=[(start, e.usd_per_hour)],
+                                      joined=e.joined is not False)
+            continue
+        if not isinstance(e, (NodePrice, NodeReleased, NodePreempted, NodeJoinTimeout)) or e.instance_id not in out:
+            continue
+        hold = out[e.instance_id]
+        if isinstance(e, NodePrice) and hold.end_s is None:
+            hold.segments.append((max(e.t, hold.start_s), e.usd_per_hour))
+        elif isinstance(e, (NodeReleased, NodePreempted)) and hold.end_s is None:
+            end = e.released_at if isinstance(e, NodeReleased) and e.released_at is not None else e.t
+            hold.end_s = max(end, hold.start_s)
+            hold.ended = Ended.RELEASED if isinstance(e, NodeReleased) else Ended.PREEMPTED
+        elif isinstance(e, NodeJoinTimeout):
+            hold.joined = False
+    for hold in out.values():
+        hold.stop_s = hold.end_s if hold.end_s is not None else max(now, hold.start_s)
+    return out
+
+
+def cost_so_far(records: list[dict], now: float) -> float:
+    """USD accrued by every VM a ledger's records (`Ledger.events`) say the run held, up to `now`."""
+    return sum(h.usd() for h in holds(read(records), now).values())
+
+
+def burn_usd_per_hour(records: list[dict]) -> float:
+    """USD per hour of the VMs held at the end of a ledger's records, at their current prices."""
+    return sum(h.segments[-1][1] for h in holds(read(records), 0.0).values() if h.end_s is None)
+
+
+def cumulative(vms: dict[str, Hold], t0: float, end: float) -> tuple[list, list]:
+    """Cumulative billed and on-demand USD, as [(seconds since `t0`, USD)] at every change of the
+    total rate up to `end`: one sweep over the holds' price segments (plus each one's rounding and
+    minimum, due when it goes). Its last point is what `Hold.usd` and `Hold.on_demand_usd` sum to."""
+    steps: dict[float, list[float]] = {}   # t -> [Δ USD/s billed, Δ USD/s on demand, lump billed, lump on demand]
+
+    def at(t):
+        return steps.setdefault(min(max(t, t0), end), [0.0, 0.0, 0.0, 0.0])
+
+    for h in vms.values():
+        for i, (since, price) in enumerate(h.segments):
+            until = h.segments[i + 1][0] if i + 1 < len(h.segments) else h.stop_s
+            if until > since:
+                at(since)[0] += price / 3600
+                at(until)[0] -= price / 3600
+        held = h.stop_s - h.start_s
+        if held > 0:
+            at(h.start_s)[1] += h.vm.on_demand_usd_per_hour / 3600
+            at(h.stop_s)[1] -= h.vm.on_demand_usd_per_hour / 3600
+            extra_s = h.billed_s() - held
+            at(h.stop_s)[2] += extra_s * h.segments[-1][1] / 3600
+            at(h.stop_s)[3] += extra_s * h.vm.on_demand_usd_per_hour / 3600
+    usd, od = [], []
+    total = total_od = rate = rate_od = 0.0
+    last = t0
+    for t in sorted(steps):
+        d_rate, d_od, lump, lump_od = steps[t]
+        total += rate * (t - last) + lump
+        total_od += rate_od * (t - last) + lump_od
+        rate, rate_od, last = rate + d_rate, rate_od + d_od, t
+        usd.append((t - t0, total))
+        od.append((t - t0, total_od))
+    if steps and last < end:
+        usd.append((end - t0, total + rate * (end - last)))
+        od.append((end - t0, total_od + rate_od * (end - last)))
+    return usd, od
+
+
+WASTE_CAUSES = ("preemption", "capacity_wait", "checkpoint_stalls", "never_joined")
+
+
+def wasted(events: list[Event], vms: dict[str, Hold]) -> dict:
+    """USD spent on VM time that produced no kept progress, by cause (`WASTE_CAUSES`, rounded to
+    the microdollar, and their `total`; see docs/report.md)."""
+    waste = dict.fromkeys(WASTE_CAUSES, 0.0)
+    joined_at: dict[int, float] = {}
+    last_step_t = None
+
+    def joined_usd(t0: float, t1: float) -> float:   # a VM that never joined is all waste already
+        return sum(h.usd_between(t0, t1) for h in vms.values() if h.joined)
+
+    for e in events:
+        if isinstance(e, ReplicaJoined):
+            joined_at[e.replica] = e.t
+        elif isinstance(e, OuterStep):
+            last_step_t = e.t
+        elif isinstance(e, ReplicaLost) and e.instance_id in vms and (
+                e.reason.startswith("preempted") or e.reason == "notice while joining"):
+            vm = vms[e.instance_id]
+            if e.phase in ("inner", "sync"):
+                # The work of the outer step under way: from its start (or the replica's admission).
+                since = max(last_step_t or vm.start_s, joined_at.get(e.replica, vm.start_s))
+            elif e.phase == "setup":
+                since = vm.start_s   # renting and setting up a replica that never trained
+            else:
+                continue
+            waste["preemption"] += vm.usd_between(since, e.t)
+        elif isinstance(e, CapacityWaitEnded):
+            waste["capacity_wait"] += joined_usd(e.t - (e.waited_s or 0), e.t)
+        elif isinstance(e, CheckpointSaved):
+            waste["checkpoint_stalls"] += joined_usd(e.t - e.stall_s, e.t)
+    for vm in vms.values():
+        if not vm.joined:
+            waste["never_joined"] += vm.usd()
+    out = {k: round(v, 6) for k, v in waste.items()}
+    out["total"] = round(sum(waste.values()), 6)
+    return out

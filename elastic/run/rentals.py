@@ -1,0 +1,145 @@
+"""The driver's rentals: VMs on their way. Launches run in the background; a finished one either
+starts a replica on its VM (and measures its link to a node on another site) or is refused (a
+capacity error, a VM that failed or never joined: the offer rests). A move's launch remembers the
+VM it replaces, which drains once the new replica trains."""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from elastic.errors import UserError
+from elastic.record.events import (CapacityRefused, LaunchFailed, LinkMeasured, NodeJoinTimeout, NodeLaunched, NodeReleased,
+                            ReplicaStarting)
+from elastic.policy.market import offer_key
+from elastic.policy.planner import Move, site
+
+log = logging.getLogger(__name__)
+
+
+class Rentals:
+    """Args:
+        providers: cloud name -> provider.
+        run_name: the run (its VMs are tagged with it).
+        ledger: the run's ledger.
+        world: the run's world (replicas start on joined VMs).
+        prices: the run's `PriceWatch` (a joined VM is watched from its launch price).
+        refused: told (offer key, unix time) of each launch refused.
+    """
+
+    def __init__(self, providers: dict, run_name: str, ledger, world, prices, refused):
+        self._providers, self._run_name, self._ledger, self._world = providers, run_name, ledger, world
+        self._prices, self._refused = prices, refused
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="launch")
+        self._launching: dict[Future, object] = {}        # launch -> its offer
+        self._move_of: dict[Future, str] = {}             # launch of a move -> instance id it replaces
+        self._moves: dict[str, str] = {}                  # new instance id -> instance id it replaces
+        self._joined_at: dict[str, tuple[str, str]] = {}  # instance id -> (site, Ray node) of nodes that joined
+
+    @property
+    def under_way(self) -> list:
+        """The offers of the launches under way."""
+        return list(self._launching.values())
+
+    def moving(self) -> set[str]:
+        """Instance ids a move's replacement is on its way for (launching, or joined and not yet
+        training)."""
+        return set(self._moves.values()) | set(self._move_of.values())
+
+    def launch(self, offer, move: Move | None = None) -> None:
+        """Rent one VM of `offer` in the background (with `move`: it replaces `move.drain`)."""
+        fut = self._pool.submit(self._providers[offer.cloud].launch, offer, self._run_name, "replica")
+        self._launching[fut] = offer
+        if move is not None:
+            self._move_of[fut] = move.drain
+
+    def replaced_by(self, instance_id: str) -> str | None:
+        """The instance id the VM `instance_id` was rented to replace (forgotten now), or None."""
+        return self._moves.pop(instance_id, None)
+
+    def forget_moves(self) -> None:
+        """Every VM is released (a pause): no move is under way."""
+        self._moves.clear()
+        self._move_of.clear()
+
+    def collect(self) -> None:
+        """Take in the launches that finished: start a replica on each VM that joined; rest the
+        offer of each refused one (ledger: `capacity_error`, `launch_failed`, or a join timeout)."""
+        from providers.base import CapacityError, JoinTimeout
+
+        for fut in [f for f in self._launching if f.done()]:
+            offer = self._launching.pop(fut)
+            replaces = self._move_of.pop(fut, None)
+            try:
+                inst = fut.result()
+            except JoinTimeout as exc:  # rented, never joined, terminated: bill it, rest the offer
+                self._refused(offer_key(offer), time.time())
+                self._record_join_timeout(exc, offer)
+                continue
+            except UserError:   # the recipe or the account setup is wrong: no other offer will do better
+                raise
+            except Exception as exc:  # no capacity, or a VM that failed to come up: the offer rests
+                self._refused(offer_key(offer), time.time())
+                refused = isinstance(exc, CapacityError)
+                failed = CapacityRefused if refused else LaunchFailed
+                self._ledger.append(failed(zone=offer.zone, instance_type=offer.instance_type,
+                                           message=str(exc) if refused else f"{type(exc).__name__}: {str(exc)[:200]}"))
+                continue
+            self._record_launch(inst, offer)
+            if replaces is not None:
+                self._moves[inst.instance_id] = replaces
+            peer = self._link_peer(offer)
+            rep = self._world.start_replica(inst.instance_id, inst.ray_node_id)
+            self._ledger.append(ReplicaStarting(replica=rep.replica_id, instance_id=inst.instance_id))
+            self._joined_at[inst.instance_id] = (site(offer), inst.ray_node_id)
+            if peer is not None:
+                self._pool.submit(self._measure_link, inst.instance_id, site(offer), inst.ray_node_id, *peer)
+
+    def shutdown(self) -> None:
+        """Stop launching (those not started are cancelled) and record the launches that finished
+        meanwhile, so their release is priced."""
+        from providers.base import JoinTimeout
+
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for fut in list(self._launching):
+            offer = self._launching.pop(fut)
+            if not fut.done() or fut.cancelled():
+                continue
+            if fut.exception() is None:
+                self._record_launch(fut.result(), offer)
+            elif isinstance(fut.exception(), JoinTimeout):
+                self._record_join_timeout(fut.exception(), offer)
+
+    def _record_launch(self, inst, offer, joined: bool = True) -> None:
+        if joined:
+            self._prices.held(inst.instance_id, offer.usd_per_hour)
+        self._ledger.append(NodeLaunched.of(offer, instance_id=inst.instance_id, ray_node_id=inst.ray_node_id,
+                                            role=inst.role, launched_at=inst.launched_at, joined=joined))
+
+    def _record_join_timeout(self, exc, offer) -> None:
+        """A VM that was rented but never joined: launched, timed out, released (billed between)."""
+        self._record_launch(exc.instance, offer, joined=False)
+        if exc.waited_s >= exc.timeout_s:   # not when the run stopped while it was still booting
+            self._ledger.append(NodeJoinTimeout(instance_id=exc.instance.instance_id, timeout_s=exc.timeout_s))
+        self._ledger.append(NodeReleased(instance_id=exc.instance.instance_id, released_at=exc.released_at))
+
+    def _link_peer(self, offer) -> tuple[str, str, str] | None:
+        """The peer a node joining from `offer` measures its link to: (instance id, site, Ray node)
+        of a held node on another site (a pair the planner prices); None when every held node sits
+        on its own site (a link inside one site costs the planner nothing: not measured)."""
+        return next(((iid, at[0], at[1]) for iid, at in self._joined_at.items()
+                     if at[0] != site(offer) and self._world.replica_on(iid) is not None), None)
+
+    def _measure_link(self, instance_id: str, node_site: str, node_id: str, peer_id: str, peer_site: str,
+                      peer_node: str) -> None:
+        """Measure one link (runs in the launch pool: a few seconds beside training) and record it."""
+        from elastic.net.linkprobe import measure
+
+        try:
+            got = measure(node_id, peer_node)
+        except Exception as exc:   # either node went meanwhile: nothing measured, nothing lost
+            log.info("link %s -> %s not measured: %s", instance_id, peer_id, exc)
+            return
+        self._ledger.append(LinkMeasured(instance_id=instance_id, peer_instance_id=peer_id, site=node_site,
+                                         peer_site=peer_site, **got))

@@ -1,0 +1,199 @@
+"""The least any rental policy could pay per token on a trace, in the simulator's own model: the
+yardstick `bench/policies.py` holds the policies against.
+
+`lower_bound_usd_per_mtok` bounds the expected USD per 1M tokens of any policy that trains the run's
+tokens on the trace by a given time. It keeps the costs the simulator charges every policy and no
+policy can dodge, and drops the rest in the policy's favour:
+- kept: the trace's prices, each VM billed from launch, `planner.recovery_s` of boot (paid, no
+  tokens) for every VM started, preemptions at the trace's rates (a preempted VM is gone: going on
+  means booting another) with what a VM preempted in its first row bills past its life by its
+  cloud's terms (`elastic.record.billing.terms`: the seconds short of the minimum, then the rest of the
+  increment it was preempted in), at most `world.max_replicas` VMs, each offer's capacity;
+- dropped: uncertainty about prices (the whole trace is known in advance), the slowest replica
+  setting the world's pace, the outer sync and its cross-region cost, work lost without a notice,
+  `world.min_replicas`, decisions between the trace's rows (made at row starts), the minimum of a
+  VM the policy lets go itself (rows are longer than a minimum), the rounding to increments of a VM
+  the policy lets go (it may go on an increment's end) or that is preempted after its first row.
+
+Method. Each of the `world.max_replicas` slots is a small Markov decision process over the trace's
+rows: at each row start it is off or holds one VM of one offer; moving to another offer boots a new
+VM; a VM present in a row is preempted with the row's probability and the slot is then off. The
+run's token count and the offers' capacities couple the slots; both are priced instead (Lagrangian
+relaxation): λ per token, μ per VM of an offer in a row. For any λ, μ ≥ 0 the slots' best expected
+cost less λ·tokens less μ·(capacity not used), plus λ·tokens needed, is at most what any policy
+pays (weak duality): the bound is the best of these over a subgradient search, valid whether or not
+the search converged. With no boot (`recovery_s` 0) and no preemption it is the relaxation of
+choosing the cheapest world at every row with free moves.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from elastic.record import billing
+from elastic.policy.market import recipe_tokens_per_s
+from elastic.policy.planner import allowed, run_tokens
+
+UNLIMITED = 1e9   # capacity of an offer the trace gives none for
+
+
+def _arrays(recipe, market, finish_h: float | None):
+    """Per row (until `finish_h`) and offer: USD/h (inf where the recipe does not allow it),
+    capacity, preemptions per hour; seconds per row; tokens/s and billing terms per offer."""
+    times = market.times()
+    limit_s = (finish_h if finish_h is not None else recipe.budget.max_hours or math.inf) * 3600
+    spot = recipe.resources.spot
+    keys = None
+    usd, cap, rate, row_s = [], [], [], []
+    for i, t in enumerate(times):
+        if t >= limit_s:
+            break
+        end = times[i + 1] if i + 1 < len(times) else t + (times[1] - times[0] if len(times) > 1 else 300.0)
+        offers = market.offers(t, spot)
+        keys = keys or [(o.zone, o.instance_type) for o in offers]
+        by_key = {(o.zone, o.instance_type): o for o in offers}
+        row = [by_key[k] for k in keys]
+        row_s.append(min(end, limit_s) - t)
+        usd.append([o.usd_per_hour if allowed(o, recipe.resources) else math.inf for o in row])
+        cap.append([o.capacity if o.capacity is not None else UNLIMITED for o in row])
+        rate.append([market.state(o.zone, o.instance_type, t).preempt_per_hour if spot else 0.0 for o in row])
+    first = market.offers(0.0, spot)
+    tps = [recipe_tokens_per_s(o, recipe.planner) for o in first]
+    terms = [billing.terms(o.cloud) for o in first]
+    return (np.array(usd), np.array(cap, float), np.array(rate), np.array(row_s), np.array(tps), terms)
+
+
+def _expected_min(rate_per_h, seconds):
+    """E[min(τ, seconds)] for τ exponential at `rate_per_h` per hour (seconds a VM is there)."""
+    r = np.asarray(rate_per_h) / 3600
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(r > 0, -np.expm1(-r * seconds) / np.where(r > 0, r, 1), seconds)
+
+
+def _mean_rounding_s(rate_per_h, increment_s):
+    """E[increment − x | x < increment] for x exponential at `rate_per_h` per hour: the seconds a
+    VM preempted within an increment bills past its end (increment/2 at low rates)."""
+    r = np.asarray(rate_per_h) / 3600
+    ri = r * increment_s
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        mean_x = 1 / r - increment_s * np.exp(-ri) / -np.expm1(-ri)
+        return np.where(ri > 1e-6, increment_s - mean_x, increment_s / 2 + r * increment_s ** 2 / 12)
+
+
+def _short_usd(usd, rate, row_s, terms):
+    """USD a VM booted at each row and offer is expected to bill past its life when preempted in
+    that row, by its cloud's `terms` (minimum m, increment i): its price × E[(billed(τ) − τ)·1{τ <
+    row}]. Counted: m − τ before the minimum, and between the first whole increment from m and the
+    row's last the mean rounding of an increment (the same in each: τ is memoryless); the seconds
+    between m and that increment are left out, in the policy's favour."""
+    minimum_s = np.array([t.minimum_s for t in terms], float)
+    inc_s = np.array([t.increment_s for t in terms], float)
+    first_s = np.ceil(minimum_s / inc_s - 1e-9) * inc_s                 # first increment boundary from m
+    last_s = np.floor(row_s[:, None] / inc_s + 1e-9) * inc_s             # the row's last one
+    r = rate / 3600
+    rounded = np.maximum(0.0, np.exp(-r * first_s) - np.exp(-r * last_s)) * _mean_rounding_s(rate, inc_s)
+    short_s = minimum_s - _expected_min(rate, minimum_s) + rounded
+    with np.errstate(invalid="ignore"):           # inf × 0 where no price is allowed and nothing is short
+        return np.where(np.isfinite(usd), usd * short_s / 3600, 0.0)
+
+
+def _slot(usd, rate, row_s, tps, lam, mu, boot_s, short_usd):
+    """One slot's best schedule for token price `lam` and capacity prices `mu`: its expected
+    cost − lam·tokens + mu·presence, the expected presence at each offer and row, expected tokens.
+    `short_usd`: what a VM booted there bills short of its minimum (`_short_usd`)."""
+    n, m = usd.shape
+    there = _expected_min(rate, row_s[:, None])                  # seconds a VM present at row start stays
+    gone = -np.expm1(-rate * row_s[:, None] / 3600)               # P(preempted within the row)
+    run = (usd * there + mu * row_s[:, None]) / 3600 - lam * tps * there
+    run = np.where(np.isfinite(usd), run, math.inf)
+    boot = lam * tps * _expected_min(rate, boot_s) + short_usd    # tokens a fresh VM forgoes, priced; its minimum
+
+    stay = np.zeros((n, m), bool)
+    leave = np.zeros((n, m), bool)
+    move_to = np.zeros(n, np.int64)
+    start_from_off = np.zeros(n, bool)
+    w_on, w_off = np.zeros(m), 0.0                                # expected value from the next row on
+    for t in range(n - 1, -1, -1):
+        keep = run[t] + (1 - gone[t]) * w_on + gone[t] * w_off
+        switch = boot[t] + keep
+        a = int(switch.argmin())
+        move_to[t] = a
+        best_move = min(switch[a], w_off)
+        stay[t] = keep <= best_move
+        leave[t] = ~stay[t] & (w_off <= switch[a])
+        start_from_off[t] = switch[a] < w_off
+        w_on, w_off = np.minimum(keep, best_move), best_move
+    value = w_off
+
+    on, off = np.zeros(m), 1.0                                    # state distribution at row start
+    presence = np.zeros((n, m))
+    tokens = 0.0
+    for t in range(n):
+        moved = on[~stay[t] & ~leave[t]].sum() + (off if start_from_off[t] else 0.0)
+        now = np.where(stay[t], on, 0.0)
+        now[move_to[t]] += moved
+        presence[t] = now
+        tokens += (now * tps * there[t]).sum() - moved * tps[move_to[t]] * _expected_min(rate[t, move_to[t]], boot_s)
+        off = on[leave[t]].sum() + (0.0 if start_from_off[t] else off) + (now * gone[t]).sum()
+        on = now * (1 - gone[t])
+    return value, presence, tokens
+
+
+def _most_tokens(usd, cap, row_s, tps, slots: int) -> float:
+    """Tokens the fastest VMs the recipe allows train by the end, within capacity and `slots` VMs,
+    nothing lost: more than any policy trains."""
+    order = np.argsort(-tps)
+    total = 0.0
+    for t in range(len(row_s)):
+        left = slots
+        for o in order:
+            if left <= 0:
+                break
+            if np.isfinite(usd[t, o]):
+                n = min(left, cap[t, o])
+                total += n * tps[o] * row_s[t]
+                left -= n
+    return total
+
+
+def lower_bound_usd_per_mtok(recipe, market, finish_h: float | None = None, iterations: int = 30) -> float:
+    """USD per 1M tokens below which no policy's expected cost can go on this market (a
+    `simulate.TraceMarket`), training the run's tokens by `finish_h` (default budget.max_hours,
+    else the trace's end). inf: not even every slot on its fastest offer trains them in time."""
+    usd, cap, rate, row_s, tps, terms = _arrays(recipe, market, finish_h)
+    short_usd = _short_usd(usd, rate, row_s, terms)
+    slots, boot_s, needed = recipe.world.max_replicas, recipe.planner.recovery_s, run_tokens(recipe)
+    if _most_tokens(usd, cap, row_s, tps, slots) < needed:
+        return math.inf
+    capped = cap < UNLIMITED
+    mu = np.zeros_like(usd)
+    best, lam = -math.inf, 1e-7
+
+    def tokens_at(price):
+        return slots * _slot(usd, rate, row_s, tps, price, mu, boot_s, short_usd)[2]
+
+    for k in range(iterations):
+        # λ: the least token price at which the slots train what the run needs.
+        lo, hi = lam / 4, lam * 4
+        while tokens_at(hi) < needed:
+            lo, hi = hi, hi * 4
+            if hi > 1:                     # $1M per 1M tokens and still short: it cannot be done
+                return math.inf
+        while lo > 0 and tokens_at(lo) >= needed:
+            hi, lo = lo, lo / 4 if lo > 1e-15 else 0.0
+        for _ in range(25):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if tokens_at(mid) >= needed else (mid, hi)
+        lam = hi
+        value, presence, _ = _slot(usd, rate, row_s, tps, lam, mu, boot_s, short_usd)
+        unused = np.where(capped, cap, 0.0) * row_s[:, None] / 3600
+        best = max(best, slots * value + lam * needed - (mu * unused).sum())
+        # Capacity prices: up where the slots crowd an offer, down where they leave room.
+        excess = np.where(capped, (slots * presence - cap) * row_s[:, None] / 3600, 0.0)
+        if not (excess > 0).any() and not mu.any():
+            break                          # no capacity binds, none is priced: this λ is the optimum
+        # Steps of up to 2 $/h per VM, shrinking as 1/√k (the most any row can exceed is every slot).
+        mu = np.maximum(0.0, mu + excess / (slots * row_s.max() / 3600) * (2.0 / math.sqrt(k + 1)))
+    return best / needed * 1e6

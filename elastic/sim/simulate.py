@@ -1,0 +1,549 @@
+"""`elastic simulate`: rental policies (`elastic.policy.registry`) replayed on a price/preemption trace, in
+simulated time.
+
+No training runs: a replica trains `planner.tokens_per_s` (the recipe's figure), in inner phases of
+`train.inner_steps × batch_size × seq_len` tokens. Preemptions are drawn from the trace's
+`preempt_per_hour` with a seeded generator; capacity is the trace's; a spot VM on `aws` gets a
+120 s notice and on `gcp` 30 s (its provider's `notice_s`). Each decision is the policy's, on a
+snapshot of the simulated run, and the driver's executor (`elastic.policy.executor`) carries it out against
+the trace (`_Run` is its host). VMs bill through `elastic.record.billing` at the trace's prices; the budget
+(`Policy.stop_for_budget`) is checked before every phase and wait and at every change of a held
+VM's price, so no run ends above `budget.max_usd`. Every policy checkpoints when
+`Policy.checkpoint_due` says (at each phase's end; a restore goes back to the newest).
+
+Two models of the job, by the policy's `whole_job`:
+- an elastic world (`_elastic_world`; the `elastic` policy): DiLoCo survivors keep training through
+  a preemption. The snapshot quotes the offers through the market (its learnt risks and region
+  cool-downs). A replica lost without notice loses its inner phase; with a notice longer than twice
+  the sync, the world ends that phase early and syncs, the noticed replica's partial phase included,
+  as in the driver. A move's old replica leaves at the step boundary, or once its replacement trains.
+  Under the pause rule (budget.max_hours, `planner.pauses`) the policy is asked at each price sample
+  (`planner.price_sample_s`), in a phase too, and a `Pause` takes effect at the next outer-step
+  boundary: a checkpoint, every VM released, the wait not counted against world.capacity_timeout_s;
+  after `Unpause` the world restarts from that checkpoint.
+- a whole job (`_whole_job`; the baselines of `elastic.policy.baselines`): a fixed world that trains only
+  when every VM is up; any loss stops it, and it restarts from its last checkpoint once whole again
+  (with `moves_on_loss`, every VM is released first). The snapshot quotes the trace's offers as
+  they are.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import itertools
+import math
+import random
+
+from elastic.record import billing
+from elastic.errors import UserError
+from elastic.policy.baselines import whole_world
+from elastic.record.events import (CapacityRefused, CheckpointSaved, NodeLaunched, NodePreempted, NodePrice, NodeReleased,
+                            ReplicaMove, Role, WorldPaused)
+from elastic.policy.executor import Executor
+from elastic.policy.market import Market, Quote, offer_key
+from elastic.policy.planner import Move, Progress, evaluate, run_tokens, tokens_per_phase
+from elastic.policy.registry import POLICIES, policy
+from elastic.policy.rules import Node, Policy, Snapshot, pauses
+from providers import notice_s
+from providers.base import Offer
+
+WAIT_S = 300.0                 # simulated seconds between looks at the market while nothing runs
+DEFAULT_HORIZON_S = 60 * 86400  # without budget.max_hours, a run gives up after 60 simulated days
+
+
+class TraceMarket:
+    """The trace as a market: offers and their state at simulated time `t` (each row holds until
+    the next row of its zone and instance type; the last one holds for ever).
+
+    Args:
+        rows: `providers.simmarket.read_trace_rows`.
+        recipe: rows outside resources.regions, or whose cloud the recipe does not enable, are left
+            out; a recipe on `[local]` takes the whole trace as its (simulated) local market.
+    """
+
+    def __init__(self, rows, recipe):
+        res = recipe.resources
+        clouds = None if res.clouds == ["local"] else set(res.clouds)
+        self._series: dict[tuple, tuple] = {}
+        for r in rows:
+            if (clouds is not None and r.cloud not in clouds) or (res.regions and r.region not in res.regions):
+                continue
+            s = self._series.setdefault((r.zone, r.instance_type), (r, [], []))
+            s[1].append(r.t)
+            s[2].append(r.state)
+        if not self._series:
+            raise UserError("the trace has no row for resources.clouds / resources.regions")
+
+    def times(self) -> list[float]:
+        """Every time a row of the trace starts, in order."""
+        return sorted({t for _, times, _ in self._series.values() for t in times})
+
+    def state(self, zone: str, instance_type: str, t: float):
+        _, times, states = self._series[(zone, instance_type)]
+        return states[max(0, bisect.bisect_right(times, t) - 1)]
+
+    def segments(self, offer: Offer, t0: float, t1: float) -> list[tuple[float, float]]:
+        """[(from_s, usd_per_hour)] a VM of `offer` bills over [t0, t1]: the trace's price in effect
+        at t0, then each row of its zone and instance type that starts before t1."""
+        _, times, states = self._series[(offer.zone, offer.instance_type)]
+
+        def usd(st):
+            return st.spot_usd_per_hour if offer.spot else st.on_demand_usd_per_hour
+
+        i = max(0, bisect.bisect_right(times, t0) - 1)
+        out = [(t0, usd(states[i]))]
+        for t, st in zip(times[i + 1:], states[i + 1:]):
+            if t >= t1:
+                break
+            if usd(st) != out[-1][1]:
+                out.append((t, usd(st)))
+        return out
+
+    def next_change(self, offer: Offer, t: float) -> float:
+        """When the price a VM of `offer` bills next changes after `t` (inf: never)."""
+        _, times, states = self._series[(offer.zone, offer.instance_type)]
+        now = self.segments(offer, t, t)[0][1]
+        for i in range(bisect.bisect_right(times, t), len(times)):
+            st = states[i]
+            if (st.spot_usd_per_hour if offer.spot else st.on_demand_usd_per_hour) != now:
+                return times[i]
+        return math.inf
+
+    def offers(self, t: float, spot: bool) -> list[Offer]:
+        """Offers now for spot or on-demand renting (spot ones with the trace's capacity)."""
+        out = []
+        for (zone, it), (r, _, _) in self._series.items():
+            st = self.state(zone, it, t)
+            usd = st.spot_usd_per_hour if spot else st.on_demand_usd_per_hour
+            out.append(Offer(cloud=r.cloud, region=r.region, zone=zone, instance_type=it, gpu=r.gpu, gpus=r.gpus,
+                             cpus=0, spot=spot, usd_per_hour=usd, on_demand_usd_per_hour=st.on_demand_usd_per_hour,
+                             read_at=t, capacity=st.capacity if spot else None))
+        return out
+
+
+@dataclasses.dataclass
+class _Node:
+    iid: str
+    offer: Offer
+    launched_at: float
+    ready_at: float
+    drain_for: str | None = None   # instance id of the replica this one replaces (a move)
+
+
+class _Run:
+    """Simulated time, the VMs held, the bill and the ledger-shaped events of one policy's run; the
+    executor's host (`executor.Host`: `record`, `rent`, `trains`, `release`)."""
+
+    def __init__(self, recipe, market: TraceMarket, seed: int, policy: Policy):
+        self.recipe, self.market, self.policy = recipe, market, policy
+        self.rng = random.Random(f"{seed}:{policy.name}")
+        self.t = 0.0
+        self.closed_usd = 0.0   # the bill of the VMs already gone
+        self.tokens = 0
+        self.ckpt_tokens = 0
+        self.phases = 0
+        self.ckpt_phases = 0
+        self.ckpt_kept = 0
+        self.nodes: dict[str, _Node] = {}
+        self.leaving: dict[str, None] = {}   # released by the policy mid-phase: they go at the step boundary, in order
+        self.in_phase = False            # a phase is under way: a replica released leaves at its end
+        self.events: list[dict] = []
+        self.preemptions = 0
+        self.useful_node_s = 0.0
+        self.rented_node_s = 0.0
+        self.kept: list[tuple[float, float, list[Offer], int]] = []   # (start_s, end_s, members, tokens)
+        self.tpp = tokens_per_phase(recipe)
+        self.target_tokens = run_tokens(recipe)
+        b = recipe.budget
+        self.horizon_s = b.max_hours * 3600 if b.max_hours is not None else DEFAULT_HORIZON_S
+        self._ids = itertools.count(1)
+        self.status: str | None = None
+
+    # -- the market and the bill ----------------------------------------------------------------
+
+    def usd(self, node: _Node, stop_s: float, ended: bool) -> float:
+        """The VM's bill up to `stop_s` (`elastic.record.billing`, at the trace's prices)."""
+        segments = self.market.segments(node.offer, node.launched_at, stop_s)
+        return billing.vm_usd(node.offer.cloud, segments, stop_s, ended)
+
+    @property
+    def spent(self) -> float:
+        """USD billed so far: every VM gone, and every VM held up to now."""
+        return self.closed_usd + sum(self.usd(n, self.t, ended=False) for n in self.nodes.values())
+
+    def price(self, node: _Node) -> float:
+        st = self.market.state(node.offer.zone, node.offer.instance_type, self.t)
+        return st.spot_usd_per_hour if node.offer.spot else st.on_demand_usd_per_hour
+
+    def now_offer(self, node: _Node) -> Offer:
+        return dataclasses.replace(node.offer, usd_per_hour=self.price(node), read_at=self.t)
+
+    # -- the executor's host -----------------------------------------------------------------------
+
+    def record(self, event) -> None:
+        self.events.append(event.record(self.t))
+
+    def rent(self, quote: Quote, move: Move | None) -> bool:
+        """Rent one VM now (False: refused for capacity, recorded as a capacity error); with `move`
+        it replaces `move.drain` once it trains (`hand_over`)."""
+        offer = quote.offer
+        st = self.market.state(offer.zone, offer.instance_type, self.t)
+        held = sum(1 for n in self.nodes.values() if offer_key(n.offer) == offer_key(offer))
+        if offer.spot and st.capacity is not None and held >= st.capacity:
+            self.record(CapacityRefused(zone=offer.zone, instance_type=offer.instance_type,
+                                        message="the trace's capacity is held"))
+            return False
+        iid = f"sim-{next(self._ids):05d}"
+        self.nodes[iid] = _Node(iid, offer, self.t, self.t + self.recipe.planner.recovery_s,
+                                drain_for=move.drain if move is not None else None)
+        self.record(NodeLaunched.of(offer, instance_id=iid, ray_node_id=None, role=Role.REPLICA,
+                                    launched_at=self.t, joined=True))
+        return True
+
+    def hand_over(self) -> None:
+        """A moved replica leaves once its replacement trains."""
+        for n in [n for n in self.nodes.values() if n.drain_for]:
+            if n.ready_at <= self.t:
+                self.drop(n.drain_for)
+                n.drain_for = None
+            elif n.drain_for not in self.nodes:
+                n.drain_for = None
+
+    def trains(self, iid: str) -> bool:
+        return iid in self.nodes
+
+    def release(self, iid: str) -> None:
+        """Let the VM `iid` go: at the phase's end when one is under way (`in_phase`), else now."""
+        if self.in_phase:
+            self.leaving[iid] = None
+        else:
+            self.drop(iid)
+
+    def drop(self, iid: str) -> None:
+        """Release the VM `iid` now."""
+        node = self.nodes.pop(iid, None)
+        if node is not None:
+            self.closed_usd += self.usd(node, self.t, ended=True)
+            self.record(NodeReleased(instance_id=iid))
+
+    def release_all(self) -> None:
+        for iid in list(self.nodes):
+            self.drop(iid)
+        self.leaving.clear()
+
+    def snapshot(self, **fields) -> Snapshot:
+        """What the policy sees now (`fields`: the rest of `policy.Snapshot`)."""
+        fields.setdefault("nodes", tuple(Node(n.iid, Quote(self.now_offer(n), 0.0, "trace"), n.launched_at,
+                                              ready=n.ready_at <= self.t) for n in self.nodes.values()))
+        return Snapshot(self.recipe, self.t, 0.0, spent_usd=self.spent,
+                        progress=Progress(self.tokens, self.phases, self.t / 3600), **fields)
+
+    def affordable(self, dt: float) -> bool:
+        """The next `dt` seconds stay within the budget (`policy.stop_for_budget`) and, without
+        budget.max_hours, the simulator's horizon."""
+        if self.policy.stop_for_budget(self.snapshot(), dt):
+            self.status = "budget_exhausted"
+            return False
+        if self.t + dt > self.horizon_s:
+            self.status = "unfinished"
+            return False
+        return True
+
+    def advance(self, dt: float, stop_at_first_loss: bool, rest_until: float | None = None) -> dict[str, _Node]:
+        """Move time on by `dt` (or to the first preemption): draw preemptions (at each VM's rate
+        now), bill every VM. At each change of a held VM's price the budget is checked for the rest
+        (`affordable`; the rest lasts until `rest_until`, the phase's end, when later than `dt`), as
+        the driver does when it records a `node_price`: time stops there, with `status` set, when
+        the rest would cross it. Returns the preempted VMs by instance id (gone from `nodes`)."""
+        end = self.t + dt
+        rest_until = max(end, rest_until or end)
+        draws = {}
+        for iid, n in self.nodes.items():
+            rate = self.market.state(n.offer.zone, n.offer.instance_type, self.t).preempt_per_hour \
+                if n.offer.spot else 0.0
+            if rate > 0:
+                at = self.rng.expovariate(rate / 3600)
+                if at < dt:
+                    draws[iid] = self.t + at
+        if stop_at_first_loss and draws:
+            first = min(draws, key=draws.get)
+            end, draws = draws[first], {first: draws[first]}
+        gone = {}
+        while True:
+            until = min([end] + [self.market.next_change(n.offer, self.t) for n in self.nodes.values()])
+            for iid in self.nodes:
+                self.rented_node_s += min(draws.get(iid, until), until) - self.t
+            for iid, at in sorted(draws.items(), key=lambda kv: kv[1]):
+                if at <= until and iid in self.nodes:
+                    self.events.append(NodePreempted(instance_id=iid, with_notice=False, replica=None).record(at))
+                    gone[iid] = self.nodes.pop(iid)
+                    self.closed_usd += self.usd(gone[iid], at, ended=True)
+                    self.preemptions += 1
+            self.t = until
+            for n in self.nodes.values():   # the ledger's record of a price move, as the driver writes it
+                if self.market.next_change(n.offer, until - 1e-9) <= until:
+                    self.events.append(NodePrice(instance_id=n.iid, usd_per_hour=self.price(n)).record(until))
+            at_end = self.t >= end - 1e-9
+            if (not at_end or rest_until > end + 1e-9) and not self.affordable(rest_until - self.t):
+                return gone   # checked mid-phase, a price change or not: the rest must fit
+            if at_end:
+                return gone
+
+    def train_phase(self, members: list[_Node], dt: float, share: float = 1.0) -> None:
+        """Credit one outer step to `members` (they all kept their work; `share` of a whole inner
+        phase each when a notice ended it early)."""
+        tokens = round(self.tpp * len(members) * share)
+        self.tokens += tokens
+        self.useful_node_s += dt * len(members)
+        self.kept.append((self.t - dt, self.t, [m.offer for m in members], tokens))
+        self.phases += 1
+
+    def checkpoint_if_due(self, leaving: tuple[Node, ...] = (), ending: bool = False) -> None:
+        """Checkpoint when the policy says (`policy.checkpoint_due`), as the driver asks it at an
+        outer-step boundary (`leaving`: replicas that contributed and go now) or when the run stops
+        (`ending`). Taken at once: the work since is what a later `restore` loses, and a
+        `checkpoint_saved` is recorded (no stall: the simulator does not time checkpoints)."""
+        # The rule reads progress and which nodes train or leave, no price nor spend: a light
+        # snapshot (pricing every held VM at every phase's end doubled the simulator's time).
+        nodes = tuple(Node(n.iid, Quote(n.offer, 0.0, "trace"), n.launched_at, ready=n.ready_at <= self.t)
+                      for n in self.nodes.values())
+        snap = Snapshot(self.recipe, self.t, nodes=nodes + leaving, checkpointed_step=self.ckpt_phases,
+                        progress=Progress(self.tokens, self.phases, self.t / 3600))
+        if self.policy.checkpoint_due(snap, ending) is None:
+            return
+        self.ckpt_tokens, self.ckpt_phases, self.ckpt_kept = self.tokens, self.phases, len(self.kept)
+        self.events.append(CheckpointSaved(step=self.phases, stall_s=0.0, write_s=0.0, local="",
+                                           replica=0).record(self.t))
+
+    def restore(self) -> None:
+        """Back to the last checkpoint (or the start): the work since is lost."""
+        self.tokens, self.phases = self.ckpt_tokens, self.ckpt_phases
+        del self.kept[self.ckpt_kept:]
+
+    def quotes_of(self, nodes) -> list[Quote]:
+        return [Quote(self.now_offer(n), 0.0, "trace") for n in nodes]
+
+    def phase_of(self, members: list[_Node]):
+        """The planner's figures for an inner phase of `members` (`planner.evaluate`). A phase never
+        has more than world.max_replicas members: every policy's figures (and bench/foresight.py's
+        floor) rest on it, so a policy that broke it is a bug, raised here."""
+        if len(members) > self.recipe.world.max_replicas:
+            raise RuntimeError(f"{self.policy.name}: a phase of {len(members)} replicas at t={self.t:.0f} s, "
+                               f"over world.max_replicas {self.recipe.world.max_replicas}")
+        return evaluate(self.quotes_of(members), self.recipe)
+
+    def result(self) -> dict:
+        tokens = min(self.tokens, self.target_tokens)
+        return {"policy": self.policy.name, "status": self.status or "completed", "cost_usd": round(self.spent, 4),
+                "tokens": tokens, "usd_per_mtok": round(self.spent / tokens * 1e6, 4) if tokens else None,
+                "wall_h": round(self.t / 3600, 4), "preemptions": self.preemptions,
+                "moves": sum(e["type"] == ReplicaMove.TYPE for e in self.events),
+                "effective_training_time": round(self.useful_node_s / self.rented_node_s, 4)
+                if self.rented_node_s else None}
+
+
+# -- the two models of a job ------------------------------------------------------------------------
+
+def _elastic_world(run: _Run) -> None:
+    """A world whose DiLoCo survivors train through a preemption, run by the policy (the `elastic`
+    one: the driver's) on the trace: its actions are carried out at once (a launch the trace's
+    capacity refuses is a capacity error, as a provider's would be)."""
+    recipe = run.recipe
+    w = recipe.world
+    market = Market(recipe.planner)
+    ex = Executor(run.policy, run, recipe, started_s=0.0)   # as the driver: the first re-plan one interval in
+    sample_s = recipe.planner.price_sample_s if pauses(recipe) else None
+
+    def to_next_sample() -> float:
+        """Seconds to the next price sample under the pause rule (inf without it): the driver's
+        ticks take one every planner.price_sample_s, in a phase and while waiting alike."""
+        if not sample_s:
+            return math.inf
+        due_at = ex.state.priced_at_s + sample_s
+        return due_at - run.t if due_at > run.t + 1e-6 else sample_s
+    short_since = None
+
+    def act(horizon_s: float) -> None:
+        """Ask the policy and do what it says, again after each refused launch (the refusal rests
+        that offer), as the driver does on its next tick. `horizon_s`: the rest of the phase under
+        way (0: at a step boundary)."""
+        run.in_phase = bool(horizon_s)
+        for _ in range(len(run.market.offers(run.t, recipe.resources.spot)) + 1):
+            market.observe(run.events)
+            moving = {n.drain_for for n in run.nodes.values() if n.drain_for}
+            nodes = tuple(Node(n.iid, market.quote(run.now_offer(n), run.t), n.launched_at,
+                               ready=n.ready_at <= run.t, leaving=n.iid in run.leaving, moving=n.iid in moving)
+                          for n in run.nodes.values())
+            snap = run.snapshot(nodes=nodes,
+                                quotes=tuple(market.quotes(run.market.offers(run.t, recipe.resources.spot), run.t)),
+                                budget_horizon_s=horizon_s, **ex.fed(run.t))
+            if ex.act(snap):
+                break
+        if ex.state.gave_up:
+            run.status = "budget_exhausted"
+
+    while run.tokens < run.target_tokens:
+        for iid in run.leaving:
+            run.drop(iid)
+        run.leaving.clear()
+        run.hand_over()
+        act(0.0)
+        run.hand_over()                     # a replacement ready at once (planner.recovery_s 0) takes over now
+        if run.status is not None:
+            break
+        if ex.state.pause is not None:   # as the driver: a checkpoint, then every VM goes
+            if any(n.ready_at <= run.t for n in run.nodes.values()):
+                run.checkpoint_if_due(ending=True)
+            run.release_all()
+            p = ex.pause_took_effect(run.t)
+            run.record(WorldPaused(outer_step=run.phases, usd_per_mtok=p.usd_per_mtok,
+                                   threshold_usd_per_mtok=p.threshold_usd_per_mtok, need=p.need))
+        members = [n for n in run.nodes.values() if n.ready_at <= run.t]
+        if len(members) < w.min_replicas:
+            booting = [n.ready_at for n in run.nodes.values() if n.ready_at > run.t]
+            if ex.state.paused:
+                short_since = None        # a pause is no capacity shortage
+            elif short_since is None:
+                short_since = run.t
+            if not booting and short_since is not None and run.t - short_since > w.capacity_timeout_s:
+                run.status = "insufficient_capacity"
+                break
+            dt = (min(booting) - run.t) if booting else WAIT_S
+            dt = min(dt, to_next_sample())
+            if not run.affordable(dt):
+                break
+            run.advance(dt, stop_at_first_loss=False)
+            continue
+        short_since = None
+        world = run.phase_of(members)
+        dt = world.phase_s
+        if not run.affordable(dt):
+            break
+        start, end, lost, share = run.t, run.t + dt, set(), None
+        # As the driver does on a notice: the world's inner phase ends by the deadline less twice the
+        # sync, everyone syncs, the noticed replica with its partial phase, then it leaves.
+        margin_s = max(0.5, 2 * world.sync_penalty_s)
+        ids = {m.iid for m in members}
+        while run.t < end - 1e-6 and run.status is None:
+            # Under the pause rule the policy samples the market every planner.price_sample_s, in
+            # a phase too (as the driver's ticks do): a history sampled only at phase ends would
+            # weigh a pause's prices (sampled while waiting) above a training spell's.
+            until = min(end, run.t + to_next_sample())
+            gone = run.advance(until - run.t, stop_at_first_loss=True, rest_until=end)
+            if not gone:
+                if run.t < end - 1e-6 and run.status is None:
+                    act(end - run.t)
+                continue
+            lost.update(gone)
+            if any(iid in ids and notice_s(n.offer.cloud) > margin_s for iid, n in gone.items()):
+                share = min(1.0, max(0.0, run.t - margin_s - start) / max(dt - world.sync_penalty_s, 1e-9))
+                break
+            act(end - run.t)                  # the replacement is rented at once, not at the boundary
+        if run.status is not None:
+            # A price rise made the rest of the phase unaffordable: as the driver does, the phase
+            # ends now and the members still there sync what they trained; the run stops.
+            kept = [m for m in members if m.iid not in lost]
+            if run.status == "budget_exhausted" and kept and run.t > start:
+                run.train_phase(kept, run.t - start, min(1.0, (run.t - start) / max(dt - world.sync_penalty_s, 1e-9)))
+            break
+        if share is not None:   # the noticed replica and every member still alive contributed
+            run.train_phase([m for m in members if m.iid not in lost or m.iid in gone], run.t - start, share)
+            run.checkpoint_if_due(leaving=tuple(Node(iid, Quote(n.offer, 0.0, "trace"), n.launched_at, leaving=True,
+                                                     notice_deadline_s=run.t) for iid, n in gone.items()))
+            continue
+        kept = [m for m in members if m.iid not in lost]
+        if kept:
+            run.train_phase(kept, dt)
+            run.checkpoint_if_due()
+        else:
+            run.restore()                     # every replica lost: the world restarts from the checkpoint
+    if run.status is not None and any(n.ready_at <= run.t for n in run.nodes.values()):
+        run.checkpoint_if_due(ending=True)
+    run.release_all()
+
+
+def _whole_job(run: _Run) -> None:
+    """A fixed world of `whole_world` VMs (a baseline's): it trains while every VM is up; any loss
+    stops it until it is whole again and it restarts from its last checkpoint (with the policy's
+    `moves_on_loss`, every VM released first, so the policy places it afresh). The policy is asked
+    once per look at the market: a launch refused waits for the next."""
+    recipe, pol = run.recipe, run.policy
+    n = whole_world(recipe)
+    ex = Executor(pol, run, recipe, started_s=0.0)
+    while run.tokens < run.target_tokens:
+        quotes = tuple(Quote(o, 0.0, "trace") for o in run.market.offers(run.t, pol.spot))
+        ex.act(run.snapshot(quotes=quotes, **ex.fed(run.t)))
+        if ex.state.gave_up:
+            run.status = "budget_exhausted"
+            break
+        members = list(run.nodes.values())
+        booting = [m.ready_at for m in members if m.ready_at > run.t]
+        if len(members) < n or booting:
+            dt = (max(booting) - run.t) if booting and len(members) == n else WAIT_S
+            if not run.affordable(dt):
+                break
+            lost = run.advance(dt, stop_at_first_loss=True)
+            if run.status is not None:
+                break
+        else:
+            dt = run.phase_of(members).phase_s
+            if not run.affordable(dt):
+                break
+            lost = run.advance(dt, stop_at_first_loss=True)
+            if run.status is not None:
+                break
+            if not lost:
+                run.train_phase(members, dt)
+                run.checkpoint_if_due()
+        if lost:
+            run.restore()
+            if pol.moves_on_loss:
+                run.release_all()
+    run.release_all()
+
+
+def _market(recipe, trace_path: str) -> TraceMarket:
+    from providers.simmarket import TraceError, read_trace_rows
+
+    try:
+        rows = read_trace_rows(trace_path)
+    except TraceError as exc:
+        raise UserError(str(exc)) from None
+    return TraceMarket(rows, recipe)
+
+
+def bound_usd_per_mtok(recipe, trace_path: str) -> float | None:
+    """The least USD per 1M tokens any policy could pay on the trace (`elastic.sim.bound`); None when
+    no policy can train the run's tokens in time."""
+    from elastic.sim.bound import lower_bound_usd_per_mtok
+
+    bound = lower_bound_usd_per_mtok(recipe, _market(recipe, trace_path))
+    return bound if math.isfinite(bound) else None
+
+
+def simulate(recipe, trace_path: str, policies: list[str | Policy] | None = None, seed: int = 0,
+             ledgers: dict[str, list[dict]] | None = None, kept: dict[str, list] | None = None,
+             market: TraceMarket | None = None) -> list[dict]:
+    """Each policy's figures on the trace: cost_usd, tokens, usd_per_mtok, wall_h, preemptions,
+    effective_training_time (kept node-seconds over rented node-seconds), status. `policies`: names
+    of `elastic.policy.registry.POLICIES` or `Policy` objects (default: the recipe's `planner.policy`, then
+    every other registered one). `ledgers`,
+    when given, receives each policy's ledger-shaped events (in trace seconds), as the driver's ledger
+    would hold them: node_launched, node_price, replica_move, capacity_error, launch_held_back,
+    world_target, world_paused, world_unpaused, node_preempted, node_released, checkpoint_saved.
+    `kept`, when given, receives each policy's outer steps whose work was kept, as (start_s, end_s,
+    members' offers, tokens), for `bench/policies.py --explain`. `market`: the trace already read
+    (`trace_path` is then unread), or another view of it."""
+    market = market or _market(recipe, trace_path)
+    out = []
+    policies = policies or [recipe.planner.policy] + [n for n in POLICIES if n != recipe.planner.policy]
+    for p in [x if isinstance(x, Policy) else policy(x) for x in policies]:
+        run = _Run(recipe, market, seed, p)
+        (_whole_job if p.whole_job else _elastic_world)(run)
+        out.append(run.result())
+        if ledgers is not None:
+            ledgers[p.name] = run.events
+        if kept is not None:
+            kept[p.name] = run.kept
+    return out

@@ -1,0 +1,296 @@
+"""`policy.decide` from hand-made snapshots (no clock, no provider, no ledger), and the budget rules."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic.policy.planner import Progress
+from elastic.policy.rules import (Checkpoint, HoldBack, Node, Refusal, Release, Rent, Replan, Retarget, Snapshot,
+                            checkpoint_due, decide, due, launch_fits_budget, stop_for_budget)
+from tests.elastic.policy.test_planner import offer, quote, recipe
+
+T = 10_000.0   # the snapshot's clock, seconds
+
+
+def snap(r, nodes=(), quotes=(), **kw) -> Snapshot:
+    fields = {"time_s": T, "started_s": 0.0, "planned": True, "target_replicas": 0,
+              "last_replan_s": T, "progress": Progress(hours=T / 3600), "priced_at_s": T}
+    return Snapshot(r, nodes=tuple(nodes), quotes=tuple(quotes), **{**fields, **kw})
+
+
+def held(n, zone="r1a", usd=8.0, **kw):
+    return [Node(f"i{k}", quote(offer(zone, usd)), launched_at_s=0.0, **kw) for k in range(n)]
+
+
+def rents(actions):
+    return [a.quote.offer.zone for a in actions if isinstance(a, Rent)]
+
+
+def test_first_decision_sizes_the_world_and_rents_it_where_the_planner_says():
+    r = recipe()
+    acts = decide(snap(r, quotes=[quote(offer("r1a", 10.0)), quote(offer("r2a", 8.0))], planned=False))
+    assert acts[0] == Retarget(4, 0.0, grown=False)
+    assert rents(acts) == ["r2a"] * 4
+    # A world at its target: nothing to do, and `due` says so without reading offers.
+    full = snap(r, held(4, "r2a"), target_replicas=4)
+    assert not due(full) and decide(full) == []
+
+
+def test_every_node_noticed_at_once_is_replaced_at_once():
+    r = recipe()
+    noticed = held(4, leaving=True, notice_deadline_s=T + 120)
+    s = snap(r, noticed, [quote(offer("r1a", 8.0)), quote(offer("r2a", 9.0))], target_replicas=4)
+    assert due(s)
+    assert rents(decide(s)) == ["r1a"] * 4   # leaving nodes do not count towards the world
+    # Launches already under way count: only the rest is rented.
+    s = snap(r, noticed, [quote(offer("r1a", 8.0))], target_replicas=4, pending=(offer("r1a", 8.0),) * 3)
+    assert rents(decide(s)) == ["r1a"]
+
+
+def test_offers_refusing_capacity_rest_for_the_cooldown_then_count_again():
+    r = recipe(**{"planner.capacity_cooldown_s": 300})
+    quotes = [quote(offer("r1a", 8.0)), quote(offer("r1b", 9.0))]
+    refused = (Refusal(quotes[0].key, T - 10),)
+    assert rents(decide(snap(r, held(3, "r1b", 9.0), quotes, target_replicas=4, refusals=refused))) == ["r1b"]
+    later = (Refusal(quotes[0].key, T - 301),)
+    assert rents(decide(snap(r, held(3, "r1b", 9.0), quotes, target_replicas=4, refusals=later))) == ["r1a"]
+    # Every offer resting, or at its known capacity: held back, nothing rented.
+    every = tuple(Refusal(q.key, T - 10) for q in quotes)
+    acts = decide(snap(r, held(3, "r1b", 9.0), quotes, target_replicas=4, refusals=every))
+    assert acts == [HoldBack("resting", held=3)]
+    full = [quote(offer("r1a", 8.0), capacity=0)]
+    assert decide(snap(r, held(3, "r1b", 9.0), full, target_replicas=4)) == [HoldBack("capacity", held=3)]
+
+
+def test_budget_edge_for_launches_and_for_the_next_step():
+    r = recipe(**{"budget.max_usd": 100})
+    quotes = [quote(offer("r1a", 10.0))]
+    # Three VMs at $10/h held, $99.4 spent: one more for AWS's one-minute minimum is 99.4 + 40/60 > 100.
+    acts = decide(snap(r, held(3, usd=10.0), quotes, target_replicas=4, spent_usd=99.4))
+    assert acts == [HoldBack("budget", held=3, usd_per_hour=10.0, gives_up=False)]
+    assert rents(decide(snap(r, held(3, usd=10.0), quotes, target_replicas=4, spent_usd=99.3))) == ["r1a"]
+    # Nothing held, nothing on its way and no launch affordable: the run cannot go on.
+    acts = decide(snap(r, (), quotes, target_replicas=4, spent_usd=99.9))
+    assert acts == [HoldBack("budget", held=0, usd_per_hour=10.0, gives_up=True)]
+    # The next outer step: 600 s of 3 × $10/h = $5.
+    s = snap(r, held(3, usd=10.0), spent_usd=95.0)
+    assert stop_for_budget(s, 600) is None
+    assert "budget.max_usd" in stop_for_budget(s, 601).reason
+    hours = snap(recipe(**{"budget.max_hours": 3}), time_s=3 * 3600 - 600)
+    assert stop_for_budget(hours, 600) is None and "budget.max_hours" in stop_for_budget(hours, 601).reason
+    # Launch rule: the cloud's minimum, or until the budget is next checked when longer.
+    vm = offer("r1a", 10.0)
+    assert launch_fits_budget(99.0, 20.0, vm, r) is True        # 99 + 30 × 60/3600 = 99.5 (AWS: a minute)
+    assert launch_fits_budget(99.4, 30.0, vm, r) is False       # 99.4 + 40 × 60/3600 > 100
+    assert launch_fits_budget(99.0, 20.0, vm, r, horizon_s=600) is False
+    assert launch_fits_budget(99.9, 30.0, offer("r1a", 10.0, cloud="local"), r) is True   # per second
+    assert launch_fits_budget(99.0, 20.0, vm, recipe(**{"budget.max_usd": 100,
+                                                        "planner.billing_increment_s": 3600})) is False
+
+
+def test_price_spike_on_the_only_region_moves_nothing_but_a_cheaper_region_does():
+    r = recipe(**{"planner.replan_every_s": 300, "world.replicas": 2})
+    spiked = held(2, "r1a", 40.0)
+    due_at = {"last_replan_s": T - 300, "target_replicas": 2}
+    # The spike is everywhere the recipe may rent: a re-plan happens, no move is worth its boot.
+    acts = decide(snap(r, spiked, [quote(offer("r1a", 40.0))], **due_at))
+    assert acts == [Replan(T)]
+    # Not yet due, or the world still changing: no re-plan at all.
+    assert decide(snap(r, spiked, [quote(offer("r2a", 8.0))], last_replan_s=T - 299, target_replicas=2)) == []
+    booting = [spiked[0], Node("i9", quote(offer("r1a", 40.0)), 0.0, ready=False)]
+    assert decide(snap(r, booting, [quote(offer("r2a", 8.0))], **due_at)) == []
+    # A region five times cheaper: both replicas move, most expensive first. The first leaves at
+    # once (its tokens while r2a boots cost more than r2a's will); the last stays until its
+    # replacement trains (world.min_replicas keep the state).
+    acts = decide(snap(r, spiked, [quote(offer("r1a", 40.0)), quote(offer("r2a", 8.0))], **due_at))
+    assert acts[0] == Replan(T)
+    assert isinstance(acts[1], Release) and acts[1].instance_id == "i0" and acts[1].move.add.offer.zone == "r2a"
+    assert isinstance(acts[2], Rent) and acts[2].quote.offer.zone == "r2a" and acts[2].move is None
+    assert isinstance(acts[3], Rent) and (acts[3].quote.offer.zone, acts[3].move.drain) == ("r2a", "i1")
+    # Each move within the budget: $1 left pays for one more minute of three VMs, not of four.
+    budget = recipe(**{"planner.replan_every_s": 300, "world.replicas": 2, "budget.max_usd": 100})
+    acts = decide(snap(budget, spiked, [quote(offer("r2a", 8.0))], spent_usd=100 - 88 / 60, **due_at))
+    assert len([a for a in acts if isinstance(a, Rent)]) == 1
+
+
+def test_deadline_grows_the_world_at_a_replan():
+    r = recipe(**{"train.token_budget": 10_000_000_000, "budget.max_hours": 40, "planner.replan_every_s": 300})
+    s = snap(r, held(4), [quote(offer("r1a", 8.0))], last_replan_s=T - 300, target_replicas=4,
+             progress=Progress(tokens=0, hours=10.0))
+    acts = decide(s)
+    grown = [a for a in acts if isinstance(a, Retarget)]
+    assert grown and grown[0].grown and grown[0].replicas > 4
+    assert rents(acts) == ["r1a"] * (grown[0].replicas - 4)
+    assert grown[0].hours_to_finish == pytest.approx(grown[0].hours_to_finish)
+
+
+def test_checkpoints_on_schedule_at_the_end_before_the_world_leaves_and_when_stopping():
+    r = recipe(**{"checkpoint.every_outer_steps": 5, "train.outer_steps": 12, "train.token_budget": "null"})
+
+    def at(step, nodes=held(2), saved=0):
+        return snap(r, nodes, progress=Progress(outer_steps=step, hours=T / 3600), checkpointed_step=saved)
+
+    assert [step for step in range(13) if checkpoint_due(at(step))] == [5, 10, 12]
+    assert checkpoint_due(at(5)) == Checkpoint("schedule") and checkpoint_due(at(12)) == Checkpoint("final")
+    # Nothing new since the last one (saved, or restored from): nothing to save.
+    assert checkpoint_due(at(10, saved=10)) is None and checkpoint_due(at(12, saved=12)) is None
+    # Every replica training has a notice: they contribute, then the world empties. Save first.
+    noticed = held(2, leaving=True, notice_deadline_s=T + 30)
+    assert checkpoint_due(at(7, noticed)) == Checkpoint("leaving")
+    # One of them noticed, or a replacement still booting: the world goes on, nothing extra.
+    assert checkpoint_due(at(7, noticed[:1] + held(1))) is None
+    assert checkpoint_due(at(7, held(1, ready=False) + noticed[:1])) == Checkpoint("leaving")
+    # The run stops early (budget, capacity): its progress is saved, once.
+    assert checkpoint_due(at(7), ending=True) == Checkpoint("ending")
+    assert checkpoint_due(at(7, saved=7), ending=True) is None
+    assert checkpoint_due(at(0), ending=True) is None
+
+
+# -- the pause rule ---------------------------------------------------------------------------------
+
+def paused_recipe(**kw):
+    """12 B tokens at 6 × 60,000 tokens/s (8×H100 replicas: about 9.3 h of training), with 100 h to
+    do it in: the run needs a fifth of the time left (with the 2× slack), so it can wait out dear
+    prices."""
+    return recipe(**{"train.token_budget": 12_000_000_000, "budget.max_hours": 100, "world.max_replicas": 6,
+                     "planner.price_sample_s": 300, "planner.pauses": True, **kw})
+
+
+SAMPLE = {"priced_at_s": T - 300}   # a price sample is due: the pause rule judges
+
+
+def h100(zone, usd):
+    return quote(offer(zone, usd, it="h100x8", gpu="H100"))
+
+
+def history(usd_per_mtok: list[float], tps: float, speed: str = "estimate"):
+    return tuple((u, tps, speed) for u in usd_per_mtok)
+
+
+def seen(r, usd):
+    """The market's price (USD per 1M tokens) and pace of a world of max_replicas on one H100 offer."""
+    from elastic.policy.rules import market_price
+    usd_per_mtok, tps, speed = market_price([h100("r1a", usd)], r)
+    assert speed == "estimate"
+    return usd_per_mtok, tps
+
+
+def pauses_now(s) -> bool:
+    from elastic.policy.rules import Pause
+    return any(isinstance(a, Pause) for a in decide(s))
+
+
+def test_a_dear_market_against_the_prices_seen_pauses_the_run_and_a_cheap_one_unpauses_it():
+    from elastic.policy.rules import MIN_SAMPLES, Pause, PriceSeen, Unpause
+    r = paused_recipe()
+    cheap, tps = seen(r, 10.0)
+    prices = history([cheap] * MIN_SAMPLES, tps)
+    training = held(6, "r1a", 10.0)
+    # The market at three times the usual price: pause (with the sample taken now).
+    acts = decide(snap(r, training, [h100("r1a", 30.0)], prices=prices, **SAMPLE))
+    assert isinstance(acts[0], PriceSeen) and acts[0].usd_per_mtok == pytest.approx(3 * cheap)
+    assert isinstance(acts[1], Pause) and len(acts) == 2
+    assert acts[1].pace.threshold_usd_per_mtok == pytest.approx(cheap) and acts[1].pace.need < 0.5
+    # Judged at samples only: between two, nothing (the driver asks only when `due`).
+    assert not due(snap(r, training, prices=prices, target_replicas=6))
+    assert decide(snap(r, training, [h100("r1a", 30.0)], prices=prices, target_replicas=6)) == []
+    # Within the hysteresis (1.3 θ) a training world goes on; a paused one waits for θ.
+    near = [h100("r1a", 12.0)]
+    assert not pauses_now(snap(r, training, near, prices=prices, **SAMPLE))
+    assert [type(a) for a in decide(snap(r, (), near, prices=prices, paused=True, **SAMPLE))] == [PriceSeen]
+    # Paused, and the price back at θ: unpause, and rent the whole world (world.max_replicas).
+    acts = decide(snap(r, (), [h100("r1a", 10.0)], prices=prices, paused=True, planned=False, **SAMPLE))
+    assert isinstance(acts[1], Unpause) and rents(acts) == ["r1a"] * 6
+
+
+def test_no_pause_without_history_with_launches_under_way_or_when_the_deadline_needs_the_time():
+    from elastic.policy.rules import MIN_SAMPLES
+    r = paused_recipe()
+    cheap, tps = seen(r, 10.0)
+    dear = [h100("r1a", 30.0)]
+    training = held(6, "r1a", 10.0)
+    assert pauses_now(snap(r, training, dear, prices=history([cheap] * MIN_SAMPLES, tps), **SAMPLE))
+    assert not pauses_now(snap(r, training, dear, prices=history([cheap] * (MIN_SAMPLES - 2), tps), **SAMPLE))
+    # A launch under way, or a replica booting: no pause yet, and nothing more rented at that price.
+    five = held(5, "r1a", 10.0)
+    s = snap(r, five, dear, prices=history([cheap] * MIN_SAMPLES, tps), pending=(offer("r1a", 10.0),), **SAMPLE)
+    assert not pauses_now(s) and rents(decide(s)) == []
+    booting = five + [Node("i9", h100("r1a", 10.0), 0.0, ready=False)]
+    s = snap(r, booting[:-1] + [booting[-1]], dear, prices=history([cheap] * MIN_SAMPLES, tps), **SAMPLE)
+    assert not pauses_now(s) and rents(decide(s)) == []
+    # 9.3 h of work left and 10 h to the deadline: it trains whatever the price.
+    late = snap(r, training, dear, prices=history([cheap] * MIN_SAMPLES, tps), time_s=90 * 3600.0,
+                priced_at_s=90 * 3600.0 - 300)
+    assert not pauses_now(late)
+    # The rule is off without budget.max_hours, or with planner.pauses false (the default): no
+    # sample, no pause.
+    for off in (recipe(**{"train.token_budget": 12_000_000_000, "planner.pauses": True}),
+                recipe(**{"train.token_budget": 12_000_000_000, "budget.max_hours": 100})):
+        acts = decide(snap(off, held(4, "r1a", 10.0), dear, prices=history([cheap] * MIN_SAMPLES, tps),
+                           target_replicas=4, **SAMPLE))
+        assert acts == []
+
+
+def test_a_price_sample_is_due_once_per_interval_and_wakes_a_paused_run():
+    from elastic.policy.rules import PriceSeen
+    r = paused_recipe()
+    cheap, tps = seen(r, 10.0)
+    prices = history([cheap] * 20, tps)
+    assert due(snap(r, (), prices=prices, paused=True, **SAMPLE))
+    assert not due(snap(r, (), prices=prices, priced_at_s=T - 100, paused=True))
+    acts = decide(snap(r, (), [h100("r1a", 30.0)], prices=prices, priced_at_s=T - 100, paused=True))
+    assert acts == []   # no sample due: nothing
+    acts = decide(snap(r, (), [h100("r1a", 30.0)], prices=prices, paused=True, **SAMPLE))
+    assert [type(a) for a in acts] == [PriceSeen]
+    # No offer to price: stays paused, no sample.
+    assert decide(snap(r, (), [], prices=prices, paused=True, **SAMPLE)) == []
+
+
+def test_a_replica_far_above_the_threshold_leaves_for_a_cheaper_launch_within_the_rules():
+    r = paused_recipe()
+    cheap, tps = seen(r, 10.0)
+    prices = history([cheap] * 20, tps)
+    # i0 is in a zone whose price doubled; r2a is at the usual price: i0 leaves at once, and the
+    # world tops up there. The market as a whole is cheap (its best world is at θ): no pause.
+    nodes = [Node("i0", h100("r1a", 20.0), 0.0)] + [Node(f"i{k}", h100("r2a", 10.0), 0.0) for k in range(1, 6)]
+    quotes = [h100("r1a", 20.0), h100("r2a", 10.0)]
+    acts = decide(snap(r, nodes, quotes, prices=prices, target_replicas=6, **SAMPLE))
+    released = [a for a in acts if isinstance(a, Release)]
+    assert [a.instance_id for a in released] == ["i0"] and rents(acts) == ["r2a"]
+    # Every replica dear: they go, but world.min_replicas stay to train the state on.
+    dear_all = [Node(f"i{k}", h100("r1a", 20.0), 0.0) for k in range(6)]
+    r2 = paused_recipe(**{"world.min_replicas": 2})
+    acts = decide(snap(r2, dear_all, quotes, prices=prices, target_replicas=6, **SAMPLE))
+    assert len([a for a in acts if isinstance(a, Release)]) == 4 and rents(acts) == ["r2a"] * 4
+    # A replacement the budget cannot pay for ($1.25 left: a minute of the six held is $1.17, with
+    # the replacement $1.33): nobody leaves.
+    tight = paused_recipe(**{"budget.max_usd": 100})
+    acts = decide(snap(tight, nodes, quotes, prices=prices, target_replicas=6, spent_usd=100 - 75 / 60, **SAMPLE))
+    assert not any(isinstance(a, Release) for a in acts)
+
+
+def test_prices_seen_at_another_pace_are_brought_to_the_pace_now():
+    # Twelve prices at the recipe's estimated speed, then the market's pace is measured at twice
+    # that: the same USD per hour is half the USD per token.
+    from elastic.policy.rules import MIN_SAMPLES
+    r = paused_recipe()
+    cheap, tps = seen(r, 10.0)
+
+    def measured(usd):
+        q = quote(offer("r1a", usd, it="h100x8", gpu="H100"))
+        return type(q)(q.offer, 0.0, "test", None, 2 * 60_000.0, "measured")
+
+    estimated = history([cheap] * MIN_SAMPLES, tps)
+    # 20 USD/h at twice the speed is the estimated history's price per token, but twice the history
+    # brought to the measured pace (above 1.3 θ: pause); 12 USD/h is 1.2 times it (within: no pause).
+    for usd, pauses in ((20.0, True), (12.0, False)):
+        assert pauses_now(snap(r, held(6, "r1a", 10.0), [measured(usd)], prices=estimated, **SAMPLE)) == pauses
+
+
+def test_a_budget_hold_back_gives_up_only_when_nothing_is_on_its_way():
+    # Two of six rented within the budget, the third held back: the run goes on with what comes.
+    r = recipe(**{"budget.max_usd": 100, "world.min_replicas": 3, "world.replicas": 6})
+    acts = decide(snap(r, (), [quote(offer("r1a", 30.0))], target_replicas=6, spent_usd=100 - 61 / 60))
+    assert rents(acts) == ["r1a"] * 2 and isinstance(acts[-1], HoldBack) and not acts[-1].gives_up
+    acts = decide(snap(r, (), [quote(offer("r1a", 70.0))], target_replicas=6, spent_usd=100 - 61 / 60))
+    assert rents(acts) == [] and acts[-1].gives_up

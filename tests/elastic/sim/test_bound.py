@@ -1,0 +1,111 @@
+"""`elastic.sim.bound`: the least any policy could pay on a trace, checked on markets whose answer is
+known by hand, and against the simulator's own policies."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from elastic.sim.bound import lower_bound_usd_per_mtok
+from elastic.sim.simulate import TraceMarket, simulate
+from providers.simmarket import read_trace_rows
+from tests.elastic.sim.test_simulate import recipe, row, write_trace
+
+TPS = 24_000          # tokens/s of an 8×A100 VM in these recipes (3000 per GPU)
+N = 2_000_000_000     # tokens the run trains
+
+
+def bound(r, trace, finish_h=None):
+    return lower_bound_usd_per_mtok(r, TraceMarket(read_trace_rows(trace), r), finish_h)
+
+
+def raw(usd_per_hour):
+    return usd_per_hour / (TPS * 3600) * 1e6
+
+
+def hourly(tmp_path, name, offers, hours=400):
+    """A trace of constant offers, one row per offer per hour."""
+    return write_trace(tmp_path / name, [row(h * 3600, *o[:2], **o[2]) for h in range(hours) for o in offers])
+
+
+def test_free_boots_and_no_preemption_give_the_cheapest_price(tmp_path):
+    trace = hourly(tmp_path, "t.csv", [("r1a", 9.0, {}), ("r2a", 12.0, {})])
+    assert bound(recipe(**{"planner.recovery_s": 0}), trace) == pytest.approx(raw(9.0), rel=1e-4)
+
+
+def test_boots_and_preemptions_raise_it_but_not_past_a_known_schedule(tmp_path):
+    calm = hourly(tmp_path, "calm.csv", [("r1a", 9.0, {})])
+    risky = hourly(tmp_path, "risky.csv", [("r1a", 9.0, {"rate": 0.5})])
+    r = recipe()
+    # One VM booted once and kept: 9 $/h for N/TPS + 600 s; no policy pays less, the bound no more.
+    one_vm = 9.0 * (N / TPS + 600) / 3600 / N * 1e6
+    assert raw(9.0) < bound(r, calm) <= one_vm
+    # Every preemption means paying another boot.
+    assert bound(r, risky) > bound(r, calm)
+
+
+def test_a_vm_preempted_within_its_clouds_minimum_bills_the_minimum(tmp_path):
+    # No boot; a VM lives a minute on average (60 preemptions per hour). Billed per second from the
+    # first (local), each VM bills the rest of the second it was preempted in (c s, about half of
+    # one) for every 60 s it is expected to live; on gcp it also bills the seconds short of its
+    # one-minute minimum, E[(60 − τ)⁺] = 60/e s, and the rest of its second only when it lived
+    # past the minimum (probability 1/e).
+    from elastic.sim.bound import _mean_rounding_s
+
+    c = float(_mean_rounding_s(60.0, 1.0))
+    r = recipe(**{"planner.recovery_s": 0})
+    per_second = [row(h * 3600, "r1a", 9.0, rate=60.0, cloud="local") for h in range(400)]
+    with_minimum = [row(h * 3600, "r1a", 9.0, rate=60.0, cloud="gcp") for h in range(400)]
+    local = bound(r, write_trace(tmp_path / "local.csv", per_second))
+    gcp = bound(r, write_trace(tmp_path / "gcp.csv", with_minimum))
+    assert 0.5 < c < 0.51
+    assert local == pytest.approx(raw(9.0) * (1 + c / 60), rel=1e-4)
+    assert gcp == pytest.approx(raw(9.0) * (1 + math.exp(-1) * (1 + c / 60)), rel=1e-3)
+
+
+def test_capacity_sends_the_rest_to_the_dearer_offer(tmp_path):
+    # The cheap offer holds one VM; the run needs more than one VM trains by the deadline, so the
+    # rest is trained at 15 $/h. Known optimum (no boots): the cheap VM all the time, the rest dear.
+    trace = hourly(tmp_path, "t.csv", [("r1a", 9.0, {"cap": 1}), ("r2a", 15.0, {})], hours=20)
+    hours = 10
+    r = recipe(**{"planner.recovery_s": 0, "budget.max_hours": hours})
+    cheap_tokens = TPS * hours * 3600
+    best = (9.0 * hours + 15.0 * (N - cheap_tokens) / TPS / 3600) / N * 1e6
+    assert raw(9.0) < bound(r, trace) <= best * (1 + 1e-9)
+    assert bound(r, trace) == pytest.approx(best, rel=0.02)
+
+
+def test_too_little_time_is_infinite(tmp_path):
+    trace = hourly(tmp_path, "t.csv", [("r1a", 9.0, {"cap": 1})], hours=10)
+    assert bound(recipe(), trace, finish_h=5) == float("inf")
+
+
+def test_no_policy_beats_it(tmp_path):
+    # No preemptions: the simulator's runs are not random, so each must cost at least the bound.
+    # Prices step up 30 % and 60 % every 3.5 h, by turns, over 20 h (the runs take about 6; the
+    # bound's time grows with the trace's length).
+    zones = (("r1a", 9.0), ("r2a", 10.5), ("r3a", 12.0))
+    trace = write_trace(tmp_path / "t.csv", [row(h * 1800, z, p * (1 + 0.3 * ((h // 7) % 3)), cap=4)
+                                             for h in range(40) for z, p in zones])
+    r = recipe()
+    least = bound(r, trace)
+    for res in simulate(r, trace):
+        assert res["status"] == "completed" and res["wall_h"] < 20
+        assert res["usd_per_mtok"] >= least * (1 - 1e-3), res
+
+
+def test_a_vm_preempted_mid_increment_bills_the_rest_of_it(tmp_path, monkeypatch):
+    # Billed per 10 minutes past the same one-minute minimum, each VM preempted in its first hour
+    # also bills the rest of the increment it was preempted in: the bound rises, never falls.
+    from providers.base import BillingTerms
+    from providers.gcp import facts
+
+    r = recipe(**{"planner.recovery_s": 0})
+    trace = write_trace(tmp_path / "gcp.csv", [row(h * 3600, "r1a", 9.0, rate=6.0, cloud="gcp") for h in range(400)])
+    per_second = bound(r, trace)
+    monkeypatch.setattr(facts, "BILLING", BillingTerms(minimum_s=60.0, increment_s=600.0))
+    per_ten_minutes = bound(r, trace)
+    assert per_ten_minutes > per_second * 1.01
+    # At most one whole increment more per VM: a VM lives 10 min on average at 6 preemptions per hour.
+    assert per_ten_minutes < per_second * 2

@@ -1,0 +1,305 @@
+"""`elastic simulate`: policies on traces, the budget never crossed, seeded, bad traces refused."""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+import statistics
+
+import pytest
+
+from elastic.errors import UserError
+from elastic.recipe.model import load_recipe
+from elastic.sim.simulate import simulate
+from tests.conftest import REPO, run_cli, tiny_recipe
+
+COLUMNS = ["timestamp_s", "cloud", "region", "zone", "instance_type", "gpu", "gpus", "spot_usd_per_hour",
+           "on_demand_usd_per_hour", "preempt_per_hour", "capacity"]
+
+
+def write_trace(path, rows):
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(COLUMNS)
+        w.writerows(rows)
+    return str(path)
+
+
+def recipe(**kw):
+    base = {"planner.tokens_per_s": "{A100: 3000}", "planner.recovery_s": 600, "planner.replan_every_s": 600,
+            "world.replicas": 4, "world.max_replicas": 6, "train.inner_steps": 500, "train.batch_size": 32,
+            "train.seq_len": 1024, "model.context": 1024, "train.token_budget": 2_000_000_000,
+            "train.outer_steps": "null", "checkpoint.every_outer_steps": 5}
+    return tiny_recipe(**{**base, **kw})
+
+
+def row(t, zone, spot, rate=0.0, cap=32, od=30.0, region=None, it="a2", cloud="gcp", gpu="A100"):
+    return [t, cloud, region or zone[:-1], zone, it, gpu, 8, spot, od, rate, cap]
+
+
+def random_trace(path, rng: random.Random):
+    zones = [f"r{i}{z}" for i in range(rng.randint(1, 3)) for z in "ab"[:rng.randint(1, 2)]]
+    rows = []
+    for zone in zones:
+        for step in range(rng.randint(1, 30)):
+            spot = round(rng.uniform(0, 40), 3)
+            rows.append(row(step * rng.choice([60, 600, 3600]), zone, spot,
+                            rate=rng.choice([0, 0.1, 1, 10, 60]), cap=rng.choice([0, 1, 4, 100]),   # 60/h: a trace's most
+                            od=round(spot + rng.uniform(0, 30), 3)))                                 # never below spot
+    rng.shuffle(rows)
+    return write_trace(path, rows)
+
+
+def test_budget_is_never_crossed_on_random_traces_and_seeds(tmp_path):
+    rng = random.Random(1)
+    for case in range(25):
+        trace = random_trace(tmp_path / f"t{case}.csv", rng)
+        r = recipe(**{"budget.max_usd": rng.choice([5, 50, 500]), "budget.max_hours": rng.choice(["null", 3, 30]),
+                      "world.min_replicas": rng.choice([1, 2])})
+        for seed in range(3):
+            for res in simulate(r, trace, seed=seed):
+                assert res["cost_usd"] <= r.budget.max_usd + 1e-9, (case, seed, res)
+                assert res["status"] in ("completed", "budget_exhausted", "insufficient_capacity", "unfinished")
+                if r.budget.max_hours is not None:
+                    assert res["wall_h"] <= r.budget.max_hours + 1e-9
+                if res["status"] == "completed":
+                    assert res["tokens"] == r.train.token_budget
+
+
+def _make_traces():
+    """bench/traces/make_traces.py, imported from its file (bench/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_traces", REPO / "bench/traces/make_traces.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_storm_traces_are_seeded_and_the_policy_keeps_budget_and_deadline_on_them(tmp_path):
+    mt = _make_traces()
+    a = mt.make_storms("a", 12, seed=5, wave_every_h=4.0, cloud_wave_every_h=8.0, out=tmp_path)
+    again = mt.make_storms("b", 12, seed=5, wave_every_h=4.0, cloud_wave_every_h=8.0, out=tmp_path)
+    other = mt.make_storms("c", 12, seed=6, wave_every_h=4.0, cloud_wave_every_h=8.0, out=tmp_path)
+    assert a.read_bytes() == again.read_bytes() != other.read_bytes()
+    with open(a, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["cloud"] for r in rows} == {"aws", "gcp"} and len(rows) == 12 * 12 * 20
+    # Waves reclaim whole regions at once; spikes take a price near on-demand.
+    assert any(float(r["preempt_per_hour"]) >= 2 for r in rows)
+    assert any(float(r["spot_usd_per_hour"]) >= 0.7 * float(r["on_demand_usd_per_hour"]) for r in rows)
+    multi = load_recipe(REPO / "recipes/multi-cloud.yaml", ["train.token_budget=2000000000"])
+    for limits in (["budget.max_usd=150"], ["budget.max_hours=6"]):
+        r = load_recipe(REPO / "recipes/multi-cloud.yaml", ["train.token_budget=2000000000", *limits])
+        for seed in range(2):
+            res = simulate(r, str(a), ["elastic"], seed=seed)[0]
+            assert res["cost_usd"] <= r.budget.max_usd + 1e-9 and res["wall_h"] <= r.budget.max_hours + 1e-9
+            if limits == ["budget.max_hours=6"]:
+                assert res["status"] == "completed"      # 2 B tokens fit well within 6 h
+    free = simulate(multi, str(a), ["elastic"], seed=0)[0]
+    assert free["status"] == "completed" and free["tokens"] == 2_000_000_000
+
+
+def test_seeded_and_preemptions_cost_work(tmp_path):
+    trace = write_trace(tmp_path / "t.csv", [row(0, "r1a", 9.0, rate=1.0), row(0, "r2a", 10.0, rate=1.0)])
+    r = recipe()
+    a, b = simulate(r, trace, seed=3), simulate(r, trace, seed=3)
+    assert a == b
+    assert simulate(r, trace, seed=4) != a
+    by = {x["policy"]: x for x in a}
+    assert by["on-demand"]["preemptions"] == 0 and by["elastic"]["preemptions"] > 0
+    # A whole-job restart loses more than one replica's inner phase.
+    assert by["elastic"]["effective_training_time"] > by["skypilot-like"]["effective_training_time"]
+    assert by["elastic"]["wall_h"] < by["spot-static"]["wall_h"]
+
+
+def test_elastic_moves_to_a_much_cheaper_zone_and_ignores_jitter(tmp_path):
+    # r1a jitters ±4 % around 10 $/h against r2a at 10 $/h: nothing moves.
+    rows = [row(t * 300, "r1a", 10.0 * (1.04 if t % 2 else 0.96)) for t in range(200)] + [row(0, "r2a", 10.0)]
+    jitter = write_trace(tmp_path / "jitter.csv", rows)
+    r = recipe()
+    el = simulate(r, jitter, ["elastic"])[0]
+    assert el["status"] == "completed" and el["moves"] == 0
+    # After 2 h, r2a drops to 4 $/h: the world moves there (new replica first), and pays less.
+    rows = [row(0, "r1a", 9.0), row(0, "r2a", 10.0), row(7200, "r2a", 4.0)]
+    drop = write_trace(tmp_path / "drop.csv", rows)
+    by = {x["policy"]: x for x in simulate(r, drop)}
+    assert by["elastic"]["moves"] == 4
+    assert by["elastic"]["usd_per_mtok"] < 0.75 * by["spot-static"]["usd_per_mtok"]
+    # With no boot the replacement is ready the moment it is rented: it takes over at once, so a
+    # world of max_replicas never trains with the old and the new VM both (the simulator raises).
+    r = recipe(**{"planner.recovery_s": 0, "world.replicas": 2, "world.max_replicas": 2})
+    by = {x["policy"]: x for x in simulate(r, drop)}
+    assert by["elastic"]["status"] == "completed" and by["elastic"]["moves"] == 2
+
+
+def test_budget_max_hours_is_met_with_faster_gpus_when_the_cheapest_are_too_slow(tmp_path):
+    # 8×A100 (3000 tokens/s per GPU) is cheapest per token; 8×H100 (7500) is 2.5× as fast.
+    trace = write_trace(tmp_path / "t.csv", [row(0, "r1a", 8.0), row(0, "r1b", 30.0, it="a3", gpu="H100")])
+    kw = {"planner.tokens_per_s": "{A100: 3000, H100: 7500}", "train.token_budget": 4_000_000_000,
+          "world.max_replicas": 4}
+    loose = simulate(recipe(**kw), trace, ["elastic"])[0]          # four A100s: about 12 h
+    assert loose["status"] == "completed" and loose["wall_h"] > 11
+    tight = simulate(recipe(**kw, **{"budget.max_hours": 8}), trace, ["elastic"])[0]
+    assert tight["status"] == "completed" and tight["wall_h"] <= 8 * 0.9
+    assert tight["usd_per_mtok"] > loose["usd_per_mtok"]  # time bought at a price, within the deadline
+
+
+def test_a_notice_saves_the_noticed_replicas_phase(tmp_path):
+    # The same market on AWS (a 2-minute notice: the world syncs early and the noticed replica's
+    # partial phase counts) and on a cloud without notices (that replica's phase is lost).
+    rows = lambda cloud: [row(0, "r1a", 9.0, rate=1.0, cloud=cloud)]
+    aws = write_trace(tmp_path / "aws.csv", rows("aws"))
+    bare = write_trace(tmp_path / "bare.csv", rows("other"))
+    r = recipe()
+    eff = {name: statistics.median(simulate(r, trace, ["elastic"], seed=s)[0]["effective_training_time"]
+                                   for s in range(5)) for name, trace in (("aws", aws), ("bare", bare))}
+    assert eff["aws"] > eff["bare"] + 0.03, eff
+    # A whole-job restart gains nothing from a notice.
+    sky = [simulate(r, t, ["skypilot-like"], seed=0)[0]["effective_training_time"] for t in (aws, bare)]
+    assert sky[0] == sky[1]
+
+
+def test_every_replica_lost_restores_from_the_checkpoint(tmp_path):
+    trace = write_trace(tmp_path / "t.csv", [row(0, "r1a", 9.0, rate=50.0)])
+    res = simulate(recipe(**{"budget.max_usd": 200}), trace, ["elastic"])[0]
+    assert res["status"] == "budget_exhausted" and res["cost_usd"] <= 200
+    assert res["effective_training_time"] < 0.5
+
+
+def test_kept_steps_hold_every_token_trained_and_a_restore_drops_its_steps(tmp_path):
+    # `kept` (what bench/policies.py --explain prices) is the run's own tokens, step by step: on a
+    # market with preemptions (replicas lost, work kept by the survivors) and on one where every
+    # replica is lost again and again (restores from the checkpoint drop the steps since).
+    for rate, cloud, budget in ((1.0, "gcp", "null"), (6.0, "other", 400)):   # "other": no notice
+        trace = write_trace(tmp_path / f"t{rate}.csv", [row(0, "r1a", 9.0, rate=rate, cloud=cloud),
+                                                        row(0, "r2a", 10.0, rate=rate, cloud=cloud)])
+        kept: dict = {}
+        res = simulate(recipe(**{"budget.max_usd": budget}), trace, ["elastic"], seed=1, kept=kept)[0]
+        steps = kept["elastic"]
+        assert steps and all(start < end and offers for start, end, offers, _ in steps)
+        assert [s[0] for s in steps] == sorted(s[0] for s in steps)
+        total = sum(tokens for *_, tokens in steps)
+        assert min(total, 2_000_000_000) == res["tokens"], (rate, total, res)
+
+
+@pytest.mark.parametrize("body, message", [
+    ("timestamp_s,cloud\n0,aws\n", "missing columns: region"),
+    (",".join(COLUMNS) + "\n", "no rows"),
+    (",".join(COLUMNS) + "\n0,gcp,r1,r1a,a2,A100,8,-1,30,0,4\n", "row 2: spot_usd_per_hour must be a finite number >= 0"),
+    (",".join(COLUMNS) + "\n0,gcp,r1,r1a,a2,A100,8,nan,30,0,4\n", "row 2: spot_usd_per_hour"),
+    (",".join(COLUMNS) + "\n0,gcp,r1,r1a,a2,A100,8,1,30,0,many\n", "row 2: invalid literal"),
+    (",".join(COLUMNS) + "\n0,gcp,r1,r1a,a2,A100,8,1,30,0\n", "row 2: expected 11 columns"),
+    (",".join(COLUMNS) + "\n0,gcp,r1,r1a,a2,A100,8,1,30,0,4\n5,aws,r1,r1a,a2,A100,8,1,30,0,4\n", "row 3: a2 in r1a changes"),
+])
+def test_bad_traces_are_one_clear_line(tmp_path, body, message):
+    path = tmp_path / "bad.csv"
+    path.write_text(body)
+    with pytest.raises(UserError, match=message):
+        simulate(recipe(), str(path))
+
+
+
+
+def test_cli_simulate_json_and_errors(tmp_path):
+    # Two regions whose spot prices trade places every 2 h, preemptions in both (a small trace: the
+    # bound takes seconds on bench/traces).
+    rows = [row(h * 3600, zone, spot, rate=0.5, it="a2-highgpu-8g") for h in range(0, 48, 2)
+            for zone, spot in (("r1a", 8.0 if h % 4 else 14.0), ("r2a", 14.0 if h % 4 else 8.0))]
+    trace = write_trace(tmp_path / "t.csv", rows)
+    proc = run_cli("simulate", "recipes/multi-cloud.yaml", "--trace", trace, "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert set(doc["policies"]) == {"elastic", "on-demand", "spot-static", "skypilot-like"}
+    recipe = load_recipe(REPO / "recipes/multi-cloud.yaml")
+    bound = doc["bound_usd_per_mtok"]
+    for res in doc["policies"].values():
+        assert {"cost_usd", "tokens", "usd_per_mtok", "wall_h", "preemptions", "effective_training_time",
+                "ratio_to_bound"} <= set(res)
+        assert res["cost_usd"] <= recipe.budget.max_usd
+        # No policy pays less than the bound (its draws can beat the expectation, not by this much).
+        assert res["ratio_to_bound"] == pytest.approx(res["usd_per_mtok"] / bound, abs=1e-3)
+        assert res["ratio_to_bound"] > 0.9
+    el, od = doc["policies"]["elastic"], doc["policies"]["on-demand"]
+    assert el["status"] == "completed" and el["usd_per_mtok"] < od["usd_per_mtok"]
+    bad = tmp_path / "bad.csv"
+    bad.write_text("timestamp_s\n0\n")
+    for args, message in ((["--trace", str(bad)], "missing columns"),
+                          (["--trace", str(tmp_path / "none.csv")], "cannot read"),
+                          (["--trace", "bench/traces/calm.csv", "--policy", "greedy"], "no rental policy 'greedy': choose from elastic, on-demand")):
+        proc = run_cli("simulate", "recipes/multi-cloud.yaml", *args)
+        assert proc.returncode == 2, proc.stderr
+        assert message in proc.stderr and "Traceback" not in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_cli_plan_prints_a_valid_placement():
+    proc = run_cli("plan", "recipes/multi-cloud.yaml", "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    recipe = load_recipe(REPO / "recipes/multi-cloud.yaml")
+    assert doc["feasible"] and doc["replicas"] == recipe.world.replicas
+    assert sum(s["replicas"] for s in doc["placement"]) == recipe.world.replicas
+    local = {(it.zone, it.name): it for it in recipe.local.instance_types}
+    for s in doc["placement"]:
+        assert s["usd_per_hour"] == local[(s["zone"], s["instance_type"])].spot_usd_per_hour
+        assert s["usd_per_hour"] <= recipe.resources.max_usd_per_hour
+    assert doc["expected_hours"] > 0 and doc["expected_usd"] > 0 and doc["usd_per_mtok"] > 0
+    table = run_cli("plan", "recipes/multi-cloud.yaml")
+    assert table.returncode == 0 and "per 1M tokens" in table.stdout
+
+
+def test_a_price_spike_is_waited_out_paused_and_the_run_restarts_from_its_checkpoint(tmp_path):
+    # 2 B tokens, about 3.9 h at world.max_replicas (six 8×A100 VMs), with 24 h to do it: the price
+    # quadruples from 3 h to 7 h. The pause rule waits the spike out with no VM held. (A spike
+    # much longer than the cheap time seen before it would make it judge the spike's price the
+    # usual one: the history stands for the future.)
+    rows = [row(h * 300, "r1a", 40.0 if 3 * 12 <= h < 7 * 12 else 10.0, od=45.0) for h in range(24 * 12)]
+    trace = write_trace(tmp_path / "spike.csv", rows)
+    r = recipe(**{"budget.max_hours": 24, "planner.pauses": True})
+    ledgers: dict = {}
+    paused = simulate(r, trace, ["elastic"], ledgers=ledgers)[0]
+    steady = simulate(recipe(**{"budget.max_hours": 24}), trace, ["elastic"])[0]
+    assert paused["status"] == steady["status"] == "completed"
+    assert paused["wall_h"] < 24
+    events = ledgers["elastic"]
+    kinds = [e["type"] for e in events]
+    assert kinds.count("world_paused") == 1 and kinds.count("world_unpaused") == 1
+    pause, unpause = (next(e for e in events if e["type"] == k) for k in ("world_paused", "world_unpaused"))
+    # Paused within one outer step of the spike (about 11 minutes here), unpaused when it ended.
+    assert 3 * 3600 <= pause["t"] <= 3 * 3600 + 900 and unpause["t"] == pytest.approx(7 * 3600, abs=300)
+    assert pause["usd_per_mtok"] > 3 * pause["threshold_usd_per_mtok"] and pause["need"] < 0.5
+    # A checkpoint at the paused step, no VM held while paused, six rented again after.
+    saved = [e for e in events if e["type"] == "checkpoint_saved" and e["t"] <= pause["t"]]
+    assert saved[-1]["step"] == pause["outer_step"] and saved[-1]["t"] == pause["t"]
+    held = set()
+    for e in events:
+        if e["type"] == "node_launched":
+            held.add(e["instance_id"])
+        elif e["type"] in ("node_released", "node_preempted"):
+            held.discard(e["instance_id"])
+        if e is pause:
+            assert held == set()
+    assert sum(e["type"] == "node_launched" and e["t"] >= unpause["t"] for e in events) == 6
+    assert paused["cost_usd"] < 0.6 * steady["cost_usd"]
+
+
+def test_the_recipe_names_the_policy_simulated_first_and_a_policy_object_runs_behind_the_same_seam(tmp_path):
+    from elastic.policy.rules import Policy
+
+    path = write_trace(tmp_path / "t.csv", [row(0, "r1a", 10.0), row(0, "r2a", 12.0)])
+    r = recipe(**{"planner.policy": "spot-static"})
+    runs = simulate(r, path)
+    assert [x["policy"] for x in runs] == ["spot-static", "elastic", "on-demand", "skypilot-like"]
+    assert simulate(r, path, ["spot-static"]) == runs[:1]
+
+    class Idle(Policy):
+        """Rents nothing."""
+        name = "idle"
+
+        def decide(self, s):
+            return []
+
+    (idle,) = simulate(recipe(**{"world.capacity_timeout_s": 600}), path, [Idle()])
+    assert (idle["policy"], idle["status"], idle["cost_usd"], idle["tokens"]) == ("idle", "insufficient_capacity", 0, 0)
