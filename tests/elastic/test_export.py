@@ -35,7 +35,7 @@ def save_checkpoint(run_dir, recipe, step: int, seed: int) -> dict:
     manifest = {"step": step, "inner_step": 4 * step, "data_cursor": 0, "tokens": 0, "ranks": 1, "replicas": 1,
                 "saved_at": 0, "files": files, "run": run_dir.name}
     # Signed with the run's key, as the run's driver signs it (the key in the run directory).
-    manifest["hmac"] = manifest_mac(manifest, LocalKeys(run_dir.parent).create(run_dir.name))
+    manifest["hmac"] = manifest_mac(manifest, LocalKeys([run_dir.parent]).create(run_dir.name))
     (d / "elastic.json").write_text(json.dumps(manifest))
     return state
 
