@@ -112,10 +112,11 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--text-field", default="text", help="field of a JSONL/Parquet row holding the text (default text)")
 
     sp = sub.add_parser("export", help="write a run's final θ_outer as a model other tools load "
-                                       "(save_pretrained for model.hf, else safetensors)")
+                                       "(save_pretrained for model.hf, else safetensors; needs the hf extra)")
     sp.add_argument("run_dir", type=Path, help="the run directory")
-    sp.add_argument("--to", type=Path, required=True, metavar="DIR", help="directory to write")
-    sp.add_argument("--step", type=int, help="the checkpoint to export (default: the newest complete one)")
+    sp.add_argument("--to", type=Path, required=True, metavar="DIR", help="directory to write (new, or empty)")
+    sp.add_argument("--step", type=int, help="the checkpoint to export (default: the newest one that verifies "
+                                             "and loads, as --resume picks)")
 
     sp = sub.add_parser("cache", help="what elastic keeps between runs ($ELASTIC_CACHE, else ~/.cache/elastic)")
     ca = sp.add_subparsers(dest="action", metavar="ACTION", required=True)
@@ -289,6 +290,7 @@ def _dispatch(args, err) -> int:
     if args.command == "export":
         from elastic.export import export
         done = export(args.run_dir, args.to, args.step)
+        _print_warnings(out, [f"checkpoint passed over: {line}" for line in done["skipped"]])
         out.print(f"exported step {done['step']} of {args.run_dir} ({done['params']:,} parameters) to "
                   f"{done['to']} ({done['format']})", highlight=False)
         return 0
