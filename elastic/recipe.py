@@ -143,7 +143,8 @@ class LoggingSection(_Section):
     tensorboard: bool = True
     """Write TensorBoard event files to `<run dir>/tensorboard` (loss, validation loss, tokens/s,
     replicas, USD/hour, cumulative USD, preemptions). Needs the `tensorboard` package (in the `hf`
-    extra); without it, a warning in the log and no event files."""
+    extra); without it no event files: by default one info line in driver.log, a warning when the
+    recipe sets this to true."""
     wandb: WandbSection = Field(default_factory=WandbSection)
     """Weights & Biases."""
 

@@ -309,3 +309,23 @@ def test_a_hub_name_while_the_hub_is_unreachable_is_one_offline_line_at_once(tmp
         assert len(lines) == 1 and "model.hf: someorg/not-cached: offline" in lines[0], out.stderr
         assert "Retrying" not in out.stdout + out.stderr and time.monotonic() - t0 < 25
 
+
+def test_a_missing_tensorboard_is_quiet_unless_the_recipe_asks_for_it(tmp_path, monkeypatch, caplog):
+    """A base install has no tensorboard: with `logging.tensorboard` at its default the first run
+    prints no warning (one info line for driver.log); set to true in the recipe, it warns."""
+    import logging
+    import sys
+
+    from elastic.ledger import Ledger
+    from elastic.metrics import Metrics
+    from tests.conftest import tiny_recipe
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)   # import fails: not installed
+    for logging_section, level in ({}, logging.INFO), ({"tensorboard": True}, logging.WARNING):
+        recipe = tiny_recipe().model_validate({**tiny_recipe().model_dump(exclude={"logging"}),
+                                               "logging": logging_section})
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="elastic.metrics"):
+            Metrics(recipe, tmp_path, Ledger(tmp_path / "events.jsonl"))
+        [record] = [r for r in caplog.records if "tensorboard" in r.getMessage()]
+        assert record.levelno == level and not (tmp_path / "tensorboard").exists()
