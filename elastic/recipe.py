@@ -627,6 +627,29 @@ def _loc(loc: tuple) -> str:
     return ".".join(parts)
 
 
+def _closest_field(loc: tuple) -> str | None:
+    """For an unknown key at `loc` in a recipe, the section's field name it most looks like (a typo
+    such as `inner_step` for `inner_steps`), or None."""
+    import difflib
+    import typing
+
+    from pydantic import BaseModel
+
+    model: type[BaseModel] | None = Recipe
+    for part in loc[:-1]:
+        if isinstance(part, int):   # an item of a list of sections: the same section type
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        kinds = [field.annotation, *typing.get_args(field.annotation)]
+        model = next((k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)), None)
+        if model is None:
+            return None
+    found = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
 def format_errors(source: str, err: ValidationError) -> list[str]:
     """pydantic's validation errors as lines for people, one per problem: `SOURCE: field.path: what`."""
     lines = []
@@ -635,6 +658,8 @@ def format_errors(source: str, err: ValidationError) -> list[str]:
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown field"
+            if match := _closest_field(e["loc"]):
+                msg += f" (did you mean {match}?)"
         elif e["type"] == "missing":
             msg = "required field is missing"
         elif msg.startswith("Value error, "):
