@@ -60,7 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     cv.add_argument("--runs-dir", type=Path,
                     help="file:// checkpoints: the directory holding the run directories, whose checkpoint.key "
                          "files authenticate the manifests (default: two levels above the checkpoints, as "
-                         "`elastic launch` lays a run out: RUNS/RUN/checkpoints); s3:// and gs:// keys are in "
+                         "`elastic launch` lays a run out: RUNS/RUN/checkpoints, and ./runs; the key of the run "
+                         "directory holding the checkpoints is tried too); s3:// and gs:// keys are in "
                          "the cloud's secret store")
 
     sp = sub.add_parser("plan", help="where the recipe would rent now: placement, USD/h, expected USD per 1M tokens and hours")
@@ -112,10 +113,11 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--text-field", default="text", help="field of a JSONL/Parquet row holding the text (default text)")
 
     sp = sub.add_parser("export", help="write a run's final θ_outer as a model other tools load "
-                                       "(save_pretrained for model.hf, else safetensors)")
+                                       "(save_pretrained for model.hf, else safetensors; needs the hf extra)")
     sp.add_argument("run_dir", type=Path, help="the run directory")
-    sp.add_argument("--to", type=Path, required=True, metavar="DIR", help="directory to write")
-    sp.add_argument("--step", type=int, help="the checkpoint to export (default: the newest complete one)")
+    sp.add_argument("--to", type=Path, required=True, metavar="DIR", help="directory to write (new, or empty)")
+    sp.add_argument("--step", type=int, help="the checkpoint to export (default: the newest one that verifies "
+                                             "and loads, as --resume picks)")
 
     sp = sub.add_parser("cache", help="what elastic keeps between runs ($ELASTIC_CACHE, else ~/.cache/elastic)")
     ca = sp.add_subparsers(dest="action", metavar="ACTION", required=True)
@@ -290,6 +292,7 @@ def _dispatch(args, err) -> int:
     if args.command == "export":
         from elastic.train.export import export
         done = export(args.run_dir, args.to, args.step)
+        _print_warnings(out, [f"checkpoint passed over: {line}" for line in done["skipped"]])
         out.print(f"exported step {done['step']} of {args.run_dir} ({done['params']:,} parameters) to "
                   f"{done['to']} ({done['format']})", highlight=False)
         return 0
@@ -328,7 +331,7 @@ def _checkpoints(args, out, err) -> int:
     from rich.table import Table
 
     from elastic.storage import checkpoint as ckpt
-    from elastic.storage.stores import FileStorage, open_keys, open_storage
+    from elastic.storage.stores import FileStorage, LocalKeys, open_keys, open_storage
 
     root = open_storage(args.uri)
     if args.action == "list":
@@ -341,9 +344,16 @@ def _checkpoints(args, out, err) -> int:
             table.add_row(str(c["step"]), when, f"{c['bytes'] / 1e6:.1f} MB", "yes" if c["complete"] else "no (partial)")
         out.print(table)
         return 0
-    # Local keys are found at <runs>/<run>/checkpoint.key (`open_keys` takes a run directory in <runs>).
-    runs = args.runs_dir or (root.root.parent.parent if isinstance(root, FileStorage) else Path.cwd())
-    step, problems = ckpt.verify(root, args.step, open_keys(args.uri, runs / "verify"))
+    if isinstance(root, FileStorage):
+        # A run's key is RUNS/RUN/checkpoint.key: in --runs-dir, else beside the run directory
+        # holding the checkpoints (RUNS/RUN/checkpoints, as `elastic launch` lays a run out) and in
+        # ./runs (where it puts runs: those of a resumed run too); and that run directory's own key
+        # (renamed or copied, it keeps its key, not its name).
+        roots = [args.runs_dir] if args.runs_dir else [root.root.parent.parent, Path("runs")]
+        keys = LocalKeys(list(dict.fromkeys(roots)), home=root.root.parent)
+    else:
+        keys = open_keys(args.uri, Path.cwd() / "verify")
+    step, problems = ckpt.verify(root, args.step, keys)
     for line in problems:
         _err(err, line)
     if problems:

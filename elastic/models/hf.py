@@ -6,7 +6,9 @@ Needs the `hf` extra; nothing here is imported unless a recipe names `model.hf`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import re
 from pathlib import Path
 
 from torch import nn
@@ -49,11 +51,51 @@ def local_dir(name: str, weights: bool) -> str:
     return str(dest)
 
 
+HUB_PROBE_TIMEOUT_S = 3.0
+
+
+@functools.lru_cache(maxsize=None)
+def hub_offline() -> str | None:
+    """Why the Hugging Face hub cannot be reached from here (`HF_HUB_OFFLINE` set, or no TCP
+    connection to `HF_ENDPOINT`, default huggingface.co, within HUB_PROBE_TIMEOUT_S), or None.
+    Asked once per process: transformers would otherwise retry each file for half a minute."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return "HF_HUB_OFFLINE is set"
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=HUB_PROBE_TIMEOUT_S).close()
+    except OSError as exc:
+        return f"{host}:{port} is unreachable ({exc.strerror or type(exc).__name__})"
+    return None
+
+
+def _hub_kwargs(name: str, path: str) -> dict:
+    """`from_pretrained` arguments for `path` (what `local_dir` made of `name`): a hub name while
+    the hub is unreachable is read from the local cache only (UserError, one line, when it is not
+    there), at once rather than after transformers' retries."""
+    hub_name = re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_.-]+)?", name) is not None
+    if path != name or not hub_name or Path(path).exists() or (why := hub_offline()) is None:
+        return {}
+    from huggingface_hub import try_to_load_from_cache
+
+    if not isinstance(try_to_load_from_cache(name, "config.json"), str):
+        raise UserError(f"model.hf: {name}: offline ({why}) and not in the local Hugging Face cache "
+                        "(download it once online, or name a local directory)")
+    return {"local_files_only": True}
+
+
 def hf_config(name: str):
     """The model's config (UserError, one line, when it does not resolve)."""
     transformers = _transformers()
+    path = local_dir(name, weights=False)
+    kwargs = _hub_kwargs(name, path)
     try:
-        return transformers.AutoConfig.from_pretrained(local_dir(name, weights=False))
+        return transformers.AutoConfig.from_pretrained(path, **kwargs)
     except UserError:
         raise
     except Exception as exc:   # hub errors, bad JSON, unknown model type: the user's to fix
@@ -82,7 +124,8 @@ def build_hf(section) -> HFCausalLM:
     path = local_dir(section.hf, weights=section.init == "pretrained")
     if section.init == "pretrained":
         import torch
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                                  **_hub_kwargs(section.hf, path))
     else:
         model = transformers.AutoModelForCausalLM.from_config(hf_config(section.hf))
     return HFCausalLM(model)

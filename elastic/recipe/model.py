@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -142,7 +143,8 @@ class LoggingSection(_Section):
     tensorboard: bool = True
     """Write TensorBoard event files to `<run dir>/tensorboard` (loss, validation loss, tokens/s,
     replicas, USD/hour, cumulative USD, preemptions). Needs the `tensorboard` package (in the `hf`
-    extra); without it, a warning in the log and no event files."""
+    extra); without it no event files: by default one info line in driver.log, a warning when the
+    recipe sets this to true."""
     wandb: WandbSection = Field(default_factory=WandbSection)
     """Weights & Biases."""
 
@@ -452,7 +454,46 @@ class CheckpointSection(_Section):
                                  f"(use {', '.join(f'{s}://' for s in _uri_schemes())} or a path)")
             if scheme != "file" and not rest.split("/", 1)[0]:
                 raise ValueError(f"@uri: {self.uri} names no bucket")
+        if self.uri is not None and (problem := _local_path_problem(self.uri)):
+            raise ValueError(f"@uri: {self.uri}: {problem}")
         return self
+
+
+def _local_checkpoint_path(uri: str) -> Path | None:
+    """The directory a `file://` URI or a plain path names (None for an object store's URI)."""
+    scheme, sep, rest = uri.partition("://")
+    if sep and scheme != "file":
+        return None
+    return Path(rest if sep else uri).expanduser()
+
+
+def _local_path_problem(uri: str) -> str | None:
+    """What is wrong with a local checkpoint path on its face (no filesystem access): a `..`
+    (which directory it means depends on links, e.g. /proc/self/..) or a kernel pseudo-filesystem."""
+    path = _local_checkpoint_path(uri)
+    if path is None:
+        return None
+    if ".." in path.parts:
+        return "'..' is not allowed in a checkpoint path (name the directory it means)"
+    if path.is_absolute() and len(path.parts) > 1 and path.parts[1] in ("proc", "sys"):
+        return f"/{path.parts[1]} is a kernel pseudo-filesystem, not a place for checkpoints"
+    return None
+
+
+def _checkpoint_dir_problem(uri: str | None) -> str | None:
+    """Why checkpoints cannot be written at a local `checkpoint.uri` on this machine, or None: the
+    directory (or the nearest part of its path that exists) must be a writable directory."""
+    path = _local_checkpoint_path(uri) if uri else None
+    if path is None:
+        return None
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None
 
 
 class _RecipeCore(_Section):
@@ -603,6 +644,29 @@ def _loc(loc: tuple) -> str:
     return ".".join(parts)
 
 
+def _closest_field(loc: tuple) -> str | None:
+    """For an unknown key at `loc` in a recipe, the section's field name it most looks like (a typo
+    such as `inner_step` for `inner_steps`), or None."""
+    import difflib
+    import typing
+
+    from pydantic import BaseModel
+
+    model: type[BaseModel] | None = Recipe
+    for part in loc[:-1]:
+        if isinstance(part, int):   # an item of a list of sections: the same section type
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        kinds = [field.annotation, *typing.get_args(field.annotation)]
+        model = next((k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)), None)
+        if model is None:
+            return None
+    found = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
 def format_errors(source: str, err: ValidationError) -> list[str]:
     """pydantic's validation errors as lines for people, one per problem: `SOURCE: field.path: what`."""
     lines = []
@@ -611,6 +675,8 @@ def format_errors(source: str, err: ValidationError) -> list[str]:
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown field"
+            if match := _closest_field(e["loc"]):
+                msg += f" (did you mean {match}?)"
         elif e["type"] == "missing":
             msg = "required field is missing"
         elif msg.startswith("Value error, "):
@@ -668,6 +734,9 @@ def launch_problems(recipe: Recipe, source: str) -> list[str]:
         # The driver runs on the controller: its disk is neither durable nor visible to the nodes.
         return [f"{source}: checkpoint.uri: a cloud run with resources.head: controller needs an s3:// or gs:// "
                 "destination (the controller's disk is not reachable from the nodes and goes with it)"]
+    # The driver writes the manifests there: found now, before a run directory is made.
+    if problem := _checkpoint_dir_problem(uri):
+        return [f"{source}: checkpoint.uri: {uri}: {problem}"]
     return []
 
 

@@ -33,6 +33,7 @@ import logging
 import math
 import pickle
 import re
+import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -71,6 +72,12 @@ def staging_root(local_dir: str | None, run: str) -> str:
 
 def step_name(step: int) -> str:
     return f"step-{step:08d}"
+
+
+def plain_name(name: str) -> bool:
+    """Whether `name` is a plain file name that stays in the directory it is joined to (no `/`,
+    no `.` or `..`, no empty name, not the manifest's)."""
+    return bool(_FILE_NAME.fullmatch(name)) and name not in (".", "..", MANIFEST)
 
 
 def _step_of(name: str) -> int | None:
@@ -121,7 +128,7 @@ def parse_manifest(data: bytes, step: int) -> dict:
         if not isinstance(f, dict) or not isinstance(f.get("name"), str):
             raise CheckpointError(f"{where}: every file needs a name")
         name = f["name"]
-        if not _FILE_NAME.fullmatch(name) or name in (".", "..") or name == MANIFEST or name in seen:
+        if not plain_name(name) or name in seen:
             raise CheckpointError(f"{where}: file name {name[:80]!r} is not a plain, unique file name")
         seen.add(name)
         if type(f.get("bytes")) is not int or f["bytes"] < 0:
@@ -148,7 +155,7 @@ def authenticate(manifest: dict, keys: KeyStore) -> None:
         raise CheckpointError(f"{where}: not authenticated (no HMAC or no run): refused")
     key = keys.read(run)
     if key is None:
-        raise CheckpointError(f"{where}: not authenticated: run {run[:80]!r} has no checkpoint key in {keys.where}")
+        raise CheckpointError(f"{where}: not authenticated: run {run[:80]!r} has no checkpoint key at {keys.where_for(run)}")
     if not hmac.compare_digest(mac, manifest_mac(manifest, key)):
         raise CheckpointError(f"{where}: HMAC does not match run {run[:80]!r}'s key: refused "
                               "(altered, or not written by that run)")
@@ -380,9 +387,11 @@ def fetch(uri: str, manifest: dict, staging: str) -> str:
     dest.mkdir(parents=True, exist_ok=True)
 
     def one(f: dict) -> None:
+        # parse_manifest refuses such names; checked again here, where the file is written, so a
+        # manifest that came by another way never writes outside `dest` (`..` included).
+        if not isinstance(f.get("name"), str) or not plain_name(f["name"]):
+            raise CheckpointError(f"{step_name(step)}: file name {str(f.get('name'))[:80]!r} leaves the staging directory")
         target = dest / f["name"]
-        if target.parent != dest:   # parse_manifest refuses such names; never write outside `dest`
-            raise CheckpointError(f"{step_name(step)}: file name {f['name']!r} leaves the staging directory")
         if target.exists() and target.stat().st_size == f["bytes"] and sha256_file(target) == f["sha256"]:
             return
         try:
@@ -601,4 +610,8 @@ class Checkpointer:
         return candidates(self.storage, self.keys)
 
     def close(self) -> None:
+        """At the end of the run: close the storage and remove this run's staging directory on this
+        machine (phase-1 snapshots not yet dropped, restores' copies); a cloud node's goes with its
+        disk."""
         self.storage.close()
+        shutil.rmtree(self.staging, ignore_errors=True)

@@ -99,11 +99,18 @@ class FileStorage(Storage):
         self.root = root
         self.uri = str(root)
         if create:
-            root.mkdir(parents=True, exist_ok=True)
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:   # e.g. a file in the way (/dev/null/ckpt), a read-only disk
+                raise UserError(f"{root}: cannot make the checkpoint directory: {exc.strerror or exc}") from None
         elif not root.is_dir():
             raise UserError(f"{root}: no such checkpoint directory")
 
     def _path(self, name: str) -> Path:
+        """`name` under the root; ValueError for a name that would leave it (absolute, or `..`)."""
+        parts = name.split("/")
+        if name.startswith("/") or any(p in ("", ".", "..") for p in parts):
+            raise ValueError(f"{name[:80]!r}: not a relative name under {self.root}")
         return self.root / name
 
     def write_file(self, src: Path, name: str) -> None:
@@ -161,10 +168,11 @@ def open_keys(uri: str, run_dir: Path) -> "KeyStore":
     """Where the per-run keys authenticating the manifests at checkpoint `uri` are kept: the secret
     store of the cloud holding the checkpoints (its provider's `open_keys`: SSM Parameter Store,
     Secret Manager), or, for `file://` and paths, each run's `<run dir>/checkpoint.key` in the
-    directory holding `run_dir` (run names are run directory names)."""
+    directory holding `run_dir` (run names are run directory names), and `run_dir`'s own key (a
+    run directory renamed or copied keeps its key, not its name)."""
     scheme, sep, rest = uri.partition("://")
     if not sep or scheme == "file":
-        return LocalKeys(Path(run_dir).parent)
+        return LocalKeys([Path(run_dir).parent], home=Path(run_dir))
     from providers import provider_class, storage_schemes
 
     schemes = storage_schemes()
@@ -188,6 +196,10 @@ class KeyStore:
 
     def __init__(self):
         self._known: dict[str, bytes] = {}
+
+    def where_for(self, run: str) -> str:
+        """Where run `run`'s key would be, for messages."""
+        return self.where
 
     def read(self, run: str) -> bytes | None:
         """Run `run`'s key, or None when it has none here."""
@@ -215,30 +227,53 @@ class KeyStore:
 
 
 class LocalKeys(KeyStore):
-    """Keys in files readable by their owner only: `<root>/<run>/checkpoint.key`."""
+    """Keys in files readable by their owner only: `<root>/<run>/checkpoint.key`, in the first of
+    `roots` that holds one, else `<home>/checkpoint.key` (the run directory at hand, whatever its
+    name now: the manifest's HMAC decides whether that key is the right one). New keys go to the
+    first root.
 
-    def __init__(self, root: Path):
+    Args:
+        roots: directories holding run directories.
+        home: a run directory whose key is tried for a run found in none of `roots`.
+    """
+
+    def __init__(self, roots: list[Path], home: Path | None = None):
         super().__init__()
-        self.root = root
-        self.where = f"{root}/<run>/{KEY_FILE}"
+        self.roots = roots
+        self.home = home
+        self.where = " or ".join([f"{r}/RUN/{KEY_FILE}" for r in roots] + ([str(home / KEY_FILE)] if home else []))
 
-    def _path(self, run: str) -> Path | None:
+    def where_for(self, run: str) -> str:
+        return ", ".join(str(p) for p in self._tried(run)) or self.where
+
+    def _paths(self, run: str) -> list[Path]:
+        """Where run `run`'s own key may be (none for a name that is not a run directory's)."""
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,200}", run) or run in (".", ".."):
-            return None   # not a run directory's name
-        return self.root / run / KEY_FILE
+            return []
+        return [root / run / KEY_FILE for root in self.roots]
+
+    def _tried(self, run: str) -> list[Path]:
+        """Where `_read` looks for run `run`'s key, in order (nowhere for a name that is not a run
+        directory's: no manifest of a real run names one)."""
+        own = self._paths(run)
+        home = [self.home / KEY_FILE] if self.home is not None and own else []
+        return list(dict.fromkeys(own + home))
 
     def _read(self, run: str) -> bytes | None:
-        path = self._path(run)
-        try:
-            key = path.read_bytes() if path is not None else None
-        except FileNotFoundError:
-            return None
-        return key if key is not None and len(key) == KEY_BYTES else None
+        for path in self._tried(run):
+            try:
+                key = path.read_bytes()
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            if len(key) == KEY_BYTES:
+                return key
+        return None
 
     def _create(self, run: str, key: bytes) -> bytes:
-        path = self._path(run)
-        if path is None:
+        paths = self._paths(run)
+        if not paths:
             raise UserError(f"checkpoint key: run name {run!r} is not a plain directory name")
+        path = paths[0]
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -38,13 +38,14 @@ def endpoint_override(recipe_value: str | None, env: str) -> str | None:
 
 
 def credentials_or_line():
-    """(credentials, project) from Application Default Credentials, or (None, one line why not)."""
+    """(credentials, project) from Application Default Credentials, or (None, one line why not,
+    without a `gcp:` prefix: the caller says which cloud, once)."""
     import google.auth
     from google.auth.exceptions import DefaultCredentialsError
     try:
         return google.auth.default(scopes=["https://www.googleapis.com/auth/cloud-platform"])
     except DefaultCredentialsError:
-        return None, ("gcp: no Google Cloud credentials found (run `gcloud auth application-default login`, "
+        return None, ("no Google Cloud credentials found (run `gcloud auth application-default login`, "
                       "or set GOOGLE_APPLICATION_CREDENTIALS to a service account key file)")
 
 

@@ -312,7 +312,7 @@ class GCPProvider(CloudProvider):
         if self._credentials is None:
             creds, project = credentials_or_line()
             if creds is None:
-                raise UserError(project)
+                raise UserError(f"gcp: {project}")
             self._credentials = creds
             self._project = self._project or project
         return self._credentials
@@ -360,7 +360,7 @@ class GCPProvider(CloudProvider):
         if not (is_local(self.compute_endpoint) and is_local(self.billing_endpoint)):
             creds, why = credentials_or_line()
             if creds is None:
-                return [why]
+                return [f"gcp: {why}"]
         model, _, count = (resources.accelerators or "").partition(":")
         if not model:
             return ["gcp: resources.accelerators: the gcp provider needs a GPU, e.g. L4:1"]

@@ -20,6 +20,10 @@ from tests.elastic.recipe.test_recipe import TINY, error_lines, run_cli
     ("name: a\nresources: {clouds: [aws], head: controller}\n", "checkpoint.uri", "s3:// or gs://"),
     ("name: a\nresources: {clouds: [aws]}\ncheckpoint: {uri: 'file:///shared/ckpt'}\n", "checkpoint.uri",
      "s3:// or gs://"),
+    ("name: a\ncheckpoint: {uri: 'file:///dev/null/ckpt'}\n", "checkpoint.uri", "/dev/null is not a directory"),
+    ("name: a\ncheckpoint: {uri: /dev/null}\n", "checkpoint.uri", "/dev/null is not a directory"),
+    ("name: a\ncheckpoint: {uri: 'file:///proc/self/../../etc'}\n", "checkpoint.uri", "'..' is not allowed"),
+    ("name: a\ncheckpoint: {uri: 'file:///proc/1/ckpt'}\n", "checkpoint.uri", "pseudo-filesystem"),
 ])
 def test_recipes_that_used_to_pass_are_one_line_errors(tmp_path, text, names, says):
     path = tmp_path / "recipe.yaml"
@@ -161,7 +165,10 @@ _TRACE = ("timestamp_s,cloud,region,zone,instance_type,gpu,gpus,spot_usd_per_hou
     ("name: a\ntrain: {outer_steps: 100000000000000000000}\n", "train.outer_steps"),
     ("name: a\nmodel: {factory: 'usermodel:build'}\n", "model.factory"),
     ("name: a\nlocal: {market: {trace: t.csv}}\n", "local.market.trace"),
-], ids=["non-finite-budget", "duplicate-key", "absurd-integer", "factory-not-a-module", "absurd-preemption-rate"])
+    ("name: a\ncheckpoint: {uri: 'file:///dev/null/ckpt'}\n", "checkpoint.uri"),
+    ("name: a\ncheckpoint: {uri: 'file:///proc/self/../../etc'}\n", "checkpoint.uri"),
+], ids=["non-finite-budget", "duplicate-key", "absurd-integer", "factory-not-a-module", "absurd-preemption-rate",
+        "checkpoint-under-a-file", "checkpoint-path-with-dotdot"])
 def test_launch_of_each_bad_input_is_one_line_and_creates_nothing(tmp_path, recipe, names):
     """`elastic launch` itself (not only `validate`): exit 2, one line, no run directory, nothing
     else written beside the user's own files."""

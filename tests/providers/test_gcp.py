@@ -710,3 +710,19 @@ def test_driver_roles_allow_every_call_the_provider_makes(gcp_fake, monkeypatch)
     for role in re.findall(r'resource "google_project_iam_custom_role" "driver\w*" \{(.*?)\n\}', tf, re.S):
         granted |= set(re.findall(r'"([a-z]+\.[A-Za-z]+\.[A-Za-z]+)"', role.split("permissions", 1)[1]))
     assert needed <= granted, sorted(needed - granted)
+
+
+def test_missing_credentials_say_gcp_once(tmp_path):
+    """`elastic prices` without --cloud asks every cloud and prefixes each one's line with its name:
+    the GCP line is not prefixed a second time (it was `gcp: gcp: no Google Cloud credentials`)."""
+    env = cli_env(GOOGLE_APPLICATION_CREDENTIALS=str(tmp_path / "missing.json"), NO_GCE_CHECK="True",
+                  ELASTIC_CACHE=str(tmp_path / "cache"), AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
+                  AWS_CONFIG_FILE=str(tmp_path / "none"), AWS_EC2_METADATA_DISABLED="true")
+    for k in ("ELASTIC_GCP_COMPUTE_ENDPOINT", "ELASTIC_GCP_BILLING_ENDPOINT", "AWS_ACCESS_KEY_ID",
+              "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        env.pop(k, None)
+    r = _cli("prices", "--accelerator", "A100", env=env)
+    assert r.returncode == 2 and "gcp: no Google Cloud credentials" in r.stderr, r.stderr
+    assert "gcp: gcp:" not in r.stderr and "aws: aws:" not in r.stderr and "Traceback" not in r.stderr
+    r = _cli("prices", "--cloud", "gcp", "--accelerator", "A100", env=env)
+    assert r.returncode == 2 and r.stderr.count("gcp:") == 1, r.stderr

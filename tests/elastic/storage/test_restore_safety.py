@@ -233,3 +233,91 @@ def test_a_corrupt_or_incomplete_newest_checkpoint_is_passed_over(tmp_path):
     found, skipped = ckpt.candidates(store, reader_keys(uri, tmp_path))
     assert [m["step"] for m in found] == [2]
     assert len(skipped) == 2 and "step-00000006: __1_0.distcp missing" in skipped[0] and "step-00000004" in skipped[1]
+
+
+@pytest.mark.parametrize("name", ["..", ".", "", "a/b", "elastic.json"])
+def test_fetch_rechecks_every_name_where_it_writes(uri, tmp_path, name):
+    """`fetch` refuses a name that is not a plain file name itself (`..` included), whatever the
+    manifest parser let through, before anything is read or written."""
+    open_storage(uri, create=True)
+    manifest = fake_checkpoint(uri, tmp_path, 2)
+    staging = tmp_path / "staging"
+    with pytest.raises(ckpt.CheckpointError, match="leaves the staging directory"):
+        ckpt.fetch(uri, {**manifest, "files": [{**manifest["files"][0], "name": name}]}, str(staging))
+    assert sorted(p.name for p in staging.rglob("*")) == ["restore-step-00000002"]
+
+
+def test_file_storage_refuses_names_that_leave_its_root(tmp_path):
+    store = open_storage(str(tmp_path / "ckpt"), create=True)
+    for name in ("../outside", "/etc/x", "step-1/../../outside", "step-1//x"):
+        with pytest.raises(ValueError, match="not a relative name"):
+            store.write_bytes(name, b"x")
+        with pytest.raises(ValueError, match="not a relative name"):
+            store.read_bytes(name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"] and not list((tmp_path / "ckpt").iterdir())
+
+
+def test_a_checkpoint_directory_that_cannot_be_made_is_one_line(tmp_path):
+    with pytest.raises(UserError, match="cannot make the checkpoint directory"):
+        open_storage("file:///dev/null/ckpt", create=True)
+
+
+def _run_layout(tmp_path, run: str) -> str:
+    """A run directory `tmp_path/runs/<run>` as `elastic launch` lays it out, with one checkpoint
+    of its own under `checkpoints/`; returns the checkpoints' URI."""
+    uri = f"file://{tmp_path / 'runs' / run / 'checkpoints'}"
+    open_storage(uri, create=True)
+    fake_checkpoint(uri, tmp_path / "runs", 2, run=run)
+    return uri
+
+
+def test_verify_finds_the_key_of_a_renamed_or_copied_run_directory(tmp_path):
+    """A run directory renamed (or copied elsewhere) keeps its key but not its name: `checkpoints
+    verify` and `export`'s key lookup try the key of the run directory holding the checkpoints."""
+    _run_layout(tmp_path, "run-a")
+    (tmp_path / "runs" / "run-a").rename(tmp_path / "runs" / "renamed")
+    moved = tmp_path / "runs" / "renamed" / "checkpoints"
+    ok = run_cli("checkpoints", "verify", str(moved))
+    assert ok.returncode == 0 and "authenticated" in ok.stdout, ok.stderr
+    import shutil
+    shutil.copytree(tmp_path / "runs" / "renamed", tmp_path / "copy" / "run-a")
+    ok = run_cli("checkpoints", "verify", f"file://{tmp_path / 'copy' / 'run-a' / 'checkpoints'}")
+    assert ok.returncode == 0 and "authenticated" in ok.stdout, ok.stderr
+    # export's (and a restore's) lookup: by the run directory at hand
+    store = open_storage(str(moved))
+    assert ckpt.read_manifest(store, 2, ckpt.open_keys(str(moved), tmp_path / "runs" / "renamed"))["step"] == 2
+
+
+def test_verify_finds_the_keys_of_a_resumed_run_and_names_real_paths(tmp_path):
+    """Run B resumed run A at a shared checkpoint.uri: their keys are in ./runs (where `elastic
+    launch` puts runs) and verify finds both; a key it cannot find is named by the paths it tried,
+    never a placeholder."""
+    shared = f"file://{tmp_path / 'shared'}"
+    open_storage(shared, create=True)
+    (tmp_path / "runs").mkdir()
+    fake_checkpoint(shared, tmp_path / "runs", 2, run="run-a")
+    fake_checkpoint(shared, tmp_path / "runs", 4, run="run-b")
+    for step in ("2", "4"):
+        ok = run_cli("checkpoints", "verify", shared, "--step", step, cwd=tmp_path)
+        assert ok.returncode == 0 and f"step {step}" in ok.stdout, ok.stderr
+    (tmp_path / "runs" / "run-b" / "checkpoint.key").unlink()
+    bad = run_cli("checkpoints", "verify", shared, "--step", "4", cwd=tmp_path)
+    assert bad.returncode == 1 and "run 'run-b' has no checkpoint key" in bad.stderr, bad.stderr
+    assert "runs/run-b/checkpoint.key" in bad.stderr and "<run>" not in bad.stderr and "RUN" not in bad.stderr
+
+
+def test_the_runs_staging_directory_is_gone_after_the_run(tmp_path):
+    """Restores copy a checkpoint into the run's staging directory (and phase 1 writes there): the
+    Checkpointer removes that directory, this run's only, when the run ends."""
+    from elastic.record.ledger import Ledger
+
+    staging = ckpt.staging_root(str(tmp_path / "local"), "run-a")
+    other = Path(ckpt.staging_root(str(tmp_path / "local"), "run-b"))
+    for d in (Path(staging) / "restore-step-00000002", other):
+        d.mkdir(parents=True)
+        (d / "x").write_bytes(b"x")
+    ledger = Ledger(tmp_path / "events.jsonl")
+    c = ckpt.Checkpointer(f"file://{tmp_path / 'ckpt'}", staging, 2, 2, ledger, run="run-a", run_dir=tmp_path / "run-a")
+    c.close()
+    ledger.close()
+    assert not Path(staging).exists() and (other / "x").exists()

@@ -288,3 +288,44 @@ def test_bad_sources_fail_validate_in_one_line(workspace, tmp_path):
     assert out.returncode == 2, out.stdout + out.stderr
     lines = [x for x in out.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and "model.hf" in lines[0] and "does not resolve" in lines[0], out.stderr
+
+
+def test_a_hub_name_while_the_hub_is_unreachable_is_one_offline_line_at_once(tmp_path):
+    """A hub name with the hub unreachable (HF_ENDPOINT a closed loopback port; or HF_HUB_OFFLINE)
+    and not in the cache: one line saying offline, without transformers' half a minute of retries
+    (it used to print a "Retrying in 8s" line per try first)."""
+    import socket
+    import time
+
+    with socket.socket() as s:   # a port nothing listens on: connections are refused at once
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    path = recipe_file(tmp_path / "hub.yaml", model={"hf": "someorg/not-cached"})
+    for env in ({"HF_ENDPOINT": f"http://127.0.0.1:{closed}"}, {"HF_HUB_OFFLINE": "1"}):
+        t0 = time.monotonic()
+        out = run_cli("validate", str(path), "--offline", HF_HOME=str(tmp_path / "hf-home"), **env)
+        assert out.returncode == 2, out.stdout + out.stderr
+        lines = [x for x in out.stderr.splitlines() if x.strip()]
+        assert len(lines) == 1 and "model.hf: someorg/not-cached: offline" in lines[0], out.stderr
+        assert "Retrying" not in out.stdout + out.stderr and time.monotonic() - t0 < 25
+
+
+def test_a_missing_tensorboard_is_quiet_unless_the_recipe_asks_for_it(tmp_path, monkeypatch, caplog):
+    """A base install has no tensorboard: with `logging.tensorboard` at its default the first run
+    prints no warning (one info line for driver.log); set to true in the recipe, it warns."""
+    import logging
+    import sys
+
+    from elastic.record.ledger import Ledger
+    from elastic.train.metrics import Metrics
+    from tests.conftest import tiny_recipe
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)   # import fails: not installed
+    for logging_section, level in ({}, logging.INFO), ({"tensorboard": True}, logging.WARNING):
+        recipe = tiny_recipe().model_validate({**tiny_recipe().model_dump(exclude={"logging"}),
+                                               "logging": logging_section})
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="elastic.train.metrics"):
+            Metrics(recipe, tmp_path, Ledger(tmp_path / "events.jsonl"))
+        [record] = [r for r in caplog.records if "tensorboard" in r.getMessage()]
+        assert record.levelno == level and not (tmp_path / "tensorboard").exists()
