@@ -50,7 +50,7 @@ def _keep_signal_handlers():
 
 
 @contextmanager
-def _light_nodes():
+def light_nodes():
     """Nodes started inside this block run no dashboard and no node agents.
 
     A cluster elastic starts serves only its run: no runtime_env, no dashboard (`elastic status`
@@ -200,7 +200,7 @@ class LocalCluster:
         self._cluster = None
         self.node_ip = node_ip
         self._nodes: dict[str, object] = {}
-        # Nodes of a cluster we start serve only this run: they start light (`_light_nodes`). A
+        # Nodes of a cluster we start serve only this run: they start light (`light_nodes`). A
         # joined cluster (`--address`) is the user's: its nodes get Ray's full set of agents.
         self._light = address is None
         self._lock = threading.Lock()
@@ -215,7 +215,7 @@ class LocalCluster:
         if address is not None and ":" not in address and address != "auto":
             raise ValueError(f"--address {address!r}: expected HOST:PORT of a Ray head")
         if address is None:
-            with _light_nodes():
+            with light_nodes():
                 self._start_head(Cluster, head_cpus)
             self.address = self._cluster.address
         else:
@@ -263,7 +263,7 @@ class LocalCluster:
         # shutdown_at_exit=False: Ray would install a SIGTERM handler (main thread only, and it
         # exits without our cleanup); this object stops its nodes itself (shutdown, atexit).
         # One raylet starts at a time: Ray's node startup is not thread-safe within a process.
-        with self._start_lock, _keep_signal_handlers(), _light_nodes() if self._light else nullcontext():
+        with self._start_lock, _keep_signal_handlers(), light_nodes() if self._light else nullcontext():
             node = Node(params, head=False, shutdown_at_exit=False, spawn_reaper=True)
         node_id = node.node_id
         with self._lock:
@@ -355,8 +355,8 @@ class LocalCluster:
 
 if __name__ == "__main__":
     # `python -m elastic.cluster start ...` is Ray's `ray start` with its node started light
-    # (`_light_nodes`): how a network lab's hosts join a cluster elastic started.
+    # (`light_nodes`): how a network lab's hosts join a cluster elastic started.
     from ray.scripts.scripts import main
 
-    with _light_nodes():
+    with light_nodes():
         main()
