@@ -59,10 +59,16 @@ def light_nodes():
     waits for: ~1 s of CPU each and most of a node's start on 2 cores. Here each raylet is told to
     run `elastic/idle_agent.py` as both agents (it reports their ports as not served and lives as
     long as the raylet), and the head's API server is not started. Ray offers no switch for
-    either, so its process launcher is wrapped for the duration (callers hold the start lock)."""
+    either, so its process launcher is wrapped for the duration (callers hold the start lock).
+    A Ray whose raylets do not take their agents' ports from port files gets its full nodes."""
     from ray._private import ray_constants, services
-    from ray._raylet import (DASHBOARD_AGENT_LISTEN_PORT_NAME, METRICS_AGENT_PORT_NAME,
-                             METRICS_EXPORT_PORT_NAME, RUNTIME_ENV_AGENT_PORT_NAME)
+
+    try:
+        from ray._raylet import (DASHBOARD_AGENT_LISTEN_PORT_NAME, METRICS_AGENT_PORT_NAME,
+                                 METRICS_EXPORT_PORT_NAME, RUNTIME_ENV_AGENT_PORT_NAME, persist_port)  # noqa: F401
+    except ImportError:   # an older Ray: its agents register over RPC, which the stand-in cannot
+        yield
+        return
 
     agents = {"--dashboard_agent_command=": (METRICS_AGENT_PORT_NAME, METRICS_EXPORT_PORT_NAME,
                                              DASHBOARD_AGENT_LISTEN_PORT_NAME),
