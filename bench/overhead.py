@@ -103,14 +103,83 @@ def launch_to_first_step(profile: bool = False) -> tuple[float, float, list[tupl
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         t0 = time.time()
-        subprocess.run([sys.executable, "-m", "elastic", "launch", str(REPO / "recipes/local-tiny.yaml"),
-                        "--run-dir", str(run_dir), "--set", "train.outer_steps=2"], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+        proc = subprocess.Popen([sys.executable, "-m", "elastic", "launch", str(REPO / "recipes/local-tiny.yaml"),
+                                 "--run-dir", str(run_dir), "--set", "train.outer_steps=2"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+        samples = _cpu_samples(proc) if profile else []
+        if proc.wait() != 0:
+            raise subprocess.CalledProcessError(proc.returncode, proc.args)
         wall = time.time() - t0
         events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
         first = next(e for e in events if e["type"] == OuterStep.TYPE)
-        phases = profile_phases(t0, events, run_dir / "driver.log") if profile else []
-        return first["t"] - first["inner_s"] - first["sync_s"] - t0, wall, phases
+        first_step_t = first["t"] - first["inner_s"] - first["sync_s"]
+        phases = []
+        if profile:
+            phases = profile_phases(t0, events, run_dir / "driver.log")
+            phases += [(f"CPU to the first step: {kind}", cpu_s) for kind, cpu_s in _cpu_by_kind(samples, first_step_t)]
+        return first_step_t - t0, wall, phases
+
+
+def _kind(pid: int, root: int, cmdline: str) -> str:
+    """What a process of a launch is, from its command line (Ray's agents and workers retitle
+    themselves `ray::...`)."""
+    for needle, kind in (("gcs_server", "GCS"), ("raylet/raylet", "raylets"), ("DashboardAgent", "dashboard agents"),
+                         ("dashboard/agent.py", "dashboard agents"), ("RuntimeEnvAgent", "runtime env agents"),
+                         ("runtime_env/agent", "runtime env agents"), ("dashboard/dashboard.py", "API server (dashboard)"),
+                         ("idle_agent.py", "idle agents (stand-ins)"), ("ray::", "workers (ranks)"),
+                         ("default_worker.py", "workers (ranks)")):
+        if needle in cmdline:
+            return kind
+    return "driver" if pid == root else "other"
+
+
+def _cpu_samples(proc: subprocess.Popen) -> list[tuple[float, dict[int, tuple[str, float]]]]:
+    """(unix time, {pid: (kind, CPU seconds so far)}) of the launch and every process below it,
+    every 0.1 s while it runs (a thread of this process)."""
+    import threading
+
+    import ray  # noqa: F401  (puts the psutil Ray bundles on the path)
+    import psutil
+
+    samples: list = []
+
+    def sample() -> None:
+        root = psutil.Process(proc.pid)
+        kinds: dict[int, str] = {}
+        while proc.poll() is None:
+            now, seen = time.time(), {}
+            try:
+                family = [root, *root.children(recursive=True)]
+            except psutil.Error:
+                break
+            for p in family:
+                try:
+                    if p.pid not in kinds:
+                        kinds[p.pid] = _kind(p.pid, proc.pid, " ".join(p.cmdline()))
+                    cpu = p.cpu_times()
+                    seen[p.pid] = (kinds[p.pid], cpu.user + cpu.system)
+                except psutil.Error:
+                    continue
+            samples.append((now, seen))
+            time.sleep(0.1)   # sampling period
+
+    threading.Thread(target=sample, daemon=True).start()
+    return samples
+
+
+def _cpu_by_kind(samples, until_t: float) -> list[tuple[str, float]]:
+    """CPU seconds each kind of process used until `until_t` (each process's last sample before
+    it), most first, and their total."""
+    last: dict[int, tuple[str, float]] = {}
+    for t, seen in samples:
+        if t > until_t:
+            break
+        last.update(seen)
+    by_kind: dict[str, float] = {}
+    for kind, cpu_s in last.values():
+        by_kind[kind] = by_kind.get(kind, 0.0) + cpu_s
+    ordered = sorted(by_kind.items(), key=lambda kv: -kv[1])
+    return [*ordered, ("total", sum(by_kind.values()))]
 
 
 def _raylet_times(session_dir: Path) -> list[tuple[float, float]]:
