@@ -8,12 +8,20 @@
 2. seconds from starting `elastic launch recipes/local-tiny.yaml` to its first training step
    (read from the ledger: the first outer step's start), and the process's total wall time.
 Prints figures; passes or fails nothing.
+
+    python bench/overhead.py --profile [--runs 2]
+
+only times the launch (item 2), `--runs` times, and breaks each run down phase by phase from its
+ledger, its driver log (each rank's setup phases) and the Ray session's logs (when each raylet
+started and joined): see `profile_phases`.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import re
 import os
 import subprocess
 import sys
@@ -87,19 +95,147 @@ def elastic_world(r, cluster) -> float:
         cluster.remove_node(node)
 
 
-def launch_to_first_step() -> tuple[float, float]:
+def launch_to_first_step(profile: bool = False) -> tuple[float, float, list[tuple[str, float]]]:
+    """(seconds to the first training step, the run's wall seconds, and with `profile` the
+    launch's phases as `profile_phases` gives them)."""
     from elastic.record.events import OuterStep
 
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         t0 = time.time()
-        subprocess.run([sys.executable, "-m", "elastic", "launch", str(REPO / "recipes/local-tiny.yaml"),
-                        "--run-dir", str(run_dir), "--set", "train.outer_steps=2"], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+        proc = subprocess.Popen([sys.executable, "-m", "elastic", "launch", str(REPO / "recipes/local-tiny.yaml"),
+                                 "--run-dir", str(run_dir), "--set", "train.outer_steps=2"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+        samples = _cpu_samples(proc) if profile else []
+        if proc.wait() != 0:
+            raise subprocess.CalledProcessError(proc.returncode, proc.args)
         wall = time.time() - t0
         events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
         first = next(e for e in events if e["type"] == OuterStep.TYPE)
-        return first["t"] - first["inner_s"] - first["sync_s"] - t0, wall
+        first_step_t = first["t"] - first["inner_s"] - first["sync_s"]
+        phases = []
+        if profile:
+            phases = profile_phases(t0, events, run_dir / "driver.log")
+            phases += [(f"CPU to the first step: {kind}", cpu_s) for kind, cpu_s in _cpu_by_kind(samples, first_step_t)]
+        return first_step_t - t0, wall, phases
+
+
+def _kind(pid: int, root: int, cmdline: str) -> str:
+    """What a process of a launch is, from its command line (Ray's agents and workers retitle
+    themselves `ray::...`)."""
+    for needle, kind in (("gcs_server", "GCS"), ("raylet/raylet", "raylets"), ("DashboardAgent", "dashboard agents"),
+                         ("dashboard/agent.py", "dashboard agents"), ("RuntimeEnvAgent", "runtime env agents"),
+                         ("runtime_env/agent", "runtime env agents"), ("dashboard/dashboard.py", "API server (dashboard)"),
+                         ("idle_agent.py", "idle agents (stand-ins)"), ("ray::", "workers (ranks)"),
+                         ("default_worker.py", "workers (ranks)")):
+        if needle in cmdline:
+            return kind
+    return "driver" if pid == root else "other"
+
+
+def _cpu_samples(proc: subprocess.Popen) -> list[tuple[float, dict[int, tuple[str, float]]]]:
+    """(unix time, {pid: (kind, CPU seconds so far)}) of the launch and every process below it,
+    every 0.1 s while it runs (a thread of this process)."""
+    import threading
+
+    import ray  # noqa: F401  (puts the psutil Ray bundles on the path)
+    import psutil
+
+    samples: list = []
+
+    def sample() -> None:
+        root = psutil.Process(proc.pid)
+        kinds: dict[int, str] = {}
+        while proc.poll() is None:
+            now, seen = time.time(), {}
+            try:
+                family = [root, *root.children(recursive=True)]
+            except psutil.Error:
+                break
+            for p in family:
+                try:
+                    if p.pid not in kinds:
+                        kinds[p.pid] = _kind(p.pid, proc.pid, " ".join(p.cmdline()))
+                    cpu = p.cpu_times()
+                    seen[p.pid] = (kinds[p.pid], cpu.user + cpu.system)
+                except psutil.Error:
+                    continue
+            samples.append((now, seen))
+            time.sleep(0.1)   # sampling period
+
+    threading.Thread(target=sample, daemon=True).start()
+    return samples
+
+
+def _cpu_by_kind(samples, until_t: float) -> list[tuple[str, float]]:
+    """CPU seconds each kind of process used until `until_t` (each process's last sample before
+    it), most first, and their total."""
+    last: dict[int, tuple[str, float]] = {}
+    for t, seen in samples:
+        if t > until_t:
+            break
+        last.update(seen)
+    by_kind: dict[str, float] = {}
+    for kind, cpu_s in last.values():
+        by_kind[kind] = by_kind.get(kind, 0.0) + cpu_s
+    ordered = sorted(by_kind.items(), key=lambda kv: -kv[1])
+    return [*ordered, ("total", sum(by_kind.values()))]
+
+
+def _raylet_times(session_dir: Path) -> list[tuple[float, float]]:
+    """(started, joined) unix seconds of every raylet of a Ray session, in start order: its log's
+    first line, and the line where it says it started (registered with the GCS)."""
+    stamp = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
+
+    def unix(line: str) -> float | None:
+        m = stamp.match(line)
+        return datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() if m else None
+
+    out = []
+    for log in sorted((session_dir / "logs").glob("raylet*.out")):
+        lines = log.read_text(errors="replace").splitlines()
+        started = next((u for line in lines if (u := unix(line)) is not None), None)
+        joined = next((unix(line) for line in lines if "Raylet of id" in line), None)
+        if started is not None and joined is not None:
+            out.append((started, joined))
+    return sorted(out)
+
+
+def profile_phases(t0: float, events: list[dict], driver_log: Path) -> list[tuple[str, float]]:
+    """Where a launch's time to its first step went: (phase, seconds) along the critical path, the
+    replica that joined last (the world waits for every replica on its way); they add up to the
+    launch → first step time."""
+    by_type: dict[str, list[dict]] = {}
+    for e in events:
+        by_type.setdefault(e["type"], []).append(e)
+    started, cluster = by_type["run_started"][0], by_type["cluster_started"][0]
+    formed, first = by_type["world_formed"][0], by_type["outer_step"][0]
+    first_step_t = first["t"] - first["inner_s"] - first["sync_s"]
+    last = max(by_type["replica_joined"], key=lambda e: e["t"])
+    starting = next(e for e in by_type["replica_starting"] if e["replica"] == last["replica"])
+    launched = by_type["node_launched"]
+    node = next(i for i, e in enumerate(launched) if e["instance_id"] == last["instance_id"])
+    raylets = _raylet_times(Path(cluster["session_dir"]))[1:]   # the head's raylet first
+    raylet_start, raylet_joined = raylets[node] if node < len(raylets) else (launched[node]["t"],) * 2
+    # The rank's setup phases, logged by the world as it admits them (`World._setup_done`).
+    prefix = f"setup of replica {last['replica']} rank "
+    setups = [json.loads(rec["msg"].split(": ", 1)[1]) for rec in map(json.loads, driver_log.read_text().splitlines())
+              if rec.get("logger") == "elastic.train.world" and rec["msg"].startswith(prefix)]
+    setup = max(setups, key=lambda x: sum(x.values())) if setups else {}
+    phases = [("process start, imports, recipe, preflight", started["t"] - t0),
+              ("Ray head (GCS, head raylet, driver connects; torch loads beside)", cluster["t"] - started["t"]),
+              (f"attach (providers, market, World), policy{', earlier nodes' if node else ''}; node starts",
+               raylet_start - cluster["t"]),
+              ("node: raylet start to joined the cluster", raylet_joined - raylet_start),
+              ("node: joined to handed over by the provider", launched[node]["t"] - raylet_joined),
+              ("replica's actors created", starting["t"] - launched[node]["t"]),
+              ("actor: worker and actor start, copy from a peer", last["setup_s"] - sum(setup.values())),
+              *[(f"actor setup: {name}", seconds) for name, seconds in setup.items()],
+              ("joined to world formed (state copied to the others)", formed["t"] - last["t"]),
+              ("world formed to first step", first_step_t - formed["t"]),
+              ("= launch to first step", first_step_t - t0),
+              ("first outer step (H inner steps and the sync)", first["inner_s"] + first["sync_s"])]
+    return phases
 
 
 def main() -> None:
@@ -107,7 +243,16 @@ def main() -> None:
     ap.add_argument("--outer-steps", type=int, default=6)
     ap.add_argument("--inner-steps", type=int, default=25)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--profile", action="store_true", help="only the launch, broken down phase by phase")
+    ap.add_argument("--runs", type=int, default=2, help="launches to profile (with --profile)")
     args = ap.parse_args()
+    if args.profile:
+        for i in range(args.runs):
+            first_step_s, wall_s, phases = launch_to_first_step(profile=True)
+            print(f"run {i + 1}: launch → first step {first_step_s:.1f} s, whole 2-step run {wall_s:.1f} s")
+            for name, seconds in phases:
+                print(f"  {name:<66} {seconds:6.2f} s")
+        return
     from elastic.run.cluster import LocalCluster
 
     r = recipe(args.outer_steps, args.inner_steps)
@@ -120,7 +265,7 @@ def main() -> None:
             ours.append(elastic_world(r, cluster))
     finally:
         cluster.shutdown()
-    first_step_s, wall_s = launch_to_first_step()
+    first_step_s, wall_s, _ = launch_to_first_step()
     print(f"model: {r.model.layers} layers × {r.model.width} wide, batch {r.train.batch_size} × {r.train.seq_len}, "
           f"H={r.train.inner_steps}, {r.train.outer_steps} outer steps, torch threads {r.world.cpu_threads_per_rank}")
     print(f"plain PyTorch loop    tokens/s  best {max(plain):>9,.0f}   all {[round(x) for x in plain]}")

@@ -13,10 +13,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Keep the cache of the default corpus inside the test session, never in the user's home.
 os.environ.setdefault("ELASTIC_CACHE", str(Path(os.environ.get("PYTEST_CACHE_DIR", "/tmp")) / "elastic-test-cache"))
-# Each local node's dashboard agent walks every process on the machine (psutil) every 5 s for a
-# dashboard no test runs; with a dozen nodes up on 2 cores, that is CPU the tests' training wants.
-# Nodes and `elastic launch` subprocesses started by the tests inherit this.
-os.environ.setdefault("REPORTER_UPDATE_INTERVAL_MS", "60000")
 
 
 def events_within(provider, timeout_s: float = 10.0) -> list:
@@ -106,8 +102,9 @@ def local_cluster():
 @pytest.fixture(scope="session")
 def idle_nodes(local_cluster):
     """Plain local nodes (1 CPU, no GPU) a test gave back whole, each with the environment it was
-    started in, for the next test that asks for such nodes in that same environment: a raylet and
-    its agents take seconds of a 2-core machine to start, and most tests only place actors on them.
+    started in, for the next test that asks for such nodes in that same environment: a raylet
+    and its first worker cost about a second of a 2-core machine's CPU (light nodes: no agents), and
+    most tests only place actors on them.
     At most IDLE_NODES are kept; removed at the end of the session."""
     idle: list[tuple[str, int]] = []
     yield idle

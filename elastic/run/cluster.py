@@ -13,9 +13,10 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,52 @@ def _keep_signal_handlers():
         for s, h in saved.items():
             if h is not None:
                 signal.signal(s, h)
+
+
+@contextmanager
+def light_nodes():
+    """Nodes started inside this block run no dashboard and no node agents.
+
+    A cluster elastic starts serves only its run: no runtime_env, no dashboard (`elastic status`
+    reads the ledger), no metrics. Ray still starts, per node, a dashboard agent and a runtime env
+    agent (the raylet waits for their ports before it joins), and on the head an API server it
+    waits for: ~1 s of CPU each and most of a node's start on 2 cores. Here each raylet is told to
+    run `elastic/run/idle_agent.py` as both agents (it reports their ports as not served and lives as
+    long as the raylet), and the head's API server is not started. Ray offers no switch for
+    either, so its process launcher is wrapped for the duration (callers hold the start lock).
+    A Ray whose raylets do not take their agents' ports from port files gets its full nodes."""
+    from ray._private import ray_constants, services
+
+    try:
+        from ray._raylet import (DASHBOARD_AGENT_LISTEN_PORT_NAME, METRICS_AGENT_PORT_NAME,
+                                 METRICS_EXPORT_PORT_NAME, RUNTIME_ENV_AGENT_PORT_NAME, persist_port)  # noqa: F401
+    except ImportError:   # an older Ray: its agents register over RPC, which the stand-in cannot
+        yield
+        return
+
+    agents = {"--dashboard_agent_command=": (METRICS_AGENT_PORT_NAME, METRICS_EXPORT_PORT_NAME,
+                                             DASHBOARD_AGENT_LISTEN_PORT_NAME),
+              "--runtime_env_agent_command=": (RUNTIME_ENV_AGENT_PORT_NAME,)}
+    start_process, start_api_server = services.start_ray_process, services.start_api_server
+
+    def start_ray_process(command, process_type, *args, **kwargs):
+        if process_type == ray_constants.PROCESS_TYPE_RAYLET:
+            flags = dict(a.split("=", 1) for a in command if a.startswith("--") and "=" in a)
+            idle = [sys.executable, "-S", _IDLE_AGENT, f"--session-dir={flags['--session_dir']}",
+                    f"--node-id={flags['--node_id']}"]
+            command = [next((f"{flag}{subprocess.list2cmdline([*idle, '--ports=' + ','.join(ports)])}"
+                             for flag, ports in agents.items() if a.startswith(flag)), a) for a in command]
+        return start_process(command, process_type, *args, **kwargs)
+
+    services.start_ray_process = start_ray_process
+    services.start_api_server = lambda *args, **kwargs: ("", None)   # what Ray returns for "no dashboard"
+    try:
+        yield
+    finally:
+        services.start_ray_process, services.start_api_server = start_process, start_api_server
+
+
+_IDLE_AGENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "idle_agent.py")
 
 
 def _descendants(pid: int) -> list[int]:
@@ -159,6 +206,9 @@ class LocalCluster:
         self._cluster = None
         self.node_ip = node_ip
         self._nodes: dict[str, object] = {}
+        # Nodes of a cluster we start serve only this run: they start light (`light_nodes`). A
+        # joined cluster (`--address`) is the user's: its nodes get Ray's full set of agents.
+        self._light = address is None
         self._lock = threading.Lock()
         self._start_lock = threading.Lock()
         with _keep_signal_handlers():
@@ -171,16 +221,8 @@ class LocalCluster:
         if address is not None and ":" not in address and address != "auto":
             raise ValueError(f"--address {address!r}: expected HOST:PORT of a Ray head")
         if address is None:
-            self._cluster = Cluster(initialize_head=True, shutdown_at_exit=True, head_node_args={
-                "num_cpus": head_cpus, "num_gpus": 0, "include_dashboard": False,
-                "node_ip_address": self.node_ip, "object_store_memory": 100 * 1024 * 1024,
-                # The driver reads no worker output (log_to_driver=False), nothing autoscales this
-                # cluster and nobody scrapes Prometheus here: no log monitor, no autoscaler monitor,
-                # and no metrics export from any node's processes (each costs CPU all run long).
-                "include_log_monitor": False, "no_monitor": True,
-                # Notice a node that died without a word within ~1.5 s, not Ray's default ~15 s.
-                "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
-                                   "enable_metrics_collection": False}})
+            with light_nodes():
+                self._start_head(Cluster, head_cpus)
             self.address = self._cluster.address
         else:
             self.address = address
@@ -194,6 +236,18 @@ class LocalCluster:
             ray_log.removeHandler(h)
             h.close()
         ray_log.addHandler(logging.FileHandler(os.path.join(self.session_dir, "logs", "driver_messages.log")))
+
+    def _start_head(self, Cluster, head_cpus: int) -> None:
+        self._cluster = Cluster(initialize_head=True, shutdown_at_exit=True, head_node_args={
+            "num_cpus": head_cpus, "num_gpus": 0, "include_dashboard": False,
+            "node_ip_address": self.node_ip, "object_store_memory": 100 * 1024 * 1024,
+            # The driver reads no worker output (log_to_driver=False), nothing autoscales this
+            # cluster and nobody scrapes Prometheus here: no log monitor, no autoscaler monitor,
+            # and no metrics export from any node's processes (each costs CPU all run long).
+            "include_log_monitor": False, "no_monitor": True,
+            # Notice a node that died without a word within ~1.5 s, not Ray's default ~15 s.
+            "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
+                               "enable_metrics_collection": False}})
 
     def add_node(self, cpus: int, gpus: int, labels: dict[str, str], resources: dict[str, float],
                  object_store_bytes: int, timeout_s: float = 60.0, netns: str | None = None,
@@ -215,7 +269,7 @@ class LocalCluster:
         # shutdown_at_exit=False: Ray would install a SIGTERM handler (main thread only, and it
         # exits without our cleanup); this object stops its nodes itself (shutdown, atexit).
         # One raylet starts at a time: Ray's node startup is not thread-safe within a process.
-        with self._start_lock, _keep_signal_handlers():
+        with self._start_lock, _keep_signal_handlers(), light_nodes() if self._light else nullcontext():
             node = Node(params, head=False, shutdown_at_exit=False, spawn_reaper=True)
         node_id = node.node_id
         with self._lock:
@@ -230,7 +284,9 @@ class LocalCluster:
         import json
         import subprocess
 
-        cmd = ["ip", "netns", "exec", netns, "ray", "start", "--block", f"--address={self.gcs_address}",
+        # `ray start`, light where the cluster is ours (`python -m elastic.run.cluster`: the same CLI).
+        ray_start = [sys.executable, "-m", "elastic.run.cluster"] if self._light else ["ray"]
+        cmd = ["ip", "netns", "exec", netns, *ray_start, "start", "--block", f"--address={self.gcs_address}",
                f"--node-ip-address={node_ip}", f"--num-cpus={cpus}", f"--num-gpus={gpus}",
                f"--resources={json.dumps(resources)}", f"--object-store-memory={object_store_bytes}",
                "--labels=" + ",".join(f"{k}={v}" for k, v in labels.items()),
@@ -301,3 +357,12 @@ class LocalCluster:
             self._cluster = None
         if self.network is not None:
             self.network.down()
+
+
+if __name__ == "__main__":
+    # `python -m elastic.run.cluster start ...` is Ray's `ray start` with its node started light
+    # (`light_nodes`): how a network lab's hosts join a cluster elastic started.
+    from ray.scripts.scripts import main
+
+    with light_nodes():
+        main()

@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -125,12 +126,45 @@ def rank_device():
 def _like_param(p, local):
     """`local` (this rank's shard of something shaped like parameter `p`) laid out as `p` is: a
     DTensor on the same mesh and placements under FSDP2, else a plain tensor on p's device."""
-    from torch.distributed.tensor import DTensor
+    if _is_dtensor(p):
+        from torch.distributed.tensor import DTensor
 
-    if isinstance(p, DTensor):
         return DTensor.from_local(local.to(p.device), p.device_mesh, p.placements, shape=p.shape,
                                   stride=p.stride(), run_check=False)
     return local.to(p.device)
+
+
+def _is_dtensor(x) -> bool:
+    """Whether `x` is a DTensor, without importing torch.distributed.tensor (~1.5 s of a rank's
+    setup on 2 cores) where none can exist: a DTensor exists only once that module is loaded (FSDP2,
+    a checkpoint load)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(x, module.DTensor)
+
+
+def _warm_checkpoint_imports() -> None:
+    """Import what the first checkpoint save needs (torch.distributed.checkpoint, DTensor: ~2 s on
+    2 cores) on a thread beside training, instead of in the setup the first step waits for or in
+    the save's stall."""
+    def load() -> None:
+        import torch.distributed.checkpoint  # noqa: F401
+        import torch.distributed.checkpoint.staging  # noqa: F401
+        import torch.distributed.checkpoint.state_dict  # noqa: F401
+
+    threading.Thread(target=load, name="checkpoint-imports", daemon=True).start()
+
+
+class _Laps:
+    """Seconds each phase of a setup took, in order (`lap(name)` ends the phase under way)."""
+
+    def __init__(self):
+        self._at = time.monotonic()
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, name: str) -> None:
+        now = time.monotonic()
+        self.seconds[name] = round(now - self._at, 3)
+        self._at = now
 
 
 def _rng_state() -> dict:
@@ -255,12 +289,10 @@ class RankWorker:
 
     def setup(self) -> dict:
         """Join the replica's process group, build and shard the model, build both optimizers."""
+        lap = _Laps()
         import torch
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        from torch.distributed.tensor import DTensor
 
         from elastic.train.data import BatchPrefetcher, open_stream
         from elastic.train.diloco import Fragments, OuterState, local_shard, outer_device
@@ -268,6 +300,7 @@ class RankWorker:
         from elastic.models import build_model, shard_units, wrap_blocks
         from elastic.recipe.model import Recipe
 
+        lap("imports")
         t0 = time.monotonic()
         spec = self._spec
         recipe = Recipe.model_validate(spec.recipe)
@@ -291,6 +324,7 @@ class RankWorker:
         # Checkpoint writes run in a thread beside training: their collectives (DCP's plan
         # exchange) go over a gloo group of their own, never interleaved with FSDP's.
         self._ckpt_pg = dist.new_group(backend="gloo")
+        lap("process_group")
 
         # Same seed on every replica: every replica starts from the same θ.
         torch.manual_seed(recipe.train.seed)
@@ -299,6 +333,9 @@ class RankWorker:
         t = recipe.train
         wrap_blocks(model, compile=cuda if t.compile == "auto" else t.compile, checkpoint=t.activation_checkpointing)
         if spec.ranks > 1:
+            # FSDP2 (and DTensor under it) is imported only where a replica shards: ~1.5 s of setup.
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else MixedPrecisionPolicy()
             for unit in shard_units(model):
                 fully_shard(unit, mesh=mesh, mp_policy=mp)
@@ -313,7 +350,8 @@ class RankWorker:
         decay = [p for p in self._params if p.dim() >= 2]
         no_decay = [p for p in self._params if p.dim() < 2]
         # Fused AdamW (one kernel for every parameter) where the parameters are plain CUDA tensors.
-        fused = cuda and not any(isinstance(p, DTensor) for p in self._params)
+        fused = cuda and not any(_is_dtensor(p) for p in self._params)
+        lap("model")
         self._opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": t.inner_weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=t.inner_lr, betas=t.inner_betas, **({"fused": True} if fused else {"foreach": True}))
@@ -332,14 +370,17 @@ class RankWorker:
         self._sync_store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout) \
             if w.fragments > 1 else None
 
+        lap("optimizers")
         self._data = open_stream(recipe.data, t.seq_len, t.seed)
         self._val = None   # the validation stream, opened at the first `evaluate`
         self._per_rank = t.batch_size // spec.ranks
         self._micro = t.micro_batch_size or self._per_rank
         self._prefetch = BatchPrefetcher(self._data, self._per_rank, self._device)
         # Phase 1 of a checkpoint copies the state into these host buffers (pinned on CUDA), kept
-        # from one save to the next; the write runs beside training (`_saving`).
-        self._stager = _host_snapshot(cuda)
+        # from one save to the next; the write runs beside training (`_saving`). Made at the
+        # first save; what it imports loads meanwhile, beside training.
+        self._stager = None
+        _warm_checkpoint_imports()
         self._saving = None
         self._losses = torch.zeros(t.inner_steps, dtype=torch.float32, device=self._device)
         self._stop_flag = torch.zeros(1)
@@ -347,9 +388,10 @@ class RankWorker:
         self._inner_step = 0
         self._start_heartbeat()
         self._ready = True
+        lap("data")
         return {"replica": spec.replica_id, "rank": spec.rank, "pid": os.getpid(), "device": str(self._device),
                 "params": sum(p.numel() for p in self._params), "local_numel": self._outer.numel,
-                "setup_s": time.monotonic() - t0}
+                "setup_s": time.monotonic() - t0, "phases_s": lap.seconds}
 
     # -- training --------------------------------------------------------------------------------
 
@@ -664,6 +706,8 @@ class RankWorker:
         Path(f"{path}/rng-{self._spec.rank}.json").write_text(json.dumps(_rng_state()))
         # The shards are only staged for upload: no fsync (a node that dies loses them anyway).
         # async_save copies `state` into the stager's buffers before it returns.
+        if self._stager is None:
+            self._stager = _host_snapshot(self._device.type == "cuda")
         writer = dcp.FileSystemWriter(path, sync_files=False, thread_count=2)
         if self._write_gate:
             writer.write_data = _gated(writer.write_data, Path(self._write_gate))

@@ -26,8 +26,11 @@ step (a joiner's copy failing, a drop) is returned by `take_events`.
 from __future__ import annotations
 
 import datetime
+import importlib
 import itertools
+import json
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Generator
@@ -326,8 +329,11 @@ class World:
         return ready
 
     def _setup_done(self, results: list[dict]) -> None:
-        """Note what a finished setup reports: the model's parameter count."""
+        """Note what a finished setup reports: the model's parameter count. Each rank's setup
+        phases go to the driver's log (`bench/overhead.py --profile` reads them)."""
         self.params = results[0]["params"]
+        for r in results:
+            log.info("setup of replica %s rank %s: %s", r["replica"], r["rank"], json.dumps(r.get("phases_s", {})))
 
     def begin_copy(self, rep: Replica) -> bool:
         """Start copying θ_outer and the outer momentum into set-up joiner `rep` from a member, in
@@ -715,6 +721,13 @@ class World:
             self._kill(rep)
         self.replicas.clear()
         self.joining.clear()
+
+
+def preload() -> None:
+    """Start importing what a `World` needs (torch.distributed: ~2 s on 2 cores) on a thread of
+    its own, so that it loads beside Ray's start rather than after it."""
+    threading.Thread(target=importlib.import_module, args=("torch.distributed",), name="preload-torch",
+                     daemon=True).start()
 
 
 def _short(exc: BaseException) -> str:

@@ -14,7 +14,7 @@ import time
 
 
 def main(ns: str, host_ip: str, peer_ip: str, overrides: dict) -> dict:
-    from elastic.run.cluster import quiet_ray_env
+    from elastic.run.cluster import light_nodes, quiet_ray_env
 
     quiet_ray_env()
     import ray
@@ -24,17 +24,19 @@ def main(ns: str, host_ip: str, peer_ip: str, overrides: dict) -> dict:
     from tests.conftest import tiny_recipe
 
     t0 = time.monotonic()
-    cluster = Cluster(initialize_head=True, shutdown_at_exit=True, head_node_args={
-        "num_cpus": 1, "num_gpus": 0, "include_dashboard": False, "node_ip_address": host_ip,
-        "object_store_memory": 80 * 1024 * 1024,
-        "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3}})
+    with light_nodes():   # as elastic starts a cluster of its own: no dashboard, no node agents
+        cluster = Cluster(initialize_head=True, shutdown_at_exit=True, head_node_args={
+            "num_cpus": 1, "num_gpus": 0, "include_dashboard": False, "node_ip_address": host_ip,
+            "object_store_memory": 80 * 1024 * 1024,
+            "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3}})
     peer = None
     world = None
     try:
         ray.init(address=cluster.address, _node_ip_address=host_ip, logging_level="ERROR", log_to_driver=False)
-        # The second host: a raylet in the namespace, dialling the head over the veth link.
+        # The second host: a raylet in the namespace, dialling the head over the veth link (`ray
+        # start`, light, as elastic.run.cluster starts a network lab's hosts).
         peer = __import__("subprocess").Popen(
-            ["ip", "netns", "exec", ns, sys.executable, "-m", "ray.scripts.scripts", "start", "--block",
+            ["ip", "netns", "exec", ns, sys.executable, "-m", "elastic.run.cluster", "start", "--block",
              "--address", cluster.address, "--node-ip-address", peer_ip, "--num-cpus", "1", "--num-gpus", "0",
              "--object-store-memory", str(80 * 1024 * 1024), "--disable-usage-stats"],
             stdout=sys.stderr, stderr=sys.stderr, env=os.environ)

@@ -165,3 +165,21 @@ def test_prefetching_returns_exactly_the_batches_the_lease_names_in_order():
     pre.put(first)
     with pytest.raises(RuntimeError):
         pre.put(first)      # every buffer holds a batch not yet taken
+
+
+def test_the_default_corpus_is_the_stdlib_sources_outside_site_packages_in_sorted_order(tmp_path, monkeypatch):
+    import sysconfig
+
+    from elastic.train.data import load_tokens
+
+    root = tmp_path / "lib"
+    files = {"b.py": b"bb", "a/z.py": b"zz", "a/site-packages/pkg/x.py": b"no", "site-packages/y.py": b"no",
+             "a.py": b"aa", "c.txt": b"no", "a/b/c.py": b"cc"}
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(text)
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(root)})
+    monkeypatch.setenv("ELASTIC_CACHE", str(tmp_path / "cache"))
+    tokens = load_tokens(None, 1000)
+    # Path order: a/b/c.py, a/z.py, a.py, b.py (a directory's parts sort before a sibling a.py).
+    assert bytes(tokens.astype(np.uint8)) == b"cc" + b"zz" + b"aa" + b"bb"
