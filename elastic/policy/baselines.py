@@ -230,7 +230,7 @@ class UniformProgress(Policy):
         for q in sorted(s.quotes, key=lambda q: _usd_per_raw_token(q.offer, r)):
             if not allowed(q.offer, resources) or resting(s, q.key):
                 continue
-            room = math.inf if q.offer.capacity is None else q.offer.capacity - used.get(q.key, 0)
+            room = math.inf if q.capacity is None else q.capacity - used.get(q.key, 0)
             if room > 0:
                 out.append((q.offer, room))
         return out
