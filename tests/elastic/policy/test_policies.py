@@ -17,7 +17,7 @@ def test_every_policy_is_found_by_its_name_and_another_name_lists_them_in_one_li
     assert all(policy(n).whole_job for n in ("on-demand", "spot-static", "skypilot-like"))
     with pytest.raises(UserError) as err:
         policy("greedy")
-    assert str(err.value) == "no rental policy 'greedy': choose from elastic, on-demand, spot-static, skypilot-like"
+    assert str(err.value) == "no rental policy 'greedy': choose from elastic, on-demand, spot-static, skypilot-like, uniform-progress"
 
 
 def test_the_recipe_names_a_registered_policy():
