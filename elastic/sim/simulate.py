@@ -290,6 +290,13 @@ class _Run:
             if at_end:
                 return gone
 
+    def done(self) -> bool:
+        """The run trained what it needs, as the driver's world judges it (`World.done`):
+        train.token_budget tokens, else train.outer_steps outer steps (a step short of replicas
+        still counts as one)."""
+        t = self.recipe.train
+        return self.tokens >= t.token_budget if t.token_budget is not None else self.phases >= t.outer_steps
+
     def train_phase(self, members: list[_Node], dt: float, share: float = 1.0) -> None:
         """Credit one outer step to `members` (they all kept their work; `share` of a whole inner
         phase each when a notice ended it early)."""
@@ -386,7 +393,7 @@ def _elastic_world(run: _Run) -> None:
         if ex.state.gave_up:
             run.status = "budget_exhausted"
 
-    while run.tokens < run.target_tokens:
+    while not run.done():
         for iid in run.leaving:
             run.drop(iid)
         run.leaving.clear()
@@ -475,7 +482,7 @@ def _whole_job(run: _Run) -> None:
     recipe, pol = run.recipe, run.policy
     n = whole_world(recipe)
     ex = Executor(pol, run, recipe, started_s=0.0)
-    while run.tokens < run.target_tokens:
+    while not run.done():
         quotes = tuple(Quote(o, 0.0, "trace") for o in run.market.offers(run.t, pol.spot))
         for _ in range(len(quotes) + 1):
             place = ex.state.place
