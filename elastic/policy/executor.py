@@ -144,7 +144,8 @@ class Executor:
                 self._held_back(a, s)
             elif isinstance(a, Release):   # a move whose old replica leaves now, not once the new one trains
                 if self.host.trains(a.instance_id):
-                    self._record_move(a.move)
+                    if a.move is not None:
+                        self._record_move(a.move)
                     self.host.release(a.instance_id)
             elif isinstance(a, Rent):
                 if not self.host.rent(a.quote, a.move):

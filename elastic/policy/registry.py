@@ -6,11 +6,12 @@ simulator alike."""
 
 from __future__ import annotations
 
-from elastic.policy.baselines import OnDemand, SkypilotLike, SpotStatic
+from elastic.policy.baselines import OnDemand, SkypilotLike, SpotStatic, UniformProgress
 from elastic.errors import UserError
 from elastic.policy.rules import ElasticPolicy, Policy
 
-POLICIES: dict[str, Policy] = {p.name: p for p in (ElasticPolicy(), OnDemand(), SpotStatic(), SkypilotLike())}
+POLICIES: dict[str, Policy] = {p.name: p for p in (ElasticPolicy(), OnDemand(), SpotStatic(), SkypilotLike(),
+                                                   UniformProgress())}
 
 
 def policy(name: str) -> Policy:

@@ -131,6 +131,8 @@ class Snapshot:
         priced_at_s: when the last sample was taken.
         paused: the policy paused the run (`Pause`) and has not unpaused it.
         place: where a whole-job baseline keeps its world (`Place`); None: not chosen yet.
+        on_demand_quotes: on-demand offers, quoted as `quotes` are, for a policy that falls back
+            to on-demand in a spot recipe (`Policy.on_demand_fallback`); empty for the others.
     """
 
     recipe: object
@@ -151,6 +153,7 @@ class Snapshot:
     priced_at_s: float = float("-inf")
     paused: bool = False
     place: Offer | None = None
+    on_demand_quotes: tuple[Quote, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -219,10 +222,11 @@ class Checkpoint:
 @dataclass(frozen=True)
 class Release:
     """Let the replica on `instance_id` leave at the next step boundary and release its VM: the old
-    replica of `move`, not worth keeping while its replacement (the `Rent` that follows) boots."""
+    replica of `move`, not worth keeping while its replacement (the `Rent` that follows) boots; or,
+    without `move`, a VM the policy no longer wants (a baseline's on-demand replica once ahead)."""
 
     instance_id: str
-    move: Move
+    move: Move | None = None
 
 
 @dataclass(frozen=True)
@@ -302,12 +306,18 @@ class Policy:
             survivors keep training (the driver runs only these).
         moves_on_loss: with `whole_job`, a loss releases every VM, so the next decision places the
             world afresh.
+        on_demand_fallback: in a spot recipe, the snapshot also quotes on-demand offers
+            (`Snapshot.on_demand_quotes`) and the policy may rent them.
+        waits_for_spot: a world below world.min_replicas may be the policy's own choice (idle while
+            ahead of its deadline), not a capacity shortage: world.capacity_timeout_s does not end it.
     """
 
     name: ClassVar[str]
     spot: ClassVar[bool | None] = None
     whole_job: ClassVar[bool] = False
     moves_on_loss: ClassVar[bool] = False
+    on_demand_fallback: ClassVar[bool] = False
+    waits_for_spot: ClassVar[bool] = False
 
     def due(self, s: Snapshot) -> bool:
         """Whether `decide` may do anything now, judged without the offers (`s.quotes` unread:

@@ -53,10 +53,12 @@ class Driver:
 
     def __init__(self, recipe: Recipe, run_dir: Path, ledger: Ledger, resume: bool = False):
         self.policy = policy(recipe.planner.policy)
-        if self.policy.whole_job:
-            raise UserError(f"planner.policy: {self.policy.name} is a baseline `elastic simulate` runs (a whole job "
-                            f"that restarts after any loss), not the driver; it runs "
-                            f"{', '.join(n for n, p in POLICIES.items() if not p.whole_job)}")
+        if self.policy.whole_job or self.policy.on_demand_fallback:
+            why = ("a whole job that restarts after any loss" if self.policy.whole_job else
+                   "it rents on-demand offers, which the driver's offer feed does not read for a spot recipe")
+            raise UserError(f"planner.policy: {self.policy.name} is a baseline `elastic simulate` runs ({why}), not "
+                            f"the driver; it runs "
+                            f"{', '.join(n for n, p in POLICIES.items() if not (p.whole_job or p.on_demand_fallback))}")
         self.recipe = recipe
         self.run_dir = run_dir
         self.run_name = run_dir.name

@@ -290,6 +290,13 @@ class _Run:
             if at_end:
                 return gone
 
+    def done(self) -> bool:
+        """The run trained what it needs, as the driver's world judges it (`World.done`):
+        train.token_budget tokens, else train.outer_steps outer steps (a step short of replicas
+        still counts as one)."""
+        t = self.recipe.train
+        return self.tokens >= t.token_budget if t.token_budget is not None else self.phases >= t.outer_steps
+
     def train_phase(self, members: list[_Node], dt: float, share: float = 1.0) -> None:
         """Credit one outer step to `members` (they all kept their work; `share` of a whole inner
         phase each when a notice ended it early)."""
@@ -375,15 +382,18 @@ def _elastic_world(run: _Run) -> None:
             nodes = tuple(Node(n.iid, market.quote(run.now_offer(n), run.t), n.launched_at,
                                ready=n.ready_at <= run.t, leaving=n.iid in run.leaving, moving=n.iid in moving)
                           for n in run.nodes.values())
+            on_demand = ()
+            if run.policy.on_demand_fallback and recipe.resources.spot:
+                on_demand = tuple(market.quotes(run.market.offers(run.t, False), run.t))
             snap = run.snapshot(nodes=nodes,
                                 quotes=tuple(market.quotes(run.market.offers(run.t, recipe.resources.spot), run.t)),
-                                budget_horizon_s=horizon_s, **ex.fed(run.t))
+                                on_demand_quotes=on_demand, budget_horizon_s=horizon_s, **ex.fed(run.t))
             if ex.act(snap):
                 break
         if ex.state.gave_up:
             run.status = "budget_exhausted"
 
-    while run.tokens < run.target_tokens:
+    while not run.done():
         for iid in run.leaving:
             run.drop(iid)
         run.leaving.clear()
@@ -402,8 +412,8 @@ def _elastic_world(run: _Run) -> None:
         members = [n for n in run.nodes.values() if n.ready_at <= run.t]
         if len(members) < w.min_replicas:
             booting = [n.ready_at for n in run.nodes.values() if n.ready_at > run.t]
-            if ex.state.paused:
-                short_since = None        # a pause is no capacity shortage
+            if ex.state.paused or run.policy.waits_for_spot:
+                short_since = None        # a pause (or a wait the policy chose) is no capacity shortage
             elif short_since is None:
                 short_since = run.t
             if not booting and short_since is not None and run.t - short_since > w.capacity_timeout_s:
@@ -467,13 +477,17 @@ def _whole_job(run: _Run) -> None:
     """A fixed world of `whole_world` VMs (a baseline's): it trains while every VM is up; any loss
     stops it until it is whole again and it restarts from its last checkpoint (with the policy's
     `moves_on_loss`, every VM released first, so the policy places it afresh). The policy is asked
-    once per look at the market: a launch refused waits for the next."""
+    once per look at the market: a launch refused waits for the next, unless the policy places the
+    job elsewhere on that refusal (a failover: asked again at once)."""
     recipe, pol = run.recipe, run.policy
     n = whole_world(recipe)
     ex = Executor(pol, run, recipe, started_s=0.0)
-    while run.tokens < run.target_tokens:
+    while not run.done():
         quotes = tuple(Quote(o, 0.0, "trace") for o in run.market.offers(run.t, pol.spot))
-        ex.act(run.snapshot(quotes=quotes, **ex.fed(run.t)))
+        for _ in range(len(quotes) + 1):
+            place = ex.state.place
+            if ex.act(run.snapshot(quotes=quotes, **ex.fed(run.t))) or ex.state.place == place:
+                break
         if ex.state.gave_up:
             run.status = "budget_exhausted"
             break

@@ -11,13 +11,13 @@ from tests.conftest import tiny_recipe
 
 
 def test_every_policy_is_found_by_its_name_and_another_name_lists_them_in_one_line():
-    assert list(POLICIES) == ["elastic", "on-demand", "spot-static", "skypilot-like"]
+    assert list(POLICIES) == ["elastic", "on-demand", "spot-static", "skypilot-like", "uniform-progress"]
     assert all(isinstance(p, Policy) and policy(name) is p for name, p in POLICIES.items())
     assert isinstance(policy("elastic"), ElasticPolicy) and not policy("elastic").whole_job
     assert all(policy(n).whole_job for n in ("on-demand", "spot-static", "skypilot-like"))
     with pytest.raises(UserError) as err:
         policy("greedy")
-    assert str(err.value) == "no rental policy 'greedy': choose from elastic, on-demand, spot-static, skypilot-like"
+    assert str(err.value) == "no rental policy 'greedy': choose from elastic, on-demand, spot-static, skypilot-like, uniform-progress"
 
 
 def test_the_recipe_names_a_registered_policy():
@@ -35,4 +35,7 @@ def test_the_driver_runs_no_whole_job_baseline(tmp_path):
     ledger = Ledger(tmp_path / "events.jsonl")
     with pytest.raises(UserError, match=r"^planner.policy: on-demand is a baseline .* it runs elastic$"):
         Driver(tiny_recipe(**{"planner.policy": "on-demand"}), tmp_path, ledger)
+    # uniform-progress rents on-demand offers in a spot recipe: the simulator's only, for now.
+    with pytest.raises(UserError, match=r"^planner.policy: uniform-progress is a baseline .* it runs elastic$"):
+        Driver(tiny_recipe(**{"planner.policy": "uniform-progress"}), tmp_path, ledger)
     ledger.close()

@@ -211,7 +211,7 @@ def test_cli_simulate_json_and_errors(tmp_path):
     proc = run_cli("simulate", "recipes/multi-cloud.yaml", "--trace", trace, "--json")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
-    assert set(doc["policies"]) == {"elastic", "on-demand", "spot-static", "skypilot-like"}
+    assert set(doc["policies"]) == {"elastic", "on-demand", "spot-static", "skypilot-like", "uniform-progress"}
     recipe = load_recipe(REPO / "recipes/multi-cloud.yaml")
     bound = doc["bound_usd_per_mtok"]
     for res in doc["policies"].values():
@@ -291,7 +291,7 @@ def test_the_recipe_names_the_policy_simulated_first_and_a_policy_object_runs_be
     path = write_trace(tmp_path / "t.csv", [row(0, "r1a", 10.0), row(0, "r2a", 12.0)])
     r = recipe(**{"planner.policy": "spot-static"})
     runs = simulate(r, path)
-    assert [x["policy"] for x in runs] == ["spot-static", "elastic", "on-demand", "skypilot-like"]
+    assert [x["policy"] for x in runs] == ["spot-static", "elastic", "on-demand", "skypilot-like", "uniform-progress"]
     assert simulate(r, path, ["spot-static"]) == runs[:1]
 
     class Idle(Policy):
