@@ -30,7 +30,7 @@ from elastic.record.events import (
     BudgetExhausted, CapacityRefused, CapacityWaitEnded, CapacityWaitStarted, CheckpointFailed, CheckpointSkipped,
     CheckpointUploadAbandoned, ClusterStarted, Error, LaunchHeldBack, NetworkStarted, NodeJoinTimeout, NodeNotice,
     NodePreempted, NodeRebalance, NodeReleased, OuterStep, ReplicaCopying, ReplicaDrained, ReplicaJoined, ReplicaLost,
-    Resumed, RunEnded, RunStarted, SyncFailed, SyncRetried, Validation, ValidationFailed, WorldFormed, WorldRestored)
+    Resumed, RunEnded, RunStarted, RunStatus, SyncFailed, SyncRetried, Validation, ValidationFailed, WorldFormed, WorldRestored)
 from elastic.policy.executor import Executor
 from elastic.record.ledger import Ledger
 from elastic.run.pausing import Pauser
@@ -337,7 +337,6 @@ class Driver:
         self.ledger.append(ReplicaLost(replica=loss.replica_id, instance_id=loss.instance_id,
                                        reason=loss.reason, rule=loss.rule, phase=loss.phase,
                                        lost_inner_steps=loss.lost_inner_steps, outer_step=self.world.outer_step))
-        self.warn(f"replica {loss.replica_id} on {loss.instance_id} lost ({loss.rule}): {loss.reason}")
         self._draining.pop(loss.replica_id, None)
         # A replica lost for any reason other than its node going: release the node too.
         inst = next((i for i in self.held() if i.instance_id == loss.instance_id), None)
@@ -462,6 +461,8 @@ class Driver:
             if self.executor.state.pause is not None:
                 self.pauser.take_effect(view)
             self.admit_joiners()
+            if self.rentals.failing:
+                return False
             alive = len(self.world.replicas)
             # At start, wait for every replica already on its way, so all begin together.
             if alive >= w.min_replicas and (self.world.outer_step > 0 or not (self.world.joining or self.rentals.under_way)):
@@ -551,7 +552,11 @@ class Driver:
                 if self.executor.state.pause is not None:
                     self.pauser.take_effect(view)
                 self.admit_joiners()
-                if not self.wait_for_capacity(view):
+                if self.rentals.failing or not self.wait_for_capacity(view):
+                    if self.rentals.failing:   # the same setup failure again and again: renting more repeats it
+                        self.end_message = self.rentals.failing
+                        self.checkpoint_if_due(view, ending=True)
+                        return RunStatus.FAILED
                     self.end_message = self._capacity_message()
                     self.checkpoint_if_due(view, ending=True)
                     if self.executor.state.budget_held_back:

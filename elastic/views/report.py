@@ -215,7 +215,7 @@ def build_report(records: list[dict], now: float | None = None) -> dict:
         "preemptions_without_notice": len({e.instance_id for e in preempted if not e.with_notice}),
         "drained": len(_of(events, ReplicaDrained)),
         "joins": sum(1 for e in _of(events, ReplicaJoined) if (e.outer_step or 0) > 0),
-        "replicas_lost": sum(1 for e in lost if e.phase != "setup"),
+        "replicas_lost": len(lost),
         "recovery_s": _recovery_s(events, steps),
         "lost_inner_steps": sum(e.lost_inner_steps or 0 for e in lost),
         "sync_retries": sum(e.attempts - 1 for e in _of(events, SyncRetried)),

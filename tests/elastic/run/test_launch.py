@@ -98,7 +98,8 @@ def assert_outputs_of_any_ending(run_dir: Path, out: str) -> dict:
     """Every ending writes report.json and report.html, and `elastic report` rebuilds the same bytes."""
     report = json.loads((run_dir / "report.json").read_text())
     assert all(k in report for k in REPORT_FIELDS), [k for k in REPORT_FIELDS if k not in report]
-    assert set(report["wasted_usd"]) == {"preemption", "capacity_wait", "checkpoint_stalls", "never_joined", "total"}
+    assert set(report["wasted_usd"]) == {"preemption", "capacity_wait", "checkpoint_stalls", "never_joined", "setup_failed",
+                                         "total"}
     html = (run_dir / "report.html").read_text()
     # Seven charts, each drawn or, with nothing to draw (no VM ever rented), saying so.
     assert html.count('<svg class="chart"') + html.count('class="empty"') == 7 and "<script" not in html
