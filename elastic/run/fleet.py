@@ -132,6 +132,41 @@ def plan_now(recipe: Recipe) -> Placement | None:
     return plan(market.quotes(offers, time.time()), recipe)
 
 
+def budget_shortfall(recipe: Recipe) -> str | None:
+    """Why `elastic launch` refuses `recipe`, in one line: the plan `elastic plan` shows (the
+    cheapest world that meets the deadline) is expected to cost more than `budget.max_usd`, or to
+    take longer than `budget.max_hours`, to train the recipe's tokens. None when it fits, when
+    neither limit is set, or when no plan can be made now (no offer; a cloud not answering: the
+    run's start says so)."""
+    b = recipe.budget
+    if b.max_usd is None and b.max_hours is None:
+        return None
+    try:
+        placement = plan_now(recipe)
+    except Exception:   # the launch goes on; `_record_plan` logs why no plan was made
+        return None
+    if placement is None or not placement.quotes:
+        return None
+    ask = ("; raise it, train fewer tokens (train.outer_steps, train.token_budget), or pass --allow-partial "
+           "to train until the budget runs out")
+    if b.max_usd is not None and placement.expected_usd > b.max_usd:
+        return (f"budget.max_usd (${b.max_usd:,.2f}) covers {_share(b.max_usd / placement.expected_usd)} of the "
+                f"${placement.expected_usd:,.2f} `elastic plan` expects the recipe's "
+                f"{placement.tokens_needed:,} tokens to cost{ask}")
+    if b.max_hours is not None and placement.expected_hours > b.max_hours:
+        return (f"budget.max_hours ({b.max_hours:g} h) covers {_share(b.max_hours / placement.expected_hours)} of the "
+                f"{placement.expected_hours:,.1f} h `elastic plan` expects the recipe's "
+                f"{placement.tokens_needed:,} tokens to take{ask}")
+    return None
+
+
+def _share(fraction: float) -> str:
+    """A fraction below 1 as a percentage that never reads as 0 % or 100 %."""
+    if fraction < 0.01:
+        return "less than 1 %"
+    return f"about {min(99, round(100 * fraction))} %"
+
+
 # -- elastic down -----------------------------------------------------------------------------------
 
 def _run_target(run: str) -> tuple[str, list[str] | None, list[str]]:
