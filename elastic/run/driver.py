@@ -545,6 +545,7 @@ class Driver:
         from elastic.train.metrics import Metrics
         scalars = Metrics(recipe, self.run_dir, ledger)
         train_s, last_step_s = 0.0, 0.0
+        trained = 0   # tokens this run trained (not those of a checkpoint it resumed from)
         view.phase(f"renting {recipe.world.replicas} node(s), starting replicas")
         try:
             while not world.done():
@@ -589,6 +590,7 @@ class Driver:
                     ledger.append(SyncRetried(outer_step=res.outer_step, attempts=res.sync_attempts))
                 last_step_s = self._last_step_s = res.inner_s + res.sync_s
                 train_s += last_step_s
+                trained += res.tokens
                 ledger.append(OuterStep(outer_step=res.outer_step, inner_step=world.inner_step, epoch=world.epoch,
                                         replicas=res.replicas, losses=[round(x, 6) for x in res.losses],
                                         tokens=res.tokens, tokens_total=world.tokens, inner_s=round(res.inner_s, 4),
@@ -607,7 +609,7 @@ class Driver:
                     # Saved from a leaving replica (there is no other): durable before its node goes.
                     self.finish_checkpoints(view)
                 self._release_drained(res)
-                view.step(res, world, world.tokens / train_s if train_s else 0.0,
+                view.step(res, world, trained / train_s if train_s else 0.0,
                           cost_so_far(ledger.events, time.time()))
                 evals = recipe.eval.every_outer_steps
                 if evals and (world.outer_step % evals == 0 or world.done()):

@@ -170,6 +170,10 @@ def build_report(records: list[dict], now: float | None = None) -> dict:
     cost = sum(h.usd() for h in vms.values())
     on_demand_exact = sum(h.on_demand_usd() for h in vms.values())
     tokens = steps[-1].tokens_total if steps else 0
+    # What this run trained: a run resumed from a checkpoint starts at its tokens, which an earlier
+    # run trained and paid for. Tokens/s divides every token trained by the training seconds.
+    kept = tokens - (steps[0].tokens_total - steps[0].tokens) if steps else 0
+    trained = sum(e.tokens for e in steps)
     deleted = {e.step for e in _of(events, CheckpointDeleted)}
     uploads = _of(events, CheckpointUploaded)
     validations = _of(events, Validation)
@@ -191,9 +195,10 @@ def build_report(records: list[dict], now: float | None = None) -> dict:
         "train_s": round(train_s, 3),
         "first_step_s": round(steps[0].t - steps[0].inner_s - steps[0].sync_s - start.t, 3)
         if steps and start else None,
-        "tokens_per_s": round(tokens / train_s, 1) if train_s > 0 else 0.0,
+        "tokens_this_run": kept,
+        "tokens_per_s": round(trained / train_s, 1) if train_s > 0 else 0.0,
         "cost_usd": round(cost, 6),
-        "usd_per_mtok": round(cost / tokens * 1e6, 6) if tokens else None,
+        "usd_per_mtok": round(cost / kept * 1e6, 6) if kept > 0 else None,
         "on_demand_equivalent_usd": round(on_demand_exact, 6),
         "savings_pct": round(100 * (1 - cost / on_demand_exact), 2)
         if on_demand_exact > 0 else None,

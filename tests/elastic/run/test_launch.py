@@ -90,7 +90,7 @@ def assert_every_node_released(events):
     assert launched and launched == released
 
 
-REPORT_FIELDS = ("cost_usd", "usd_per_mtok", "on_demand_equivalent_usd", "savings_pct", "effective_training_time",
+REPORT_FIELDS = ("cost_usd", "usd_per_mtok", "tokens_this_run", "on_demand_equivalent_usd", "savings_pct", "effective_training_time",
                  "wasted_usd", "instances", "gpu_hours", "by_cloud", "by_region", "by_instance_type", "estimates")
 
 

@@ -53,6 +53,20 @@ def run_events(ended: bool = True) -> list[dict]:
     return events
 
 
+def test_a_resumed_run_counts_only_the_tokens_it_trained():
+    """Resumed from a checkpoint at 1,000,000 tokens, the run trains two outer steps of 40,960
+    tokens in 190 s: its tokens/s and USD per 1M tokens are of those 81,920 tokens."""
+    events = run_events()
+    for e in events:
+        if e["type"] == "outer_step":
+            e["tokens_total"] += 1_000_000
+    events.insert(5, {"t": T0 + 12, "type": "resumed", "from_step": 10, "uri": "s3://b/run/"})
+    r = build_report(events)
+    assert r["tokens"] == 1_081_920 and r["tokens_this_run"] == 81_920
+    assert r["tokens_per_s"] == pytest.approx(81_920 / 190, abs=0.05)
+    assert r["usd_per_mtok"] == pytest.approx(0.205 / 81_920 * 1e6, abs=1e-6)
+
+
 def write_ledger(path, events: list[dict]) -> None:
     path.write_text("".join(json.dumps(e) + "\n" for e in events), encoding="utf-8")
 
