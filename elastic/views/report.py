@@ -220,6 +220,7 @@ def build_report(records: list[dict], now: float | None = None) -> dict:
         "preemptions_without_notice": len({e.instance_id for e in preempted if not e.with_notice}),
         "drained": len(_of(events, ReplicaDrained)),
         "joins": sum(1 for e in _of(events, ReplicaJoined) if (e.outer_step or 0) > 0),
+        "joins_at_start": sum(1 for e in _of(events, ReplicaJoined) if not e.outer_step),
         "replicas_lost": len(lost),
         "recovery_s": _recovery_s(events, steps),
         "lost_inner_steps": sum(e.lost_inner_steps or 0 for e in lost),
@@ -296,7 +297,9 @@ def headline_rows(report: dict) -> list[tuple[str, str]]:
         ("VM-hours / GPU-hours", f"{report['vm_hours']:.3f} / {report['gpu_hours']:.3f}"),
         ("wasted", f"${waste['total']:.4f}" + (f" ({causes})" if causes else "")),
         ("instances", str(len(report["instances"]))),
-        ("preemptions / joins", f"{report['preemptions']} / {report['joins']}"),
+        # The replicas that joined at the start are said apart: the console printed their joins too.
+        ("preemptions / joins", f"{report['preemptions']} / {report['joins']}"
+                                + (f" (+{report['joins_at_start']} at the start)" if report.get("joins_at_start") else "")),
         ("recovery (median)", f"{statistics.median(report['recovery_s']):.1f} s" if report["recovery_s"] else "-"),
         ("effective training time", _fmt(report["effective_training_time"], ".1%")),
         ("sync bytes/token (data-parallel ÷ this)",

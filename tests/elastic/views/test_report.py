@@ -10,7 +10,7 @@ import pytest
 from elastic.record.events import RunEnded, RunStarted
 from elastic.record.ledger import Ledger, read_events
 from elastic.record.billing import cost_so_far
-from elastic.views.report import build_report, summary_table
+from elastic.views.report import build_report, headline_rows, summary_table
 from elastic.views.report_html import write_report
 from tests.elastic.recipe.test_recipe import run_cli
 
@@ -96,6 +96,8 @@ def test_figures_of_a_completed_run():
     assert r["first_step_s"] == 10          # +100 - (80 + 10) - start
     assert r["preemptions"] == 0
     assert r["joins"] == 0                  # joins at outer step 0 are the start, not a rejoin
+    assert r["joins_at_start"] == 2         # ... said apart, not hidden: the console printed them
+    assert dict(headline_rows(r))["preemptions / joins"] == "0 / 0 (+2 at the start)"
     assert r["max_replicas_seen"] == 2
     assert r["checkpoints"] == ["s3://b/run/step-00000001"]
     assert (r["checkpoint_stall_s"], r["checkpoint_upload_s"]) == (0.5, 3.25)
