@@ -32,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="continue from the latest complete checkpoint at the recipe's checkpoint.uri "
                          "(any world shape: replicas and ranks per replica may differ)")
     sp.add_argument("--address", help="HOST:PORT of a running Ray head on this machine to add the local nodes to (default: start a local cluster)")
+    sp.add_argument("--allow-partial", action="store_true",
+                    help="launch even when `elastic plan` expects budget.max_usd or budget.max_hours to run out "
+                         "before the recipe's tokens are trained (train until the budget runs out)")
     offline_arg(sp)
 
     sp = sub.add_parser("validate", help="check a recipe and what its clouds need (credentials, project, regions, "
@@ -244,6 +247,10 @@ def _dispatch(args, err) -> int:
                 raise UserError(f"--resume: no complete checkpoint ({exc})") from None
             if not ckpt.complete_steps(store):
                 raise UserError(f"--resume: no complete checkpoint at {recipe.checkpoint.uri}")
+        if not (args.allow_partial or args.resume):   # before renting: a run that cannot finish is refused
+            from elastic.run.fleet import budget_shortfall
+            if short := budget_shortfall(recipe):
+                raise UserError(short)
         from elastic.storage import checkpoint as ckpt
         run_dir = args.run_dir or default_run_dir(recipe)
         ckpt.check_destination(recipe.checkpoint.uri, args.resume, ckpt.model_digest(recipe), run_dir)

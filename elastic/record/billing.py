@@ -223,7 +223,7 @@ def cumulative(vms: dict[str, Hold], t0: float, end: float) -> tuple[list, list]
     return usd, od
 
 
-WASTE_CAUSES = ("preemption", "capacity_wait", "checkpoint_stalls", "never_joined")
+WASTE_CAUSES = ("preemption", "capacity_wait", "checkpoint_stalls", "never_joined", "setup_failed")
 
 
 def wasted(events: list[Event], vms: dict[str, Hold]) -> dict:
@@ -252,6 +252,9 @@ def wasted(events: list[Event], vms: dict[str, Hold]) -> dict:
             else:
                 continue
             waste["preemption"] += vm.usd_between(since, e.t)
+        elif isinstance(e, ReplicaLost) and e.instance_id in vms and e.phase == "setup":
+            # Its setup failed, timed out or stalled: the VM, rented for it alone, never trained.
+            waste["setup_failed"] += vms[e.instance_id].usd()
         elif isinstance(e, CapacityWaitEnded):
             waste["capacity_wait"] += joined_usd(e.t - (e.waited_s or 0), e.t)
         elif isinstance(e, CheckpointSaved):

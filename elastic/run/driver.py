@@ -30,7 +30,7 @@ from elastic.record.events import (
     BudgetExhausted, CapacityRefused, CapacityWaitEnded, CapacityWaitStarted, CheckpointFailed, CheckpointSkipped,
     CheckpointUploadAbandoned, ClusterStarted, Error, LaunchHeldBack, NetworkStarted, NodeJoinTimeout, NodeNotice,
     NodePreempted, NodeRebalance, NodeReleased, OuterStep, ReplicaCopying, ReplicaDrained, ReplicaJoined, ReplicaLost,
-    Resumed, RunEnded, RunStarted, SyncFailed, SyncRetried, Validation, ValidationFailed, WorldFormed, WorldRestored)
+    Resumed, RunEnded, RunStarted, RunStatus, SyncFailed, SyncRetried, Validation, ValidationFailed, WorldFormed, WorldRestored)
 from elastic.policy.executor import Executor
 from elastic.record.ledger import Ledger
 from elastic.run.pausing import Pauser
@@ -339,7 +339,6 @@ class Driver:
         self.ledger.append(ReplicaLost(replica=loss.replica_id, instance_id=loss.instance_id,
                                        reason=loss.reason, rule=loss.rule, phase=loss.phase,
                                        lost_inner_steps=loss.lost_inner_steps, outer_step=self.world.outer_step))
-        self.warn(f"replica {loss.replica_id} on {loss.instance_id} lost ({loss.rule}): {loss.reason}")
         self._draining.pop(loss.replica_id, None)
         # A replica lost for any reason other than its node going: release the node too.
         inst = next((i for i in self.held() if i.instance_id == loss.instance_id), None)
@@ -464,6 +463,8 @@ class Driver:
             if self.executor.state.pause is not None:
                 self.pauser.take_effect(view)
             self.admit_joiners()
+            if self.rentals.failing:
+                return False
             alive = len(self.world.replicas)
             # At start, wait for every replica already on its way, so all begin together.
             if alive >= w.min_replicas and (self.world.outer_step > 0 or not (self.world.joining or self.rentals.under_way)):
@@ -546,6 +547,7 @@ class Driver:
         from elastic.train.metrics import Metrics
         scalars = Metrics(recipe, self.run_dir, ledger)
         train_s, last_step_s = 0.0, 0.0
+        trained = 0   # tokens this run trained (not those of a checkpoint it resumed from)
         view.phase(f"renting {recipe.world.replicas} node(s), starting replicas")
         try:
             while not world.done():
@@ -553,7 +555,11 @@ class Driver:
                 if self.executor.state.pause is not None:
                     self.pauser.take_effect(view)
                 self.admit_joiners()
-                if not self.wait_for_capacity(view):
+                if self.rentals.failing or not self.wait_for_capacity(view):
+                    if self.rentals.failing:   # the same setup failure again and again: renting more repeats it
+                        self.end_message = self.rentals.failing
+                        self.checkpoint_if_due(view, ending=True)
+                        return RunStatus.FAILED
                     self.end_message = self._capacity_message()
                     self.checkpoint_if_due(view, ending=True)
                     if self.executor.state.budget_held_back:
@@ -586,6 +592,7 @@ class Driver:
                     ledger.append(SyncRetried(outer_step=res.outer_step, attempts=res.sync_attempts))
                 last_step_s = self._last_step_s = res.inner_s + res.sync_s
                 train_s += last_step_s
+                trained += res.tokens
                 ledger.append(OuterStep(outer_step=res.outer_step, inner_step=world.inner_step, epoch=world.epoch,
                                         replicas=res.replicas, losses=[round(x, 6) for x in res.losses],
                                         tokens=res.tokens, tokens_total=world.tokens, inner_s=round(res.inner_s, 4),
@@ -604,7 +611,7 @@ class Driver:
                     # Saved from a leaving replica (there is no other): durable before its node goes.
                     self.finish_checkpoints(view)
                 self._release_drained(res)
-                view.step(res, world, world.tokens / train_s if train_s else 0.0,
+                view.step(res, world, trained / train_s if train_s else 0.0,
                           cost_so_far(ledger.events, time.time()))
                 evals = recipe.eval.every_outer_steps
                 if evals and (world.outer_step % evals == 0 or world.done()):

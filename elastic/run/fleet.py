@@ -56,18 +56,30 @@ def price_rows(cloud: str | None, accelerator: str, regions: list[str], on_deman
             why = "; ".join(f"{n}: {_configured(n)}" for n in cloud_names())
             raise UserError(f"no cloud is configured ({why}); or pass --cloud local for the simulated market")
     rows = []
+    gpus = int(accelerator.partition(":")[2]) if accelerator.partition(":")[2].isdigit() else 1
     for name in names:
-        recipe = _pseudo_recipe("prices", [name], accelerators=accelerator, regions=regions, spot=not on_demand)
-        provider = build(name, recipe, None, "prices")
         try:
-            offers = provider.offers(recipe.resources)
-        finally:
-            provider.close()
+            recipe = _pseudo_recipe("prices", [name], accelerators=accelerator, regions=regions, spot=not on_demand)
+            provider = build(name, recipe, None, "prices")
+            try:
+                offers = provider.offers(recipe.resources)
+            finally:
+                provider.close()
+        except UserError as exc:   # said of the flags given, not of a recipe's fields
+            raise UserError([_as_flags(line) for line in exc.lines]) from None
         for o in offers:
+            if o.gpus < gpus:   # the local market's CPU nodes stand in for GPU VMs in runs, not here
+                continue
             row = o.to_dict()
             row["usd_per_gpu_hour"] = round(o.usd_per_hour / max(1, o.gpus), 6)
             rows.append(row)
     return sorted(rows, key=lambda r: (r["usd_per_gpu_hour"], r["usd_per_hour"], r["region"], r["zone"]))
+
+
+def _as_flags(line: str) -> str:
+    """A problem with `prices`' pseudo-recipe, named by the flag that set the field."""
+    line = line.removeprefix("arguments: ")
+    return line.replace("resources.accelerators", "--accelerator").replace("resources.regions", "--region")
 
 
 def prices(args, out) -> int:
@@ -80,8 +92,9 @@ def prices(args, out) -> int:
         sys.stdout.write(json.dumps(rows, indent=2) + "\n")
         return 0
     if not rows:
+        local = " (local nodes have GPUs only where local.instance_types gives them gpus)" if args.cloud == "local" else ""
         raise UserError(f"no offer for {args.accelerator} in "
-                        f"{', '.join(args.region) if args.region else 'any region'}")
+                        f"{', '.join(args.region) if args.region else 'any region'}{local}")
     from datetime import datetime, timezone
 
     from rich.table import Table
@@ -132,12 +145,52 @@ def plan_now(recipe: Recipe) -> Placement | None:
     return plan(market.quotes(offers, time.time()), recipe)
 
 
+def budget_shortfall(recipe: Recipe) -> str | None:
+    """Why `elastic launch` refuses `recipe`, in one line: the plan `elastic plan` shows (the
+    cheapest world that meets the deadline) is expected to cost more than `budget.max_usd`, or to
+    take longer than `budget.max_hours`, to train the recipe's tokens. None when it fits, when
+    neither limit is set, or when no plan can be made now (no offer; a cloud not answering: the
+    run's start says so)."""
+    b = recipe.budget
+    if b.max_usd is None and b.max_hours is None:
+        return None
+    try:
+        placement = plan_now(recipe)
+    except Exception:   # the launch goes on; `_record_plan` logs why no plan was made
+        return None
+    if placement is None or not placement.quotes:
+        return None
+    ask = ("; raise it, train fewer tokens (train.outer_steps, train.token_budget), or pass --allow-partial "
+           "to train until the budget runs out")
+    if b.max_usd is not None and placement.expected_usd > b.max_usd:
+        return (f"budget.max_usd (${b.max_usd:,.2f}) covers {_share(b.max_usd / placement.expected_usd)} of the "
+                f"${placement.expected_usd:,.2f} `elastic plan` expects the recipe's "
+                f"{placement.tokens_needed:,} tokens to cost{ask}")
+    if b.max_hours is not None and placement.expected_hours > b.max_hours:
+        return (f"budget.max_hours ({b.max_hours:g} h) covers {_share(b.max_hours / placement.expected_hours)} of the "
+                f"{placement.expected_hours:,.1f} h `elastic plan` expects the recipe's "
+                f"{placement.tokens_needed:,} tokens to take{ask}")
+    return None
+
+
+def _share(fraction: float) -> str:
+    """A fraction below 1 as a percentage that never reads as 0 % or 100 %."""
+    if fraction < 0.01:
+        return "less than 1 %"
+    return f"about {min(99, round(100 * fraction))} %"
+
+
 # -- elastic down -----------------------------------------------------------------------------------
 
+RUNS = Path("runs")   # where `elastic launch` makes run directories by default
+
+
 def _run_target(run: str) -> tuple[str, list[str] | None, list[str]]:
-    """(run name, its clouds and regions when RUN is a run directory with a recipe.yaml, else
-    (name, None, []))."""
+    """(run name, its clouds and regions when RUN is a run directory with a recipe.yaml, or the
+    name of one under ./runs/, else (name, None, []))."""
     p = Path(run)
+    if not (p / "recipe.yaml").is_file() and os.sep not in run and (RUNS / run / "recipe.yaml").is_file():
+        p = RUNS / run   # a run's name: its directory where `elastic launch` puts it by default
     if (p / "recipe.yaml").is_file():
         import yaml
         doc = yaml.safe_load((p / "recipe.yaml").read_text(encoding="utf-8")) or {}
@@ -198,7 +251,8 @@ def down(args, out, err) -> int:
         if args.orphans:   # this machine's leftovers are swept; no VM to look for is no error
             out.print(f"no VMs looked for: {why}", highlight=False)
             return 0
-        raise UserError(f"elastic down: {why}")
+        where = f"{args.run}: no run directory here or under {RUNS}/, and " if run else ""
+        raise UserError(f"elastic down: {where}{why}")
     found = []   # (provider, instance)
     built = []
     for name in names:

@@ -1,7 +1,13 @@
 """The driver's rentals: VMs on their way. Launches run in the background; a finished one either
 starts a replica on its VM (and measures its link to a node on another site) or is refused (a
 capacity error, a VM that failed or never joined: the offer rests). A move's launch remembers the
-VM it replaces, which drains once the new replica trains."""
+VM it replaces, which drains once the new replica trains.
+
+A VM whose replica fails its setup is released (the world's loss) and the policy rents another. When
+`SETUP_FAILURES_TO_STOP` replicas in a row fail their setup with none joining the world between
+(a recipe this hardware cannot run: a GPU node where torch sees no CUDA device, a model that does
+not fit), renting more would repeat the failure until the budget runs out: `failing` says so in one
+line and the driver ends the run `failed`. Any replica that joins starts the count again."""
 
 from __future__ import annotations
 
@@ -11,11 +17,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from elastic.errors import UserError
 from elastic.record.events import (CapacityRefused, LaunchFailed, LinkMeasured, NodeJoinTimeout, NodeLaunched, NodeReleased,
-                            ReplicaStarting)
+                            ReplicaJoined, ReplicaLost, ReplicaStarting)
 from elastic.policy.market import offer_key
 from elastic.policy.planner import Move, site
 
 log = logging.getLogger(__name__)
+
+SETUP_FAILURES_TO_STOP = 3   # replicas in a row that failed their setup, none joining between: the run ends
 
 
 class Rentals:
@@ -36,11 +44,30 @@ class Rentals:
         self._move_of: dict[Future, str] = {}             # launch of a move -> instance id it replaces
         self._moves: dict[str, str] = {}                  # new instance id -> instance id it replaces
         self._joined_at: dict[str, tuple[str, str]] = {}  # instance id -> (site, Ray node) of nodes that joined
+        self._setup_failures: list[str] = []              # reasons of the setup failures since the last join
+        ledger.listeners.append(self._count_setup_failures)
 
     @property
     def under_way(self) -> list:
         """The offers of the launches under way."""
         return list(self._launching.values())
+
+    @property
+    def failing(self) -> str | None:
+        """Why the run must stop renting, in one line: `SETUP_FAILURES_TO_STOP` replicas in a row
+        failed their setup, none joined between (the last one's reason); None otherwise."""
+        if len(self._setup_failures) < SETUP_FAILURES_TO_STOP:
+            return None
+        return (f"{len(self._setup_failures)} replicas in a row failed their setup and none joined, so no more "
+                f"nodes are rented; last: {self._setup_failures[-1]}")
+
+    def _count_setup_failures(self, event) -> None:
+        """A ledger listener: a setup failure (`replica_lost`, rule `setup_failed`) counts, a join
+        (`replica_joined`) starts the count again."""
+        if isinstance(event, ReplicaJoined):
+            self._setup_failures.clear()
+        elif isinstance(event, ReplicaLost) and event.rule == "setup_failed":
+            self._setup_failures.append(event.reason)
 
     def moving(self) -> set[str]:
         """Instance ids a move's replacement is on its way for (launching, or joined and not yet

@@ -170,6 +170,10 @@ def build_report(records: list[dict], now: float | None = None) -> dict:
     cost = sum(h.usd() for h in vms.values())
     on_demand_exact = sum(h.on_demand_usd() for h in vms.values())
     tokens = steps[-1].tokens_total if steps else 0
+    # What this run trained: a run resumed from a checkpoint starts at its tokens, which an earlier
+    # run trained and paid for. Tokens/s divides every token trained by the training seconds.
+    kept = tokens - (steps[0].tokens_total - steps[0].tokens) if steps else 0
+    trained = sum(e.tokens for e in steps)
     deleted = {e.step for e in _of(events, CheckpointDeleted)}
     uploads = _of(events, CheckpointUploaded)
     validations = _of(events, Validation)
@@ -191,9 +195,10 @@ def build_report(records: list[dict], now: float | None = None) -> dict:
         "train_s": round(train_s, 3),
         "first_step_s": round(steps[0].t - steps[0].inner_s - steps[0].sync_s - start.t, 3)
         if steps and start else None,
-        "tokens_per_s": round(tokens / train_s, 1) if train_s > 0 else 0.0,
+        "tokens_this_run": kept,
+        "tokens_per_s": round(trained / train_s, 1) if train_s > 0 else 0.0,
         "cost_usd": round(cost, 6),
-        "usd_per_mtok": round(cost / tokens * 1e6, 6) if tokens else None,
+        "usd_per_mtok": round(cost / kept * 1e6, 6) if kept > 0 else None,
         "on_demand_equivalent_usd": round(on_demand_exact, 6),
         "savings_pct": round(100 * (1 - cost / on_demand_exact), 2)
         if on_demand_exact > 0 else None,
@@ -215,7 +220,8 @@ def build_report(records: list[dict], now: float | None = None) -> dict:
         "preemptions_without_notice": len({e.instance_id for e in preempted if not e.with_notice}),
         "drained": len(_of(events, ReplicaDrained)),
         "joins": sum(1 for e in _of(events, ReplicaJoined) if (e.outer_step or 0) > 0),
-        "replicas_lost": sum(1 for e in lost if e.phase != "setup"),
+        "joins_at_start": sum(1 for e in _of(events, ReplicaJoined) if not e.outer_step),
+        "replicas_lost": len(lost),
         "recovery_s": _recovery_s(events, steps),
         "lost_inner_steps": sum(e.lost_inner_steps or 0 for e in lost),
         "sync_retries": sum(e.attempts - 1 for e in _of(events, SyncRetried)),
@@ -291,7 +297,9 @@ def headline_rows(report: dict) -> list[tuple[str, str]]:
         ("VM-hours / GPU-hours", f"{report['vm_hours']:.3f} / {report['gpu_hours']:.3f}"),
         ("wasted", f"${waste['total']:.4f}" + (f" ({causes})" if causes else "")),
         ("instances", str(len(report["instances"]))),
-        ("preemptions / joins", f"{report['preemptions']} / {report['joins']}"),
+        # The replicas that joined at the start are said apart: the console printed their joins too.
+        ("preemptions / joins", f"{report['preemptions']} / {report['joins']}"
+                                + (f" (+{report['joins_at_start']} at the start)" if report.get("joins_at_start") else "")),
         ("recovery (median)", f"{statistics.median(report['recovery_s']):.1f} s" if report["recovery_s"] else "-"),
         ("effective training time", _fmt(report["effective_training_time"], ".1%")),
         ("sync bytes/token (data-parallel ÷ this)",

@@ -29,7 +29,7 @@ ML, MR, MT, MB = 72, 16, 14, 40      # margins: left (y labels), right, top, bot
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
           "#bcbd22", "#17becf"]
 WASTE_COLORS = {"preemption": "#d62728", "capacity_wait": "#ff7f0e", "checkpoint_stalls": "#8c564b",
-                "never_joined": "#7f7f7f"}
+                "never_joined": "#7f7f7f", "setup_failed": "#9467bd"}
 MAX_POINTS = 600                     # samples per line, so a long run's page stays small
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px 32px;color:#222}
@@ -144,6 +144,8 @@ def _bars(groups: list[tuple[str, list[tuple[str, str, float]]]], unit: str = "U
     values = [v for _, bars in groups for _, _, v in bars]
     if not values or max(values) <= 0:
         return '<p class="empty">nothing to chart: every figure is 0</p>'
+    if unit == "USD" and max(values) < 0.00005:   # one bar would fill the width for what reads $0.0000
+        return '<p class="empty">nothing to chart: every figure is under $0.0001</p>'
     bar_h, gap = 16, 10
     lw = 190                                   # label column, SVG units
     h = MT + MB // 2 + sum(len(bars) * bar_h + gap for _, bars in groups)

@@ -36,6 +36,20 @@ def check_accelerator(resources) -> None:
         raise UserError(f"resources.accelerators: no cloud offers {model!r}; known: {', '.join(known)}")
 
 
+def gpu_problems(instance_types, regions) -> list[str]:
+    """`local.instance_types` (in `regions`, all when empty) that offer more GPUs than torch sees
+    on this machine, one line each (torch is imported only when a type offers a GPU)."""
+    wanting = [it for it in instance_types if it.gpus and (not regions or it.region in regions)]
+    if not wanting:
+        return []
+    import torch
+
+    seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    have = f"torch {torch.__version__} sees {seen or 'no'} CUDA device{'' if seen == 1 else 's'} on this machine"
+    return [f"local.instance_types: {it.name} offers {it.gpus} GPU(s) but {have}; set its gpus to 0 "
+            "(or run on a machine with the GPUs and a CUDA build of torch)" for it in wanting if it.gpus > seen]
+
+
 class LocalProvider(BaseProvider):
     """Args:
         recipe: the run's recipe (its `local` section; `world.ranks_per_replica`, the CPUs each
@@ -136,14 +150,16 @@ class LocalProvider(BaseProvider):
         return sorted(out, key=lambda o: o.usd_per_hour)
 
     def preflight(self, resources) -> list[str]:
-        """Nothing to reach on this machine; an accelerator no cloud knows is still an error."""
+        """Nothing to reach on this machine; an accelerator no cloud knows is still an error, and
+        so is an instance type with more GPUs than torch sees here (its ranks would fail their
+        setup on every node rented)."""
         from elastic.errors import UserError
 
         try:
             check_accelerator(resources)
         except UserError as exc:
             return exc.lines
-        return []
+        return gpu_problems(self._section.instance_types, resources.regions)
 
     def launch(self, offer: Offer, run: str, role: str) -> Instance:
         with self._lock:

@@ -90,7 +90,7 @@ def assert_every_node_released(events):
     assert launched and launched == released
 
 
-REPORT_FIELDS = ("cost_usd", "usd_per_mtok", "on_demand_equivalent_usd", "savings_pct", "effective_training_time",
+REPORT_FIELDS = ("cost_usd", "usd_per_mtok", "tokens_this_run", "on_demand_equivalent_usd", "savings_pct", "effective_training_time",
                  "wasted_usd", "instances", "gpu_hours", "by_cloud", "by_region", "by_instance_type", "estimates")
 
 
@@ -98,7 +98,8 @@ def assert_outputs_of_any_ending(run_dir: Path, out: str) -> dict:
     """Every ending writes report.json and report.html, and `elastic report` rebuilds the same bytes."""
     report = json.loads((run_dir / "report.json").read_text())
     assert all(k in report for k in REPORT_FIELDS), [k for k in REPORT_FIELDS if k not in report]
-    assert set(report["wasted_usd"]) == {"preemption", "capacity_wait", "checkpoint_stalls", "never_joined", "total"}
+    assert set(report["wasted_usd"]) == {"preemption", "capacity_wait", "checkpoint_stalls", "never_joined", "setup_failed",
+                                         "total"}
     html = (run_dir / "report.html").read_text()
     # Seven charts, each drawn or, with nothing to draw (no VM ever rented), saying so.
     assert html.count('<svg class="chart"') + html.count('class="empty"') == 7 and "<script" not in html
@@ -239,7 +240,7 @@ def test_sigterm_and_sighup_end_a_run_as_ctrl_c_does():
 def test_budget_stops_the_run_with_a_final_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     max_usd = 0.0025   # two nodes at $0.40/h: about 11 s of renting
-    proc = launch(run_dir, *SMALL, "--set", "train.outer_steps=1000", "--set", f"budget.max_usd={max_usd}",
+    proc = launch(run_dir, *SMALL, "--allow-partial", "--set", "train.outer_steps=1000", "--set", f"budget.max_usd={max_usd}",
                   "--set", "checkpoint.every_outer_steps=0")
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 3, out

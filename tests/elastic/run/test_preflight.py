@@ -101,3 +101,22 @@ def test_unknown_accelerator_is_an_error_on_every_cloud(tmp_path, cloud):
     r = run_cli("prices", "--cloud", cloud, "--accelerator", "NONSENSE", env=env)
     assert r.returncode == 2 and "NONSENSE" in r.stderr and "Traceback" not in r.stderr, (r.stdout, r.stderr)
     assert "offers" not in r.stdout
+
+
+def test_launch_refuses_a_budget_that_cannot_cover_the_tokens_unless_partial_is_allowed(tmp_path):
+    from elastic.recipe.model import load_recipe
+    from elastic.run.fleet import budget_shortfall
+
+    run_dir = tmp_path / "run"
+    huge = ["--set", "train.outer_steps=1000000000000", "--set", "budget.max_usd=1"]
+    r = run_cli("launch", "recipes/local-tiny.yaml", *huge, "--run-dir", str(run_dir))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "budget.max_usd ($1.00) covers less than 1 %" in lines[0], r.stderr
+    assert "--allow-partial" in lines[0]
+    assert not run_dir.exists()
+    # The deadline too; a budget that covers the plan, or no budget, launches.
+    assert "budget.max_hours (0.001 h) covers" in budget_shortfall(
+        load_recipe("recipes/local-tiny.yaml", ["train.outer_steps=1000", "budget.max_usd=null", "budget.max_hours=0.001"]))
+    assert budget_shortfall(load_recipe("recipes/local-tiny.yaml", [])) is None
+    assert budget_shortfall(load_recipe("recipes/local-tiny.yaml", ["budget.max_usd=null"])) is None

@@ -10,7 +10,7 @@ import pytest
 from elastic.record.events import RunEnded, RunStarted
 from elastic.record.ledger import Ledger, read_events
 from elastic.record.billing import cost_so_far
-from elastic.views.report import build_report, summary_table
+from elastic.views.report import build_report, headline_rows, summary_table
 from elastic.views.report_html import write_report
 from tests.elastic.recipe.test_recipe import run_cli
 
@@ -53,6 +53,20 @@ def run_events(ended: bool = True) -> list[dict]:
     return events
 
 
+def test_a_resumed_run_counts_only_the_tokens_it_trained():
+    """Resumed from a checkpoint at 1,000,000 tokens, the run trains two outer steps of 40,960
+    tokens in 190 s: its tokens/s and USD per 1M tokens are of those 81,920 tokens."""
+    events = run_events()
+    for e in events:
+        if e["type"] == "outer_step":
+            e["tokens_total"] += 1_000_000
+    events.insert(5, {"t": T0 + 12, "type": "resumed", "from_step": 10, "uri": "s3://b/run/"})
+    r = build_report(events)
+    assert r["tokens"] == 1_081_920 and r["tokens_this_run"] == 81_920
+    assert r["tokens_per_s"] == pytest.approx(81_920 / 190, abs=0.05)
+    assert r["usd_per_mtok"] == pytest.approx(0.205 / 81_920 * 1e6, abs=1e-6)
+
+
 def write_ledger(path, events: list[dict]) -> None:
     path.write_text("".join(json.dumps(e) + "\n" for e in events), encoding="utf-8")
 
@@ -82,6 +96,8 @@ def test_figures_of_a_completed_run():
     assert r["first_step_s"] == 10          # +100 - (80 + 10) - start
     assert r["preemptions"] == 0
     assert r["joins"] == 0                  # joins at outer step 0 are the start, not a rejoin
+    assert r["joins_at_start"] == 2         # ... said apart, not hidden: the console printed them
+    assert dict(headline_rows(r))["preemptions / joins"] == "0 / 0 (+2 at the start)"
     assert r["max_replicas_seen"] == 2
     assert r["checkpoints"] == ["s3://b/run/step-00000001"]
     assert (r["checkpoint_stall_s"], r["checkpoint_upload_s"]) == (0.5, 3.25)

@@ -146,3 +146,21 @@ def test_report_does_not_depend_on_when_it_is_built():
     assert build_report(events) == build_report(list(events))
     # A running ledger ends at its last event, not at the clock.
     assert build_report(events[:-1])["wall_s"] == 290
+
+
+def test_nodes_whose_replica_failed_its_setup_are_waste_and_lost_replicas():
+    """Two local nodes rented, each replica failing its setup, each node released: their whole
+    bill is waste (`setup_failed`) and both replicas count as lost."""
+    events = [started(ranks_per_replica=1)]
+    for n, iid in enumerate(("x", "y")):
+        t = T0 + 100 * n
+        events += [vm(t, iid, usd=0.36, on_demand=1.08, cloud="local", launched_at=t),
+                   {"t": t + 30, "type": "replica_lost", "replica": n, "instance_id": iid, "rule": "setup_failed",
+                    "reason": "setup failed: Ray assigned GPU 0 to this rank but torch sees no CUDA device",
+                    "phase": "setup", "lost_inner_steps": 0, "outer_step": 0},
+                   {"t": t + 31, "type": "node_released", "instance_id": iid}]
+    events.append(ended(T0 + 200, "failed"))
+    r = build_report(events)
+    assert r["wasted_usd"]["setup_failed"] == pytest.approx(2 * 31 * 0.36 / 3600)
+    assert r["wasted_usd"]["total"] == pytest.approx(r["cost_usd"])
+    assert r["replicas_lost"] == 2

@@ -122,3 +122,12 @@ def test_html_renders_its_charts_in_headless_chromium(tmp_path):
 
 def test_series_colours_never_repeat():
     assert len({color(n) for n in range(60)}) == 60
+
+
+
+def test_a_waste_chart_of_figures_that_all_read_zero_draws_no_bar():
+    events = richer_run()
+    report = build_report(events)
+    report["wasted_usd"] = {k: 0.0 for k in report["wasted_usd"]} | {"preemption": 0.00002, "total": 0.00002}
+    waste = render_html(events, report).split("USD wasted, by cause")[1].split("<h2>")[0]
+    assert "<rect" not in waste and "every figure is under $0.0001" in waste
