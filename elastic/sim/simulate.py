@@ -74,6 +74,12 @@ class TraceMarket:
             s[2].append(r.state)
         if not self._series:
             raise UserError("the trace has no row for resources.clouds / resources.regions")
+        # When each series' preemption hazard changes (the rows whose rate differs from the row
+        # before): `next_rate_change` finds the next one by bisection.
+        self._rate_changes: dict[tuple, list[float]] = {}
+        for key, (_, times, states) in self._series.items():   # rows come sorted by time (read_trace_rows)
+            self._rate_changes[key] = [t for i, t in enumerate(times)
+                                       if i and states[i].preempt_per_hour != states[i - 1].preempt_per_hour]
 
     def times(self) -> list[float]:
         """Every time a row of the trace starts, in order."""
@@ -109,6 +115,18 @@ class TraceMarket:
             if (st.spot_usd_per_hour if offer.spot else st.on_demand_usd_per_hour) != now:
                 return times[i]
         return math.inf
+
+    def preempt_per_hour(self, offer: Offer, t: float) -> float:
+        """The hazard a VM of `offer` runs at `t` (per hour; on-demand VMs are never preempted)."""
+        return self.state(offer.zone, offer.instance_type, t).preempt_per_hour if offer.spot else 0.0
+
+    def next_rate_change(self, offer: Offer, t: float) -> float:
+        """When the hazard a VM of `offer` runs next changes after `t` (inf: never; on-demand: never)."""
+        if not offer.spot:
+            return math.inf
+        changes = self._rate_changes[(offer.zone, offer.instance_type)]
+        i = bisect.bisect_right(changes, t)
+        return changes[i] if i < len(changes) else math.inf
 
     def offers(self, t: float, spot: bool) -> list[Offer]:
         """Offers now for spot or on-demand renting (spot ones with the trace's capacity)."""
@@ -251,36 +269,54 @@ class _Run:
         return True
 
     def advance(self, dt: float, stop_at_first_loss: bool, rest_until: float | None = None) -> dict[str, _Node]:
-        """Move time on by `dt` (or to the first preemption): draw preemptions (at each VM's rate
-        now), bill every VM. At each change of a held VM's price the budget is checked for the rest
-        (`affordable`; the rest lasts until `rest_until`, the phase's end, when later than `dt`), as
-        the driver does when it records a `node_price`: time stops there, with `status` set, when
-        the rest would cross it. Returns the preempted VMs by instance id (gone from `nodes`)."""
+        """Move time on by `dt` (or to the first preemption): draw preemptions, bill every VM. Each
+        VM's time to preemption is drawn at the hazard in effect, and drawn again at each change of
+        that hazard (memoryless: exact), so a hazard that lasts one trace row takes the VMs it
+        should even inside a phase. At each change of a held VM's price the budget is checked for
+        the rest (`affordable`; the rest lasts until `rest_until`, the phase's end, when later than
+        `dt`), as the driver does when it records a `node_price`: time stops there, with `status`
+        set, when the rest would cross it. Returns the preempted VMs by instance id (gone from
+        `nodes`).
+
+        A trace's capacity bounds launches only: a VM held where the capacity falls below what is
+        held goes through the hazard, as the trace states it (bench/traces/convert_real.py writes
+        a fall from n to m VMs as a hazard of ln(n/m) over its row: m/n of them stay, on average),
+        and as the driver's local market (providers.simmarket) does."""
         end = self.t + dt
         rest_until = max(end, rest_until or end)
-        draws = {}
-        for iid, n in self.nodes.items():
-            rate = self.market.state(n.offer.zone, n.offer.instance_type, self.t).preempt_per_hour \
-                if n.offer.spot else 0.0
+        draws: dict[str, float] = {}
+        rates: dict[str, float] = {}
+
+        def draw(iid: str, n: _Node) -> None:
+            rate = rates[iid] = self.market.preempt_per_hour(n.offer, self.t)
             if rate > 0:
-                at = self.rng.expovariate(rate / 3600)
-                if at < dt:
-                    draws[iid] = self.t + at
-        if stop_at_first_loss and draws:
-            first = min(draws, key=draws.get)
-            end, draws = draws[first], {first: draws[first]}
+                draws[iid] = self.t + self.rng.expovariate(rate / 3600)
+            else:
+                draws.pop(iid, None)
+
+        for iid, n in self.nodes.items():
+            draw(iid, n)
         gone = {}
         while True:
-            until = min([end] + [self.market.next_change(n.offer, self.t) for n in self.nodes.values()])
+            until = min([end] + [min(self.market.next_change(n.offer, self.t),
+                                     self.market.next_rate_change(n.offer, self.t)) for n in self.nodes.values()])
+            due = {iid: at for iid, at in draws.items() if at <= until and iid in self.nodes}
+            if stop_at_first_loss and due:
+                first = min(due, key=due.get)
+                end = until = due[first]
+                due = {first: due[first]}
             for iid in self.nodes:
-                self.rented_node_s += min(draws.get(iid, until), until) - self.t
-            for iid, at in sorted(draws.items(), key=lambda kv: kv[1]):
-                if at <= until and iid in self.nodes:
-                    self.events.append(NodePreempted(instance_id=iid, with_notice=False, replica=None).record(at))
-                    gone[iid] = self.nodes.pop(iid)
-                    self.closed_usd += self.usd(gone[iid], at, ended=True)
-                    self.preemptions += 1
+                self.rented_node_s += min(due.get(iid, until), until) - self.t
+            for iid, at in sorted(due.items(), key=lambda kv: kv[1]):
+                self.events.append(NodePreempted(instance_id=iid, with_notice=False, replica=None).record(at))
+                gone[iid] = self.nodes.pop(iid)
+                draws.pop(iid)
+                self.closed_usd += self.usd(gone[iid], at, ended=True)
+                self.preemptions += 1
             self.t = until
+            for iid, n in self.nodes.items():   # a new hazard: a fresh draw (the old one is memoryless)
+                if self.market.preempt_per_hour(n.offer, until) != rates[iid]:
+                    draw(iid, n)
             for n in self.nodes.values():   # the ledger's record of a price move, as the driver writes it
                 if self.market.next_change(n.offer, until - 1e-9) <= until:
                     self.events.append(NodePrice(instance_id=n.iid, usd_per_hour=self.price(n)).record(until))

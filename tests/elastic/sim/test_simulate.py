@@ -303,3 +303,20 @@ def test_the_recipe_names_the_policy_simulated_first_and_a_policy_object_runs_be
 
     (idle,) = simulate(recipe(**{"world.capacity_timeout_s": 600}), path, [Idle()])
     assert (idle["policy"], idle["status"], idle["cost_usd"], idle["tokens"]) == ("idle", "insufficient_capacity", 0, 0)
+
+
+def test_a_hazard_lasting_one_row_takes_the_vms_of_a_phase_started_before_it(tmp_path):
+    # 4 VMs train a phase (about 1.5 h) that starts before the zone's drop: a 60-per-hour hazard for
+    # 195 s, then no capacity. Drawn once at the phase's start (rate 0), no VM was ever taken; drawn
+    # again at each change of the hazard, about 96 % of them go within those 195 s (e^-3.25 stay).
+    trace = write_trace(tmp_path / "drop.csv", [row(0, "z1a", 10.0, cap=4), row(3000, "z1a", 10.0, rate=60.0, cap=4),
+                                                row(3195, "z1a", 10.0, cap=0)])
+    r = recipe(**{"world.replicas": 4, "world.min_replicas": 1, "world.max_replicas": 4})
+    taken = 0
+    for seed in range(10):
+        ledgers = {}
+        simulate(r, trace, ["elastic"], seed, ledgers=ledgers)
+        launched = sum(e["type"] == "node_launched" and e["t"] < 3000 for e in ledgers["elastic"])
+        assert launched == 4
+        taken += sum(e["type"] == "node_preempted" and 3000 <= e["t"] <= 3195 for e in ledgers["elastic"])
+    assert taken >= 36   # of 40: 38.4 expected
