@@ -41,9 +41,10 @@ def run_tokens(recipe) -> int:
 
 
 def allowed(offer, resources) -> bool:
-    """The recipe lets this offer be rented (regions, price cap, spot or on-demand)."""
+    """The recipe lets this offer be rented (regions, price cap, spot or on-demand; a spot recipe
+    falls back on on-demand offers where the policy quotes them: `policy.on_demand_need`)."""
     return ((not resources.regions or offer.region in resources.regions)
-            and offer.spot == resources.spot
+            and (offer.spot == resources.spot or not offer.spot)
             and (resources.max_usd_per_hour is None or offer.usd_per_hour <= resources.max_usd_per_hour))
 
 

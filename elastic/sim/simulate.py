@@ -20,7 +20,9 @@ Two models of the job, by the policy's `whole_job`:
   Under the pause rule (budget.max_hours, `planner.pauses`) the policy is asked at each price sample
   (`planner.price_sample_s`), in a phase too, and a `Pause` takes effect at the next outer-step
   boundary: a checkpoint, every VM released, the wait not counted against world.capacity_timeout_s;
-  after `Unpause` the world restarts from that checkpoint.
+  after `Unpause` the world restarts from that checkpoint. A spot run with budget.max_hours is
+  quoted the trace's on-demand offers too (the deadline rule's fallback), and a shortage does not
+  end it while the policy `waits_for_capacity`.
 - a whole job (`_whole_job`; the baselines of `elastic.policy.baselines`): a fixed world that trains only
   when every VM is up; any loss stops it, and it restarts from its last checkpoint once whole again
   (with `moves_on_loss`, every VM is released first). The snapshot quotes the trace's offers as
@@ -390,6 +392,9 @@ def _elastic_world(run: _Run) -> None:
     market = Market(recipe.planner)
     ex = Executor(run.policy, run, recipe, started_s=0.0)   # as the driver: the first re-plan one interval in
     sample_s = recipe.planner.price_sample_s if pauses(recipe) else None
+    # A spot run with a deadline is quoted on-demand offers too, as the driver's offer feed does:
+    # the deadline rule's fallback (`policy.on_demand_need`).
+    on_demand = recipe.resources.spot and recipe.budget.max_hours is not None
 
     def to_next_sample() -> float:
         """Seconds to the next price sample under the pause rule (inf without it): the driver's
@@ -413,7 +418,9 @@ def _elastic_world(run: _Run) -> None:
                           for n in run.nodes.values())
             snap = run.snapshot(nodes=nodes,
                                 quotes=tuple(market.quotes(run.market.offers(run.t, recipe.resources.spot), run.t)),
-                                budget_horizon_s=horizon_s, **ex.fed(run.t))
+                                budget_horizon_s=horizon_s,
+                                on_demand=tuple(market.quote(o, run.t) for o in run.market.offers(run.t, False))
+                                if on_demand else (), **ex.fed(run.t))
             if ex.act(snap):
                 break
         if ex.state.gave_up:
@@ -442,7 +449,8 @@ def _elastic_world(run: _Run) -> None:
                 short_since = None        # a pause is no capacity shortage
             elif short_since is None:
                 short_since = run.t
-            if not booting and short_since is not None and run.t - short_since > w.capacity_timeout_s:
+            if not booting and short_since is not None and run.t - short_since > w.capacity_timeout_s \
+                    and not ex.state.waits_for_capacity:   # the deadline rule: on-demand can still finish it
                 run.status = "insufficient_capacity"
                 break
             dt = (min(booting) - run.t) if booting else WAIT_S
