@@ -696,7 +696,8 @@ def _steady_world(s: Snapshot, quotes: list[Quote]) -> list[Action]:
 
 def _pending_quote(s: Snapshot, offer: Offer) -> Quote:
     """A launch under way, as the planner counts it (the market's quote when it still offers it)."""
-    return next((q for q in s.quotes if q.key == offer_key(offer)), Quote(offer, 0.0, "prior"))
+    return next((q for q in s.quotes + s.on_demand if q.key == offer_key(offer) and q.offer.spot == offer.spot),
+                Quote(offer, 0.0, "prior"))
 
 
 def _top_up(s: Snapshot, quotes: list[Quote], held: list[Quote], wanted: int,

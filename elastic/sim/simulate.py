@@ -209,7 +209,7 @@ class _Run:
         it replaces `move.drain` once it trains (`hand_over`)."""
         offer = quote.offer
         st = self.market.state(offer.zone, offer.instance_type, self.t)
-        held = sum(1 for n in self.nodes.values() if offer_key(n.offer) == offer_key(offer))
+        held = sum(1 for n in self.nodes.values() if offer_key(n.offer) == offer_key(offer) and n.offer.spot)
         if offer.spot and st.capacity is not None and held >= st.capacity:
             self.record(CapacityRefused(zone=offer.zone, instance_type=offer.instance_type,
                                         message="the trace's capacity is held"))
