@@ -400,7 +400,7 @@ def _plan(args, out) -> int:
     from rich.table import Table
 
     from elastic.errors import UserError
-    from elastic.run.fleet import plan_now
+    from elastic.run.fleet import on_demand_fallback, plan_now
     from elastic.recipe.model import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
@@ -411,6 +411,10 @@ def _plan(args, out) -> int:
     if placement is None:
         raise UserError("resources: no offer matches resources.clouds / regions / accelerators / max_usd_per_hour")
     doc = placement.to_dict(recipe)
+    fallback = on_demand_fallback(recipe)
+    doc["on_demand_fallback"] = None if fallback is None else {
+        "replicas": len(fallback.quotes), "usd_per_hour": round(fallback.usd_per_hour, 4),
+        "expected_hours": round(fallback.expected_hours, 4), "expected_usd": round(fallback.expected_usd, 2)}
     if args.json:
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
     else:
@@ -433,6 +437,11 @@ def _plan(args, out) -> int:
                       f"${doc['usd_per_mtok']:.4f} per 1M tokens; "
                       f"{doc['tokens_needed']:,} tokens in about {_hours(doc['expected_hours'])} for "
                       f"${doc['expected_usd']:,.2f}", highlight=False)
+        if (fb := doc["on_demand_fallback"]) is not None:
+            out.print(f"on-demand fallback (budget.max_hours): if spot stays out, the run waits while the deadline "
+                      f"allows, then {fb['replicas']} on-demand replica(s) at ${fb['usd_per_hour']:.2f}/h train the "
+                      f"whole run in about {_hours(fb['expected_hours'])} for ${fb['expected_usd']:,.2f}",
+                      highlight=False)
         _print_warnings(out, doc["warnings"])
     return 0 if placement.feasible else 4
 

@@ -165,12 +165,14 @@ class UniformProgress(Policy):
     - on-demand replicas stay until cp ≥ ep(t + 2d) (never, under the safety net), then leave
       (`Release`): their slots take spot where it has room, else stay idle;
     - ahead with no spot, slots stay idle: the world's wait is the policy's choice, not a capacity
-      shortage (`waits_for_spot`).
+      shortage (`waits_for_capacity`).
     """
 
     name = "uniform-progress"
     on_demand_fallback = True
-    waits_for_spot = True
+
+    def waits_for_capacity(self, s: Snapshot) -> bool:
+        return True   # its idle world is its choice (ahead of the line), and on-demand is its net
 
     def decide(self, s: Snapshot) -> list[Action]:
         r = s.recipe

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from elastic.record.events import LaunchHeldBack, ReplicaMove, WorldTarget, WorldUnpaused
+from elastic.record.events import LaunchHeldBack, OnDemandEnded, OnDemandStarted, ReplicaMove, WorldTarget, WorldUnpaused
 from elastic.policy.market import Key, Quote
 from elastic.policy.planner import Move
 from elastic.policy.rules import (Action, HoldBack, Pace, Pause, Place, Policy, PriceSeen, Refusal, Release, Rent, Replan,
@@ -57,6 +57,10 @@ class PolicyState:
         budget_held_back: the last launch wanted was held back by the budget.
         gave_up: the budget cannot pay for world.min_replicas and nothing is on its way.
         capacity_logged, budget_logged: `launch_held_back` written for this shortage / this run.
+        waits_for_capacity: the policy's `waits_for_capacity` on the last decision's snapshot: a
+            shortage does not end the run after world.capacity_timeout_s.
+        on_demand_since: when the deadline rule's first on-demand VM was rented (`on_demand_started`);
+            None: no on-demand VM held for it.
     """
 
     target_replicas: int = 0
@@ -74,6 +78,8 @@ class PolicyState:
     gave_up: bool = False
     capacity_logged: bool = False
     budget_logged: bool = False
+    waits_for_capacity: bool = False
+    on_demand_since: float | None = None
 
 
 class Executor:
@@ -111,12 +117,17 @@ class Executor:
     def act(self, s: Snapshot) -> bool:
         """Ask the policy on `s` (built with `fed`) and apply its actions; False when a launch was
         refused (the rest not done: ask again, the refused offer now resting)."""
+        self.state.waits_for_capacity = self.policy.waits_for_capacity(s)
         return self.apply(self.policy.decide(s), s)
 
     def apply(self, actions: list[Action], s: Snapshot) -> bool:
         """Carry out `actions`, decided on `s`, in order; False when a launch was refused (the
         actions after it are not done)."""
         st, now = self.state, s.time_s
+        if st.on_demand_since is not None and s.recipe.resources.spot \
+                and all(n.quote.offer.spot for n in s.nodes) and all(o.spot for o in s.pending):
+            self.host.record(OnDemandEnded(held_s=round(now - st.on_demand_since, 3)))
+            st.on_demand_since = None
         for a in actions:
             if isinstance(a, Retarget):
                 st.target_replicas, st.planned = a.replicas, True
@@ -152,6 +163,13 @@ class Executor:
                     self.refused(a.quote.key, now)
                     return False
                 st.capacity_logged = st.budget_held_back = False
+                if a.deadline is not None and st.on_demand_since is None:
+                    d = a.deadline
+                    st.on_demand_since = now
+                    self.host.record(OnDemandStarted(reason="deadline", slack_s=round(d.slack_s, 3),
+                                                     margin_s=round(d.margin_s, 3),
+                                                     hours_needed=round(d.need_s / 3600, 4), replicas=d.replicas,
+                                                     usd_expected=round(d.usd, 4)))
                 if a.move is not None:
                     self._record_move(a.move)
         return True

@@ -41,9 +41,10 @@ def run_tokens(recipe) -> int:
 
 
 def allowed(offer, resources) -> bool:
-    """The recipe lets this offer be rented (regions, price cap, spot or on-demand)."""
+    """The recipe lets this offer be rented (regions, price cap, spot or on-demand; a spot recipe
+    falls back on on-demand offers where the policy quotes them: `policy.on_demand_need`)."""
     return ((not resources.regions or offer.region in resources.regions)
-            and offer.spot == resources.spot
+            and (offer.spot == resources.spot or not offer.spot)
             and (resources.max_usd_per_hour is None or offer.usd_per_hour <= resources.max_usd_per_hour))
 
 
@@ -183,11 +184,11 @@ def _fill(ranked: list[Quote], held: list[Quote], n: int, k: int, planner) -> li
     """Greedy: the best quote of each of the first k distinct groups (spread), then the best quotes
     in order, each up to its known capacity."""
     chosen = list(held)
-    used = Counter(q.key for q in held)
+    used = Counter((q.key, q.offer.spot) for q in held)   # on-demand VMs take no spot capacity
     groups = {_group(q, planner) for q in held}
 
     def room(q):
-        return q.capacity is None or used[q.key] < q.capacity
+        return q.capacity is None or used[(q.key, q.offer.spot)] < q.capacity
 
     if len(groups) < k:
         for q in ranked:
@@ -196,14 +197,14 @@ def _fill(ranked: list[Quote], held: list[Quote], n: int, k: int, planner) -> li
             g = _group(q, planner)
             if g not in groups and room(q):
                 chosen.append(q)
-                used[q.key] += 1
+                used[(q.key, q.offer.spot)] += 1
                 groups.add(g)
     for q in ranked:
         if len(chosen) >= n:
             break
         while len(chosen) < n and room(q):
             chosen.append(q)
-            used[q.key] += 1
+            used[(q.key, q.offer.spot)] += 1
     return chosen
 
 

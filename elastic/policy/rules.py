@@ -20,6 +20,17 @@ carried over from its last decisions (fed back by the executor). The `elastic` p
   rests after a spike of preemptions). The new VM is rented; the old one leaves at once (`Release`)
   when its tokens cost more than the new VM's, boot included (`planner.leaves_at_once`), else
   drains once the new one trains;
+- **deadline** (with budget.max_hours, a spot recipe and on-demand offers in the snapshot): the
+  slack is the time left to the deadline less what the cheapest on-demand world of
+  world.max_replicas would need to train the rest (one boot included). While spot is short and the
+  slack is above `ON_DEMAND_MARGIN` of that need (at least two phases and a boot), the run waits
+  for spot; at the margin, the world grows to world.max_replicas and every launch is the
+  planner's pick among spot and on-demand offers together (`OnDemandNeed`): on-demand where spot
+  has no room, spot where it has. A re-plan then moves on-demand replicas to spot once spot is back
+  (the planner's usual move, hysteresis and payback: the old VM trains until the new one does, so
+  the pace holds). While on-demand could still finish the run within the deadline and
+  budget.max_usd, a shortage never ends the run (`waits_for_capacity`: world.capacity_timeout_s
+  does not apply);
 - **budget**: a launch must leave the spend within budget.max_usd for its cloud's billing minimum
   (or until the budget is next checked, when longer) of every held VM and the new one
   (`launch_fits_budget`, inside `decide`); an outer step (or a wait) must not carry the spend past
@@ -67,6 +78,7 @@ UNPAUSE_AT = 1.05        # paused, it trains again at this many times θ (a pric
 MIN_SHARE = 0.05         # θ is never below the price of the cheapest 5 % of the samples' tokens (not an outlier)
 DEAR_SAVING = 0.25       # a replica dearer than HYSTERESIS θ leaves for a launch this much cheaper
 GO_ON_NEED = 0.95        # at this share of the time left needed, it trains whatever the price
+ON_DEMAND_MARGIN = 0.10  # slack kept, as a share of the on-demand world's hours to finish the rest
 
 
 @dataclass(frozen=True)
@@ -131,8 +143,9 @@ class Snapshot:
         priced_at_s: when the last sample was taken.
         paused: the policy paused the run (`Pause`) and has not unpaused it.
         place: where a whole-job baseline keeps its world (`Place`); None: not chosen yet.
-        on_demand_quotes: on-demand offers, quoted as `quotes` are, for a policy that falls back
-            to on-demand in a spot recipe (`Policy.on_demand_fallback`); empty for the others.
+        on_demand_quotes: on-demand offers, quoted by the market, for a spot recipe with
+            budget.max_hours (the deadline rule's fallback) or a policy that falls back on them
+            (`Policy.on_demand_fallback`); empty otherwise.
     """
 
     recipe: object
@@ -157,11 +170,45 @@ class Snapshot:
 
 
 @dataclass(frozen=True)
+class OnDemandNeed:
+    """The deadline rule's reading (see the module's docstring).
+
+    Args:
+        slack_s: seconds left to budget.max_hours less `need_s` (negative: on-demand is too slow).
+        margin_s: the slack the rule keeps; below it, on-demand replicas are rented.
+        need_s: seconds the cheapest on-demand world of world.max_replicas needs to train the rest,
+            one boot included.
+        usd: what that world is expected to cost for it (USD), if spot stays out.
+        replicas: its size.
+        fits_budget: the spend so far plus `usd` stays within budget.max_usd.
+    """
+
+    slack_s: float
+    margin_s: float
+    need_s: float
+    usd: float
+    replicas: int
+    fits_budget: bool
+
+    @property
+    def late(self) -> bool:
+        """The deadline needs on-demand replicas now."""
+        return self.slack_s < self.margin_s
+
+    @property
+    def can_finish(self) -> bool:
+        """On-demand could still finish the run within the deadline and budget.max_usd."""
+        return self.slack_s >= 0 and self.fits_budget
+
+
+@dataclass(frozen=True)
 class Rent:
-    """Rent one VM from `quote.offer`; with `move`, it replaces `move.drain` once it trains."""
+    """Rent one VM from `quote.offer`; with `move`, it replaces `move.drain` once it trains;
+    `deadline`: rented because the deadline needs it (an on-demand offer in a spot run)."""
 
     quote: Quote
     move: Move | None = None
+    deadline: OnDemandNeed | None = None
 
 
 @dataclass(frozen=True)
@@ -308,8 +355,6 @@ class Policy:
             world afresh.
         on_demand_fallback: in a spot recipe, the snapshot also quotes on-demand offers
             (`Snapshot.on_demand_quotes`) and the policy may rent them.
-        waits_for_spot: a world below world.min_replicas may be the policy's own choice (idle while
-            ahead of its deadline), not a capacity shortage: world.capacity_timeout_s does not end it.
     """
 
     name: ClassVar[str]
@@ -317,7 +362,6 @@ class Policy:
     whole_job: ClassVar[bool] = False
     moves_on_loss: ClassVar[bool] = False
     on_demand_fallback: ClassVar[bool] = False
-    waits_for_spot: ClassVar[bool] = False
 
     def due(self, s: Snapshot) -> bool:
         """Whether `decide` may do anything now, judged without the offers (`s.quotes` unread:
@@ -336,6 +380,12 @@ class Policy:
         """Whether to checkpoint at this outer-step boundary (`ending`: the run stops now)."""
         return checkpoint_due(s, ending)
 
+    def waits_for_capacity(self, s: Snapshot) -> bool:
+        """Whether a shortage of replicas may last past world.capacity_timeout_s without ending the
+        run (asked on the snapshot of each decision): on-demand can still finish it, or the world
+        below world.min_replicas is the policy's own choice (idle while ahead of its deadline)."""
+        return False
+
 
 class ElasticPolicy(Policy):
     """The project's policy: the rules of this module (`due`, `decide`), for a world whose DiLoCo
@@ -348,6 +398,10 @@ class ElasticPolicy(Policy):
 
     def decide(self, s: Snapshot) -> list[Action]:
         return decide(s)
+
+    def waits_for_capacity(self, s: Snapshot) -> bool:
+        need = on_demand_need(s)
+        return need is not None and need.can_finish
 
 
 # -- the rules -------------------------------------------------------------------------------------
@@ -527,6 +581,24 @@ def _dear(s: Snapshot, quotes: list[Quote], p: Pace) -> list[Release]:
     return out
 
 
+def on_demand_need(s: Snapshot) -> OnDemandNeed | None:
+    """The deadline rule's reading now; None where it does not apply (no budget.max_hours, no
+    on-demand offer in the snapshot, nothing left to train)."""
+    r = s.recipe
+    if r.budget.max_hours is None or not s.on_demand_quotes or finished(s):
+        return None
+    world = plan(list(s.on_demand_quotes), r, n=r.world.max_replicas)
+    if not world.quotes or world.useful_tokens_per_s <= 0:
+        return None
+    train_s = hours_to_finish(world, r, s.progress) * 3600
+    need_s = train_s + r.planner.recovery_s
+    left_s = r.budget.max_hours * 3600 - (s.time_s - s.started_s)
+    margin_s = max(ON_DEMAND_MARGIN * need_s, 2 * world.phase_s + r.planner.recovery_s)
+    usd = world.usd_per_hour * need_s / 3600
+    fits = r.budget.max_usd is None or s.spent_usd + usd <= r.budget.max_usd
+    return OnDemandNeed(left_s - need_s, margin_s, need_s, usd, len(world.quotes), fits)
+
+
 def _in_world(s: Snapshot) -> list[Node]:
     return [n for n in s.nodes if not n.leaving]
 
@@ -605,26 +677,39 @@ def _steady_world(s: Snapshot, quotes: list[Quote]) -> list[Action]:
         grown = _retarget(s, quotes, held, target)
         target = grown.replicas if grown else target
         out.append(grown or Retarget(target, 0.0, grown=False))
+    need = on_demand_need(s)
+    if need is not None and need.late:
+        # The deadline needs the on-demand world's pace: the world grows to its size, and every
+        # launch is the planner's cheapest among spot and on-demand offers.
+        quotes = quotes + [q for q in s.on_demand_quotes if not resting(s, q.key)]
+        if need.replicas > target:
+            target = need.replicas
+            out.append(Retarget(target, need.need_s / 3600, grown=True))
+    else:
+        need = None
     wanted = max(0, target - len(held))
     if wanted:
-        return out + _top_up(s, quotes, held, wanted)
+        return out + _top_up(s, quotes, held, wanted, need)
     if _replan_due(s) and s.quotes:
         out.append(Replan(s.time_s))
         grown = _retarget(s, quotes, held, target)
         if grown:
             out.append(grown)
-            return out + _top_up(s, quotes, held, grown.replicas - len(held))
+            return out + _top_up(s, quotes, held, grown.replicas - len(held), need)
         out += _moves(s, quotes, in_world)
     return out
 
 
 def _pending_quote(s: Snapshot, offer: Offer) -> Quote:
     """A launch under way, as the planner counts it (the market's quote when it still offers it)."""
-    return next((q for q in s.quotes if q.key == offer_key(offer)), Quote(offer, 0.0, "prior"))
+    return next((q for q in s.quotes + s.on_demand_quotes if q.key == offer_key(offer) and q.offer.spot == offer.spot),
+                Quote(offer, 0.0, "prior"))
 
 
-def _top_up(s: Snapshot, quotes: list[Quote], held: list[Quote], wanted: int) -> list[Action]:
-    """Rent `wanted` more where the planner says, each within the budget."""
+def _top_up(s: Snapshot, quotes: list[Quote], held: list[Quote], wanted: int,
+            need: OnDemandNeed | None = None) -> list[Action]:
+    """Rent `wanted` more where the planner says, each within the budget (`need`: the deadline
+    rule's reading when it let on-demand offers in: an on-demand launch carries it)."""
     out: list[Action] = []
     held = list(held)
     spent, rate = s.spent_usd, usd_per_hour_held(s)
@@ -642,7 +727,7 @@ def _top_up(s: Snapshot, quotes: list[Quote], held: list[Quote], wanted: int) ->
             out.append(HoldBack("budget", held=len(held), usd_per_hour=q.offer.usd_per_hour,
                                 gives_up=not on_way and len(_in_world(s)) < s.recipe.world.min_replicas))
             break
-        out.append(Rent(q))
+        out.append(Rent(q, deadline=need if need is not None and not q.offer.spot else None))
         held.append(q)
         rate += q.offer.usd_per_hour
     return out

@@ -525,6 +525,37 @@ class WorldTarget(Event):
         return f"world grows to {self.replicas} replicas to finish within budget.max_hours"
 
 
+@_event("on_demand_started")
+class OnDemandStarted(Event):
+    """A spot run rents on-demand VMs: the deadline needs them (`policy.OnDemandNeed`). Args:
+    reason: the rule (`deadline`). slack_s: seconds to budget.max_hours less what the on-demand
+    world needs. margin_s: the slack the rule keeps. hours_needed: the on-demand world's hours to
+    finish the rest. replicas: its size. usd_expected: its expected USD if spot stays out."""
+
+    reason: str
+    slack_s: float
+    margin_s: float
+    hours_needed: float
+    replicas: int
+    usd_expected: float
+
+    def story(self) -> str:
+        return (f"spot is short and the deadline is near: renting on-demand ({self.replicas} replicas finish in "
+                f"{self.hours_needed:.1f} h, about ${self.usd_expected:,.2f} if spot stays out; slack "
+                f"{self.slack_s / 3600:.1f} h)")
+
+
+@_event("on_demand_ended")
+class OnDemandEnded(Event):
+    """The run holds no on-demand VM any more (spot took their place). Args: held_s: seconds since
+    `on_demand_started`."""
+
+    held_s: float
+
+    def story(self) -> str:
+        return f"back on spot only, after {self.held_s / 3600:.1f} h with on-demand replicas"
+
+
 @_event("world_formed")
 class WorldFormed(Event):
     """The members changed before an outer step. Args: epoch: the membership epoch. replicas:

@@ -137,7 +137,8 @@ class Driver:
                              tokens_per_inner_step=t.batch_size * t.seq_len,
                              measured_before=load_throughput(workload_key(self.recipe)))
         self.world = World(self.recipe)
-        self.offer_feed = OfferFeed(self.providers, self.recipe.resources, self.ledger)
+        self.offer_feed = OfferFeed(self.providers, self.recipe.resources, self.ledger,
+                                    on_demand_too=self.recipe.budget.max_hours is not None)
         self.rentals = Rentals(self.providers, self.run_name, self.ledger, self.world, self.prices,
                                self.executor.refused)
         threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
@@ -186,10 +187,11 @@ class Driver:
         """Every VM the run holds, across providers."""
         return [i for p in self.providers.values() for i in p.list_instances(self.run_name)]
 
-    def _snapshot(self, quotes=()):
+    def _snapshot(self, quotes=(), on_demand=()):
         """What the policy sees now (`policy.Snapshot`): the VMs held that joined the cluster (a
-        cloud VM still booting is a launch under way), launches under way, `quotes` (the market's),
-        progress, spend and the policy's own state."""
+        cloud VM still booting is a launch under way), launches under way, `quotes` (the market's;
+        `on_demand`: a spot run's on-demand offers, for the deadline rule), progress, spend and the
+        policy's own state."""
         from elastic.policy.rules import Node, Snapshot
 
         now, w = time.time(), self.world
@@ -205,7 +207,8 @@ class Driver:
                               ready=rid in w.replicas, leaving=rid in self._draining,
                               notice_deadline_s=self._draining.get(rid), moving=inst.instance_id in moving))
         return Snapshot(self.recipe, now, self._t0, nodes=tuple(nodes), pending=tuple(self.rentals.under_way),
-                        quotes=tuple(quotes), progress=self._progress(), spent_usd=self.prices.spent_usd(now),
+                        quotes=tuple(quotes), on_demand_quotes=tuple(on_demand), progress=self._progress(),
+                        spent_usd=self.prices.spent_usd(now),
                         budget_horizon_s=self._last_step_s, checkpointed_step=self._checkpointed_step,
                         **self.executor.fed(now))
 
@@ -219,7 +222,9 @@ class Driver:
         if every is None:
             return
         self.market.observe(self.ledger.events)
-        self.executor.act(self._snapshot(self.market.quotes(every, time.time())))
+        now, spot = time.time(), self.recipe.resources.spot
+        on_demand = [self.market.quote(o, now) for o in every if spot and not o.spot]
+        self.executor.act(self._snapshot(self.market.quotes([o for o in every if o.spot == spot], now), on_demand))
 
     # -- the executor's host (elastic.policy.executor.Host) ---------------------------------------------
 
@@ -497,7 +502,9 @@ class Driver:
                                                          replicas=alive, gave_up=True))
                 return False
             short_since = (short_since or time.monotonic()) if on_way < w.min_replicas else None
-            if short_since is not None and time.monotonic() - short_since > w.capacity_timeout_s:
+            # With a deadline, the deadline rule replaces the timeout while on-demand could finish.
+            if short_since is not None and time.monotonic() - short_since > w.capacity_timeout_s \
+                    and not self.executor.state.waits_for_capacity:
                 if not waited:
                     self.ledger.append(CapacityWaitStarted(replicas=alive, min_replicas=w.min_replicas))
                 self.ledger.append(CapacityWaitEnded(waited_s=round(time.monotonic() - start, 3),

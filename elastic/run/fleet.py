@@ -180,6 +180,20 @@ def _share(fraction: float) -> str:
     return f"about {min(99, round(100 * fraction))} %"
 
 
+def on_demand_fallback(recipe: Recipe) -> Placement | None:
+    """What the deadline rule falls back on if spot stays out (`policy.on_demand_need`): the
+    cheapest on-demand world of world.max_replicas on the live offers, for a spot recipe with
+    budget.max_hours; None otherwise, or when no on-demand offer matches."""
+    if not recipe.resources.spot or recipe.budget.max_hours is None:
+        return None
+    od = recipe.model_copy(update={"resources": recipe.resources.model_copy(update={"spot": False})})
+    offers = live_offers(od)
+    if not offers:
+        return None
+    world = plan(Market(recipe.planner).quotes(offers, time.time()), od, n=recipe.world.max_replicas)
+    return world if world.quotes else None
+
+
 # -- elastic down -----------------------------------------------------------------------------------
 
 RUNS = Path("runs")   # where `elastic launch` makes run directories by default

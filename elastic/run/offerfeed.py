@@ -23,10 +23,13 @@ class OfferFeed:
         providers: cloud name -> provider.
         resources: the recipe's resources section (what the providers offer).
         ledger: the run's ledger (`market_unavailable`, `market_available`).
+        on_demand_too: with a spot `resources`, ask for the on-demand offers as well (the deadline
+            rule's fallback, `policy.on_demand_need`).
     """
 
-    def __init__(self, providers: dict, resources, ledger):
+    def __init__(self, providers: dict, resources, ledger, on_demand_too: bool = False):
         self._providers, self._resources, self._ledger = providers, resources, ledger
+        self._on_demand = resources.model_copy(update={"spot": False}) if on_demand_too and resources.spot else None
         self._seen: set[str] = set()      # clouds whose offers answered at least once
         self._down: set[str] = set()      # clouds whose offers fail now (market_unavailable)
         self._asking: Future | None = None
@@ -90,7 +93,7 @@ class OfferFeed:
             answers: dict = {}
             for name, p in self._providers.items():
                 try:
-                    answers[name] = p.offers(self._resources)
+                    answers[name] = p.offers(self._resources) + (p.offers(self._on_demand) if self._on_demand else [])
                 except Exception as exc:
                     answers[name] = exc
             asked.set_result((answers, time.monotonic()))

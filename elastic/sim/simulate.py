@@ -20,7 +20,9 @@ Two models of the job, by the policy's `whole_job`:
   Under the pause rule (budget.max_hours, `planner.pauses`) the policy is asked at each price sample
   (`planner.price_sample_s`), in a phase too, and a `Pause` takes effect at the next outer-step
   boundary: a checkpoint, every VM released, the wait not counted against world.capacity_timeout_s;
-  after `Unpause` the world restarts from that checkpoint.
+  after `Unpause` the world restarts from that checkpoint. A spot run with budget.max_hours is
+  quoted the trace's on-demand offers too (the deadline rule's fallback), and a shortage does not
+  end it while the policy `waits_for_capacity`.
 - a whole job (`_whole_job`; the baselines of `elastic.policy.baselines`): a fixed world that trains only
   when every VM is up; any loss stops it, and it restarts from its last checkpoint once whole again
   (with `moves_on_loss`, every VM is released first). The snapshot quotes the trace's offers as
@@ -74,6 +76,12 @@ class TraceMarket:
             s[2].append(r.state)
         if not self._series:
             raise UserError("the trace has no row for resources.clouds / resources.regions")
+        # When each series' preemption hazard changes (the rows whose rate differs from the row
+        # before): `next_rate_change` finds the next one by bisection.
+        self._rate_changes: dict[tuple, list[float]] = {}
+        for key, (_, times, states) in self._series.items():   # rows come sorted by time (read_trace_rows)
+            self._rate_changes[key] = [t for i, t in enumerate(times)
+                                       if i and states[i].preempt_per_hour != states[i - 1].preempt_per_hour]
 
     def times(self) -> list[float]:
         """Every time a row of the trace starts, in order."""
@@ -109,6 +117,18 @@ class TraceMarket:
             if (st.spot_usd_per_hour if offer.spot else st.on_demand_usd_per_hour) != now:
                 return times[i]
         return math.inf
+
+    def preempt_per_hour(self, offer: Offer, t: float) -> float:
+        """The hazard a VM of `offer` runs at `t` (per hour; on-demand VMs are never preempted)."""
+        return self.state(offer.zone, offer.instance_type, t).preempt_per_hour if offer.spot else 0.0
+
+    def next_rate_change(self, offer: Offer, t: float) -> float:
+        """When the hazard a VM of `offer` runs next changes after `t` (inf: never; on-demand: never)."""
+        if not offer.spot:
+            return math.inf
+        changes = self._rate_changes[(offer.zone, offer.instance_type)]
+        i = bisect.bisect_right(changes, t)
+        return changes[i] if i < len(changes) else math.inf
 
     def offers(self, t: float, spot: bool) -> list[Offer]:
         """Offers now for spot or on-demand renting (spot ones with the trace's capacity)."""
@@ -189,7 +209,7 @@ class _Run:
         it replaces `move.drain` once it trains (`hand_over`)."""
         offer = quote.offer
         st = self.market.state(offer.zone, offer.instance_type, self.t)
-        held = sum(1 for n in self.nodes.values() if offer_key(n.offer) == offer_key(offer))
+        held = sum(1 for n in self.nodes.values() if offer_key(n.offer) == offer_key(offer) and n.offer.spot)
         if offer.spot and st.capacity is not None and held >= st.capacity:
             self.record(CapacityRefused(zone=offer.zone, instance_type=offer.instance_type,
                                         message="the trace's capacity is held"))
@@ -251,36 +271,54 @@ class _Run:
         return True
 
     def advance(self, dt: float, stop_at_first_loss: bool, rest_until: float | None = None) -> dict[str, _Node]:
-        """Move time on by `dt` (or to the first preemption): draw preemptions (at each VM's rate
-        now), bill every VM. At each change of a held VM's price the budget is checked for the rest
-        (`affordable`; the rest lasts until `rest_until`, the phase's end, when later than `dt`), as
-        the driver does when it records a `node_price`: time stops there, with `status` set, when
-        the rest would cross it. Returns the preempted VMs by instance id (gone from `nodes`)."""
+        """Move time on by `dt` (or to the first preemption): draw preemptions, bill every VM. Each
+        VM's time to preemption is drawn at the hazard in effect, and drawn again at each change of
+        that hazard (memoryless: exact), so a hazard that lasts one trace row takes the VMs it
+        should even inside a phase. At each change of a held VM's price the budget is checked for
+        the rest (`affordable`; the rest lasts until `rest_until`, the phase's end, when later than
+        `dt`), as the driver does when it records a `node_price`: time stops there, with `status`
+        set, when the rest would cross it. Returns the preempted VMs by instance id (gone from
+        `nodes`).
+
+        A trace's capacity bounds launches only: a VM held where the capacity falls below what is
+        held goes through the hazard, as the trace states it (bench/traces/convert_real.py writes
+        a fall from n to m VMs as a hazard of ln(n/m) over its row: m/n of them stay, on average),
+        and as the driver's local market (providers.simmarket) does."""
         end = self.t + dt
         rest_until = max(end, rest_until or end)
-        draws = {}
-        for iid, n in self.nodes.items():
-            rate = self.market.state(n.offer.zone, n.offer.instance_type, self.t).preempt_per_hour \
-                if n.offer.spot else 0.0
+        draws: dict[str, float] = {}
+        rates: dict[str, float] = {}
+
+        def draw(iid: str, n: _Node) -> None:
+            rate = rates[iid] = self.market.preempt_per_hour(n.offer, self.t)
             if rate > 0:
-                at = self.rng.expovariate(rate / 3600)
-                if at < dt:
-                    draws[iid] = self.t + at
-        if stop_at_first_loss and draws:
-            first = min(draws, key=draws.get)
-            end, draws = draws[first], {first: draws[first]}
+                draws[iid] = self.t + self.rng.expovariate(rate / 3600)
+            else:
+                draws.pop(iid, None)
+
+        for iid, n in self.nodes.items():
+            draw(iid, n)
         gone = {}
         while True:
-            until = min([end] + [self.market.next_change(n.offer, self.t) for n in self.nodes.values()])
+            until = min([end] + [min(self.market.next_change(n.offer, self.t),
+                                     self.market.next_rate_change(n.offer, self.t)) for n in self.nodes.values()])
+            due = {iid: at for iid, at in draws.items() if at <= until and iid in self.nodes}
+            if stop_at_first_loss and due:
+                first = min(due, key=due.get)
+                end = until = due[first]
+                due = {first: due[first]}
             for iid in self.nodes:
-                self.rented_node_s += min(draws.get(iid, until), until) - self.t
-            for iid, at in sorted(draws.items(), key=lambda kv: kv[1]):
-                if at <= until and iid in self.nodes:
-                    self.events.append(NodePreempted(instance_id=iid, with_notice=False, replica=None).record(at))
-                    gone[iid] = self.nodes.pop(iid)
-                    self.closed_usd += self.usd(gone[iid], at, ended=True)
-                    self.preemptions += 1
+                self.rented_node_s += min(due.get(iid, until), until) - self.t
+            for iid, at in sorted(due.items(), key=lambda kv: kv[1]):
+                self.events.append(NodePreempted(instance_id=iid, with_notice=False, replica=None).record(at))
+                gone[iid] = self.nodes.pop(iid)
+                draws.pop(iid)
+                self.closed_usd += self.usd(gone[iid], at, ended=True)
+                self.preemptions += 1
             self.t = until
+            for iid, n in self.nodes.items():   # a new hazard: a fresh draw (the old one is memoryless)
+                if self.market.preempt_per_hour(n.offer, until) != rates[iid]:
+                    draw(iid, n)
             for n in self.nodes.values():   # the ledger's record of a price move, as the driver writes it
                 if self.market.next_change(n.offer, until - 1e-9) <= until:
                     self.events.append(NodePrice(instance_id=n.iid, usd_per_hour=self.price(n)).record(until))
@@ -361,6 +399,9 @@ def _elastic_world(run: _Run) -> None:
     market = Market(recipe.planner)
     ex = Executor(run.policy, run, recipe, started_s=0.0)   # as the driver: the first re-plan one interval in
     sample_s = recipe.planner.price_sample_s if pauses(recipe) else None
+    # A spot run with a deadline is quoted on-demand offers too, as the driver's offer feed does:
+    # the deadline rule's fallback (`policy.on_demand_need`), and a policy that falls back on them.
+    on_demand = recipe.resources.spot and (recipe.budget.max_hours is not None or run.policy.on_demand_fallback)
 
     def to_next_sample() -> float:
         """Seconds to the next price sample under the pause rule (inf without it): the driver's
@@ -382,12 +423,11 @@ def _elastic_world(run: _Run) -> None:
             nodes = tuple(Node(n.iid, market.quote(run.now_offer(n), run.t), n.launched_at,
                                ready=n.ready_at <= run.t, leaving=n.iid in run.leaving, moving=n.iid in moving)
                           for n in run.nodes.values())
-            on_demand = ()
-            if run.policy.on_demand_fallback and recipe.resources.spot:
-                on_demand = tuple(market.quotes(run.market.offers(run.t, False), run.t))
             snap = run.snapshot(nodes=nodes,
                                 quotes=tuple(market.quotes(run.market.offers(run.t, recipe.resources.spot), run.t)),
-                                on_demand_quotes=on_demand, budget_horizon_s=horizon_s, **ex.fed(run.t))
+                                budget_horizon_s=horizon_s,
+                                on_demand_quotes=tuple(market.quote(o, run.t) for o in run.market.offers(run.t, False))
+                                if on_demand else (), **ex.fed(run.t))
             if ex.act(snap):
                 break
         if ex.state.gave_up:
@@ -412,11 +452,12 @@ def _elastic_world(run: _Run) -> None:
         members = [n for n in run.nodes.values() if n.ready_at <= run.t]
         if len(members) < w.min_replicas:
             booting = [n.ready_at for n in run.nodes.values() if n.ready_at > run.t]
-            if ex.state.paused or run.policy.waits_for_spot:
-                short_since = None        # a pause (or a wait the policy chose) is no capacity shortage
+            if ex.state.paused:
+                short_since = None        # a pause is no capacity shortage
             elif short_since is None:
                 short_since = run.t
-            if not booting and short_since is not None and run.t - short_since > w.capacity_timeout_s:
+            if not booting and short_since is not None and run.t - short_since > w.capacity_timeout_s \
+                    and not ex.state.waits_for_capacity:   # on-demand can still finish it, or the wait is the policy's
                 run.status = "insufficient_capacity"
                 break
             dt = (min(booting) - run.t) if booting else WAIT_S

@@ -21,8 +21,8 @@ from elastic.record import billing
 from elastic.record.billing import WASTE_CAUSES
 from elastic.record.events import (
     BudgetExhausted, CapacityWaitEnded, CheckpointDeleted, CheckpointSaved, CheckpointUploadFailed,
-    CheckpointUploaded, Error, Event, NodeNotice, NodePreempted, OuterStep, ReplicaDrained, ReplicaJoined,
-    ReplicaLost, Resumed, RunEnded, RunPlanned, RunStarted, SyncRetried, Validation, WorldFormed, WorldPaused,
+    CheckpointUploaded, Error, Event, NodeNotice, NodePreempted, OnDemandStarted, OuterStep, ReplicaDrained,
+    ReplicaJoined, ReplicaLost, Resumed, RunEnded, RunPlanned, RunStarted, SyncRetried, Validation, WorldFormed, WorldPaused,
     WorldRestored, WorldUnpaused, read)
 
 E = TypeVar("E", bound=Event)
@@ -227,6 +227,10 @@ def build_report(records: list[dict], now: float | None = None) -> dict:
         "sync_retries": sum(e.attempts - 1 for e in _of(events, SyncRetried)),
         "effective_training_time": _effective(steps, instances),
         "driver_restarts": max(0, len(_of(events, RunStarted)) - 1),
+        # VMs rented on-demand (in a spot run: the deadline rule's fallback, `on_demand_started`).
+        "on_demand_vm_hours": round(sum(i["billed_seconds"] for i in instances if not i["spot"]) / 3600, 6),
+        "on_demand_usd": round(sum(i["cost_usd"] for i in instances if not i["spot"]), 6),
+        "on_demand_why": [e.story() for e in _of(events, OnDemandStarted)],
         "capacity_wait_s": round(sum(e.waited_s or 0 for e in _of(events, CapacityWaitEnded)), 3),
         "pauses": len(_of(events, WorldPaused)),
         "paused_s": round(_paused_s(events), 3),
@@ -296,6 +300,9 @@ def headline_rows(report: dict) -> list[tuple[str, str]]:
         ("$ per 1M tokens", _fmt(report["usd_per_mtok"], ".4f")),
         ("VM-hours / GPU-hours", f"{report['vm_hours']:.3f} / {report['gpu_hours']:.3f}"),
         ("wasted", f"${waste['total']:.4f}" + (f" ({causes})" if causes else "")),
+        *([("on-demand VMs", f"{report['on_demand_vm_hours']:.2f} VM-hours, ${report['on_demand_usd']:.4f}"
+            + (f" ({report['on_demand_why'][-1]})" if report["on_demand_why"] else ""))]
+          if report.get("on_demand_why") else []),
         ("instances", str(len(report["instances"]))),
         # The replicas that joined at the start are said apart: the console printed their joins too.
         ("preemptions / joins", f"{report['preemptions']} / {report['joins']}"

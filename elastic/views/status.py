@@ -12,8 +12,8 @@ from pathlib import Path
 
 from elastic.errors import UserError
 from elastic.record import billing
-from elastic.record.events import (NodeLaunched, NodeNotice, NodePreempted, NodeReleased, OuterStep, RunEnded, RunStarted,
-                            UnknownEvent, WorldPaused, WorldUnpaused, read)
+from elastic.record.events import (NodeLaunched, NodeNotice, NodePreempted, NodeReleased, OnDemandStarted, OuterStep,
+                            RunEnded, RunStarted, UnknownEvent, WorldPaused, WorldUnpaused, read)
 from elastic.record.ledger import LedgerError, read_events, SHAPE_ERRORS
 
 REFRESH_S = 1.0     # how often the live view re-reads the ledger
@@ -80,6 +80,8 @@ def snapshot(records: list[dict], now: float, target_outer_steps: int | None = N
     paused = end is None and isinstance(pause, WorldPaused)
     running = ("paused: the market is dear, no replica VM held (planner.pauses)" if paused else "running")
     last = events[-1] if events else None
+    on_demand = [h for h in vms.values() if not h.vm.spot]
+    why = next((e for e in reversed(events) if isinstance(e, OnDemandStarted)), None)
     return {
         "run": start.run if start else None,
         "status": end.status if end else (running if alive else "driver gone (no run_ended)"),
@@ -100,6 +102,11 @@ def snapshot(records: list[dict], now: float, target_outer_steps: int | None = N
         "burn_usd_per_hour": burn,
         "projected_usd": projected,
         "preemptions": len({e.instance_id for e in events if isinstance(e, (NodePreempted, NodeNotice))}),
+        # On-demand VMs a spot run rented for its deadline (`on_demand_started`): how long, how much, why.
+        "on_demand": None if why is None else {
+            "held": sum(1 for h in on_demand if h.end_s is None),
+            "vm_hours": sum(h.stop_s - h.start_s for h in on_demand) / 3600,
+            "usd": sum(h.usd() for h in on_demand), "why": why.story()},
         "last_event": (last.type if isinstance(last, UnknownEvent) else last.TYPE) if last else None,
     }
 
@@ -127,6 +134,8 @@ def status_table(snap: dict, run_dir: Path):
         ("burn rate", f"${snap['burn_usd_per_hour']:.4f}/h"),
         ("projected total", "-" if snap["projected_usd"] is None else f"${snap['projected_usd']:.4f}"),
         ("preemptions", str(snap["preemptions"])),
+        *([("on-demand", f"{od['held']} held; {od['vm_hours']:.2f} VM-hours, ${od['usd']:.4f} so far ({od['why']})")]
+          if (od := snap.get("on_demand")) else []),
         ("last event", snap["last_event"] or "-"),
     ]:
         t.add_row(k, v)

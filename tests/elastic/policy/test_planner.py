@@ -81,9 +81,14 @@ def test_spread_over_regions_and_cross_region_sync_cost():
 def test_constraints_regions_price_cap_and_spot():
     r = recipe(**{"resources.regions": "[r2]", "resources.max_usd_per_hour": 9.5})
     qs = [quote(offer("r1a", 5.0)), quote(offer("r2a", 9.0)), quote(offer("r2b", 9.9)),
-          quote(offer("r2c", 1.0, spot=False))]
+          quote(offer("r1c", 1.0, spot=False))]
     assert places(plan(qs, r)) == [("r2a", "a100x8")] * 4
     assert plan([quote(offer("r1a", 5.0))], r).feasible is False
+    # A spot recipe falls back on on-demand offers where the policy quotes them (its deadline
+    # rule); an on-demand recipe never takes a spot offer.
+    from elastic.policy.planner import allowed
+    assert allowed(offer("r2c", 1.0, spot=False), r.resources)
+    assert not allowed(offer("r2c", 1.0), r.resources.model_copy(update={"spot": False}))
 
 
 def test_budget_and_hours_are_planned():

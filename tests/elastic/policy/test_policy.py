@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from elastic.policy.planner import Progress
@@ -294,3 +296,57 @@ def test_a_budget_hold_back_gives_up_only_when_nothing_is_on_its_way():
     assert rents(acts) == ["r1a"] * 2 and isinstance(acts[-1], HoldBack) and not acts[-1].gives_up
     acts = decide(snap(r, (), [quote(offer("r1a", 70.0))], target_replicas=6, spent_usd=100 - 61 / 60))
     assert rents(acts) == [] and acts[-1].gives_up
+
+
+def _deadline_recipe():
+    # 6 on-demand A100x8 replicas train 144,000 tokens/s: the run's 5.18 B tokens take them 10 h.
+    return recipe(**{"train.token_budget": 5_184_000_000, "train.outer_steps": "null", "budget.max_hours": 30,
+                     "budget.max_usd": 100_000})
+
+
+def test_the_deadline_rule_waits_for_spot_while_the_slack_allows_then_rents_on_demand():
+    from elastic.policy.rules import ElasticPolicy, on_demand_need
+
+    r = _deadline_recipe()
+    gone = [quote(offer("r1a", 8.0), capacity=0)]                       # spot: no capacity anywhere
+    od = (quote(offer("r1a", 30.0, spot=False)), quote(offer("r2a", 32.0, spot=False)))
+    early = snap(r, quotes=gone, on_demand_quotes=od, target_replicas=4)
+    need = on_demand_need(early)
+    assert need.replicas == 6 and 10 * 3600 < need.need_s < 11 * 3600 and need.slack_s > 2 * need.margin_s
+    acts = decide(early)
+    assert rents(acts) == [] and any(isinstance(a, HoldBack) and a.reason == "capacity" for a in acts)
+    assert ElasticPolicy().waits_for_capacity(early)   # the shortage does not end the run
+    # At the margin: the world grows to the on-demand world's size, rented on-demand, the cheapest.
+    t = T + need.slack_s - need.margin_s / 2
+    late = snap(r, quotes=gone, on_demand_quotes=od, target_replicas=4, time_s=t, progress=Progress(hours=t / 3600))
+    acts = decide(late)
+    assert Retarget(6, on_demand_need(late).need_s / 3600, grown=True) in acts
+    rented = [a for a in acts if isinstance(a, Rent)]
+    assert [(a.quote.offer.zone, a.quote.offer.spot) for a in rented] == [("r1a", False)] * 6
+    assert all(a.deadline is not None and a.deadline.late for a in rented)
+    # Two spot replicas still held: only the rest is on-demand.
+    acts = decide(dataclasses.replace(late, nodes=tuple(held(2, "r1a", 8.0))))
+    assert [a.quote.offer.spot for a in acts if isinstance(a, Rent)] == [False] * 4
+    # Past the point where even on-demand finishes in time, or beyond budget.max_usd: the
+    # shortage ends the run again after world.capacity_timeout_s.
+    t = T + need.slack_s + 3600
+    assert not ElasticPolicy().waits_for_capacity(snap(r, quotes=gone, on_demand_quotes=od, time_s=t,
+                                                       progress=Progress(hours=t / 3600)))
+    poor = _deadline_recipe().model_copy(update={"budget": r.budget.model_copy(update={"max_usd": 500})})
+    assert not ElasticPolicy().waits_for_capacity(snap(poor, quotes=gone, on_demand_quotes=od))
+    # Without a deadline the rule does not apply.
+    free = r.model_copy(update={"budget": r.budget.model_copy(update={"max_hours": None})})
+    assert on_demand_need(snap(free, quotes=gone, on_demand_quotes=od)) is None
+
+
+def test_on_demand_replicas_move_back_to_spot_when_it_returns():
+    r = _deadline_recipe()
+    od = (quote(offer("r1a", 30.0, spot=False)),)
+    nodes = [Node(f"d{k}", od[0], launched_at_s=0.0) for k in range(6)]
+    back = snap(r, nodes, quotes=[quote(offer("r2a", 8.0), capacity=16)], on_demand_quotes=od, target_replicas=6,
+                last_replan_s=T - 3600)
+    acts = decide(back)
+    moved = [a for a in acts if isinstance(a, Rent)]
+    assert moved and all(a.quote.offer.spot and a.quote.offer.zone == "r2a" and a.deadline is None for a in moved)
+    drained = {a.move.drain for a in moved if a.move} | {a.instance_id for a in acts if isinstance(a, Release)}
+    assert drained and drained <= {n.instance_id for n in nodes}

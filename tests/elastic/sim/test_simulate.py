@@ -303,3 +303,42 @@ def test_the_recipe_names_the_policy_simulated_first_and_a_policy_object_runs_be
 
     (idle,) = simulate(recipe(**{"world.capacity_timeout_s": 600}), path, [Idle()])
     assert (idle["policy"], idle["status"], idle["cost_usd"], idle["tokens"]) == ("idle", "insufficient_capacity", 0, 0)
+
+
+def test_a_hazard_lasting_one_row_takes_the_vms_of_a_phase_started_before_it(tmp_path):
+    # 4 VMs train a phase (about 1.5 h) that starts before the zone's drop: a 60-per-hour hazard for
+    # 195 s, then no capacity. Drawn once at the phase's start (rate 0), no VM was ever taken; drawn
+    # again at each change of the hazard, about 96 % of them go within those 195 s (e^-3.25 stay).
+    trace = write_trace(tmp_path / "drop.csv", [row(0, "z1a", 10.0, cap=4), row(3000, "z1a", 10.0, rate=60.0, cap=4),
+                                                row(3195, "z1a", 10.0, cap=0)])
+    r = recipe(**{"world.replicas": 4, "world.min_replicas": 1, "world.max_replicas": 4})
+    taken = 0
+    for seed in range(10):
+        ledgers = {}
+        simulate(r, trace, ["elastic"], seed, ledgers=ledgers)
+        before = {e["instance_id"] for e in ledgers["elastic"] if e["type"] == "node_launched" and e["t"] < 3000}
+        assert len(before) == 4
+        taken += sum(e["type"] == "node_preempted" and e["instance_id"] in before and 3000 <= e["t"] <= 3195
+                     for e in ledgers["elastic"])
+    assert taken >= 36   # of 40: 38.4 expected
+
+
+def test_spot_gone_for_longer_than_the_capacity_timeout_a_deadline_run_finishes_on_on_demand(tmp_path):
+    # Spot trains 2 h, then vanishes for good (its VMs taken by a 60-per-hour hazard for 300 s); the capacity timeout (1 h) is much shorter than the
+    # outage. With budget.max_hours the run waits while the slack allows, rents on-demand when the
+    # deadline needs it and finishes in time; the ledger says when and why.
+    trace = write_trace(tmp_path / "gone.csv", [row(0, "r1a", 10.0, cap=8), row(7200, "r1a", 10.0, rate=60.0, cap=0),
+                                                row(7500, "r1a", 10.0, cap=0), row(0, "r2a", 12.0, cap=0)])
+    r = recipe(**{"world.capacity_timeout_s": 3600, "budget.max_hours": 30, "budget.max_usd": 100_000})
+    ledgers = {}
+    res = simulate(r, trace, ["elastic"], 0, ledgers=ledgers)[0]
+    assert res["status"] == "completed" and res["tokens"] == 2_000_000_000 and res["wall_h"] <= 30
+    events = ledgers["elastic"]
+    started = [e for e in events if e["type"] == "on_demand_started"]
+    assert len(started) == 1 and started[0]["reason"] == "deadline" and started[0]["t"] > 7200 + 3600
+    on_demand = [e for e in events if e["type"] == "node_launched" and not e["spot"]]
+    assert on_demand and all(e["t"] >= started[0]["t"] for e in on_demand)
+    # Without a deadline, the same outage ends the run after the timeout, as before.
+    free = recipe(**{"world.capacity_timeout_s": 3600, "budget.max_usd": 100_000})
+    res = simulate(free, trace, ["elastic"], 0)[0]
+    assert res["status"] == "insufficient_capacity" and res["wall_h"] < 4
