@@ -44,11 +44,11 @@ def main() -> None:
     import boto3
     from boto3.s3.transfer import TransferConfig
 
-    from elastic.storage import checkpoint as ckpt
-    from elastic.run.cluster import LocalCluster
+    from elastic.recipe.model import load_recipe
     from elastic.record.events import CheckpointSaved, CheckpointUploaded
     from elastic.record.ledger import Ledger, read_events
-    from elastic.recipe.model import load_recipe
+    from elastic.run.cluster import LocalCluster
+    from elastic.storage import checkpoint as ckpt
     from elastic.train.world import World
 
     recipe = load_recipe(REPO / "recipes/local-tiny.yaml", [

@@ -24,8 +24,8 @@ sys.path.insert(0, str(REPO))
 
 
 def run(recipe, cluster):
-    from elastic.run.driver import run_attached
     from elastic.record.events import OuterStep
+    from elastic.run.driver import run_attached
     from elastic.views.report import build_report
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -49,8 +49,8 @@ def main() -> None:
     ap.add_argument("--preempt-per-hour", type=float, default=2.0)
     args = ap.parse_args()
 
-    from elastic.run.cluster import LocalCluster
     from elastic.recipe.model import load_recipe
+    from elastic.run.cluster import LocalCluster
 
     base = REPO / "recipes/local-preemptible.yaml"
     cluster = LocalCluster()

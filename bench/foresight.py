@@ -64,11 +64,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from elastic.sim.bound import _arrays, _slot, lower_bound_usd_per_mtok  # noqa: E402
 from elastic.policy.market import recipe_tokens_per_s  # noqa: E402
 from elastic.policy.planner import run_tokens  # noqa: E402
-from elastic.recipe.model import load_recipe  # noqa: E402
 from elastic.policy.registry import POLICIES  # noqa: E402
+from elastic.recipe.model import load_recipe  # noqa: E402
+from elastic.sim.bound import _arrays, _slot, lower_bound_usd_per_mtok  # noqa: E402
 from elastic.sim.simulate import TraceMarket, simulate  # noqa: E402
 from providers.simmarket import read_trace_rows  # noqa: E402
 

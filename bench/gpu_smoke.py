@@ -175,8 +175,8 @@ def ray_placement(outer_steps: int, inner_steps: int) -> list[dict]:
     import ray
     import torch
 
-    from elastic.run.cluster import LocalCluster
     from elastic.recipe.model import validate_recipe
+    from elastic.run.cluster import LocalCluster
     from elastic.train.world import World
 
     gpus = torch.cuda.device_count()

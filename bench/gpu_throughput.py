@@ -65,9 +65,9 @@ def plain_loop(name: str, steps: int, compiled: bool) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from elastic.train.data import BatchPrefetcher, open_stream
     from elastic.models import build_model
     from elastic.recipe.model import Recipe
+    from elastic.train.data import BatchPrefetcher, open_stream
 
     r = Recipe.model_validate(recipe_dict(name, steps))
     device = torch.device("cuda", torch.cuda.current_device())

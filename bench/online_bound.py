@@ -50,9 +50,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.traces.make_traces import write  # noqa: E402
-from elastic.sim.bound import _expected_min, lower_bound_usd_per_mtok  # noqa: E402
 from elastic.policy.planner import run_tokens  # noqa: E402
 from elastic.recipe.model import load_recipe  # noqa: E402
+from elastic.sim.bound import _expected_min, lower_bound_usd_per_mtok  # noqa: E402
 
 STEP_S = 300.0     # the trace's rows (bench/traces/make_traces.py)
 

@@ -72,11 +72,11 @@ sys.path.insert(0, str(ROOT))
 
 from bench.online_bound import (  # noqa: E402
     STEP_S, Family, Offer, add_family_args, family_from_args, online_lower_bound, online_value, rouwenhorst)
-from elastic.record import billing  # noqa: E402
-from elastic.sim.bound import lower_bound_usd_per_mtok  # noqa: E402
 from elastic.policy.planner import Move, run_tokens  # noqa: E402
 from elastic.policy.rules import Policy, Release, Rent  # noqa: E402
 from elastic.recipe.model import load_recipe  # noqa: E402
+from elastic.record import billing  # noqa: E402
+from elastic.sim.bound import lower_bound_usd_per_mtok  # noqa: E402
 
 BARRED_USD_PER_HOUR = 1e6     # an offer above the recipe's price cap: never kept or booted
 LAST_RESORT = 30.0            # a grid's last λ, × the online bound's: train as much as possible

@@ -67,8 +67,8 @@ def run(r, data, eval_batches, store_port: int, epoch: int, tag: str) -> dict:
     background needs its peers training at the same time), their outer group keyed by `epoch` (one
     per variant: a group never reads an earlier one's keys); returns losses, bytes sent and the
     seconds in the sync's collectives, waited for and overlapped."""
-    from elastic.train.diloco import Fragments, OuterState
     from elastic.models import build_model
+    from elastic.train.diloco import Fragments, OuterState
     from elastic.train.outer_sync import make_codec
     from elastic.train.replica import Schedule
 

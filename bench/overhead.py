@@ -45,8 +45,8 @@ def recipe(outer_steps: int, inner_steps: int):
 
 def plain_loop(r) -> float:
     """tokens/s of a plain single-process PyTorch loop over the same work."""
-    from elastic.train.data import SampleStream, load_tokens
     from elastic.models import build_model
+    from elastic.train.data import SampleStream, load_tokens
     from elastic.train.replica import Schedule
 
     torch.set_num_threads(r.world.cpu_threads_per_rank)

@@ -38,13 +38,13 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from elastic.record import billing  # noqa: E402
-from elastic.sim.bound import lower_bound_usd_per_mtok  # noqa: E402
-from elastic.record.events import NodeLaunched, NodePreempted, NodeReleased  # noqa: E402
 from elastic.policy.market import recipe_tokens_per_s  # noqa: E402
 from elastic.policy.planner import allowed  # noqa: E402
-from elastic.recipe.model import load_recipe  # noqa: E402
 from elastic.policy.registry import POLICIES  # noqa: E402
+from elastic.recipe.model import load_recipe  # noqa: E402
+from elastic.record import billing  # noqa: E402
+from elastic.record.events import NodeLaunched, NodePreempted, NodeReleased  # noqa: E402
+from elastic.sim.bound import lower_bound_usd_per_mtok  # noqa: E402
 from elastic.sim.simulate import TraceMarket, simulate  # noqa: E402
 from providers.simmarket import read_trace_rows  # noqa: E402
 

@@ -33,8 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from elastic.recipe.model import load_recipe  # noqa: E402
 from elastic.policy.registry import POLICIES  # noqa: E402
+from elastic.recipe.model import load_recipe  # noqa: E402
 from elastic.sim.simulate import bound_usd_per_mtok, simulate  # noqa: E402
 
 REAL_RECIPE = ROOT / "bench" / "recipes" / "real-v100.yaml"

@@ -28,9 +28,9 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=4, help="outer steps between kills")
     args = ap.parse_args()
 
+    from elastic.recipe.model import load_recipe
     from elastic.run.cluster import LocalCluster
     from elastic.run.driver import run_attached
-    from elastic.recipe.model import load_recipe
     from elastic.views.report import build_report
 
     recipe = load_recipe(REPO / "recipes/local-tiny.yaml", [

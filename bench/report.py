@@ -85,8 +85,8 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args()
 
-    from elastic.record.ledger import read_events
     from elastic.record.billing import cost_so_far
+    from elastic.record.ledger import read_events
     from elastic.views.report import build_report
     from elastic.views.report_html import render_html
 

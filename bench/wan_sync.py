@@ -55,10 +55,10 @@ def overrides(args, variant: str) -> dict:
 
 def run_variant(run_dir: str, overrides_: dict) -> dict:
     """One run (in this process); the figures of its ledger."""
+    from elastic.recipe.model import load_recipe
+    from elastic.record.events import LinkMeasured, OuterStep, WorldFormed
     from elastic.run.cluster import LocalCluster
     from elastic.run.driver import run_attached
-    from elastic.record.events import LinkMeasured, OuterStep, WorldFormed
-    from elastic.recipe.model import load_recipe
     from elastic.views.report import build_report
     from providers.local.provider import LocalProvider
 

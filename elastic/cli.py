@@ -400,8 +400,8 @@ def _plan(args, out) -> int:
     from rich.table import Table
 
     from elastic.errors import UserError
-    from elastic.run.fleet import on_demand_fallback, plan_now
     from elastic.recipe.model import load_recipe
+    from elastic.run.fleet import on_demand_fallback, plan_now
 
     recipe = load_recipe(args.recipe, args.overrides)
     if args.refresh:

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from elastic.net import overlay
 from elastic.cache import cache_dir, write_json_atomic
+from elastic.net import overlay
 from providers.base import BaseProvider, Instance, JoinTimeout, NodeEvent, NodeEventKind, Offer
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ import math
 
 from elastic.policy.market import Quote, offer_key, recipe_tokens_per_s
 from elastic.policy.planner import allowed, run_tokens
-from elastic.policy.rules import (Action, HoldBack, Place, Policy, Release, Rent, Snapshot, launch_fits_budget,
+from elastic.policy.rules import (Action, HoldBack, HoldReason, Place, Policy, Release, Rent, Snapshot, launch_fits_budget,
                                   resting, usd_per_hour_held)
 from providers.base import Offer
 
@@ -76,7 +76,7 @@ class WholeJob(Policy):
                             == (place.zone, place.instance_type)), place)
                 fresh = dataclasses.replace(place, usd_per_hour=now.usd_per_hour)
             if not launch_fits_budget(s.spent_usd, rate, fresh, r):
-                out.append(HoldBack("budget", held=held, usd_per_hour=fresh.usd_per_hour, gives_up=True))
+                out.append(HoldBack(HoldReason.BUDGET, held=held, usd_per_hour=fresh.usd_per_hour, gives_up=True))
                 break
             out.append(Rent(Quote(fresh, 0.0, "trace")))
             held += 1
@@ -125,7 +125,7 @@ class SkypilotLike(WholeJob):
         away = place.region if place is not None and not refused else None
         place = self._next(s, exclude_region=away) or self._next(s)
         if place is None:   # every zone refused within the cooldown: retried at a later look
-            return out + [HoldBack("capacity", held=0)]
+            return out + [HoldBack(HoldReason.CAPACITY, held=0)]
         return out + [Place(place)] + self._fill(s, place, 0)
 
     def _next(self, s: Snapshot, exclude_region: str | None = None) -> Offer | None:
@@ -208,11 +208,11 @@ class UniformProgress(Policy):
             elif behind:
                 offer = od
             if offer is None:   # ahead with no spot: idle (or nothing on-demand to fall back to)
-                out.append(HoldBack("capacity", held=held))
+                out.append(HoldBack(HoldReason.CAPACITY, held=held))
                 break
             if not launch_fits_budget(s.spent_usd, rate, offer, r, horizon_s=s.budget_horizon_s):
                 on_way = bool(s.pending) or any(isinstance(a, Rent) for a in out)
-                out.append(HoldBack("budget", held=held, usd_per_hour=offer.usd_per_hour,
+                out.append(HoldBack(HoldReason.BUDGET, held=held, usd_per_hour=offer.usd_per_hour,
                                     gives_up=not on_way and len(world) < r.world.min_replicas))
                 break
             out.append(Rent(next(q for q in s.quotes + s.on_demand_quotes if q.offer is offer)))

@@ -14,11 +14,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from elastic.record.events import LaunchHeldBack, OnDemandEnded, OnDemandStarted, ReplicaMove, WorldTarget, WorldUnpaused
 from elastic.policy.market import Key, Quote
 from elastic.policy.planner import Move
-from elastic.policy.rules import (Action, HoldBack, Pace, Pause, Place, Policy, PriceSeen, Refusal, Release, Rent, Replan,
+from elastic.policy.rules import (Action, HoldBack, HoldReason, Pace, Pause, Place, Policy, PriceSeen, Refusal, Release, Rent, Replan,
                             Retarget, Snapshot, Unpause)
+from elastic.record.events import HeldBack, LaunchHeldBack, OnDemandEnded, OnDemandStarted, ReplicaMove, WorldTarget, WorldUnpaused
 from providers.base import Offer
 
 
@@ -178,16 +178,16 @@ class Executor:
         """A launch not made: `launch_held_back` once per capacity shortage and once per run for the
         budget."""
         st = self.state
-        if a.reason == "capacity" and not st.capacity_logged:   # every offer is at its known capacity
+        if a.reason == HoldReason.CAPACITY and not st.capacity_logged:   # every offer is at its known capacity
             st.capacity_logged = True
-            self.host.record(LaunchHeldBack(reason="capacity", held=a.held,
+            self.host.record(LaunchHeldBack(reason=HeldBack.CAPACITY, held=a.held,
                                             message="every offer the recipe allows is at its known capacity"))
-        elif a.reason == "budget":
+        elif a.reason == HoldReason.BUDGET:
             st.capacity_logged, st.budget_held_back = False, True
             st.gave_up = st.gave_up or a.gives_up
             if not st.budget_logged:
                 st.budget_logged = True
-                self.host.record(LaunchHeldBack(reason="budget.max_usd", spent_usd=round(s.spent_usd, 6),
+                self.host.record(LaunchHeldBack(reason=HeldBack.BUDGET, spent_usd=round(s.spent_usd, 6),
                                                 usd_per_hour=a.usd_per_hour))
 
     def _record_move(self, move: Move) -> None:

@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from elastic.record import billing
 from elastic.policy.market import Quote, recipe_tokens_per_s
+from elastic.record import billing
 
 
 def replica_tokens_per_s(q: Quote, planner) -> float:

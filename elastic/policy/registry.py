@@ -6,8 +6,8 @@ simulator alike."""
 
 from __future__ import annotations
 
-from elastic.policy.baselines import OnDemand, SkypilotLike, SpotStatic, UniformProgress
 from elastic.errors import UserError
+from elastic.policy.baselines import OnDemand, SkypilotLike, SpotStatic, UniformProgress
 from elastic.policy.rules import ElasticPolicy, Policy
 
 POLICIES: dict[str, Policy] = {p.name: p for p in (ElasticPolicy(), OnDemand(), SpotStatic(), SkypilotLike(),

@@ -62,13 +62,14 @@ import dataclasses
 import math
 import statistics
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import ClassVar
 
-from elastic.record import billing
 from elastic.policy.market import Key, Quote, offer_key
 from elastic.policy.planner import (Move, Progress, choose_launch, evaluate, hours_to_finish, launch_usd_per_mtok,
                              leaves_at_once, plan, replan_all, run_tokens, speed_source, tokens_per_phase,
                              usd_per_mtok)
+from elastic.record import billing
 from providers.base import Offer
 
 PRICE_HISTORY = 4032     # samples kept: two weeks at one per 5 minutes
@@ -227,6 +228,23 @@ class Replan:
     at_s: float
 
 
+class HoldReason(StrEnum):
+    """Why a launch the world wants was not made (`HoldBack.reason`)."""
+
+    CAPACITY = "capacity"   # every offer is at its known capacity
+    RESTING = "resting"     # every offer rests after a refusal
+    BUDGET = "budget"       # the launch would take the spend past budget.max_usd
+
+
+class CheckpointReason(StrEnum):
+    """Why the policy checkpoints now (`Checkpoint.reason`)."""
+
+    SCHEDULE = "schedule"   # checkpoint.every_outer_steps
+    FINAL = "final"         # the run trained what it needs
+    LEAVING = "leaving"     # every replica training is leaving
+    ENDING = "ending"       # the run ends early
+
+
 @dataclass(frozen=True)
 class HoldBack:
     """A launch the world wants was not made.
@@ -240,7 +258,7 @@ class HoldBack:
             cannot go on.
     """
 
-    reason: str
+    reason: HoldReason
     held: int
     usd_per_hour: float = 0.0
     gives_up: bool = False
@@ -263,7 +281,7 @@ class Checkpoint:
             early: budget, capacity).
     """
 
-    reason: str
+    reason: CheckpointReason
 
 
 @dataclass(frozen=True)
@@ -460,15 +478,15 @@ def checkpoint_due(s: Snapshot, ending: bool = False) -> Checkpoint | None:
     if step <= s.checkpointed_step:
         return None
     if ending:
-        return Checkpoint("ending")
+        return Checkpoint(CheckpointReason.ENDING)
     if finished(s):
-        return Checkpoint("final")
+        return Checkpoint(CheckpointReason.FINAL)
     every = s.recipe.checkpoint.every_outer_steps
     if every and step % every == 0:
-        return Checkpoint("schedule")
+        return Checkpoint(CheckpointReason.SCHEDULE)
     training = [n for n in s.nodes if n.ready]
     if training and all(n.leaving for n in training):
-        return Checkpoint("leaving")
+        return Checkpoint(CheckpointReason.LEAVING)
     return None
 
 
@@ -715,16 +733,16 @@ def _top_up(s: Snapshot, quotes: list[Quote], held: list[Quote], wanted: int,
     spent, rate = s.spent_usd, usd_per_hour_held(s)
     for _ in range(wanted):
         if not quotes:
-            out.append(HoldBack("resting", held=len(held)))
+            out.append(HoldBack(HoldReason.RESTING, held=len(held)))
             break
         q = choose_launch(quotes, s.recipe, held, s.progress)
         if q is None:
-            out.append(HoldBack("capacity", held=len(held)))
+            out.append(HoldBack(HoldReason.CAPACITY, held=len(held)))
             break
         if not launch_fits_budget(spent, rate, q.offer, s.recipe, horizon_s=s.budget_horizon_s):
             # It gives up only when nothing is on its way (launches under way, or rented just now).
             on_way = bool(s.pending) or any(isinstance(a, Rent) for a in out)
-            out.append(HoldBack("budget", held=len(held), usd_per_hour=q.offer.usd_per_hour,
+            out.append(HoldBack(HoldReason.BUDGET, held=len(held), usd_per_hour=q.offer.usd_per_hour,
                                 gives_up=not on_way and len(_in_world(s)) < s.recipe.world.min_replicas))
             break
         out.append(Rent(q, deadline=need if need is not None and not q.offer.spot else None))

@@ -23,20 +23,22 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from elastic.storage import checkpoint as ckpt
-from elastic.record.billing import cost_so_far
 from elastic.errors import UserError, first_line
+from elastic.policy.executor import Executor
+from elastic.policy.registry import POLICIES, policy
+from elastic.policy.rules import CheckpointReason
+from elastic.recipe.model import Recipe
+from elastic.record.billing import cost_so_far
 from elastic.record.events import (
     BudgetExhausted, CapacityRefused, CapacityWaitEnded, CapacityWaitStarted, CheckpointFailed, CheckpointSkipped,
     CheckpointUploadAbandoned, ClusterStarted, Error, LaunchHeldBack, NetworkStarted, NodeJoinTimeout, NodeNotice,
     NodePreempted, NodeRebalance, NodeReleased, OuterStep, ReplicaCopying, ReplicaDrained, ReplicaJoined, ReplicaLost,
     Resumed, RunEnded, RunStarted, RunStatus, SyncFailed, SyncRetried, Validation, ValidationFailed, WorldFormed, WorldRestored)
-from elastic.policy.executor import Executor
 from elastic.record.ledger import Ledger
 from elastic.run.pausing import Pauser
-from elastic.policy.registry import POLICIES, policy
 from elastic.run.pricewatch import PriceWatch
-from elastic.recipe.model import Recipe
+from elastic.storage import checkpoint as ckpt
+from providers.base import NodeEventKind
 
 log = logging.getLogger(__name__)
 
@@ -249,10 +251,10 @@ class Driver:
         outer steps and while replicas train."""
         for ev in [ev for p in self.providers.values() for ev in p.events()]:
             rep = self.world.replica_on(ev.instance_id)
-            if ev.kind == "rebalance":   # elevated interruption risk, no deadline: recorded only
+            if ev.kind == NodeEventKind.REBALANCE:   # elevated interruption risk, no deadline: recorded only
                 self.ledger.append(NodeRebalance(instance_id=ev.instance_id,
                                                  replica=rep.replica_id if rep else None))
-            elif ev.kind == "notice":
+            elif ev.kind == NodeEventKind.NOTICE:
                 self.ledger.append(NodeNotice(instance_id=ev.instance_id, deadline=ev.deadline,
                                               notice_s=round(ev.deadline - ev.at, 3),
                                               replica=rep.replica_id if rep else None))
@@ -268,7 +270,7 @@ class Driver:
                 margin_s = max(0.5, 2 * self._last_sync_s)
                 self.world.request_stop(rep.replica_id, ev.deadline - margin_s)
                 self._draining[rep.replica_id] = ev.deadline
-            elif ev.kind == "preempted":
+            elif ev.kind == NodeEventKind.PREEMPTED:
                 self.prices.gone(ev.instance_id)
                 self.ledger.append(NodePreempted(instance_id=ev.instance_id, with_notice=ev.with_notice,
                                                  replica=rep.replica_id if rep else None))
@@ -574,15 +576,15 @@ class Driver:
                             outer_step=world.outer_step,
                             reason=f"budget.max_usd (${recipe.budget.max_usd:.2f}) cannot pay for "
                                    f"world.min_replicas ({recipe.world.min_replicas}) node(s)"))
-                        return "budget_exhausted"
-                    return "insufficient_capacity"
+                        return RunStatus.BUDGET_EXHAUSTED
+                    return RunStatus.INSUFFICIENT_CAPACITY
                 if world.done():   # --resume from a checkpoint already at train.outer_steps
                     break
                 reason = self._budget_stop or self._over_budget(last_step_s)
                 if reason:
                     ledger.append(BudgetExhausted(reason=reason, outer_step=world.outer_step))
                     self.checkpoint_if_due(view, ending=True)
-                    return "budget_exhausted"
+                    return RunStatus.BUDGET_EXHAUSTED
                 members = sorted(world.replicas)
                 if members != self._members:
                     ledger.append(WorldFormed(epoch=world.epoch, replicas=members, outer_step=world.outer_step,
@@ -612,9 +614,9 @@ class Driver:
                 if self._budget_stop:   # a price rise ended this step early: stop now, its work saved
                     ledger.append(BudgetExhausted(reason=self._budget_stop, outer_step=world.outer_step))
                     self.checkpoint_if_due(view, ending=True)
-                    return "budget_exhausted"
+                    return RunStatus.BUDGET_EXHAUSTED
                 saved = self.checkpoint_if_due(view)   # before the replicas leaving go: they may be all there is
-                if saved is not None and saved.reason == "leaving":
+                if saved is not None and saved.reason == CheckpointReason.LEAVING:
                     # Saved from a leaving replica (there is no other): durable before its node goes.
                     self.finish_checkpoints(view)
                 self._release_drained(res)
@@ -626,7 +628,7 @@ class Driver:
         finally:
             self._metrics.close()
             scalars.close()
-        return "completed"
+        return RunStatus.COMPLETED
 
     def _release_drained(self, res) -> None:
         """Replicas that contributed after a notice leave now, before their node is taken."""
@@ -819,7 +821,7 @@ def run_attached(recipe: Recipe, cluster, run_dir: Path, on_phase=None, run_name
     driver.attach(cluster)
     if on_phase is not None:
         driver.on_phase = lambda phase, members: on_phase(driver, phase, members)
-    status = "failed"
+    status = RunStatus.FAILED
     try:
         status = driver.run(QuietView())
     finally:

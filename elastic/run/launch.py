@@ -21,9 +21,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from elastic.errors import UserError, described, first_line
+from elastic.recipe.model import Recipe, dump_recipe
 from elastic.record.events import ControllerStarted, Error, Event, NodeLaunched, Role, RunEnded, RunPlanned, RunStarted, RunStatus
 from elastic.record.ledger import Ledger
-from elastic.recipe.model import Recipe, dump_recipe
 
 log = logging.getLogger(__name__)
 

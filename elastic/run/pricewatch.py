@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
-from elastic.record.events import NodePrice
 from elastic.record.billing import cost_so_far
+from elastic.record.events import NodePrice
 
 PRICE_POLL_S = 1.0       # real seconds between reads of the held VMs' current prices
 

@@ -16,10 +16,10 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from elastic.errors import UserError
-from elastic.record.events import (CapacityRefused, LaunchFailed, LinkMeasured, NodeJoinTimeout, NodeLaunched, NodeReleased,
-                            ReplicaJoined, ReplicaLost, ReplicaStarting)
 from elastic.policy.market import offer_key
 from elastic.policy.planner import Move, site
+from elastic.record.events import (CapacityRefused, LaunchFailed, LinkMeasured, NodeJoinTimeout, NodeLaunched, NodeReleased,
+                            ReplicaJoined, ReplicaLost, ReplicaStarting)
 
 log = logging.getLogger(__name__)
 

@@ -32,9 +32,9 @@ import math
 
 import numpy as np
 
-from elastic.record import billing
 from elastic.policy.market import recipe_tokens_per_s
 from elastic.policy.planner import allowed, run_tokens
+from elastic.record import billing
 
 UNLIMITED = 1e9   # capacity of an offer the trace gives none for
 

@@ -37,16 +37,16 @@ import itertools
 import math
 import random
 
-from elastic.record import billing
 from elastic.errors import UserError
 from elastic.policy.baselines import whole_world
-from elastic.record.events import (CapacityRefused, CheckpointSaved, NodeLaunched, NodePreempted, NodePrice, NodeReleased,
-                            ReplicaMove, Role, WorldPaused)
 from elastic.policy.executor import Executor
 from elastic.policy.market import Market, Quote, offer_key
 from elastic.policy.planner import Move, Progress, evaluate, run_tokens, tokens_per_phase
 from elastic.policy.registry import POLICIES, policy
 from elastic.policy.rules import Node, Policy, Snapshot, pauses
+from elastic.record import billing
+from elastic.record.events import (CapacityRefused, CheckpointSaved, NodeLaunched, NodePreempted, NodePrice, NodeReleased,
+                            ReplicaMove, Role, WorldPaused)
 from providers import notice_s
 from providers.base import Offer
 

@@ -68,8 +68,8 @@ def _load(recipe, uri: str, manifest: dict):
     when a file is missing, altered or unreadable)."""
     import torch
 
-    from elastic.storage import checkpoint as ckpt
     from elastic.models import build_model
+    from elastic.storage import checkpoint as ckpt
 
     # The weights come from the checkpoint: build the architecture only, never download weights.
     section = recipe.model.model_copy(update={"init": "scratch"})
@@ -104,8 +104,8 @@ def export(run_dir: Path, to: Path, step: int | None = None) -> dict:
     """Write θ_outer of the run at `run_dir` to the directory `to` (new, or empty): written into a
     directory beside it and renamed into place at the end, so a failed export leaves no `to`
     behind. Returns what was written, and `skipped`: a line per newer checkpoint passed over."""
-    from elastic.storage import checkpoint as ckpt
     from elastic.recipe.model import Recipe
+    from elastic.storage import checkpoint as ckpt
 
     recipe_file = run_dir / "recipe.yaml"
     if not recipe_file.is_file():

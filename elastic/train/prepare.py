@@ -118,8 +118,8 @@ def prepare(inputs: list[Path], tokenizer: str, uri: str, val_fraction: float = 
             shard_tokens: int = 1 << 24, text_field: str = "text", progress=None) -> Summary:
     """Tokenize `inputs` into shards at `uri` (see the module docstring). `progress(n_bytes)` is
     called as input is read."""
-    from elastic.train.data import DTYPES, INDEX, ShardIndex, upload_shards
     from elastic.storage.stores import open_storage
+    from elastic.train.data import DTYPES, INDEX, ShardIndex, upload_shards
 
     if not 0 <= val_fraction < 1:
         raise UserError(f"--val-fraction {val_fraction}: must be at least 0 and below 1")

@@ -294,11 +294,11 @@ class RankWorker:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
+        from elastic.models import build_model, shard_units, wrap_blocks
+        from elastic.recipe.model import Recipe
         from elastic.train.data import BatchPrefetcher, open_stream
         from elastic.train.diloco import Fragments, OuterState, local_shard, outer_device
         from elastic.train.outer_sync import make_codec
-        from elastic.models import build_model, shard_units, wrap_blocks
-        from elastic.recipe.model import Recipe
 
         lap("imports")
         t0 = time.monotonic()

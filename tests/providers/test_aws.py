@@ -365,8 +365,8 @@ def test_down_orphans_judges_runs_by_their_heartbeat_in_the_cloud(aws_env, tmp_p
 def test_driver_release_ends_the_controller_and_strays_of_its_run(aws_env, local_cluster, tmp_path):
     """The driver on a controller (head: controller) releases its nodes, then what the cloud still
     holds for the run: a VM whose launch it lost track of, and last the controller it runs on."""
-    from elastic.run.driver import Driver
     from elastic.record.ledger import Ledger
+    from elastic.run.driver import Driver
 
     terminated = []
     aws_env.rules.extend([price_rule, lambda a, r, params: terminated.append(params) if a == "TerminateInstances" else None])

@@ -16,9 +16,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 def main(run_dir: str, overrides: dict) -> dict:
     from elastic.net import linkprobe
+    from elastic.recipe.model import load_recipe
     from elastic.run.cluster import LocalCluster
     from elastic.run.driver import run_attached
-    from elastic.recipe.model import load_recipe
     from providers.local.provider import LocalProvider
 
     linkprobe.DURATION_S = 0.5   # a short link measurement: the machine is shared

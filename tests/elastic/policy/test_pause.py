@@ -9,9 +9,9 @@ import threading
 
 import pytest
 
-from elastic.run.driver import run_attached
-from elastic.record.events import WorldPaused
 from elastic.policy.rules import MIN_SAMPLES
+from elastic.record.events import WorldPaused
+from elastic.run.driver import run_attached
 from elastic.views.report import build_report
 from tests.conftest import tiny_recipe
 

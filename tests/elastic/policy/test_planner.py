@@ -299,8 +299,8 @@ def test_the_estimate_bills_each_vm_its_clouds_minimum():
 def test_measured_links_replace_the_cross_region_guess_per_pair():
     """Once the run measured a pair of sites (link_measured) and knows how many bytes a sync sends
     (outer_step), that pair costs what the measurement says; an unmeasured pair keeps the guess."""
-    from elastic.record.events import read
     from elastic.policy.market import link_sync_s, measured_links
+    from elastic.record.events import read
 
     # 100 MB per sync over 800 Mbit/s with 40 ms RTT: 2 × 0.8 Gbit / 0.8 Gbit/s + 2 × 0.04 s.
     assert link_sync_s(40.0, 800.0, 100_000_000) == pytest.approx(2.0 + 0.08)

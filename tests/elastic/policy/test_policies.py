@@ -29,8 +29,8 @@ def test_the_recipe_names_a_registered_policy():
 
 
 def test_the_driver_runs_no_whole_job_baseline(tmp_path):
-    from elastic.run.driver import Driver
     from elastic.record.ledger import Ledger
+    from elastic.run.driver import Driver
 
     ledger = Ledger(tmp_path / "events.jsonl")
     with pytest.raises(UserError, match=r"^planner.policy: on-demand is a baseline .* it runs elastic$"):

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from elastic.storage import checkpoint as ckpt
-from elastic.record.ledger import read_events
 from elastic.policy.market import Market
 from elastic.recipe.model import load_recipe
+from elastic.record.ledger import read_events
+from elastic.storage import checkpoint as ckpt
 from elastic.storage.stores import open_storage
 from tests.conftest import REPO, cli_env, run_cli
 from tests.servers.object_stores import GateProxy

@@ -11,10 +11,10 @@ import time
 import pytest
 
 from elastic.record import billing
-from elastic.run.driver import run_attached
 from elastic.record.billing import cost_so_far
-from elastic.views.report import build_report
+from elastic.run.driver import run_attached
 from elastic.sim.simulate import TraceMarket, simulate
+from elastic.views.report import build_report
 from providers.simmarket import read_trace_rows
 from tests.conftest import tiny_recipe
 

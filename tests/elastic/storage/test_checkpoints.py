@@ -11,8 +11,8 @@ import pytest
 import ray
 import torch
 
-from elastic.storage import checkpoint as ckpt
 from elastic.record.ledger import Ledger, read_events
+from elastic.storage import checkpoint as ckpt
 from elastic.storage.stores import open_storage
 from elastic.train.world import World
 from tests.conftest import tiny_recipe

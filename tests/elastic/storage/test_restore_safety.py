@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic.storage import checkpoint as ckpt
 from elastic.errors import UserError
 from elastic.recipe.model import load_recipe
+from elastic.storage import checkpoint as ckpt
 from elastic.storage.stores import open_storage
 from tests.conftest import REPO, run_cli
 from tests.elastic.storage.test_storage import fake_checkpoint, reader_keys, tamper_manifest

@@ -8,8 +8,8 @@ import uuid
 
 import pytest
 
-from elastic.storage import checkpoint as ckpt
 from elastic.errors import UserError
+from elastic.storage import checkpoint as ckpt
 from elastic.storage.stores import CHUNK_BYTES, KeyStore, open_keys, open_storage
 from tests.conftest import run_cli
 

@@ -9,8 +9,8 @@ import uuid
 import numpy as np
 import pytest
 
-from elastic.train.data import BatchPrefetcher, SampleStream, ShardIndex, ShardSource, read_index, upload_shards
 from elastic.errors import UserError
+from elastic.train.data import BatchPrefetcher, SampleStream, ShardIndex, ShardSource, read_index, upload_shards
 from tests.servers.object_stores import RecordingProxy
 
 SEQ = 16

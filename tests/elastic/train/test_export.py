@@ -9,9 +9,9 @@ import pytest
 import torch
 import yaml
 
-from elastic.storage.checkpoint import manifest_mac, sha256_file
 from elastic.models import build_model
 from elastic.recipe.model import dump_recipe
+from elastic.storage.checkpoint import manifest_mac, sha256_file
 from elastic.storage.stores import LocalKeys
 from tests.conftest import run_cli, tiny_recipe
 

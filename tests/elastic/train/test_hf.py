@@ -269,8 +269,8 @@ def test_hf_model_trains_validates_exports_and_continues(workspace, s3_server, t
 
 def test_bad_sources_fail_validate_in_one_line(workspace, tmp_path):
     from elastic.errors import RecipeError
-    from elastic.train.prepare import prepare
     from elastic.recipe.model import load_recipe
+    from elastic.train.prepare import prepare
 
     empty = tmp_path / "empty"
     empty.mkdir()

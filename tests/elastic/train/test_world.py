@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from elastic.train.data import SampleStream, load_tokens
 from elastic.models import build_model
+from elastic.train.data import SampleStream, load_tokens
 from elastic.train.replica import Schedule
 from elastic.train.world import World
 from tests.conftest import tiny_recipe

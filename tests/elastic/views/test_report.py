@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from elastic.record.billing import cost_so_far
 from elastic.record.events import RunEnded, RunStarted
 from elastic.record.ledger import Ledger, read_events
-from elastic.record.billing import cost_so_far
 from elastic.views.report import build_report, headline_rows, summary_table
 from elastic.views.report_html import write_report
 from tests.elastic.recipe.test_recipe import run_cli
