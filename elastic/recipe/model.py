@@ -253,15 +253,22 @@ class WorldSection(_Section):
     of one whole sync, but they cross the network while the GPUs train. 1: one blocking sync at
     the end of the phase. See docs/architecture.md, "Streamed fragments"."""
     stall_timeout_s: float = Field(120.0, gt=0)
-    """A member is lost when no heartbeat of one of its ranks arrived for this long, in seconds
-    (every rank publishes one each second with its step counter, during inner phases and syncs
-    alike: a frozen process, a partitioned or vanished node). How long a phase or a sync takes
-    never counts: a slow world that keeps beating is healthy. A rank whose process dies is noticed
-    at once."""
+    """A member is lost (`stalled`) when one of its ranks sent no heartbeat for this long, in
+    seconds (every rank publishes one each second from a thread of its own, during inner phases
+    and syncs alike: a frozen process, a partitioned or vanished node), or when, in an inner phase,
+    its ranks made no progress for this long while it should move: progress is an inner step, a
+    micro-batch's forward and backward, or bytes of its lease's shards arriving, and it should move
+    whenever every rank of the member works on its own (fetching its lease, training), not while
+    one waits on other replicas (a streamed fragment's sync, the outer sync: those end by
+    `sync_timeout_s`). A member's first inner step after setup (compiling, warming up) may take
+    `step_timeout_s` if that is longer. So a fetch that never returns or a deadlocked step is
+    dropped; a slow world is healthy as long as each micro-batch, and each chunk of a download,
+    takes less than this. A rank whose process dies is noticed at once."""
     step_timeout_s: float = Field(600.0, gt=0)
     """Upper safety bound, in seconds, on a call that has no heartbeat of its own yet: a replica's
-    setup (a replica not set up by then is lost and its node released), the store connection, and
-    each collective inside a replica (the FSDP process group's timeout). Never a phase's length."""
+    setup (a replica not set up by then is lost and its node released), the store connection, each
+    collective inside a replica (the FSDP process group's timeout), and a replica's first inner
+    step (compiling: see `stall_timeout_s`). Never a phase's length."""
     sync_timeout_s: float = Field(60.0, gt=0)
     """Longest one collective of the outer group (forming it, each all-reduce) may wait on a
     silent member, in seconds; the attempt then fails and is retried over the survivors. (A

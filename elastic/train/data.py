@@ -191,6 +191,8 @@ class ArraySource:
         arrays: one array of token ids per shard.
     """
 
+    received_bytes = 0   # nothing is ever downloaded
+
     def __init__(self, arrays: list[np.ndarray]):
         self._arrays = arrays
         self.tokens = [len(a) for a in arrays]
@@ -212,7 +214,9 @@ class ShardSource:
     `fetch` downloads what a lease needs (in parallel) and waits; `prefetch` does the same in the
     background for the next lease. A shard in the cache is reused by every rank and every later
     lease; when the cache passes `cache_bytes`, the least recently used shards not needed now are
-    deleted. `file://` shards are memory-mapped where they are (no copy).
+    deleted. `file://` shards are memory-mapped where they are (no copy). `received_bytes` counts
+    the bytes this process has downloaded so far, chunk by chunk: a fetch under way moves it (a
+    rank's heartbeat reports it as progress).
 
     Args:
         uri: the shard directory.
@@ -246,6 +250,8 @@ class ShardSource:
         self._next: set[int] = set()      # the lease being prefetched
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="shards")
         self.downloaded: list[int] = []   # shards this process downloaded (not found in the cache)
+        self.received_bytes = 0
+        self._received_lock = threading.Lock()   # the pool's threads download side by side
 
     def _path(self, shard: int) -> Path:
         if self._local:
@@ -264,7 +270,11 @@ class ShardSource:
                 if dest.exists():
                     return
                 tmp = dest.with_name(f"{dest.name}.{os.getpid()}.{threading.get_ident()}")
-                self._storage.read_file(self.names[shard], tmp)
+                with open(tmp, "wb") as f:
+                    for block in self._storage.read_chunks(self.names[shard]):
+                        f.write(block)
+                        with self._received_lock:
+                            self.received_bytes += len(block)
                 size = tmp.stat().st_size
                 want = self.tokens[shard] * np.dtype(self._dtype).itemsize
                 if size != want:
@@ -381,6 +391,11 @@ class SampleStream:
             out.update(int(s) for s in self._order[first:last + 1])
             g = epoch * self.windows + end
         return out
+
+    @property
+    def received_bytes(self) -> int:
+        """Bytes of shards this process has downloaded so far (a fetch under way moves it)."""
+        return self._src.received_bytes
 
     def fetch(self, start: int, count: int) -> None:
         """Make the shards of samples `start ..` local before training reads them."""

@@ -27,8 +27,18 @@ HEARTBEAT_S = 1.0   # a rank's heartbeat period; world.stall_timeout_s is many o
 
 
 def heartbeat_key(replica_id: int, rank: int) -> str:
-    """Key of a rank's heartbeat in the driver's store: "BEAT PROGRESS", BEAT counting up every
-    HEARTBEAT_S, PROGRESS the rank's count of inner steps and outer syncs done."""
+    """Key of a rank's heartbeat in the driver's store: "BEAT WORK BYTES STATE". BEAT counts up
+    every HEARTBEAT_S (the heartbeat thread is alive); WORK counts the inner steps, micro-batches,
+    sync stages and copied chunks the rank has done and BYTES the shard bytes it has downloaded
+    (either moves while the rank makes progress); STATE says which progress the driver expects:
+
+    - `run`: in an inner phase, working on its own (fetching its lease, training): WORK or BYTES
+      moves within `world.stall_timeout_s`;
+    - `warm`: in its first inner step since setup (compiling, warming up), which has no progress of
+      its own: WORK moves within `world.step_timeout_s` (or stall_timeout_s, if longer);
+    - `wait`: waiting on other replicas (an outer sync, a streamed fragment's apply point, a state
+      copy), or between calls: only BEAT must move.
+    """
     return f"hb/{replica_id}/{rank}"
 
 
@@ -277,7 +287,9 @@ class RankWorker:
         self._stop: tuple[int | None, float] = (None, float("inf"))
         self._stop_lock = threading.Lock()
         self._phase_step: int | None = None
-        self._progress = 0   # inner steps and sync stages done: what the heartbeat reports
+        self._progress = 0   # inner steps, micro-batches, sync stages and copied chunks done
+        self._state = "wait"   # what the heartbeat says the rank does: see heartbeat_key
+        self._warmed_up = False   # whether this process has finished an inner step
         self._snapshots: dict[int, dict] = {}   # joiner replica id -> what it copies from this donor
         self._pulled_momentum = None             # a joiner's copied outer momentum, until replayed
         # Fault injection for tests: seconds added to every inner step (a slow VM), and a file
@@ -412,6 +424,7 @@ class RankWorker:
         import torch
 
         t0 = time.monotonic()
+        self._state = "run"   # until the phase ends, this rank must make progress of its own
         self._phase_step = inner_step
         spec, t = self._spec, self._recipe.train
         opt, prefetch, losses, lrs = self._opt, self._prefetch, self._losses, self._lrs
@@ -431,6 +444,7 @@ class RankWorker:
         for h in range(t.inner_steps):
             if self._should_stop():
                 break
+            self._state = "run" if self._warmed_up else "warm"
             lr = spec.schedule.lr(world_tokens + h * step_tokens, step_tokens)
             lrs[h] = lr
             for group in opt.param_groups:
@@ -444,9 +458,13 @@ class RankWorker:
                 prefetch.put(first + (h + 1) * t.batch_size)
             steps += 1
             self._progress += 1
+            self._warmed_up = True
+            self._state = "wait"   # an apply point waits for the fragment's sync over the other replicas
             outer.after_inner_step(steps)
+            self._state = "run"
             if self._step_delay_s:
                 time.sleep(self._step_delay_s)
+        self._state = "wait"
         sync = outer.end_phase()
         self._inner_step = inner_step + steps
         return {"losses": losses[:steps].tolist(), "lrs": lrs[:steps], "steps": steps,
@@ -469,6 +487,7 @@ class RankWorker:
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), chunk[:, 1:].reshape(-1))
             (loss / len(chunks)).backward()
             total = total + loss.detach()
+            self._progress += 1
         return total / len(chunks)
 
     def _forward_precision(self):
@@ -512,17 +531,20 @@ class RankWorker:
         return {"loss_sum": loss_sum, "tokens": tokens, "seconds": time.monotonic() - t0}
 
     def _start_heartbeat(self) -> None:
-        """Publish "BEAT PROGRESS" under `heartbeat_key` every HEARTBEAT_S from a thread of its own,
-        on a store connection of its own (gloo's rendezvous may hold the other one for long). The
-        first beat is written before setup returns, so the driver can read it from admission on.
-        A frozen or partitioned process stops beating; the driver then drops its replica."""
+        """Publish "BEAT WORK BYTES STATE" under `heartbeat_key` every HEARTBEAT_S from a thread of
+        its own, on a store connection of its own (gloo's rendezvous may hold the other one for
+        long). The first beat is written before setup returns, so the driver can read it from
+        admission on. A frozen or partitioned process stops beating, a rank stuck outside any
+        collective (a fetch that never returns, a deadlocked step) stops making progress; the driver
+        then drops its replica (`elastic.train.world.World`)."""
         import torch.distributed as dist
 
         spec = self._spec
         store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False,
                               timeout=datetime.timedelta(seconds=self._recipe.world.stall_timeout_s))
         key = heartbeat_key(spec.replica_id, spec.rank)
-        store.set(key, f"0 {self._progress}")
+        data = self._data
+        store.set(key, f"0 {self._progress} {data.received_bytes} {self._state}")
 
         def beat() -> None:
             n = 0
@@ -530,7 +552,7 @@ class RankWorker:
                 time.sleep(HEARTBEAT_S)
                 n += 1
                 try:
-                    store.set(key, f"{n} {self._progress}")
+                    store.set(key, f"{n} {self._progress} {data.received_bytes} {self._state}")
                 except Exception:   # the driver's store is gone: the run ended
                     return
 

@@ -79,7 +79,7 @@ class Copy:
         donor: the member it copies from.
         outer_step: the world's outer steps when the donor took its snapshot.
         refs: the joiner ranks' `pull_outer` calls.
-        beats: the joiner ranks' last heartbeats (`World._stalled`).
+        beats: what the looks at the joiner ranks' heartbeats saw (`stalled`).
     """
 
     donor: int
@@ -99,7 +99,8 @@ class Loss:
         lost_inner_steps: inner steps of work it took with it.
         phase: `inner`, `sync`, `idle` or `setup`.
         rule: which rule removed it: `actor_died` (a call of one of its ranks failed: the process
-            or its node died), `stalled` (no heartbeat for `world.stall_timeout_s`), `preempted`
+            or its node died), `stalled` (no heartbeat, or no progress while training, for
+            `world.stall_timeout_s`: see `stalled`), `preempted`
             (the provider saw its node go), `notice` (a notice while joining), `setup_failed`,
             `safety_bound` (a call past `world.step_timeout_s`), `export_failed` (a donor failing
             while giving its state away).
@@ -522,17 +523,17 @@ class World:
     # -- training --------------------------------------------------------------------------------
 
     def _gather(self, calls: dict, phase: str, lost_steps: int) -> Generator[None, None, dict]:
-        """Wait for {(replica_id, rank): ref}, however long it takes while the ranks keep beating,
+        """Wait for {(replica_id, rank): ref}, however long it takes while the ranks make progress,
         pausing (a `yield`) about every 0.1 s. A replica is dropped when a call of it fails (its
-        process died), when the driver drops it during a pause (its node is gone), or when a rank's
-        heartbeat stops for `world.stall_timeout_s`. Returns {(replica_id, rank): result}."""
+        process died), when the driver drops it during a pause (its node is gone), or when its
+        heartbeat or its progress stands still for `world.stall_timeout_s` (`stalled`). Returns
+        {(replica_id, rank): result}."""
         ray = self._ray
         owner = {ref: key for key, ref in calls.items()}
         pending = list(owner)
         results = {}
-        now = time.monotonic()
-        beats = {key: (None, now) for key in calls}   # (last heartbeat, when it last changed)
-        check_at = now
+        beats = {}   # what the looks at the heartbeats saw (`stalled`)
+        check_at = time.monotonic()
         while pending:
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.1)
             for ref in done:
@@ -553,22 +554,15 @@ class World:
         return {k: v for k, v in results.items() if k[0] in self.replicas}
 
     def _stalled(self, keys: list[tuple[int, int]], beats: dict) -> dict[int, str]:
-        """Replicas (of these (replica_id, rank) keys) with a rank whose heartbeat has not changed
-        for `world.stall_timeout_s`, with why. Updates `beats` {key: (heartbeat, when it changed)}."""
+        """Replicas (of these (replica_id, rank) keys, members or joiners) to drop as stalled, with
+        why (`stalled`, on the ranks' heartbeats as they are now). Updates `beats`."""
         from elastic.train.replica import heartbeat_key
 
-        stall_s = self._recipe.world.stall_timeout_s
-        now = time.monotonic()
+        w = self._recipe.world
         values = self._store.multi_get([heartbeat_key(*k) for k in keys])
-        out = {}
-        for key, raw in zip(keys, values):
-            last, since = beats.get(key, (None, now))
-            if raw != last:
-                beats[key] = (raw, now)
-            elif now - since > stall_s and (key[0] in self.replicas or key[0] in self.joining):
-                progress = raw.decode().split()[-1]
-                out[key[0]] = f"rank {key[1]} sent no heartbeat for {now - since:.1f} s (progress {progress})"
-        return out
+        out = stalled({k: v.decode() for k, v in zip(keys, values)}, beats, time.monotonic(),
+                      w.stall_timeout_s, w.step_timeout_s)
+        return {rid: why for rid, why in out.items() if rid in self.replicas or rid in self.joining}
 
     def step(self) -> list:
         """Advance the outer step under way (beginning one when none is) to its next pause, and
@@ -721,6 +715,45 @@ class World:
             self._kill(rep)
         self.replicas.clear()
         self.joining.clear()
+
+
+def stalled(heartbeats: dict[tuple[int, int], str], clocks: dict, now_s: float, stall_timeout_s: float,
+            step_timeout_s: float) -> dict[int, str]:
+    """Which replicas are stalled, with why, from their ranks' heartbeats
+    {(replica_id, rank): "BEAT WORK BYTES STATE"} (`elastic.train.replica.heartbeat_key`) read at
+    monotonic time `now_s`. `clocks` carries what earlier looks saw ({(replica_id, rank): (beat,
+    since when it has not changed)}, {replica_id: (progress of its ranks, since when it is expected
+    and has not moved)}); start it empty when the wait begins, and it is updated here.
+
+    A replica is stalled when a rank's BEAT has not changed for `stall_timeout_s` (its process is
+    frozen or its node partitioned or gone), or when all of its ranks work on their own (STATE `run`
+    or `warm`: none waits on other replicas) and their WORK and BYTES have all stood still for
+    `stall_timeout_s` (`step_timeout_s`, if longer, while a rank is in its first step: compiling):
+    a rank stuck outside any collective (a fetch that never returns, a deadlocked step) while its
+    heartbeat thread beats. A rank waiting on other replicas (`wait`) restarts its replica's
+    progress clock: that wait has a timeout of its own (`world.sync_timeout_s`)."""
+    out: dict[int, str] = {}
+    ranks: dict[int, list[tuple[int, str, str, str]]] = {}
+    for key, raw in heartbeats.items():
+        beat, work, received, state = raw.split()
+        ranks.setdefault(key[0], []).append((key[1], work, received, state))
+        last, since = clocks.get(key, (None, now_s))
+        if beat != last:
+            clocks[key] = (beat, now_s)
+        elif now_s - since > stall_timeout_s and key[0] not in out:
+            out[key[0]] = f"rank {key[1]} sent no heartbeat for {now_s - since:.1f} s (progress {work})"
+    for rid, rs in ranks.items():
+        progress = tuple((work, received) for _, work, received, _ in rs)
+        states = {state for *_, state in rs}
+        last, since = clocks.get(rid, (None, now_s))
+        if progress != last or "wait" in states:   # moving, or not expected to move: the clock restarts
+            clocks[rid] = (progress, now_s)
+            continue
+        limit_s = max(stall_timeout_s, step_timeout_s) if "warm" in states else stall_timeout_s
+        if now_s - since > limit_s and rid not in out:
+            at = "; ".join(f"rank {r}: progress {work}, {received} bytes fetched" for r, work, received, _ in rs)
+            out[rid] = f"no progress for {now_s - since:.1f} s while training, heartbeat alive ({at})"
+    return out
 
 
 def preload() -> None:
