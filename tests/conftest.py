@@ -39,6 +39,15 @@ def polled_events(provider, timeout_s: float = 30.0) -> list:
     return out
 
 
+def process_alive(pid: int) -> bool:
+    """Whether `pid` is a live process (not gone, not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def run_cli(*args: str, env: dict | None = None, cwd=REPO, timeout: float = 120, **extra_env: str):
     """`python -m elastic ARGS` in a subprocess running the tree under test; `env` replaces the
     environment, `extra_env` adds to `cli_env()`."""

@@ -59,6 +59,8 @@ class PolicyState:
         capacity_logged, budget_logged: `launch_held_back` written for this shortage / this run.
         waits_for_capacity: the policy's `waits_for_capacity` on the last decision's snapshot: a
             shortage does not end the run after world.capacity_timeout_s.
+        next_look_at_s: when the policy wants to decide again though nothing else changes
+            (`Policy.next_look_s` on the last decision's snapshot; inf: only on a change).
         on_demand_since: when the deadline rule's first on-demand VM was rented (`on_demand_started`);
             None: no on-demand VM held for it.
     """
@@ -79,6 +81,7 @@ class PolicyState:
     capacity_logged: bool = False
     budget_logged: bool = False
     waits_for_capacity: bool = False
+    next_look_at_s: float = math.inf
     on_demand_since: float | None = None
 
 
@@ -118,6 +121,7 @@ class Executor:
         """Ask the policy on `s` (built with `fed`) and apply its actions; False when a launch was
         refused (the rest not done: ask again, the refused offer now resting)."""
         self.state.waits_for_capacity = self.policy.waits_for_capacity(s)
+        self.state.next_look_at_s = s.time_s + self.policy.next_look_s(s)
         return self.apply(self.policy.decide(s), s)
 
     def apply(self, actions: list[Action], s: Snapshot) -> bool:

@@ -80,6 +80,7 @@ MIN_SHARE = 0.05         # θ is never below the price of the cheapest 5 % of th
 DEAR_SAVING = 0.25       # a replica dearer than HYSTERESIS θ leaves for a launch this much cheaper
 GO_ON_NEED = 0.95        # at this share of the time left needed, it trains whatever the price
 ON_DEMAND_MARGIN = 0.10  # slack kept, as a share of the on-demand world's hours to finish the rest
+LOOK_PAST_S = 1e-3       # the deadline rule's wake-up lands this far past its margin (seconds), not on it
 
 
 @dataclass(frozen=True)
@@ -404,6 +405,12 @@ class Policy:
         below world.min_replicas is the policy's own choice (idle while ahead of its deadline)."""
         return False
 
+    def next_look_s(self, s: Snapshot) -> float:
+        """Seconds from `s` until the policy wants to decide again though nothing else changes (no
+        price, capacity or membership move): a host that waits in long steps (the simulator,
+        between looks at an idle market) wakes by then. inf: only when something changes."""
+        return math.inf
+
 
 class ElasticPolicy(Policy):
     """The project's policy: the rules of this module (`due`, `decide`), for a world whose DiLoCo
@@ -420,6 +427,12 @@ class ElasticPolicy(Policy):
     def waits_for_capacity(self, s: Snapshot) -> bool:
         need = on_demand_need(s)
         return need is not None and need.can_finish
+
+    def next_look_s(self, s: Snapshot) -> float:
+        # While it waits for spot, the deadline rule turns to on-demand when the slack reaches its
+        # margin: the clock alone gets it there.
+        need = on_demand_need(s)
+        return need.slack_s - need.margin_s + LOOK_PAST_S if need is not None and not need.late else math.inf
 
 
 # -- the rules -------------------------------------------------------------------------------------

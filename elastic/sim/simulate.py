@@ -462,6 +462,8 @@ def _elastic_world(run: _Run) -> None:
                 break
             dt = (min(booting) - run.t) if booting else WAIT_S
             dt = min(dt, to_next_sample())
+            if ex.state.next_look_at_s > run.t + 1e-6:   # the policy's own clock (the deadline rule)
+                dt = min(dt, ex.state.next_look_at_s - run.t)
             if not run.affordable(dt):
                 break
             run.advance(dt, stop_at_first_loss=False)

@@ -76,7 +76,7 @@ class LocalProvider(BaseProvider):
         self._instances: dict[str, Instance] = {}
         self._hosts: dict[str, object] = {}   # instance id -> its localnet.Member (local.network)
         self._kill_at: dict[str, float] = {}   # instance id -> unix time of a noticed kill
-        self._starting: dict[tuple, int] = {}   # (zone, instance type) -> launches under way
+        self._starting: dict[tuple, int] = {}   # (zone, instance type, spot) -> launches under way
         self._events: list[NodeEvent] = []
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
@@ -164,9 +164,10 @@ class LocalProvider(BaseProvider):
     def launch(self, offer: Offer, run: str, role: str) -> Instance:
         with self._lock:
             cap = self.market.state(offer.zone, offer.instance_type).capacity if offer.spot else None
-            key = (offer.zone, offer.instance_type)
+            # Spot capacity bounds spot VMs only: on-demand ones (a deadline's fallback) take none of it.
+            key = (offer.zone, offer.instance_type, offer.spot)
             held = sum(1 for i in self._instances.values()
-                       if (i.offer.zone, i.offer.instance_type) == key) + self._starting.get(key, 0)
+                       if (i.offer.zone, i.offer.instance_type, i.offer.spot) == key) + self._starting.get(key, 0)
             if cap is not None and held >= cap:
                 raise CapacityError(f"{offer.instance_type} in {offer.zone}: no capacity "
                                     f"({'stock-out' if cap == 0 else f'{held}/{cap} held'})")

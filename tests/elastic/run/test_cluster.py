@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import elastic
+from tests.conftest import process_alive
 
 IDLE_AGENT = Path(elastic.__file__).parent / "run" / "idle_agent.py"
 
@@ -67,14 +68,7 @@ def test_the_idle_agent_reports_its_ports_as_not_served_and_follows_its_parent(t
     os.kill(shell.pid, signal.SIGKILL)
     shell.wait()
     deadline = time.monotonic() + 10
-    while _alive(agent_pid):
+    while process_alive(agent_pid):
         assert time.monotonic() < deadline, "the stand-in outlived its parent"
         time.sleep(0.05)   # polling for the stand-in's exit with a deadline
 
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False

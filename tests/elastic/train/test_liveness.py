@@ -13,7 +13,7 @@ import pytest
 
 from elastic.train.data import ArraySource, SampleStream, ShardIndex, upload_shards
 from elastic.train.world import Loss, PhaseStarted, StepDone, World, stalled
-from tests.conftest import tiny_recipe
+from tests.conftest import process_alive, tiny_recipe
 from tests.servers.object_stores import GateProxy
 
 STALL_S, STEP_S = 10.0, 60.0
@@ -106,13 +106,13 @@ def test_a_slow_phase_past_the_old_deadline_completes_while_a_frozen_rank_is_dro
         assert world.done()
         # The frozen rank was killed with its replica.
         deadline = time.monotonic() + 30
-        while _alive(pid) and time.monotonic() < deadline:
+        while process_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.1)   # polling the process table with a deadline
-        assert not _alive(pid)
+        assert not process_alive(pid)
     finally:
         world.shutdown()
         for p in frozen:
-            if _alive(p):
+            if process_alive(p):
                 os.kill(p, signal.SIGKILL)
 
 
@@ -176,11 +176,3 @@ def test_a_rank_whose_shard_fetch_never_returns_is_dropped_while_its_heartbeat_t
         world.shutdown()
         proxy.stop()
 
-
-def _alive(pid: int) -> bool:
-    """Whether `pid` is a live process (not gone, not a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
