@@ -116,7 +116,7 @@ class SkypilotLike(WholeJob):
 
     def decide(self, s: Snapshot) -> list[Action]:
         place = s.place
-        refused = place is not None and resting(s, offer_key(place)) and len(s.nodes) < whole_world(s.recipe)
+        refused = place is not None and resting(s, place) and len(s.nodes) < whole_world(s.recipe)
         if s.nodes and not refused:
             return self._fill(s, place, len(s.nodes))
         # Nothing held (the start, or after a loss: EAGER_NEXT_REGION leaves the region first), or
@@ -134,7 +134,7 @@ class SkypilotLike(WholeJob):
         r = s.recipe
         resources = r.resources.model_copy(update={"spot": True})
         fit = [q.offer for q in s.quotes if allowed(q.offer, resources) and q.offer.region != exclude_region
-               and not resting(s, q.key)]
+               and not resting(s, q.offer)]
         return min(fit, key=lambda o: _usd_per_raw_token(o, r)) if fit else None
 
 
@@ -230,7 +230,7 @@ class UniformProgress(Policy):
             used[key] = used.get(key, 0) + 1
         out = []
         for q in sorted(s.quotes, key=lambda q: _usd_per_raw_token(q.offer, r)):
-            if not allowed(q.offer, resources) or resting(s, q.key):
+            if not allowed(q.offer, resources) or resting(s, q.offer):
                 continue
             room = math.inf if q.capacity is None else q.capacity - used.get(q.key, 0)
             if room > 0:
@@ -241,5 +241,5 @@ class UniformProgress(Policy):
         """The cheapest on-demand offer per raw token the recipe allows, not resting."""
         r = s.recipe
         resources = r.resources.model_copy(update={"spot": False})
-        fit = [q.offer for q in s.on_demand_quotes if allowed(q.offer, resources) and not resting(s, q.key)]
+        fit = [q.offer for q in s.on_demand_quotes if allowed(q.offer, resources) and not resting(s, q.offer)]
         return min(fit, key=lambda o: _usd_per_raw_token(o, r)) if fit else None

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from elastic.policy.market import Key, Quote
+from elastic.policy.market import Quote, offer_key
 from elastic.policy.planner import Move
 from elastic.policy.rules import (Action, HoldBack, HoldReason, Pace, Pause, Place, Policy, PriceSeen, Refusal, Release, Rent, Replan,
                             Retarget, Snapshot, Unpause)
@@ -107,10 +107,10 @@ class Executor:
                 "last_replan_s": st.last_replan_s, "prices": st.prices, "priced_at_s": st.priced_at_s,
                 "paused": st.paused, "place": st.place}
 
-    def refused(self, key: Key, at_s: float) -> None:
-        """A launch of the offer `key` was refused at `at_s` (capacity, a VM that failed or never
-        joined): it rests (the cooldown rule)."""
-        self.state.refusals.append(Refusal(key, at_s))
+    def refused(self, offer: Offer, at_s: float) -> None:
+        """A launch of `offer` was refused at `at_s` (capacity, a VM that failed or never joined):
+        it rests (the cooldown rule)."""
+        self.state.refusals.append(Refusal(offer_key(offer), at_s, offer.spot))
 
     def pause_took_effect(self, at_s: float) -> Pace:
         """The host made the pending `Pause` take effect (every VM released) at `at_s`: its reading."""
@@ -164,7 +164,7 @@ class Executor:
                     self.host.release(a.instance_id)
             elif isinstance(a, Rent):
                 if not self.host.rent(a.quote, a.move):
-                    self.refused(a.quote.key, now)
+                    self.refused(a.quote.offer, now)
                     return False
                 st.capacity_logged = st.budget_held_back = False
                 if a.deadline is not None and st.on_demand_since is None:

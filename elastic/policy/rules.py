@@ -113,10 +113,13 @@ class Refusal:
     Args:
         key: the offer's market key.
         at_s: when (the snapshot's clock).
+        spot: the launch was spot (a spot refusal does not rest the same VM on demand, nor the
+            other way round).
     """
 
     key: Key
     at_s: float
+    spot: bool = True
 
 
 @dataclass(frozen=True)
@@ -437,10 +440,12 @@ class ElasticPolicy(Policy):
 
 # -- the rules -------------------------------------------------------------------------------------
 
-def resting(s: Snapshot, key: Key) -> bool:
-    """The cooldown rule: an offer rests `planner.capacity_cooldown_s` after a refusal."""
+def resting(s: Snapshot, offer: Offer) -> bool:
+    """The cooldown rule: an offer rests `planner.capacity_cooldown_s` after a refusal of a launch
+    of its kind (spot or on-demand) there."""
     rest_s = s.recipe.planner.capacity_cooldown_s
-    return any(r.key == key and s.time_s - r.at_s < rest_s for r in s.refusals)
+    key = offer_key(offer)
+    return any(r.key == key and r.spot == offer.spot and s.time_s - r.at_s < rest_s for r in s.refusals)
 
 
 def launch_fits_budget(spent_usd: float, held_usd_per_hour: float, offer, recipe, horizon_s: float = 0.0) -> bool:
@@ -673,7 +678,7 @@ def due(s: Snapshot) -> bool:
 
 def decide(s: Snapshot) -> list[Action]:
     """The actions the policy takes now (in order). See the module's docstring for the rules."""
-    quotes = [q for q in s.quotes if not resting(s, q.key)]
+    quotes = [q for q in s.quotes if not resting(s, q.offer)]
     out, p = _paced(s, quotes)
     if pauses(s.recipe):
         # The pause rule judges at each price sample only (`due` asks for one every
@@ -712,7 +717,7 @@ def _steady_world(s: Snapshot, quotes: list[Quote]) -> list[Action]:
     if need is not None and need.late:
         # The deadline needs the on-demand world's pace: the world grows to its size, and every
         # launch is the planner's cheapest among spot and on-demand offers.
-        quotes = quotes + [q for q in s.on_demand_quotes if not resting(s, q.key)]
+        quotes = quotes + [q for q in s.on_demand_quotes if not resting(s, q.offer)]
         if need.replicas > target:
             target = need.replicas
             out.append(Retarget(target, need.need_s / 3600, grown=True))

@@ -16,7 +16,6 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from elastic.errors import UserError
-from elastic.policy.market import offer_key
 from elastic.policy.planner import Move, site
 from elastic.record.events import (CapacityRefused, LaunchFailed, LinkMeasured, NodeJoinTimeout, NodeLaunched, NodeReleased,
                             ReplicaJoined, ReplicaLost, ReplicaStarting)
@@ -101,13 +100,13 @@ class Rentals:
             try:
                 inst = fut.result()
             except JoinTimeout as exc:  # rented, never joined, terminated: bill it, rest the offer
-                self._refused(offer_key(offer), time.time())
+                self._refused(offer, time.time())
                 self._record_join_timeout(exc, offer)
                 continue
             except UserError:   # the recipe or the account setup is wrong: no other offer will do better
                 raise
             except Exception as exc:  # no capacity, or a VM that failed to come up: the offer rests
-                self._refused(offer_key(offer), time.time())
+                self._refused(offer, time.time())
                 refused = isinstance(exc, CapacityError)
                 failed = CapacityRefused if refused else LaunchFailed
                 self._ledger.append(failed(zone=offer.zone, instance_type=offer.instance_type,
