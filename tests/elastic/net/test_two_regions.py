@@ -72,7 +72,7 @@ def test_ctrl_c_while_nodes_join_leaves_no_namespace_interface_or_wireguard_proc
 
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "elastic", "launch", "recipes/local-two-regions.yaml",
-                             "--run-dir", str(run_dir), "--set", "train.outer_steps=1000"],
+                             "--run-dir", str(run_dir), "--allow-partial", "--set", "train.outer_steps=1000"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=cli_env())
     deadline = time.monotonic() + 120
     ledger = run_dir / "events.jsonl"

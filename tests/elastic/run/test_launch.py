@@ -388,7 +388,7 @@ def test_a_preemptible_run_tells_its_story_and_a_closed_session_releases_every_n
     many as the ledger holds), then the summary and the report path; every node is released and
     each VM is billed at its moving price."""
     run_dir = tmp_path / "run"
-    proc = launch(run_dir, *SMALL, "--set", "train.outer_steps=1000", "--set", "train.inner_steps=5",
+    proc = launch(run_dir, *SMALL, "--allow-partial", "--set", "train.outer_steps=1000", "--set", "train.inner_steps=5",
                   "--set", "checkpoint.every_outer_steps=3", "--set", "local.market.preempt_per_hour=3",
                   recipe="recipes/local-preemptible.yaml",
                   env={"ELASTIC_CACHE": str(tmp_path / "cache"), "COLUMNS": "80"})
