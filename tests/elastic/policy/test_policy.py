@@ -350,3 +350,29 @@ def test_on_demand_replicas_move_back_to_spot_when_it_returns():
     assert moved and all(a.quote.offer.spot and a.quote.offer.zone == "r2a" and a.deadline is None for a in moved)
     drained = {a.move.drain for a in moved if a.move} | {a.instance_id for a in acts if isinstance(a, Release)}
     assert drained and drained <= {n.instance_id for n in nodes}
+
+
+def test_a_lone_spot_replica_is_paired_with_an_on_demand_one_while_behind_the_deadlines_line():
+    """Spot has room for one replica, world.min_replicas is 2, and the run is behind the straight
+    line to budget.max_hours: one spot replica and one on-demand one now (the deadline rule is not
+    late yet); ahead of the line, or with room for two spot replicas, no on-demand."""
+    r = recipe(**{"train.token_budget": 5_184_000_000, "train.outer_steps": "null", "budget.max_hours": 30,
+                  "budget.max_usd": 100_000, "world.min_replicas": 2})
+    one = [quote(offer("r1a", 8.0), capacity=1)]
+    od = (quote(offer("r1a", 30.0, spot=False)),)
+    t = T + 3600   # an hour in, nothing trained: behind the line
+    behind = snap(r, quotes=one, on_demand_quotes=od, target_replicas=4, time_s=t, started_s=T,
+                  progress=Progress(hours=1.0))
+    from elastic.policy.rules import on_demand_need
+
+    assert not on_demand_need(behind).late
+    acts = decide(behind)
+    assert [(a.quote.offer.zone, a.quote.offer.spot) for a in acts if isinstance(a, Rent)] == \
+        [("r1a", True), ("r1a", False)], acts
+    # Ahead of the line: the lone spot replica waits for a second one, no on-demand.
+    ahead = dataclasses.replace(behind, progress=Progress(tokens=r.train.token_budget // 2, hours=1.0))
+    assert [a.quote.offer.spot for a in decide(ahead) if isinstance(a, Rent)] == [True]
+    # Room for two spot replicas: spot alone makes the world.
+    two = [quote(offer("r1a", 8.0), capacity=2)]
+    assert all(a.quote.offer.spot for a in decide(dataclasses.replace(behind, quotes=tuple(two)))
+               if isinstance(a, Rent))
