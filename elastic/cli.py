@@ -451,11 +451,14 @@ def _simulate(args, out) -> int:
 
     from rich.table import Table
 
+    from elastic.errors import UserError
     from elastic.recipe.model import load_recipe
-    from elastic.sim.simulate import bound_usd_per_mtok, simulate
+    from elastic.sim.simulate import bound_usd_per_mtok, simulate, why_nothing_trained
 
     recipe = load_recipe(args.recipe, args.overrides)
     results = simulate(recipe, args.trace, args.policy, seed=args.seed)
+    if not any(r["tokens"] for r in results):   # a table of zeros says nothing: say why
+        raise UserError(why_nothing_trained(recipe, args.trace))
     if args.json:
         # The yardstick: what any policy could at best pay per token on this trace (elastic.sim.bound).
         bound = bound_usd_per_mtok(recipe, args.trace)

@@ -41,7 +41,7 @@ from elastic.errors import UserError
 from elastic.policy.baselines import whole_world
 from elastic.policy.executor import Executor
 from elastic.policy.market import Market, Quote, offer_key
-from elastic.policy.planner import Move, Progress, evaluate, run_tokens, tokens_per_phase
+from elastic.policy.planner import Move, Progress, allowed, evaluate, plan, run_tokens, tokens_per_phase
 from elastic.policy.registry import POLICIES, policy
 from elastic.policy.rules import Node, Policy, Snapshot, pauses
 from elastic.record import billing
@@ -568,6 +568,37 @@ def _market(recipe, trace_path: str) -> TraceMarket:
     except TraceError as exc:
         raise UserError(str(exc)) from None
     return TraceMarket(rows, recipe)
+
+
+def why_nothing_trained(recipe, trace_path: str) -> str:
+    """One line on why no policy trains a token of `recipe` on the trace (for a run of `simulate`
+    whose every policy trained none): no offer the recipe allows, a budget that cannot pay for
+    world.min_replicas VMs of the cheapest one for its cloud's billing minimum, or else what the
+    trace offers."""
+    market = _market(recipe, trace_path)
+    res = recipe.resources
+    every = market.offers(0.0, res.spot)
+    fit = [o for o in every if allowed(o, res)]
+    kinds = ", ".join(sorted({f"{o.instance_type} ({o.gpus}x{o.gpu or 'CPU'})" for o in every}))
+    if not fit:
+        return (f"no offer of {trace_path} matches resources.regions / resources.max_usd_per_hour / spot: "
+                f"it offers {kinds}")
+    cheapest = min(fit, key=lambda o: o.usd_per_hour)
+    n = recipe.world.min_replicas
+    min_usd = n * cheapest.usd_per_hour * billing.launch_span_s(cheapest.cloud) / 3600
+    if recipe.budget.max_usd is not None and min_usd > recipe.budget.max_usd:
+        return (f"budget.max_usd (${recipe.budget.max_usd:,.2f}) cannot pay for world.min_replicas ({n}) VM(s) of "
+                f"{trace_path}: the cheapest, {cheapest.instance_type} in {cheapest.zone}, costs "
+                f"${cheapest.usd_per_hour:,.2f}/h (it offers {kinds})")
+    world = plan(Market(recipe.planner).quotes(fit, 0.0), recipe)
+    step_usd = world.usd_per_hour * (world.phase_s + recipe.planner.recovery_s) / 3600
+    if recipe.budget.max_usd is not None and world.quotes and step_usd > recipe.budget.max_usd:
+        return (f"budget.max_usd (${recipe.budget.max_usd:,.2f}) cannot pay for one outer step on {trace_path}: "
+                f"its cheapest world ({len(world.quotes)} x {world.quotes[0].offer.instance_type}) costs "
+                f"${world.usd_per_hour:,.2f}/h and a step with its boot takes about "
+                f"{(world.phase_s + recipe.planner.recovery_s) / 60:,.0f} min (${step_usd:,.2f}); it offers {kinds}")
+    return (f"no policy trained a token on {trace_path} (it offers {kinds}): see each policy's status with "
+            "--json")
 
 
 def bound_usd_per_mtok(recipe, trace_path: str) -> float | None:

@@ -342,3 +342,16 @@ def test_spot_gone_for_longer_than_the_capacity_timeout_a_deadline_run_finishes_
     free = recipe(**{"world.capacity_timeout_s": 3600, "budget.max_usd": 100_000})
     res = simulate(free, trace, ["elastic"], 0)[0]
     assert res["status"] == "insufficient_capacity" and res["wall_h"] < 4
+
+
+def test_a_simulation_that_trains_nothing_says_why_in_one_line(tmp_path):
+    """A table of zeros says nothing: `simulate` exits 2 with the reason (here local-tiny's $1
+    budget against a market of 8-GPU VMs)."""
+    from tests.conftest import run_cli
+
+    r = run_cli("simulate", "recipes/local-tiny.yaml", "--trace", "bench/traces/volatile.csv",
+                ELASTIC_CACHE=str(tmp_path / "cache"))
+    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "budget.max_usd ($1.00) cannot pay for one outer step" in lines[0], r.stderr
+    assert "a2-highgpu-8g (8xA100)" in lines[0] and "Traceback" not in r.stderr
