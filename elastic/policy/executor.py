@@ -18,7 +18,8 @@ from elastic.policy.market import Quote, offer_key
 from elastic.policy.planner import Move
 from elastic.policy.rules import (Action, HoldBack, HoldReason, Pace, Pause, Place, Policy, PriceSeen, Refusal, Release, Rent, Replan,
                             Retarget, Snapshot, Unpause)
-from elastic.record.events import HeldBack, LaunchHeldBack, OnDemandEnded, OnDemandStarted, ReplicaMove, WorldTarget, WorldUnpaused
+from elastic.record.events import (HeldBack, LaunchHeldBack, OnDemandEnded, OnDemandReason, OnDemandStarted, ReplicaMove,
+                                   TargetReason, WorldTarget, WorldUnpaused)
 from providers.base import Offer
 
 
@@ -136,7 +137,7 @@ class Executor:
             if isinstance(a, Retarget):
                 st.target_replicas, st.planned = a.replicas, True
                 if a.grown:
-                    self.host.record(WorldTarget(replicas=a.replicas, reason="budget.max_hours",
+                    self.host.record(WorldTarget(replicas=a.replicas, reason=TargetReason.DEADLINE,
                                                  hours_to_finish=round(a.hours_to_finish, 4)))
             elif isinstance(a, Replan):
                 st.last_replan_s = a.at_s
@@ -170,7 +171,7 @@ class Executor:
                 if a.deadline is not None and st.on_demand_since is None:
                     d = a.deadline
                     st.on_demand_since = now
-                    self.host.record(OnDemandStarted(reason="deadline", slack_s=round(d.slack_s, 3),
+                    self.host.record(OnDemandStarted(reason=OnDemandReason.DEADLINE, slack_s=round(d.slack_s, 3),
                                                      margin_s=round(d.margin_s, 3),
                                                      hours_needed=round(d.need_s / 3600, 4), replicas=d.replicas,
                                                      usd_expected=round(d.usd, 4)))

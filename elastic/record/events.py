@@ -49,6 +49,40 @@ class HeldBack(StrEnum):
     BUDGET = "budget.max_usd"           # the next VM would take the spend past the budget
 
 
+class LossRule(StrEnum):
+    """Which rule removed a replica (`replica_lost.rule`, `world.Loss.rule`)."""
+
+    ACTOR_DIED = "actor_died"         # a call of one of its ranks failed: the process or its node died
+    STALLED = "stalled"               # no heartbeat, or no progress while it should move, for world.stall_timeout_s
+    PREEMPTED = "preempted"           # the provider saw its node go
+    NOTICE = "notice"                 # a notice came while it was joining
+    SETUP_FAILED = "setup_failed"     # its setup raised
+    SAFETY_BOUND = "safety_bound"     # a call ran past world.step_timeout_s
+    EXPORT_FAILED = "export_failed"   # it failed while giving its state to a joiner
+    PAUSE = "pause"                   # the policy paused the run
+
+
+class LossPhase(StrEnum):
+    """What a lost replica was doing (`replica_lost.phase`)."""
+
+    INNER = "inner"
+    SYNC = "sync"
+    IDLE = "idle"
+    SETUP = "setup"
+
+
+class TargetReason(StrEnum):
+    """Why the world's target size grew (`world_target.reason`)."""
+
+    DEADLINE = "budget.max_hours"   # the planner needs more replicas to finish within it
+
+
+class OnDemandReason(StrEnum):
+    """Why a spot run rents on-demand VMs (`on_demand_started.reason`)."""
+
+    DEADLINE = "deadline"           # the deadline rule: spot is short and the slack reached its margin
+
+
 class RestoredAfter(StrEnum):
     """Why the world starts again from a checkpoint (`world_restored.after`)."""
 

@@ -31,9 +31,10 @@ from elastic.recipe.model import Recipe
 from elastic.record.billing import cost_so_far
 from elastic.record.events import (
     BudgetExhausted, CapacityRefused, CapacityWaitEnded, CapacityWaitStarted, CheckpointFailed, CheckpointSkipped,
-    CheckpointUploadAbandoned, ClusterStarted, Error, LaunchHeldBack, NetworkStarted, NodeJoinTimeout, NodeNotice,
-    NodePreempted, NodeRebalance, NodeReleased, OuterStep, ReplicaCopying, ReplicaDrained, ReplicaJoined, ReplicaLost,
-    Resumed, RunEnded, RunStarted, RunStatus, SyncFailed, SyncRetried, Validation, ValidationFailed, WorldFormed, WorldRestored)
+    CheckpointUploadAbandoned, ClusterStarted, Error, LaunchHeldBack, LossPhase, LossRule, NetworkStarted,
+    NodeJoinTimeout, NodeNotice, NodePreempted, NodeRebalance, NodeReleased, OuterStep, ReplicaCopying, ReplicaDrained,
+    ReplicaJoined, ReplicaLost, Resumed, RunEnded, RunStarted, RunStatus, SyncFailed, SyncRetried, Validation,
+    ValidationFailed, WorldFormed, WorldRestored)
 from elastic.record.ledger import Ledger
 from elastic.run.pausing import Pauser
 from elastic.run.pricewatch import PriceWatch
@@ -262,7 +263,7 @@ class Driver:
                     continue
                 if rep.replica_id in self.world.joining:
                     # Not training yet: nothing to save, leave now and stop paying.
-                    self.world.drop(rep.replica_id, "notice while joining", phase="setup", rule="notice")
+                    self.world.drop(rep.replica_id, "notice while joining", phase=LossPhase.SETUP, rule=LossRule.NOTICE)
                     self.record_world(self.world.take_events())
                     self.terminate(ev.instance_id)
                     continue

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from elastic.record.events import ReplicaDrained, WorldPaused
+from elastic.record.events import LossPhase, LossRule, ReplicaDrained, WorldPaused
 
 
 class Pauser:
@@ -39,7 +39,7 @@ class Pauser:
         p = d.executor.state.pause
         self.after_pause = w.outer_step > 0 and bool(w.replicas)
         for rid in list(w.joining):   # none in practice: the policy pauses a world with nothing joining
-            w.drop(rid, "the run paused", phase="setup", rule="pause")
+            w.drop(rid, "the run paused", phase=LossPhase.SETUP, rule=LossRule.PAUSE)
         d.record_world(w.take_events())
         for rid, rep in list(w.replicas.items()):
             w.release(rid)

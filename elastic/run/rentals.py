@@ -17,8 +17,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from elastic.errors import UserError
 from elastic.policy.planner import Move, site
-from elastic.record.events import (CapacityRefused, LaunchFailed, LinkMeasured, NodeJoinTimeout, NodeLaunched, NodeReleased,
-                            ReplicaJoined, ReplicaLost, ReplicaStarting)
+from elastic.record.events import (CapacityRefused, LaunchFailed, LinkMeasured, LossRule, NodeJoinTimeout, NodeLaunched,
+                                   NodeReleased, ReplicaJoined, ReplicaLost, ReplicaStarting)
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class Rentals:
         (`replica_joined`) starts the count again."""
         if isinstance(event, ReplicaJoined):
             self._setup_failures.clear()
-        elif isinstance(event, ReplicaLost) and event.rule == "setup_failed":
+        elif isinstance(event, ReplicaLost) and event.rule == LossRule.SETUP_FAILED:
             self._setup_failures.append(event.reason)
 
     def moving(self) -> set[str]:

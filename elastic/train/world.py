@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Generator
 
 from elastic.recipe.model import Recipe
+from elastic.record.events import LossPhase, LossRule
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +111,8 @@ class Loss:
     instance_id: str
     reason: str
     lost_inner_steps: int
-    phase: str
-    rule: str = "actor_died"
+    phase: LossPhase
+    rule: LossRule = LossRule.ACTOR_DIED
 
 
 @dataclass
@@ -172,7 +173,7 @@ class PhaseStarted:
         members: the replicas taking part.
     """
 
-    phase: str
+    phase: LossPhase
     members: list[int]
 
 
@@ -232,7 +233,7 @@ class World:
         self.cursor = 0  # next unleased sample index: the run's data position
         self.tokens = 0
         self.params = 0   # the model's parameters, once a replica has set up
-        self.phase = "idle"   # "inner" or "sync" while a step is under way
+        self.phase = LossPhase.IDLE   # INNER or SYNC while a step is under way
         self._phase_members: list[int] = []   # the replicas of the inner phase under way
         self._phase_epoch = 0   # the membership epoch that phase began in (its fragments' group)
         self._stop_at: dict[int, float] = {}  # noticed replica -> unix time it must contribute by
@@ -312,19 +313,19 @@ class World:
         ready = []
         for rep in list(self.joining.values()):
             if rep.error:
-                self._lose(rep, f"setup failed: {rep.error}", 0, "setup", "setup_failed")
+                self._lose(rep, f"setup failed: {rep.error}", 0, LossPhase.SETUP, LossRule.SETUP_FAILED)
                 continue
             if rep.copy is not None:   # set up, and copying its state (`admit_copied`)
                 continue
             done, _ = self._ray.wait(rep.setup_refs, num_returns=len(rep.setup_refs), timeout=0)
             if len(done) < len(rep.setup_refs):
                 if time.time() - rep.started_at > self._recipe.world.step_timeout_s:
-                    self._lose(rep, "setup timed out", 0, "setup", "safety_bound")
+                    self._lose(rep, "setup timed out", 0, LossPhase.SETUP, LossRule.SAFETY_BOUND)
                 continue
             try:
                 self._setup_done(self._ray.get(done))
             except Exception as exc:
-                self._lose(rep, f"setup failed: {_short(exc)}", 0, "setup", "setup_failed")
+                self._lose(rep, f"setup failed: {_short(exc)}", 0, LossPhase.SETUP, LossRule.SETUP_FAILED)
                 continue
             ready.append(rep)
         return ready
@@ -347,7 +348,8 @@ class World:
                                           for r in range(len(rep.actors))], timeout=self._recipe.world.step_timeout_s)
             except Exception as exc:
                 if self._is_dead(peer):
-                    self._lose(peer, f"lost while exporting state: {_short(exc)}", 0, "idle", "export_failed")
+                    self._lose(peer, f"lost while exporting state: {_short(exc)}", 0, LossPhase.IDLE,
+                               LossRule.EXPORT_FAILED)
                 continue
             rep.copy = Copy(peer.replica_id, self.outer_step, [
                 a.pull_outer.remote(peer.actors[r], rep.replica_id, momentum[r], COPY_CHUNK_NUMEL)
@@ -368,7 +370,7 @@ class World:
             done, _ = self._ray.wait(c.refs, num_returns=len(c.refs), timeout=None if wait else 0)
             if len(done) < len(c.refs):
                 if reason := self._stalled([(rep.replica_id, r) for r in range(len(rep.actors))], c.beats).get(rep.replica_id):
-                    self._lose(rep, f"copying state: {reason}", 0, "setup", "stalled")
+                    self._lose(rep, f"copying state: {reason}", 0, LossPhase.SETUP, LossRule.STALLED)
                 continue
             donor = self.replicas.get(c.donor)
             try:
@@ -382,10 +384,11 @@ class World:
                 rep.copy = None
                 if donor is None or self._is_dead(donor):
                     if donor is not None:
-                        self._lose(donor, f"lost while exporting state: {_short(exc)}", 0, "idle", "export_failed")
+                        self._lose(donor, f"lost while exporting state: {_short(exc)}", 0, LossPhase.IDLE,
+                                   LossRule.EXPORT_FAILED)
                     self.begin_copy(rep)   # from another member (or at the next boundary)
                 else:
-                    self._lose(rep, f"state copy from replica {c.donor} failed: {_short(exc)}", 0, "setup")
+                    self._lose(rep, f"state copy from replica {c.donor} failed: {_short(exc)}", 0, LossPhase.SETUP)
                 continue
             for a in donor.actors:
                 a.drop_snapshot.remote(rep.replica_id)
@@ -446,7 +449,7 @@ class World:
         (Only the noticed replica stopping would leave it waiting for the others' full phase, on
         real clouds minutes against a notice of 30 s to 2 min.)"""
         self._stop_at[replica_id] = min(stop_at, self._stop_at.get(replica_id, float("inf")))
-        if self.phase == "inner" and replica_id in self._phase_members:
+        if self.phase == LossPhase.INNER and replica_id in self._phase_members:
             self._end_phase_by(self._phase_members)
 
     def _end_phase_by(self, members: list[int]) -> None:
@@ -464,8 +467,8 @@ class World:
             for a in (rep.actors if rep else []):
                 a.request_stop.remote(stop_at, self.inner_step)
 
-    def drop(self, replica_id: int, reason: str, phase: str = "idle", lost_inner_steps: int = 0,
-             rule: str = "preempted") -> None:
+    def drop(self, replica_id: int, reason: str, phase: LossPhase = LossPhase.IDLE, lost_inner_steps: int = 0,
+             rule: LossRule = LossRule.PREEMPTED) -> None:
         """Remove a replica (its node is gone or going): kill its actors, record the loss."""
         rep = self.replicas.get(replica_id) or self.joining.get(replica_id)
         if rep is not None:
@@ -478,7 +481,8 @@ class World:
             self._kill(rep)
             self.epoch += 1
 
-    def _lose(self, rep: Replica, reason: str, lost_inner_steps: int, phase: str, rule: str = "actor_died") -> None:
+    def _lose(self, rep: Replica, reason: str, lost_inner_steps: int, phase: LossPhase,
+              rule: LossRule = LossRule.ACTOR_DIED) -> None:
         donor = self.replicas.get(rep.copy.donor) if rep.copy is not None else None
         for a in donor.actors if donor is not None else []:
             a.drop_snapshot.remote(rep.replica_id)   # nobody will pull it now
@@ -486,7 +490,7 @@ class World:
         self.joining.pop(rep.replica_id, None)
         self._kill(rep)
         if was_member:
-            if self.phase == "inner" and rep.replica_id in self._phase_members:
+            if self.phase == LossPhase.INNER and rep.replica_id in self._phase_members:
                 self._abort_fragments()
             self.epoch += 1
         self._happened.append(Loss(rep.replica_id, rep.instance_id, reason, lost_inner_steps, phase, rule))
@@ -522,7 +526,7 @@ class World:
 
     # -- training --------------------------------------------------------------------------------
 
-    def _gather(self, calls: dict, phase: str, lost_steps: int) -> Generator[None, None, dict]:
+    def _gather(self, calls: dict, phase: LossPhase, lost_steps: int) -> Generator[None, None, dict]:
         """Wait for {(replica_id, rank): ref}, however long it takes while the ranks make progress,
         pausing (a `yield`) about every 0.1 s. A replica is dropped when a call of it fails (its
         process died), when the driver drops it during a pause (its node is gone), or when its
@@ -549,7 +553,7 @@ class World:
             if pending and time.monotonic() >= check_at:
                 check_at = time.monotonic() + HEARTBEAT_CHECK_S
                 for rid, reason in self._stalled([owner[r] for r in pending], beats).items():
-                    self._lose(self.replicas[rid], f"{phase}: {reason}", lost_steps, phase, "stalled")
+                    self._lose(self.replicas[rid], f"{phase}: {reason}", lost_steps, phase, LossRule.STALLED)
                 pending = [r for r in pending if owner[r][0] in self.replicas]
         return {k: v for k, v in results.items() if k[0] in self.replicas}
 
@@ -618,7 +622,7 @@ class World:
         # Each member's lease at the next step if the world stays as it is: its data is prefetched.
         nexts = {rid: self.cursor + (0 if self._identical else i * per_replica) for i, rid in enumerate(members)}
 
-        self.phase, self._phase_members, self._phase_epoch = "inner", members, self.epoch
+        self.phase, self._phase_members, self._phase_epoch = LossPhase.INNER, members, self.epoch
         t0 = time.monotonic()
         # The schedule's token count is the world's: every member trains its steps at the same rates.
         step_tokens = len(members) * t.batch_size * t.seq_len
@@ -628,9 +632,9 @@ class World:
                                                 group(i))
                  for i, rid in enumerate(members) for r, a in enumerate(self.replicas[rid].actors)}
         self._end_phase_by(members)   # a notice came between steps: this phase ends by its deadline
-        self._happened.append(PhaseStarted("inner", members))
+        self._happened.append(PhaseStarted(LossPhase.INNER, members))
         yield
-        results = yield from self._gather(calls, "inner", t.inner_steps)
+        results = yield from self._gather(calls, LossPhase.INNER, t.inner_steps)
         inner_s = time.monotonic() - t0
         self._stop_at.clear()   # served: the noticed replicas contribute at this sync (or are gone)
 
@@ -639,27 +643,27 @@ class World:
         idle = sorted({rid for (rid, _), res in results.items() if res["steps"] == 0} | set(late))
         if any(res["sync"]["fresh_group"] for res in results.values()):
             self.epoch += 1   # a streamed fragment sync was aborted: its group may hold a half-done collective
-        self.phase = "sync"
+        self.phase = LossPhase.SYNC
         t1 = time.monotonic()
         attempts, sync_out = 0, {}
         while True:
             members = sorted(rid for rid in self.replicas if rid not in idle
                              and all((rid, r) in results for r in range(len(self.replicas[rid].actors))))
             if not members:
-                self.phase = "idle"
+                self.phase = LossPhase.IDLE
                 return None
             attempts += 1
             if attempts > 1:
                 self.epoch += 1   # a fresh group over the survivors
-            self._happened.append(PhaseStarted("sync", members))
+            self._happened.append(PhaseStarted(LossPhase.SYNC, members))
             yield
             members = [rid for rid in members if rid in self.replicas]
             if not members:   # dropped during the pause
-                self.phase = "idle"
+                self.phase = LossPhase.IDLE
                 return None
             calls = {(rid, r): a.outer_sync.remote(self.epoch, i, len(members))
                      for i, rid in enumerate(members) for r, a in enumerate(self.replicas[rid].actors)}
-            sync_out = yield from self._gather(calls, "sync", t.inner_steps)
+            sync_out = yield from self._gather(calls, LossPhase.SYNC, t.inner_steps)
             ok = set(members) <= set(self.replicas) and all(
                 sync_out.get((rid, r), {}).get("ok") for rid in members for r in range(len(self.replicas[rid].actors)))
             if ok:
