@@ -39,6 +39,10 @@ def polled_events(provider, timeout_s: float = 30.0) -> list:
     return out
 
 
+# The first line of every trace CSV (`providers.simmarket.read_trace_rows`).
+TRACE_HEADER = ("timestamp_s,cloud,region,zone,instance_type,gpu,gpus,spot_usd_per_hour,"
+                "on_demand_usd_per_hour,preempt_per_hour,capacity\n")
+
 def process_alive(pid: int) -> bool:
     """Whether `pid` is a live process (not gone, not a zombie)."""
     try:

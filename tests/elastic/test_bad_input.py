@@ -6,6 +6,7 @@ import pytest
 
 from elastic.errors import RecipeError
 from elastic.recipe.model import launch_problems, launch_warnings, load_recipe
+from tests.conftest import TRACE_HEADER
 from tests.elastic.recipe.test_recipe import TINY, error_lines, run_cli
 
 
@@ -86,9 +87,8 @@ def test_a_model_factory_must_return_an_nn_module(tmp_path, monkeypatch, module,
 
 def test_a_trace_with_an_absurd_preemption_rate_is_refused(tmp_path):
     trace = tmp_path / "t.csv"
-    trace.write_text("timestamp_s,cloud,region,zone,instance_type,gpu,gpus,spot_usd_per_hour,"
-                     "on_demand_usd_per_hour,preempt_per_hour,capacity\n"
-                     "0,local,local,local-a,cpu-small,,0,0.1,0.3,1e12,4\n", encoding="utf-8")
+    trace.write_text(TRACE_HEADER
+                     + "0,local,local,local-a,cpu-small,,0,0.1,0.3,1e12,4\n", encoding="utf-8")
     path = tmp_path / "recipe.yaml"
     path.write_text(f"name: a\nlocal: {{market: {{trace: {trace}}}}}\n", encoding="utf-8")
     [line] = error_lines(run_cli("validate", str(path)), names="local.market.trace")

@@ -13,7 +13,7 @@ from elastic.policy.rules import MIN_SAMPLES
 from elastic.record.events import WorldPaused
 from elastic.run.driver import run_attached
 from elastic.views.report import build_report
-from tests.conftest import tiny_recipe
+from tests.conftest import TRACE_HEADER, tiny_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -26,9 +26,8 @@ def scenario(tmp_path, prices: list[tuple[float, float]], **overrides):
     train a few seconds' worth (the run needs a sliver of the time left and can wait out a dear
     market), the pause rule on, prices sampled every 50 ms (the rule needs MIN_SAMPLES of them)."""
     trace = tmp_path / "trace.csv"
-    trace.write_text("timestamp_s,cloud,region,zone,instance_type,gpu,gpus,spot_usd_per_hour,"
-                     "on_demand_usd_per_hour,preempt_per_hour,capacity\n"
-                     + "".join(f"{t:g},local,r1,r1a,cpu,,0,{usd:g},9000,0,8\n" for t, usd in prices))
+    trace.write_text(TRACE_HEADER
+                     + + "".join(f"{t:g},local,r1,r1a,cpu,,0,{usd:g},9000,0,8\n" for t, usd in prices))
     return tiny_recipe(**{
         "world.replicas": 1, "world.max_replicas": 2, "train.outer_steps": 60, "train.inner_steps": 4,
         "checkpoint.every_outer_steps": 0, "budget.max_hours": 1, "planner.pauses": "true",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from elastic.run.driver import run_attached
-from tests.conftest import tiny_recipe
+from tests.conftest import TRACE_HEADER, tiny_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -15,9 +15,8 @@ def test_driver_moves_a_replica_to_a_much_cheaper_region(local_cluster, tmp_path
     trace = tmp_path / "trace.csv"
     # r2 costs more at first; from simulated second 1000 on it costs a tenth. The market's own clock
     # barely moves (compression 0.001); the test moves it past the drop at outer step 2.
-    trace.write_text("timestamp_s,cloud,region,zone,instance_type,gpu,gpus,spot_usd_per_hour,"
-                     "on_demand_usd_per_hour,preempt_per_hour,capacity\n"
-                     "0,local,r1,r1a,cpu,,0,0.40,1.2,0,4\n"
+    trace.write_text(TRACE_HEADER
+                     + "0,local,r1,r1a,cpu,,0,0.40,1.2,0,4\n"
                      "0,local,r2,r2a,cpu,,0,0.50,1.2,0,4\n"
                      "1000,local,r2,r2a,cpu,,0,0.05,1.2,0,4\n")
     recipe = tiny_recipe(**{

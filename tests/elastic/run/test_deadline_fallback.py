@@ -11,7 +11,7 @@ from elastic.record.events import OnDemandStarted, RunStarted
 from elastic.run.driver import run_attached
 from elastic.sim import simulate as sim
 from elastic.views.report import build_report
-from tests.conftest import tiny_recipe
+from tests.conftest import TRACE_HEADER, tiny_recipe
 from tests.elastic.sim.test_equivalence import recorded, zone_of
 
 pytestmark = pytest.mark.slow
@@ -24,9 +24,8 @@ def scenario(tmp_path):
     deadline of 72 s; the rule's boot allowance (planner.recovery_s) is 20 s, so it waits for
     spot for about half a minute, well past the capacity timeout."""
     trace = tmp_path / "trace.csv"
-    trace.write_text("timestamp_s,cloud,region,zone,instance_type,gpu,gpus,spot_usd_per_hour,"
-                     "on_demand_usd_per_hour,preempt_per_hour,capacity\n"
-                     "0,local,r1,r1a,cpu,,0,40,120,0,0\n"
+    trace.write_text(TRACE_HEADER
+                     + "0,local,r1,r1a,cpu,,0,40,120,0,0\n"
                      "0,local,r1,r1b,cpu,,0,45,130,0,0\n")
     recipe = tiny_recipe(**{
         "world.replicas": 1, "world.min_replicas": 1, "world.max_replicas": 1, "train.outer_steps": 6,

@@ -9,7 +9,7 @@ import pytest
 from elastic.run import pricewatch as pricewatch_module
 from elastic.run.driver import run_attached
 from elastic.views.report import build_report
-from tests.conftest import tiny_recipe
+from tests.conftest import TRACE_HEADER, tiny_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -21,9 +21,8 @@ BUDGET_USD = 0.5        # setup and two steps at $10/h cost cents; the rest of a
 
 def test_a_price_rise_mid_step_stops_the_run_within_that_step(local_cluster, tmp_path, monkeypatch):
     trace = tmp_path / "trace.csv"
-    trace.write_text("timestamp_s,cloud,region,zone,instance_type,gpu,gpus,spot_usd_per_hour,"
-                     "on_demand_usd_per_hour,preempt_per_hour,capacity\n"
-                     "0,local,r1,r1a,cpu,,0,10,30,0,4\n"
+    trace.write_text(TRACE_HEADER
+                     + "0,local,r1,r1a,cpu,,0,10,30,0,4\n"
                      f"{RISE_S:g},local,r1,r1a,cpu,,0,{RISEN_USD:g},{RISEN_USD:g},0,4\n")
     recipe = tiny_recipe(**{
         "world.replicas": 1, "train.outer_steps": 30, "train.inner_steps": INNER_STEPS,

@@ -29,7 +29,7 @@ from elastic.record.billing import cost_so_far
 from elastic.run.driver import Driver, run_attached
 from elastic.sim import simulate as sim
 from elastic.views.report import build_report
-from tests.conftest import tiny_recipe
+from tests.conftest import TRACE_HEADER, tiny_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -38,9 +38,8 @@ DROP_S = 10.0
 
 def scenario(tmp_path):
     trace = tmp_path / "trace.csv"
-    trace.write_text("timestamp_s,cloud,region,zone,instance_type,gpu,gpus,spot_usd_per_hour,"
-                     "on_demand_usd_per_hour,preempt_per_hour,capacity\n"
-                     "0,local,r1,r1a,cpu,,0,40,120,0,1\n"
+    trace.write_text(TRACE_HEADER
+                     + "0,local,r1,r1a,cpu,,0,40,120,0,1\n"
                      "0,local,r1,r1b,cpu,,0,45,120,0,4\n"
                      "0,local,r2,r2a,cpu,,0,50,120,0,4\n"
                      f"{DROP_S:g},local,r2,r2a,cpu,,0,5,120,0,4\n")

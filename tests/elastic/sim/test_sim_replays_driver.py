@@ -16,7 +16,7 @@ from elastic.run.driver import run_attached
 from elastic.sim.simulate import TraceMarket, simulate
 from elastic.views.report import build_report
 from providers.simmarket import read_trace_rows
-from tests.conftest import tiny_recipe
+from tests.conftest import TRACE_HEADER, tiny_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -42,9 +42,8 @@ def scenario(tmp_path):
     price and both replicas move there, the dearer first. No preemptions: the run is decided by the
     policy alone, not by draws."""
     trace = tmp_path / "trace.csv"
-    trace.write_text("timestamp_s,cloud,region,zone,instance_type,gpu,gpus,spot_usd_per_hour,"
-                     "on_demand_usd_per_hour,preempt_per_hour,capacity\n"
-                     "0,local,r1,r1a,cpu,,0,40,120,0,1\n"
+    trace.write_text(TRACE_HEADER
+                     + "0,local,r1,r1a,cpu,,0,40,120,0,1\n"
                      "0,local,r1,r1b,cpu,,0,45,120,0,4\n"
                      "0,local,r2,r2a,cpu,,0,50,120,0,4\n"
                      "3,local,r1,r1a,cpu,,0,42,120,0,1\n"
@@ -125,9 +124,8 @@ def test_with_a_preemption_the_same_actions_checkpoint_and_bill_rates(local_clus
     # r1a is cheapest by far (the risk either executor learns from one preemption does not move the
     # world) and, for its first 20 s, preempted 60 times an hour; with seed 8 the simulator draws
     # one preemption, 1.8 s into the first phase.
-    trace.write_text("timestamp_s,cloud,region,zone,instance_type,gpu,gpus,spot_usd_per_hour,"
-                     "on_demand_usd_per_hour,preempt_per_hour,capacity\n"
-                     "0,local,r1,r1a,cpu,,0,40,120,60,4\n"
+    trace.write_text(TRACE_HEADER
+                     + "0,local,r1,r1a,cpu,,0,40,120,60,4\n"
                      "0,local,r1,r1b,cpu,,0,90,120,0,4\n"
                      "0,local,r2,r2a,cpu,,0,100,120,0,4\n"
                      "20,local,r1,r1a,cpu,,0,40,120,0,4\n")
