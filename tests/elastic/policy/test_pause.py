@@ -27,7 +27,7 @@ def scenario(tmp_path, prices: list[tuple[float, float]], **overrides):
     market), the pause rule on, prices sampled every 50 ms (the rule needs MIN_SAMPLES of them)."""
     trace = tmp_path / "trace.csv"
     trace.write_text(TRACE_HEADER
-                     + + "".join(f"{t:g},local,r1,r1a,cpu,,0,{usd:g},9000,0,8\n" for t, usd in prices))
+                     + "".join(f"{t:g},local,r1,r1a,cpu,,0,{usd:g},9000,0,8\n" for t, usd in prices))
     return tiny_recipe(**{
         "world.replicas": 1, "world.max_replicas": 2, "train.outer_steps": 60, "train.inner_steps": 4,
         "checkpoint.every_outer_steps": 0, "budget.max_hours": 1, "planner.pauses": "true",
