@@ -149,6 +149,9 @@ class Hold:
         return usd_between(self.segments, self.stop_s, t0, t1)
 
 
+_HOLD_TYPES = frozenset(c.TYPE for c in (NodeLaunched, NodePrice, NodeReleased, NodePreempted, NodeJoinTimeout))
+
+
 def holds(events: list[Event], now: float) -> dict[str, Hold]:
     """Every VM a ledger's typed events (`events.read`) say the run held, by instance id, priced
     as of unix time `now` while still held."""
@@ -175,14 +178,20 @@ def holds(events: list[Event], now: float) -> dict[str, Hold]:
     return out
 
 
+def _vm_records(records: list[dict]) -> list:
+    """The records `holds` reads, typed: the driver prices its ledger every second, so the rest of
+    it (outer steps, checkpoints, metrics-like events) is not typed each time."""
+    return read([r for r in records if r["type"] in _HOLD_TYPES])
+
+
 def cost_so_far(records: list[dict], now: float) -> float:
     """USD accrued by every VM a ledger's records (`Ledger.events`) say the run held, up to `now`."""
-    return sum(h.usd() for h in holds(read(records), now).values())
+    return sum(h.usd() for h in holds(_vm_records(records), now).values())
 
 
 def burn_usd_per_hour(records: list[dict]) -> float:
     """USD per hour of the VMs held at the end of a ledger's records, at their current prices."""
-    return sum(h.segments[-1][1] for h in holds(read(records), 0.0).values() if h.end_s is None)
+    return sum(h.segments[-1][1] for h in holds(_vm_records(records), 0.0).values() if h.end_s is None)
 
 
 def cumulative(vms: dict[str, Hold], t0: float, end: float) -> tuple[list, list]:
