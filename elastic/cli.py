@@ -28,9 +28,14 @@ def _parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("launch", help="run a recipe: rent nodes, train, checkpoint, report")
     recipe_args(sp)
     sp.add_argument("--run-dir", type=Path, help="where the run writes (default runs/<name>-<UTC time>/)")
-    sp.add_argument("--resume", action="store_true",
+    sp.add_argument("--resume", nargs="?", const=True, default=False, metavar="RUN",
                     help="continue from the latest complete checkpoint at the recipe's checkpoint.uri "
-                         "(any world shape: replicas and ranks per replica may differ)")
+                         "(any world shape: replicas and ranks per replica may differ); with RUN, continue that "
+                         "run itself: its name, its record beside the checkpoints (and, with a controller, a new "
+                         "controller VM), one report for all its parts")
+    sp.add_argument("--detach", action="store_true",
+                    help="with resources.head: controller, return once the controller is started instead of "
+                         "following the run's log (Ctrl-C while following detaches too)")
     sp.add_argument("--address", help="HOST:PORT of a running Ray head on this machine to add the local nodes to (default: start a local cluster)")
     sp.add_argument("--allow-partial", action="store_true",
                     help="launch even when `elastic plan` expects budget.max_usd or budget.max_hours to run out "
@@ -42,16 +47,34 @@ def _parser() -> argparse.ArgumentParser:
     recipe_args(sp)
     offline_arg(sp)
 
+    run_help = ("the run: its name (./runs/RUN, else the records at the known URIs), its run directory, or the "
+                "URI of its record (default: the run under runs/ whose ledger changed last)")
+
+    def uri_arg(sp):
+        sp.add_argument("--uri", action="append", default=[], metavar="URI",
+                        help="also look for runs' records under this checkpoint URI (repeatable; besides "
+                             "$ELASTIC_RUNS_URIS and the URIs `elastic launch` remembered)")
+
+    sp = sub.add_parser("runs", help="list runs, here and in the records at the known URIs: status, world, "
+                                     "tokens, USD so far, age")
+    uri_arg(sp)
+
     sp = sub.add_parser("report", help="rebuild report.json and report.html of a run from its ledger and print the summary")
-    sp.add_argument("run_dir", type=Path, nargs="?",
-                    help="the run directory (default: the run under runs/ whose ledger changed last)")
-    sp.add_argument("--compare", type=Path, metavar="OTHER_RUN_DIR",
-                    help="also read another run's ledger and print both side by side")
+    sp.add_argument("run_dir", metavar="RUN", nargs="?", help=run_help)
+    sp.add_argument("--compare", metavar="OTHER_RUN", help="also read another run's ledger and print both side by side")
+    sp.add_argument("--to", type=Path, metavar="DIR",
+                    help="a run read from storage: where to write report.json and report.html (default reports/RUN)")
+    uri_arg(sp)
 
     sp = sub.add_parser("status", help="live view of a run from its ledger: world, step, loss, tokens/s, USD")
-    sp.add_argument("run_dir", type=Path, nargs="?",
-                    help="the run directory (default: the run under runs/ whose ledger changed last)")
+    sp.add_argument("run_dir", metavar="RUN", nargs="?", help=run_help)
     sp.add_argument("--once", action="store_true", help="print one snapshot and exit (default: refresh until the run ends)")
+    uri_arg(sp)
+
+    sp = sub.add_parser("logs", help="the driver's log of a run (from its run directory or its record in storage)")
+    sp.add_argument("run_dir", metavar="RUN", nargs="?", help=run_help)
+    sp.add_argument("--follow", "-f", action="store_true", help="keep printing new lines until the run ends")
+    uri_arg(sp)
 
     sp = sub.add_parser("checkpoints", help="list or verify the checkpoints at a URI")
     ck = sp.add_subparsers(dest="action", metavar="ACTION", required=True)
@@ -97,7 +120,7 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--refresh", action="store_true", help="read prices now, bypassing the on-disk cache (AWS: 5 min, GCP: gcp.price_cache_ttl_s)")
 
     sp = sub.add_parser("down", help="terminate every VM of a run, or of runs no longer alive (--orphans)")
-    sp.add_argument("run", nargs="?", help="run name or run directory")
+    sp.add_argument("run", nargs="?", help="run name, run directory, or the URI of its record")
     sp.add_argument("--orphans", action="store_true",
                     help="instances tagged by elastic whose run's driver heartbeat (a tag / label on its VMs) is stale")
     sp.add_argument("--stale-after-s", type=float, default=600.0, metavar="S",
@@ -219,7 +242,8 @@ def _dispatch(args, err) -> int:
         return 0
     if args.command == "launch":
         from elastic.errors import UserError
-        from elastic.run.launch import default_run_dir, launch
+        from elastic.run.launch import default_run_dir, earlier_record, launch, uses_controller
+        earlier = None
         from elastic.recipe.model import load_recipe
         if args.address is not None and not _is_host_port(args.address):
             raise UserError(f"--address {args.address!r}: expected HOST:PORT of a running Ray head")
@@ -235,6 +259,23 @@ def _dispatch(args, err) -> int:
         if not args.offline:   # before a run directory or Ray: a cloud mistake costs a second
             from elastic.run.preflight import check
             check(recipe)
+        run_name = args.resume if isinstance(args.resume, str) else None
+        if uses_controller(recipe, args.address):
+            if run_name is None and args.resume:
+                raise UserError("--resume with resources.head: controller: name the run, --resume RUN")
+        elif run_name is not None or args.run_dir is not None:
+            # The run's record may hold an earlier part (a controller that restarted, or a new one that
+            # `--resume RUN` started): continue it, from its latest complete checkpoint if it has one.
+            if args.run_dir is None:
+                args.run_dir = Path("runs") / run_name
+            earlier = earlier_record(recipe, run_name or args.run_dir.name)
+            if earlier is not None:
+                from elastic.storage import checkpoint as ckpt
+                from elastic.storage.stores import open_storage
+                args.resume = bool(ckpt.complete_steps(open_storage(recipe.checkpoint.uri)))
+            elif run_name is not None:
+                raise UserError(f"--resume {run_name}: no record of that run at "
+                                f"{recipe.checkpoint.uri or 'the recipe (checkpoint.uri is not set)'}")
         if args.resume:
             from elastic.storage import checkpoint as ckpt
             if not recipe.checkpoint.uri:
@@ -254,34 +295,47 @@ def _dispatch(args, err) -> int:
         from elastic.storage import checkpoint as ckpt
         run_dir = args.run_dir or default_run_dir(recipe)
         ckpt.check_destination(recipe.checkpoint.uri, args.resume, ckpt.model_digest(recipe), run_dir)
-        from elastic.run.launch import launch_controller, uses_controller
+        from elastic.run.launch import launch_controller
         if uses_controller(recipe, args.address):
-            if args.resume:
-                raise UserError("--resume with resources.head: controller: not supported yet; use head: local")
-            return launch_controller(recipe, run_dir, out)
-        return launch(recipe, run_dir, address=args.address, console=out, resume=args.resume)
+            if run_name is not None and args.run_dir is None:
+                run_dir = default_run_dir(recipe).with_name(f"{run_name}-resumed-{run_dir.name.rpartition('-')[2]}")
+            return launch_controller(recipe, run_dir, out, follow=not args.detach, run=run_name)
+        return launch(recipe, run_dir, address=args.address, console=out, resume=bool(args.resume), earlier=earlier)
     if args.command == "report":
         from elastic.errors import UserError
-        from elastic.record.ledger import read_events
         from elastic.views.report import build_report, compare_table, summary_table
-        from elastic.views.report_html import write_report
-        from elastic.views.status import latest_run_dir
-        args.run_dir = args.run_dir or latest_run_dir()
-        for d in filter(None, [args.run_dir, args.compare]):
-            if not (d / "events.jsonl").is_file():
-                raise UserError(f"{d}: no events.jsonl (not a run directory)")
-        report = write_report(args.run_dir)
+        from elastic.views.report_html import write_report_of
+        from elastic.views.runs import LocalRun, resolve
+        src = resolve(args.run_dir, args.uri)
+        events = src.events()
+        if not events:
+            raise UserError(f"{src.where}: no events (not a run's ledger)")
+        to = src.run_dir if isinstance(src, LocalRun) else (args.to or Path("reports") / src.name)
+        report = write_report_of(events, to, src.where)
         if args.compare is None:
             out.print(summary_table(report))
         else:
-            other = build_report(read_events(args.compare / "events.jsonl"))
-            out.print(compare_table(report, other, args.run_dir.name, args.compare.name))
-        out.print(f"report: {args.run_dir / 'report.json'}, {args.run_dir / 'report.html'}", highlight=False,
-                  soft_wrap=True)
+            other = resolve(args.compare, args.uri)
+            out.print(compare_table(report, build_report(other.events()), src.name, other.name))
+        out.print(f"report: {to / 'report.json'}, {to / 'report.html'}", highlight=False, soft_wrap=True)
         return 0
     if args.command == "status":
-        from elastic.views.status import latest_run_dir, watch
-        return watch(args.run_dir or latest_run_dir(), out, once=args.once)
+        from elastic.views.runs import resolve
+        from elastic.views.status import watch
+        return watch(resolve(args.run_dir, args.uri), out, once=args.once)
+    if args.command == "logs":
+        from elastic.views.runs import follow_logs, resolve
+        try:
+            follow_logs(resolve(args.run_dir, args.uri), out, follow=args.follow)
+        except KeyboardInterrupt:
+            pass   # stops following; the run goes on
+        return 0
+    if args.command == "runs":
+        import time
+
+        from elastic.views.runs import all_runs, runs_table
+        out.print(runs_table(all_runs(args.uri), time.time()))
+        return 0
     if args.command == "checkpoints":
         return _checkpoints(args, out, err)
     if args.command == "plan":
@@ -293,6 +347,8 @@ def _dispatch(args, err) -> int:
         return prices(args, out)
     if args.command == "down":
         from elastic.run.fleet import down
+        if args.run:
+            args.run = _run_for_down(args.run)
         return down(args, out, err)
     if args.command == "prepare-data":
         return _prepare_data(args, out)
@@ -310,6 +366,30 @@ def _dispatch(args, err) -> int:
         sys.stdout.write(markdown_reference() if args.markdown else json_schema())
         return 0
     raise AssertionError(args.command)
+
+
+def _run_for_down(arg: str) -> str:
+    """What `elastic down` terminates by: a run directory or name as given, or, for a run known only
+    by its record in storage (a URI, or a name not under ./runs), a directory holding its recipe
+    (its clouds and regions), named as the run."""
+    import tempfile
+
+    if "://" not in arg and (Path(arg) / "recipe.yaml").is_file() or (Path("runs") / arg / "recipe.yaml").is_file():
+        return arg
+    from elastic.views.runs import RemoteRun, resolve
+    try:
+        src = resolve(arg)
+    except Exception:
+        if "://" in arg:
+            raise
+        return arg   # a name only: down looks for its VMs in every configured cloud
+    text = src.recipe_text() if isinstance(src, RemoteRun) else None
+    if text is None:
+        return arg if "://" not in arg else src.name
+    d = Path(tempfile.mkdtemp(prefix="elastic-down-")) / src.name
+    d.mkdir()
+    (d / "recipe.yaml").write_text(text, encoding="utf-8")
+    return str(d)
 
 
 def _cache_clear(args, out) -> int:

@@ -90,6 +90,7 @@ class Driver:
         self._step_started_s: float | None = None       # unix time the outer step under way began
         self._budget_stop: str | None = None            # a price rise mid-step stopped the run (why)
         self._beat_stop = threading.Event()             # ends the heartbeat thread (release_all)
+        self._controllers: list = []                     # (provider, controller VM) for release_controller
         self._view = None                                # the run's view, once `run` started
         # Told (phase, members) as each phase of an outer step gets under way (`run_attached`'s
         # on_phase: tests and benchmarks inject faults there).
@@ -729,7 +730,8 @@ class Driver:
                     except Exception as exc:
                         self.ledger.append(Error(message=f"could not release {inst.instance_id}: {exc}"))
                 self._release_leftovers(p)
-                p.close()
+                if not any(q is p for q, _ in self._controllers):
+                    p.close()
         self._save_preemption_history()
         self.ckpt.close()
         if self.cluster is not None and self._owns_cluster:
@@ -739,20 +741,34 @@ class Driver:
                 log.exception("cluster shutdown")
 
     def _release_leftovers(self, provider) -> None:
-        """Terminate what the cloud still holds for this run that the run did not rent itself: the
-        controller VM the driver runs on (`resources.head: controller`; last, so the rest goes
-        first), and any VM whose launch this process lost track of."""
+        """Terminate what the cloud still holds for this run that the run did not rent itself: any
+        VM whose launch this process lost track of. The controller VM the driver runs on
+        (`resources.head: controller`) is kept for `release_controller`, after the report."""
         try:
             left = provider.find_instances(self.run_name)
         except Exception as exc:
             self.ledger.append(Error(message=f"could not list the run's VMs on {provider.name}: {exc}"))
             return
-        for inst in sorted(left, key=lambda i: i.role == "controller"):
+        self._controllers += [(provider, i) for i in left if i.role == "controller"]
+        for inst in (i for i in left if i.role != "controller"):
             try:
                 provider.terminate(inst.instance_id)
                 log.info("released %s (%s) of run %s", inst.instance_id, inst.role, self.run_name)
             except Exception as exc:
                 self.ledger.append(Error(message=f"could not release {inst.instance_id}: {exc}"))
+
+    def release_controller(self) -> None:
+        """Terminate the controller VM this driver runs on, the run's last act: after the ledger,
+        the report and the record in storage are written (`release_all` keeps it)."""
+        for provider, inst in self._controllers:
+            try:
+                provider.terminate(inst.instance_id)
+                log.info("released %s (controller) of run %s", inst.instance_id, self.run_name)
+            except Exception:
+                log.exception("could not release the controller %s", inst.instance_id)
+        for provider in {id(p): p for p, _ in self._controllers}.values():
+            provider.close()
+        self._controllers = []
 
     def _save_preemption_history(self) -> None:
         """Add this run's preemptions per node-hour to the history later runs' risk estimates start
@@ -829,4 +845,5 @@ def run_attached(recipe: Recipe, cluster, run_dir: Path, on_phase=None, run_name
         driver.release_all()
         ledger.append(RunEnded(status=status))
         ledger.close()
+        driver.release_controller()
     return status, read_events(run_dir / "events.jsonl")

@@ -222,67 +222,194 @@ def uses_controller(recipe: Recipe, address: str | None) -> bool:
             and any(c != "local" for c in recipe.resources.clouds))
 
 
-def launch_controller(recipe: Recipe, run_dir: Path, console) -> int:
+def launch_controller(recipe: Recipe, run_dir: Path, console, follow: bool = True, run: str | None = None) -> int:
     """Start the run's controller VM, which runs the Ray head and the driver (`elastic launch`
-    with `head: local` there). This machine records the controller in its run directory and is
-    done; `elastic down RUN` stops everything the run holds, the controller included."""
+    with `head: local` there). This machine records the controller in its run directory and in
+    the run's record beside its checkpoints (elastic.record.remote), which the driver on the
+    controller continues; then it follows the run's log from the record until the run ends, or
+    returns at once without `follow`. Ctrl-C detaches: the run goes on. `elastic down RUN` stops
+    everything the run holds, the controller included.
+
+    Args:
+        run: the run's name when it is not the run directory's (`--resume RUN`: a new controller
+            for run RUN, which continues its record and restores its latest complete checkpoint).
+    """
     from rich.markup import escape
 
+    from elastic.record import remote
     from providers import build
 
+    run = run or run_dir.name
     cloud = next(c for c in recipe.resources.clouds if c != "local")
     prepare_run_dir(run_dir)
     text = dump_recipe(recipe)
     (run_dir / "recipe.yaml").write_text(text, encoding="utf-8")
-    provider = build(cloud, recipe, None, run_dir.name)
+    provider = build(cloud, recipe, None, run)
     ledger = Ledger(run_dir / "events.jsonl")
     # The driver runs on the controller, not in this process: no pid, so `elastic status` never
     # takes this run for a dead one.
-    ledger.append(RunStarted(run=run_dir.name, recipe=recipe.name, recipe_digest=recipe.digest(), pid=None,
+    ledger.append(RunStarted(run=run, recipe=recipe.name, recipe_digest=recipe.digest(), pid=None,
                              host=socket.gethostname(), target_replicas=recipe.world.replicas,
                              ranks_per_replica=recipe.world.ranks_per_replica, head="controller"))
+    # In the record before the controller boots: its driver finds the run there and continues it.
+    record = remote.open_record(recipe.checkpoint.uri, run, create=True)
+    stream = remote.RecordStream(record, run_dir)
+    stream.flush()
+    remote.remember_uri(recipe.checkpoint.uri)
     try:
-        inst = provider.launch_controller(run_dir.name, text)
+        inst = provider.launch_controller(run, text)
     except BaseException:
         ledger.append(RunEnded(status=RunStatus.FAILED))
         ledger.close()
+        stream.flush()
         raise
     ledger.append(NodeLaunched.of(inst.offer, instance_id=inst.instance_id, ray_node_id=None, role=Role.CONTROLLER,
                                   launched_at=inst.launched_at, joined=False))
     ledger.append(ControllerStarted(instance_id=inst.instance_id, cloud=cloud, region=inst.offer.region))
     ledger.close()
-    console.print(f"[bold]elastic[/bold] run [cyan]{escape(run_dir.name)}[/cyan]: controller {inst.instance_id} "
-                  f"({inst.offer.instance_type}, on-demand, {inst.offer.region}) runs the Ray head and the driver.\n"
-                  f"Stop the run and release every VM it holds: elastic down {escape(run_dir.name)} --yes",
+    stream.flush()
+    name = escape(run)
+    console.print(f"[bold]elastic[/bold] run [cyan]{name}[/cyan]: controller {inst.instance_id} "
+                  f"({inst.offer.instance_type}, on-demand, {inst.offer.region}) runs the Ray head and the driver; "
+                  f"its record: {escape(record.where)}.\n"
+                  f"Follow it: elastic logs {name} --follow · status: elastic status {name}\n"
+                  f"Stop the run and release every VM it holds: elastic down {name} --yes",
                   highlight=False, soft_wrap=True)
-    return 0
+    if not follow:
+        return 0
+    return follow_run(record, console)
 
 
-def launch(recipe: Recipe, run_dir: Path, address: str | None = None, console=None, resume: bool = False) -> int:
+def follow_run(record, console) -> int:
+    """Print the run's driver log from its record until the run ends (its exit code), or until
+    Ctrl-C, which detaches (0): the run goes on."""
+    from rich.markup import escape
+
+    from elastic.views.runs import RemoteRun, follow_logs
+
+    console.print("[dim]following the driver's log (Ctrl-C detaches; the run goes on)[/dim]", highlight=False)
+    try:
+        end = follow_logs(RemoteRun(record), console, follow=True)
+    except KeyboardInterrupt:
+        console.print(f"detached; the run goes on. Re-attach: elastic logs {escape(record.run)} --follow",
+                      highlight=False, soft_wrap=True)
+        return 0
+    status = RunStatus(end["status"]) if end and end.get("status") in set(RunStatus) else RunStatus.FAILED
+    console.print(f"run {escape(record.run)} ended: {status}; report: elastic report {escape(record.run)}",
+                  highlight=False, soft_wrap=True)
+    return EXIT[status]
+
+
+def earlier_record(recipe: Recipe, run: str) -> tuple[bytes, bytes] | None:
+    """The ledger and metrics already in run `run`'s record at the recipe's checkpoint.uri (a
+    controller that restarted, or a new one `elastic launch --resume RUN` started, continues
+    them), or None when the run has no record yet. UserError for a run that already ended."""
+    from elastic.record import remote
+
+    if not remote.streams_record(recipe):
+        return None
+    try:
+        record = remote.open_record(recipe.checkpoint.uri, run)
+        events, _ = record.read("events")
+    except UserError:
+        return None   # no bucket or directory yet: a new run
+    if not events:
+        return None
+    if any(e.get("type") == RunEnded.TYPE for e in remote.records_of(events)):
+        raise UserError(f"run {run} already ended (its record at {record.where}); give this run another "
+                        f"--run-dir, or `elastic report {run}`")
+    return events, record.read("metrics")[0]
+
+
+def _start_record(recipe: Recipe, run_dir: Path, earlier: tuple[bytes, bytes] | None):
+    """Stream the run directory's record into storage (elastic.record.remote), after putting the
+    earlier part of a continued run's ledger and metrics in place; None when the run keeps its
+    record in its run directory only."""
+    from elastic.record import remote
+
+    if not remote.streams_record(recipe):
+        return None
+    skip = {}
+    if earlier is not None:
+        for stream, data in zip(("events", "metrics"), earlier):
+            (run_dir / remote.STREAMS[stream][0]).write_bytes(data)
+            skip[stream] = len(data)
+    try:
+        record = remote.open_record(recipe.checkpoint.uri, run_dir.name, create=True)
+        stream = remote.RecordStream(record, run_dir, skip).start()
+    except Exception as exc:   # the run goes on with its record on this disk only
+        log.warning("record: not streamed to %s: %s", remote.record_prefix(recipe.checkpoint.uri), first_line(exc, 300))
+        return None
+    remote.remember_uri(recipe.checkpoint.uri)
+    return stream
+
+
+def _close_lost_part(recipe: Recipe, ledger: Ledger, earlier: list[dict]) -> None:
+    """A continued run whose earlier driver is gone (its controller lost, or stopped): record the
+    VMs that driver left held as released when their watchers' autodown ended them (estimated from
+    its last event), and one error line saying what the loss cost."""
+    from elastic.record import billing, remote
+    from elastic.record.events import NodeReleased, read
+
+    if not remote.earlier_part(earlier):
+        return
+    now = time.time()
+    lost = remote.lost_vms(earlier, now, recipe.resources.autodown_after_s)
+    for vm_id, at in lost:
+        ledger.append(NodeReleased(instance_id=vm_id, released_at=round(at, 6)))
+    last_t = max((e["t"] for e in earlier if e.get("type") != ControllerStarted.TYPE), default=now)
+    holds = billing.holds(read(ledger.events), now)
+    usd = sum(holds[v].usd() - holds[v].usd(until=last_t) for v, _ in lost if v in holds)
+    ledger.append(Error(message=f"continued after the run's driver was lost (its last event "
+                                f"{now - last_t:.0f} s ago): {len(lost)} VM(s) it held billed until their "
+                                f"autodown, ${usd:.4f} after its last event"))
+
+
+def launch(recipe: Recipe, run_dir: Path, address: str | None = None, console=None, resume: bool = False,
+           earlier: tuple[bytes, bytes] | None = None) -> int:
     """Run a recipe end to end; returns the process exit code. What it prints is written by a
-    thread of its own (`elastic.views.termout`): a terminal that stops reading never holds the training."""
+    thread of its own (`elastic.views.termout`): a terminal that stops reading never holds the training.
+    `earlier`: the ledger and metrics bytes of the run's record this run continues (`earlier_record`)."""
     from rich.console import Console
 
     from elastic.views.termout import detached
 
     console = console or Console()
     with detached(console):
-        return _launch(recipe, run_dir, address, console, resume)
+        return _launch(recipe, run_dir, address, console, resume, earlier)
 
 
-def _launch(recipe: Recipe, run_dir: Path, address: str | None, console, resume: bool) -> int:
+def _launch(recipe: Recipe, run_dir: Path, address: str | None, console, resume: bool,
+            earlier: tuple[bytes, bytes] | None) -> int:
+    prepare_run_dir(run_dir)
+    (run_dir / "recipe.yaml").write_text(dump_recipe(recipe), encoding="utf-8")
+    stream = _start_record(recipe, run_dir, earlier)
+    held: list = []   # the driver, once made: its controller VM goes last
+    try:
+        return _launch_recorded(recipe, run_dir, address, console, resume, earlier, held)
+    finally:
+        # The end of a run on a controller: the record complete in storage, then the VM let go.
+        if stream is not None:
+            stream.close()
+        for driver in held:
+            driver.release_controller()
+
+
+def _launch_recorded(recipe: Recipe, run_dir: Path, address: str | None, console, resume: bool,
+                     earlier: tuple[bytes, bytes] | None, held: list) -> int:
     from elastic.run.logs import run_logging
     from elastic.views.report import summary_table
     from elastic.views.report_html import write_report
 
-    prepare_run_dir(run_dir)
-    (run_dir / "recipe.yaml").write_text(dump_recipe(recipe), encoding="utf-8")
     run = run_dir.name
     with run_logging(run_dir / "driver.log", console), _stacks_on_sigusr1(run_dir / STACKS):
         ledger = Ledger(run_dir / "events.jsonl")
         ledger.append(RunStarted(run=run, recipe=recipe.name, recipe_digest=recipe.digest(), pid=os.getpid(),
                                  host=socket.gethostname(), target_replicas=recipe.world.replicas,
                                  ranks_per_replica=recipe.world.ranks_per_replica))
+        if earlier is not None:
+            from elastic.record.remote import records_of
+            _close_lost_part(recipe, ledger, records_of(earlier[0]))
         _record_plan(recipe, ledger)
         # Every event of the story gets its line, also those of the start and of the teardown.
         ledger.listeners.append(story_listener(console))
@@ -296,6 +423,7 @@ def _launch(recipe: Recipe, run_dir: Path, address: str | None, console, resume:
                 from elastic.run.driver import Driver
 
                 driver = Driver(recipe, run_dir, ledger, resume=resume)
+                held.append(driver)
                 with console.status("starting Ray cluster…"):
                     driver.start_cluster(address)
                 with _View(console, recipe, driver.world.total_outer_steps) as view:

@@ -82,3 +82,30 @@ def read_log(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             continue
     return out
+
+
+def parse_lines(data: bytes) -> list[dict]:
+    """The records of driver.log bytes (whole JSON lines; others skipped)."""
+    out = []
+    for line in data.decode("utf-8", errors="replace").splitlines():
+        try:
+            doc = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(doc, dict):
+            out.append(doc)
+    return out
+
+
+def format_record(rec: dict) -> str:
+    """One driver.log record for people: `HH:MM:SS LEVEL logger: message` (UTC), and its
+    traceback's last line when it has one."""
+    from datetime import datetime, timezone
+
+    t = rec.get("t")
+    stamp = datetime.fromtimestamp(t, timezone.utc).strftime("%H:%M:%S") if isinstance(t, (int, float)) else "--:--:--"
+    text = f"{stamp} {rec.get('level', '?'):<7} {rec.get('logger', '?')}: {rec.get('msg', '')}"
+    tb = rec.get("traceback")
+    if isinstance(tb, str) and tb.strip():
+        text += f"  [{tb.strip().splitlines()[-1]}]"
+    return text

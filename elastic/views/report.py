@@ -226,7 +226,8 @@ def build_report(records: list[dict], now: float | None = None) -> dict:
         "lost_inner_steps": sum(e.lost_inner_steps or 0 for e in lost),
         "sync_retries": sum(e.attempts - 1 for e in _of(events, SyncRetried)),
         "effective_training_time": _effective(steps, instances),
-        "driver_restarts": max(0, len(_of(events, RunStarted)) - 1),
+        # Drivers that started (a `run_started` of `elastic launch` recording a controller is none).
+        "driver_restarts": max(0, sum(1 for e in _of(events, RunStarted) if e.head != "controller") - 1),
         # VMs rented on-demand (in a spot run: the deadline rule's fallback, `on_demand_started`).
         "on_demand_vm_hours": round(sum(i["billed_seconds"] for i in instances if not i["spot"]) / 3600, 6),
         "on_demand_usd": round(sum(i["cost_usd"] for i in instances if not i["spot"]), 6),

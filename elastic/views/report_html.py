@@ -335,15 +335,21 @@ def render_html(records: list[dict], report: dict) -> str:
 def write_report(run_dir: str | Path) -> dict:
     """Rebuild `report.json` and `report.html` in `run_dir` from its ledger (each an atomic replace)."""
     run_dir = Path(run_dir)
-    events = read_events(run_dir / "events.jsonl")
+    return write_report_of(read_events(run_dir / "events.jsonl"), run_dir, str(run_dir / "events.jsonl"))
+
+
+def write_report_of(events: list[dict], out_dir: Path, source: str) -> dict:
+    """Write `report.json` and `report.html` of a ledger's records into `out_dir` (each an atomic
+    replace); `source` names the ledger in errors."""
     try:
         report = build_report(events)
     except SHAPE_ERRORS as exc:
-        raise LedgerError(f"{run_dir / 'events.jsonl'}: an event is not of the shape elastic writes "
+        raise LedgerError(f"{source}: an event is not of the shape elastic writes "
                           f"({type(exc).__name__}: {str(exc)[:80]})") from None
+    out_dir.mkdir(parents=True, exist_ok=True)
     for name, text in (("report.json", json.dumps(report, indent=2) + "\n"),
                        ("report.html", render_html(events, report))):
-        tmp = run_dir / f"{name}.tmp"
+        tmp = out_dir / f"{name}.tmp"
         tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, run_dir / name)
+        os.replace(tmp, out_dir / name)
     return report

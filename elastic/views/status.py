@@ -1,7 +1,8 @@
-"""`elastic status [RUN_DIR]`: a live view of a run from its ledger, from any terminal.
+"""`elastic status [RUN]`: a live view of a run from its ledger, from any terminal.
 
-It reads `events.jsonl` (and the outer-step target from `recipe.yaml`) and never talks to the
-driver, so it works while the run goes, after it ended, and after its driver died.
+It reads `events.jsonl` (and the outer-step target from `recipe.yaml`), in the run directory or in
+the run's record in storage (elastic/views/runs.py), and never talks to the driver, so it works
+while the run goes, after it ended, and after its driver died.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from elastic.errors import UserError
 from elastic.record import billing
 from elastic.record.events import (NodeLaunched, NodeNotice, NodePreempted, NodeReleased, OnDemandStarted, OuterStep,
                             RunEnded, RunStarted, UnknownEvent, WorldPaused, WorldUnpaused, read)
-from elastic.record.ledger import LedgerError, read_events, SHAPE_ERRORS
+from elastic.record.ledger import LedgerError, SHAPE_ERRORS
 
 REFRESH_S = 1.0     # how often the live view re-reads the ledger
+REMOTE_REFRESH_S = 2.0   # ... a record in storage (a listing and the new parts each time)
 RECENT_STEPS = 5    # tokens/s and step time over the last outer steps
 
 
@@ -26,16 +28,6 @@ def latest_run_dir(root: Path = Path("runs")) -> Path:
     if not ledgers:
         raise UserError(f"no run under {root}/ (no */events.jsonl); pass RUN_DIR")
     return ledgers[-1].parent
-
-
-def _target_outer_steps(run_dir: Path) -> int | None:
-    import yaml
-
-    try:
-        doc = yaml.safe_load((run_dir / "recipe.yaml").read_text(encoding="utf-8"))
-        return int(doc["train"]["outer_steps"])
-    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError):
-        return None
 
 
 def driver_alive(pid, host) -> bool:
@@ -75,7 +67,9 @@ def snapshot(records: list[dict], now: float, target_outer_steps: int | None = N
         # Wall time per outer step so far (joins, waits and checkpoints included), at today's burn.
         per_step_s = (steps[-1].t - steps[0].t) / (done - first) if done > first else 0.0
         projected = spent + burn * max(0, target_outer_steps - done) * per_step_s / 3600
-    alive = end is not None or start is None or driver_alive(start.pid, start.host)
+    # The driver writing now is the last to start (a controller restarted, a run resumed).
+    latest = next((e for e in reversed(events) if isinstance(e, RunStarted)), None)
+    alive = end is not None or latest is None or driver_alive(latest.pid, latest.host)
     pause = next((e for e in reversed(events) if isinstance(e, (WorldPaused, WorldUnpaused))), None)
     paused = end is None and isinstance(pause, WorldPaused)
     running = ("paused: the market is dear, no replica VM held (planner.pauses)" if paused else "running")
@@ -111,13 +105,13 @@ def snapshot(records: list[dict], now: float, target_outer_steps: int | None = N
     }
 
 
-def status_table(snap: dict, run_dir: Path):
+def status_table(snap: dict, name: str):
     from rich.table import Table
 
     def fmt(v, spec):
         return "-" if v is None else format(v, spec)
 
-    t = Table(title=f"elastic status · {snap['run'] or run_dir.name}", show_header=False, title_justify="left")
+    t = Table(title=f"elastic status · {snap['run'] or name}", show_header=False, title_justify="left")
     t.add_column(style="bold")
     t.add_column(justify="right")
     target = f"/{snap['target_outer_steps']}" if snap["target_outer_steps"] else ""
@@ -150,21 +144,25 @@ def _line(snap: dict) -> str:
             f"${snap['usd_so_far']:.4f} so far  ${snap['burn_usd_per_hour']:.4f}/h  projected {projected}")
 
 
-def watch(run_dir: Path, console, once: bool = False) -> int:
-    """Show the run's status; refresh until it ends unless `once`. On a terminal the table
-    redraws in place; piped, one line per outer step, then the table at the end."""
-    ledger = run_dir / "events.jsonl"
-    if not ledger.is_file():
-        raise UserError(f"{run_dir}: no events.jsonl (not a run directory)")
-    target = _target_outer_steps(run_dir)
+def watch(src, console, once: bool = False) -> int:
+    """Show the status of run `src` (elastic.views.runs: a run directory or a record in storage);
+    refresh until it ends unless `once`. On a terminal the table redraws in place; piped, one line
+    per outer step, then the table at the end."""
+    from elastic.views.runs import RemoteRun, target_outer_steps
+
+    target = target_outer_steps(src.recipe_text())
+    refresh_s = REMOTE_REFRESH_S if isinstance(src, RemoteRun) else REFRESH_S
 
     def render():
+        events = src.events()
+        if not events:
+            raise UserError(f"{src.where}: no events (not a run's record)")
         try:
-            snap = snapshot(read_events(ledger), time.time(), target)
+            snap = snapshot(events, time.time(), target)
         except SHAPE_ERRORS as exc:
-            raise LedgerError(f"{ledger}: an event is not of the shape elastic writes "
+            raise LedgerError(f"{src.where}: an event is not of the shape elastic writes "
                               f"({type(exc).__name__}: {str(exc)[:80]})") from None
-        return snap, status_table(snap, run_dir)
+        return snap, status_table(snap, src.name)
 
     snap, table = render()
     if once or snap["ended"]:
@@ -177,7 +175,7 @@ def watch(run_dir: Path, console, once: bool = False) -> int:
                 shown = (snap["outer_step"], snap["status"])
                 console.print(_line(snap), highlight=False)
                 console.file.flush()
-            time.sleep(REFRESH_S)
+            time.sleep(refresh_s)
             snap, table = render()
         console.print(table)
         return 0
@@ -185,7 +183,7 @@ def watch(run_dir: Path, console, once: bool = False) -> int:
 
     with Live(table, console=console, refresh_per_second=4) as live:
         while not snap["ended"]:
-            time.sleep(REFRESH_S)
+            time.sleep(refresh_s)
             snap, table = render()
             live.update(table)
     return 0

@@ -4,7 +4,8 @@ security group per region. Created when the run first launches, deleted when it 
 
 - **Role `elastic-run-<run>`** (when `aws.node_role_boundary` is set): an inline policy that allows
   reading only the run's own token parameter (`/elastic/<run>/*`), writing only under the run's
-  `checkpoint.uri` prefix and reading only under its `data.uri` prefix. The role is created with the
+  `checkpoint.uri` prefix, but not its record there (`record/`: the driver writes it), and reading
+  only under its `data.uri` prefix. The role is created with the
   reviewed managed policy `aws.node_role_boundary` as its permissions boundary, so the driver cannot
   give a node more than infra/aws/node-policy.json allows, whatever it writes inline.
 - **Security group `elastic-run-<run>`** per region: only the overlay's UDP port (51820) open, to
@@ -28,6 +29,7 @@ from urllib.parse import urlparse
 
 from elastic.errors import UserError
 from elastic.net.overlay import OVERLAY_PORT
+from elastic.record.remote import RECORD
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,12 @@ def node_policy(run: str, checkpoint_uri: str | None, data_uri: str | None) -> d
         if prefix:
             listing["Condition"] = {"StringLike": {"s3:prefix": [prefix, f"{prefix}/*"]}}
         statements.append(listing)
+        if sid == "ItsCheckpoints":
+            # The run's record (elastic/record/remote.py) sits beside its checkpoints; only the
+            # driver's identity writes it, so a node cannot rewrite the run's ledger or report.
+            record = f"{prefix}/{RECORD}/*" if prefix else f"{RECORD}/*"
+            statements.append({"Sid": "NotItsRecord", "Effect": "Deny", "Action": ["s3:PutObject", "s3:DeleteObject"],
+                               "Resource": f"arn:aws:s3:::{bucket}/{record}"})
     return {"Version": "2012-10-17", "Statement": statements}
 
 

@@ -31,6 +31,7 @@ import re
 import threading
 from urllib.parse import quote, urlparse
 
+from elastic.record.remote import RECORD
 from providers.gcp.api import endpoint_override, is_local
 
 log = logging.getLogger(__name__)
@@ -62,10 +63,15 @@ def object_prefix(uri: str | None) -> tuple[str, str] | None:
     return parts.netloc, f"{prefix}/" if prefix else ""
 
 
-def prefix_condition(bucket: str, prefix: str, title: str) -> dict:
-    """An IAM condition limiting a bucket-level grant to objects under `prefix` and listings of it
-    (Cloud Storage checks `objects.list` on the bucket, with the listing's prefix as an attribute)."""
-    expression = (f'resource.name.startsWith("projects/_/buckets/{bucket}/objects/{prefix}") || '
+def prefix_condition(bucket: str, prefix: str, title: str, but: str | None = None) -> dict:
+    """An IAM condition limiting a bucket-level grant to objects under `prefix`, except those under
+    `prefix` + `but` when given, and listings of it (Cloud Storage checks `objects.list` on the
+    bucket, with the listing's prefix as an attribute)."""
+    objects = f"projects/_/buckets/{bucket}/objects/"
+    within = f'resource.name.startsWith("{objects}{prefix}")'
+    if but:
+        within = f'({within} && !resource.name.startsWith("{objects}{prefix}{but}"))'
+    expression = (f'{within} || '
                   f'api.getAttribute("storage.googleapis.com/objectListPrefix", "").startsWith("{prefix}")')
     return {"title": title, "expression": expression}
 
@@ -150,7 +156,9 @@ class RunScope:
         for (bucket, prefix), role, title in grants:
             self._edit_bucket_policy(bucket, lambda bindings: [*_without(bindings, member, role), {
                 "role": role, "members": [member],
-                "condition": prefix_condition(bucket, prefix, f"elastic run {self.run[:60]}: {title}")}])
+                # Not the run's record beside its checkpoints (elastic/record/remote.py): the driver writes it.
+                "condition": prefix_condition(bucket, prefix, f"elastic run {self.run[:60]}: {title}",
+                                              but=f"{RECORD}/" if role == "roles/storage.objectUser" else None)}])
 
     def grant_token(self, secret: str) -> None:
         """Let the run's account read the token secret `secret` (the run's own; its whole policy)."""
