@@ -1,0 +1,148 @@
+"""The run's record in storage (elastic/record/remote.py) and the commands that read it from any
+machine (elastic/views/runs.py): parts, continuation, and a run followed, lost and resumed end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from elastic.record import remote
+from elastic.storage.stores import open_storage
+from tests.conftest import REPO, cli_env, run_cli
+
+
+def test_a_file_streams_in_parts_of_whole_lines_and_reads_back_whole(tmp_path):
+    run_dir = tmp_path / "RUN"
+    run_dir.mkdir()
+    record = remote.open_record(str(tmp_path / "ck"), "RUN", create=True)
+    stream = remote.RecordStream(record, run_dir)
+    (run_dir / "events.jsonl").write_bytes(b'{"type":"a","t":1}\n{"type":"b","t":2')   # a torn last line
+    stream.flush()
+    assert record.read("events")[0] == b'{"type":"a","t":1}\n'
+    with open(run_dir / "events.jsonl", "ab") as f:
+        f.write(b'}\n')
+    stream.flush()
+    stream.flush()   # nothing new: no empty part
+    assert [n for n, _ in record.parts("events")] == [1, 2]
+    assert record.read("events")[0] == (run_dir / "events.jsonl").read_bytes()
+    assert record.read("events", after=1)[0] == b'{"type":"b","t":2}\n'
+    # A driver that continues the record numbers its parts after those there.
+    again = remote.RecordStream(record, run_dir, skip={"events": (run_dir / "events.jsonl").stat().st_size})
+    with open(run_dir / "events.jsonl", "ab") as f:
+        f.write(b'{"type":"c","t":3}\n')
+    again.close()
+    assert [n for n, _ in record.parts("events")] == [1, 2, 3]
+    assert [r.run for r in remote.runs_at(str(tmp_path / "ck"))] == ["RUN"]
+
+
+def test_the_vms_a_lost_driver_held_are_billed_until_their_autodown_and_the_new_controller_is_not():
+    def launched(vm, t, role="replica"):
+        return {"type": "node_launched", "t": t, "instance_id": vm, "ray_node_id": None, "role": role,
+                "launched_at": t, "joined": True, "cloud": "aws", "region": "r", "zone": "z",
+                "instance_type": "x", "gpu": "", "gpus": 0, "cpus": 1, "spot": True, "usd_per_hour": 1.0,
+                "on_demand_usd_per_hour": 2.0}
+    events = [{"type": "run_started", "t": 0, "run": "R", "recipe": "r", "recipe_digest": "d", "head": "controller"},
+              launched("c1", 1, "controller"),
+              {"type": "controller_started", "t": 1, "instance_id": "c1", "cloud": "aws", "region": "r"},
+              {"type": "run_started", "t": 5, "run": "R", "recipe": "r", "recipe_digest": "d"},
+              launched("n1", 10), {"type": "outer_step", "t": 100},
+              launched("c2", 5000, "controller"),
+              {"type": "controller_started", "t": 5000, "instance_id": "c2", "cloud": "aws", "region": "r"}]
+    assert remote.earlier_part(events) and not remote.earlier_part(events[:3])
+    assert sorted(remote.lost_vms(events, now_s=6000, autodown_after_s=600)) == [("c1", 700), ("n1", 700)]
+
+
+def _launch(cwd: Path, run: str, *args: str, env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "elastic", "launch", str(REPO / "recipes/local-tiny.yaml"),
+                             "--run-dir", f"runs/{run}", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _session_pids(session_dir: str) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if session_dir.encode() in (d / "cmdline").read_bytes():
+                    out.append(int(d.name))
+            except OSError:
+                continue
+    return out
+
+
+@pytest.mark.slow
+def test_a_run_followed_from_a_laptop_survives_its_lost_controller_and_resumes_with_one_report(tmp_path, s3_server):
+    """The "controller" runs what infra/controller.sh.tmpl runs (`elastic launch recipe --run-dir
+    runs/RUN`, with head local) in a directory of its own; a separate "laptop" directory, which has
+    no runs/, lists, follows and reports the run from the bucket. The controller is killed mid-run
+    (kill -9, its directory deleted); the same command in a third directory continues the run from
+    its record and latest checkpoint, and the report from the bucket equals the driver's, byte for byte."""
+    uri = f"s3://rec-{uuid.uuid4().hex[:8]}/ck"
+    run = "RUN"
+    env = cli_env(PYTHONUNBUFFERED="1", ELASTIC_CACHE=str(tmp_path / "cache"), ELASTIC_RUNS_URIS=uri)
+    args = ["--set", "model.layers=1", "--set", "model.width=64", "--set", "data.corpus_bytes=300000",
+            "--set", f"checkpoint.uri={uri}", "--set", "train.outer_steps=4", "--set", "checkpoint.every_outer_steps=1"]
+    controller, laptop, second = (tmp_path / d for d in ("controller", "laptop", "second"))
+    for d in (controller, laptop, second):
+        d.mkdir()
+    first = _launch(controller, run, *args, env=env)
+    record = None
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            try:
+                record = record or remote.open_record(uri, run)
+                events = record.events()
+            except Exception:
+                events = []
+            if any(e["type"] == "checkpoint_uploaded" for e in events):
+                break
+            assert first.poll() is None, first.stdout.read()
+            time.sleep(1)
+        else:
+            pytest.fail("no checkpoint uploaded in time")
+        listed = run_cli("runs", env=env, cwd=laptop)
+        assert listed.returncode == 0 and run in listed.stdout, listed.stdout + listed.stderr
+        status = run_cli("status", run, "--once", env=env, cwd=laptop)
+        assert status.returncode == 0 and "running" in status.stdout, status.stdout + status.stderr
+        logs = run_cli("logs", run, env=env, cwd=laptop)
+        assert logs.returncode == 0 and "run_started" in logs.stdout, logs.stdout + logs.stderr
+    finally:
+        session = next((e["session_dir"] for e in (record.events() if record else [])
+                        if e["type"] == "cluster_started"), None)
+        first.send_signal(signal.SIGKILL)   # the controller is lost, mid-run
+        first.wait()
+        for pid in _session_pids(session) if session else []:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    shutil.rmtree(controller)
+    assert not any(e["type"] == "run_ended" for e in record.events())
+    # A new controller: the same command, elsewhere. It continues the record from the latest checkpoint.
+    again = _launch(second, run, *args, env=env)
+    follow = run_cli("logs", run, "--follow", env=env, cwd=laptop, timeout=400)
+    out, _ = again.communicate(timeout=300)
+    assert again.returncode == 0, out
+    assert follow.returncode == 0 and "run ended" in follow.stdout, follow.stdout + follow.stderr
+    report = run_cli("report", run, env=env, cwd=laptop)
+    assert report.returncode == 0, report.stdout + report.stderr
+    written = (second / "runs" / run / "report.json").read_bytes()
+    assert (laptop / "reports" / run / "report.json").read_bytes() == written
+    assert record.whole("report.json") == written
+    assert record.read("events")[0] == (second / "runs" / run / "events.jsonl").read_bytes()
+    doc = json.loads(written)
+    assert doc["status"] == "completed" and doc["driver_restarts"] == 1 and doc["resumed_from_step"] >= 1
+    assert any("driver was lost" in line for line in doc["errors"])
+    assert not (laptop / "runs").exists()
+    store = open_storage(uri)
+    assert any(n.startswith(f"record/{run}/metrics/") for n in store.list("record"))
