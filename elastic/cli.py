@@ -260,22 +260,23 @@ def _dispatch(args, err) -> int:
             from elastic.run.preflight import check
             check(recipe)
         run_name = args.resume if isinstance(args.resume, str) else None
-        if uses_controller(recipe, args.address):
-            if run_name is None and args.resume:
-                raise UserError("--resume with resources.head: controller: name the run, --resume RUN")
-        elif run_name is not None or args.run_dir is not None:
+        controller = uses_controller(recipe, args.address)
+        if controller and run_name is None and args.resume:
+            raise UserError("--resume with resources.head: controller: name the run, --resume RUN")
+        if run_name is not None or (args.run_dir is not None and not controller):
             # The run's record may hold an earlier part (a controller that restarted, or a new one that
             # `--resume RUN` started): continue it, from its latest complete checkpoint if it has one.
-            if args.run_dir is None:
+            if args.run_dir is None and not controller:
                 args.run_dir = Path("runs") / run_name
-            earlier = earlier_record(recipe, run_name or args.run_dir.name)
-            if earlier is not None:
+            found = earlier_record(recipe, run_name or args.run_dir.name)
+            if run_name is not None and found is None:
+                raise UserError(f"--resume {run_name}: no record of that run at "
+                                f"{recipe.checkpoint.uri or 'the recipe (checkpoint.uri is not set)'}")
+            if found is not None:
                 from elastic.storage import checkpoint as ckpt
                 from elastic.storage.stores import open_storage
                 args.resume = bool(ckpt.complete_steps(open_storage(recipe.checkpoint.uri)))
-            elif run_name is not None:
-                raise UserError(f"--resume {run_name}: no record of that run at "
-                                f"{recipe.checkpoint.uri or 'the recipe (checkpoint.uri is not set)'}")
+            earlier = None if controller else found   # a new controller's driver reads it there
         if args.resume:
             from elastic.storage import checkpoint as ckpt
             if not recipe.checkpoint.uri:

@@ -253,6 +253,7 @@ def launch_controller(recipe: Recipe, run_dir: Path, console, follow: bool = Tru
                              ranks_per_replica=recipe.world.ranks_per_replica, head="controller"))
     # In the record before the controller boots: its driver finds the run there and continues it.
     record = remote.open_record(recipe.checkpoint.uri, run, create=True)
+    record.write_whole("recipe.yaml", text.encode())
     stream = remote.RecordStream(record, run_dir)
     stream.flush()
     remote.remember_uri(recipe.checkpoint.uri)

@@ -460,7 +460,7 @@ def test_head_controller_starts_an_on_demand_controller_vm_that_down_stops(aws_e
     iam.create_instance_profile(InstanceProfileName="elastic-driver")
     iam.add_role_to_instance_profile(InstanceProfileName="elastic-driver", RoleName="elastic-driver")
     proc = aws_cli("launch", "recipes/aws-smoke.yaml", "--set", "resources.head=controller", "--set", ckpt_uri,
-                   "--set", "aws.controller_instance_profile=elastic-driver", "--run-dir", str(run_dir),
+                   "--set", "aws.controller_instance_profile=elastic-driver", "--run-dir", str(run_dir), "--detach",
                    env={**aws_env.env, "AWS_SECRET_ACCESS_KEY": "dont-leak-this-secret"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [vm] = instances("us-east-1", "ctl-run")
@@ -484,10 +484,21 @@ def test_head_controller_starts_an_on_demand_controller_vm_that_down_stops(aws_e
     events = [json.loads(ln) for ln in (run_dir / "events.jsonl").read_text().splitlines()]
     assert [e["type"] for e in events] == ["run_started", "node_launched", "controller_started"]
     assert vm["InstanceId"] in proc.stdout
-    down = aws_cli("down", str(run_dir), "--yes", env=aws_env.env)
+    # The record beside the checkpoints holds what this machine recorded (the controller's driver
+    # continues it), and no secret.
+    from elastic.record import remote
+    record = remote.open_record("s3://ckpt-ctl/run", "ctl-run")
+    assert record.read("events")[0] == (run_dir / "events.jsonl").read_bytes()
+    assert b"dont-leak-this-secret" not in record.whole("recipe.yaml")
+    # `--resume RUN`: a new controller for the same run, recorded after the first.
+    again = aws_cli(*args, "--resume", "ctl-run", "--detach", env=aws_env.env)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert len(instances("us-east-1", "ctl-run")) == 2
+    assert [n for n, _ in record.parts("events")] == [1, 2, 3, 4]
+    # `down` from anywhere, by the record's URI: every VM of the run, both controllers.
+    down = aws_cli("down", "s3://ckpt-ctl/run/record/ctl-run", "--yes", env=aws_env.env)
     assert down.returncode == 0, down.stderr
-    [vm] = instances("us-east-1", "ctl-run")
-    assert vm["State"]["Name"] in ("shutting-down", "terminated")
+    assert all(vm["State"]["Name"] in ("shutting-down", "terminated") for vm in instances("us-east-1", "ctl-run"))
 
 
 # -- infra/aws ---------------------------------------------------------------------------------------

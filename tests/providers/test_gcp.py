@@ -527,7 +527,7 @@ def test_head_controller_starts_an_on_demand_controller_vm_that_down_stops(gcp_f
     run_dir = tmp_path / "ctl-run"
     sa = "elastic-driver@elastic-test.iam.gserviceaccount.com"
     r = _cli("launch", "recipes/gcp-smoke.yaml", "--set", "resources.head=controller", "--set",
-             f"gcp.controller_service_account={sa}", "--run-dir", str(run_dir),
+             f"gcp.controller_service_account={sa}", "--run-dir", str(run_dir), "--detach",
              "--set", "checkpoint.uri=gs://ckpt-ctl/run",   # a controller run checkpoints to a bucket
              env=cli_env(**gcp_fake.env(), RAY_AUTH_TOKEN="dont-leak-this-token"))
     assert r.returncode == 0, r.stdout + r.stderr
