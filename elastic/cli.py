@@ -312,7 +312,7 @@ def _dispatch(args, err) -> int:
         if not events:
             raise UserError(f"{src.where}: no events (not a run's ledger)")
         to = src.run_dir if isinstance(src, LocalRun) else (args.to or Path("reports") / src.name)
-        report = write_report_of(events, to, src.where)
+        report = write_report_of(events, to, src.ledger)
         if args.compare is None:
             out.print(summary_table(report))
         else:

@@ -29,6 +29,7 @@ class LocalRun:
         self.run_dir = run_dir
         self.name = run_dir.name
         self.where = str(run_dir)
+        self.ledger = str(run_dir / "events.jsonl")   # for messages
 
     def events(self) -> list[dict]:
         return read_events(self.run_dir / "events.jsonl")
@@ -61,6 +62,7 @@ class RemoteRun:
         self.record = record
         self.name = record.run
         self.where = record.where
+        self.ledger = f"{record.where}/events"   # for messages
         self._events = b""
         self._last = 0
 
@@ -170,9 +172,11 @@ def all_runs(uris: list[str] = ()) -> list:
 def target_outer_steps(recipe_text: str | None) -> int | None:
     import yaml
 
+    if recipe_text is None:
+        return None
     try:
         return int(yaml.safe_load(recipe_text)["train"]["outer_steps"])
-    except (yaml.YAMLError, KeyError, TypeError, ValueError):
+    except (yaml.YAMLError, KeyError, TypeError, ValueError, AttributeError):
         return None
 
 

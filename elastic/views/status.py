@@ -160,7 +160,7 @@ def watch(src, console, once: bool = False) -> int:
         try:
             snap = snapshot(events, time.time(), target)
         except SHAPE_ERRORS as exc:
-            raise LedgerError(f"{src.where}: an event is not of the shape elastic writes "
+            raise LedgerError(f"{src.ledger}: an event is not of the shape elastic writes "
                               f"({type(exc).__name__}: {str(exc)[:80]})") from None
         return snap, status_table(snap, src.name)
 
