@@ -357,9 +357,9 @@ def imds(monkeypatch):
 
 @pytest.fixture
 def gcp_fake(monkeypatch, tmp_path):
-    """The local fake of the GCP endpoints (tests/providers/gcp_fake.py) on 127.0.0.1, with the
+    """The local fake of the GCP endpoints (providers/lab/gcefake.py) on 127.0.0.1, with the
     environment pointing the gcp provider at it and a price cache of this test's own."""
-    from tests.providers.gcp_fake import GCPFake
+    from providers.lab.gcefake import GCPFake
 
     fake = GCPFake().start()
     for k, v in fake.env().items():
