@@ -189,10 +189,9 @@ class VmLab:
 
     def _halted(self, iid: str) -> None:
         """The machine ran `shutdown`: off, and its cloud acts by the instance's shutdown behaviour."""
-        m = self.machines[iid]
+        m, region = self.machines[iid], self.hosts[iid].region
         self._power_off(iid, "halt")
         if m.cloud == "aws":
-            region = self.hosts[iid].region
             ec2 = _ec2(self.aws.endpoint, region)
             behaviour = ec2.describe_instance_attribute(InstanceId=iid, Attribute="instanceInitiatedShutdownBehavior")[
                 "InstanceInitiatedShutdownBehavior"]["Value"]
@@ -207,17 +206,19 @@ class VmLab:
         log.info("lab: %s halted itself: %s", iid, self.ended[iid])
 
     def _power_off(self, iid: str, why: str) -> None:
+        """Every process of the machine ends, its network host goes; only then is it no longer
+        listed (a caller waiting for it to go finds nothing of it left)."""
         with self._lock:
-            m = self.machines.pop(iid, None)
-            host = self.hosts.get(iid)
-            self.metadata.pop(iid, None)
-            self.gateways.pop(iid, None)
+            m, host = self.machines.get(iid), self.hosts.get(iid)
         if m is None:
             return
         m.power_off()
         if host is not None:
             self.net.remove_host(host)
-        self.ended.setdefault(iid, why)
+        with self._lock:
+            self.ended.setdefault(iid, why)
+            for held in (self.machines, self.hosts, self.metadata, self.gateways):
+                held.pop(iid, None)
         log.info("lab: %s powered off (%s)", iid, why)
 
     # -- what tests and rehearse do ----------------------------------------------------------------
