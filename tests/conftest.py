@@ -208,6 +208,12 @@ def root_tools_missing() -> str | None:
 
 
 @pytest.fixture
+def root_tools():
+    """For tests that need root and the network lab's tools (`require_root_tools`)."""
+    require_root_tools(root_tools_missing())
+
+
+@pytest.fixture
 def netns_host():
     """A second host: a network namespace behind a veth pair (tests/servers/netns.py). Every
     process inside it, the namespace and the link are removed afterwards, however the test ends."""

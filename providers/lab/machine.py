@@ -140,7 +140,7 @@ class Machine:
         for close in reversed(self.closers):
             try:
                 close()
-            except Exception as exc:   # the rest still closes
+            except Exception as exc:   # noqa: BLE001 -- the rest still closes
                 log.warning("lab: closing %s: %s", self.instance_id, exc)
         self.closers.clear()
 
@@ -184,15 +184,12 @@ def boot(instance_id: str, cloud: str, netns: str, root: Path, hostname: str, sc
     path = ":".join([str(root / "os" / "bin"), str(bin_dir), os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")])
     machine_env = {"PATH": path, "HOME": "/root", "LANG": "C.UTF-8", "USER": "root", "LOGNAME": "root",
                    "HOSTNAME": hostname, **env}
-    console = open(root / "console", "ab", buffering=0)
-    try:
+    with open(root / "console", "ab", buffering=0) as console:   # the child holds its own copy
         proc = subprocess.Popen(
             ["ip", "netns", "exec", netns, "unshare", "--mount", "--uts", "--pid", "--fork", "--kill-child",
              "--mount-proc", "--propagation", "private", str(root / "os" / "init")],
             stdin=subprocess.DEVNULL, stdout=console, stderr=subprocess.STDOUT, env=machine_env,
             cwd="/", start_new_session=True)
-    finally:
-        console.close()
     return Machine(instance_id, cloud, netns, root, proc, time.time())
 
 

@@ -16,7 +16,7 @@ import secrets
 import threading
 import time
 import urllib.parse
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 
 from providers.lab import netns
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 T = TypeVar("T")
 CLONE_NEWNET = 0x40000000
@@ -31,7 +32,7 @@ def inside(netns: str, make: Callable[[], T]) -> T:
             with open(f"/var/run/netns/{netns}") as ns:
                 _setns(ns.fileno())
             out["value"] = make()
-        except BaseException as exc:   # handed to the caller
+        except BaseException as exc:   # noqa: BLE001 -- handed to the caller
             out["error"] = exc
 
     # The thread ends inside the namespace: a thread that changed namespace is never reused.

@@ -92,7 +92,7 @@ class VmLab:
         while not self._stop.wait(POLL_S):
             try:
                 self._round()
-            except Exception as exc:   # an API briefly out of reach: the next round asks again
+            except Exception as exc:   # noqa: BLE001 -- an API briefly out of reach: the next round asks again
                 log.warning("lab: %s", exc)
 
     def _round(self) -> None:
@@ -113,7 +113,7 @@ class VmLab:
             if iid not in self.machines and iid not in self.ended and iid not in self.boot_errors:
                 try:
                     self._boot(iid, cloud, region, vm)
-                except Exception as exc:
+                except Exception as exc:   # noqa: BLE001 -- noted; the other instances still boot
                     log.warning("lab: %s did not boot: %s", iid, exc)
                     self.boot_errors[iid] = str(exc)
         for iid, m in list(self.machines.items()):

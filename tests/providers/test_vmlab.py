@@ -16,11 +16,10 @@ import time
 import boto3
 import pytest
 
-from tests.conftest import REPO, require_root_tools, root_tools_missing
+from tests.conftest import REPO
 from tests.providers.test_aws import aws_recipe, price_rule, provider
 
-require_root_tools(root_tools_missing())
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("root_tools")]
 
 
 @pytest.fixture(scope="module")
