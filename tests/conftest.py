@@ -182,6 +182,37 @@ def nodes(local_cluster, idle_nodes):
             local_cluster.remove_node(node_id)
 
 
+REQUIRE_ROOT_TESTS_ENV = "ELASTIC_REQUIRE_ROOT_TESTS"
+
+
+def require_root_tools(missing: str | None) -> None:
+    """Skip the calling test (or module, at import) because of `missing` (None: nothing is
+    missing, go on): root, namespaces, WireGuard, the lab. Where ELASTIC_REQUIRE_ROOT_TESTS=1 (CI,
+    and .ci/run as root) the test fails instead: a machine that should run it cannot hide it."""
+    if missing is None:
+        return
+    if os.environ.get(REQUIRE_ROOT_TESTS_ENV) == "1":
+        pytest.fail(f"{REQUIRE_ROOT_TESTS_ENV}=1 but {missing}", pytrace=False)
+    pytest.skip(missing, allow_module_level=True)
+
+
+def root_tools_missing() -> str | None:
+    """Why the network lab and the overlay cannot run here (None: they can)."""
+    from elastic.net import overlay
+    from providers.local import localnet
+
+    missing = localnet.missing_requirements()
+    if missing is None and overlay.missing_tools():
+        missing = f"missing {', '.join(overlay.missing_tools())}"
+    return missing
+
+
+@pytest.fixture
+def root_tools():
+    """For tests that need root and the network lab's tools (`require_root_tools`)."""
+    require_root_tools(root_tools_missing())
+
+
 @pytest.fixture
 def netns_host():
     """A second host: a network namespace behind a veth pair (tests/servers/netns.py). Every
@@ -189,7 +220,7 @@ def netns_host():
     import shutil
 
     if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("needs root and iproute2 (CI has both) to create a network namespace")
+        require_root_tools("needs root and iproute2 (CI has both) to create a network namespace")
     from tests.servers.netns import NetnsHost
 
     host = NetnsHost()
@@ -357,9 +388,9 @@ def imds(monkeypatch):
 
 @pytest.fixture
 def gcp_fake(monkeypatch, tmp_path):
-    """The local fake of the GCP endpoints (tests/providers/gcp_fake.py) on 127.0.0.1, with the
+    """The local fake of the GCP endpoints (providers/lab/gcefake.py) on 127.0.0.1, with the
     environment pointing the gcp provider at it and a price cache of this test's own."""
-    from tests.providers.gcp_fake import GCPFake
+    from providers.lab.gcefake import GCPFake
 
     fake = GCPFake().start()
     for k, v in fake.env().items():

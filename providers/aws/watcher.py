@@ -1,7 +1,6 @@
 """On an EC2 node: the watcher's notice poller (IMDSv2: a spot interruption or a rebalance
 recommendation) and the VM ending itself. The metadata base URL comes from `ELASTIC_IMDS_URL`
-(default: the link-local address), so tests point it at a local server. Standard library only,
-besides boto3 where the VM ends itself."""
+(default: the link-local address), so tests point it at a local server. Standard library only."""
 
 from __future__ import annotations
 
@@ -58,18 +57,7 @@ def poll(base: str | None = None) -> dict | None:
 
 
 def terminate_self(instance_id: str) -> bool:
-    """TerminateInstances on this VM where its role allows it (`infra/aws/node-policy.json` grants
-    none, so the OS shutdown is the usual path: VMs are launched with
-    InstanceInitiatedShutdownBehavior terminate). True when it did."""
-    try:
-        import boto3
-
-        base = imds_url()
-        _, token = _http("PUT", f"{base}/latest/api/token", {"X-aws-ec2-metadata-token-ttl-seconds": str(AWS_TOKEN_TTL_S)})
-        _, region = _http("GET", f"{base}/latest/meta-data/placement/region", {"X-aws-ec2-metadata-token": token})
-        boto3.client("ec2", region_name=region).terminate_instances(InstanceIds=[instance_id])
-        log.warning("terminated %s (itself)", instance_id)
-        return True
-    except Exception as exc:   # no boto3, no region, refused: the shutdown ends it too
-        log.warning("could not terminate itself through the API (%s): shutting down", exc)
-        return False
+    """Never through the API: a node's role may not call TerminateInstances (`infra/aws/node-policy.json`
+    grants it none). The OS shutdown ends the VM instead: VMs are launched with
+    InstanceInitiatedShutdownBehavior terminate. Always False."""
+    return False

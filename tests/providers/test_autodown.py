@@ -59,7 +59,11 @@ def _wait_for_beats(n: int = 10) -> None:
     assert len(beats) >= n, "the driver never beat"
 
 
-def test_a_driver_killed_with_sigkill_leaves_no_vm_billing(aws_env, imds, local_cluster):
+def test_a_driver_killed_with_sigkill_leaves_no_vm_billing(aws_env, imds, local_cluster, tmp_path):
+    """The watcher, seeing no heartbeat for autodown_after_s after kill -9 of the driver, shuts its
+    VM down through the OS (`shutdown -h now`; here ELASTIC_HALT_CMD records the call) and never
+    calls TerminateInstances, which the node's role is not granted: EC2 terminates the VM by its
+    shutdown behaviour. The whole path on a booted machine: tests/providers/test_vmlab.py."""
     aws_env.rules.append(price_rule)
     p = provider(aws_recipe(**{"resources.regions": "[us-west-2]", "resources.autodown_after_s": 3}), run="run-kill")
     offer = p.offers(p.recipe.resources)[0]
@@ -71,8 +75,9 @@ def test_a_driver_killed_with_sigkill_leaves_no_vm_billing(aws_env, imds, local_
         "UserData"]["Value"]).decode()
     assert "--autodown-after-s 3 " in user_data and "shutdown -h +4320" in user_data   # 72 h
     imds.paths["/latest/meta-data/placement/region"] = "us-west-2"
+    halted = tmp_path / "halted"
 
-    env = cli_env(**aws_env.env, ELASTIC_IMDS_URL=imds.url, ELASTIC_HALT_CMD="true")
+    env = cli_env(**aws_env.env, ELASTIC_IMDS_URL=imds.url, ELASTIC_HALT_CMD=f"touch {halted}")
     driver = _beating_driver(local_cluster.address, env)
     # The VM's watcher, started as infra/bootstrap.sh.tmpl starts it.
     watcher = subprocess.Popen([sys.executable, "-m", "providers.watcher", "--cloud", "aws", "--instance-id", vm,
@@ -80,17 +85,16 @@ def test_a_driver_killed_with_sigkill_leaves_no_vm_billing(aws_env, imds, local_
                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _wait_for_beats()
-        assert watcher.poll() is None and state(vm) == "running"   # a live driver's VM stays
+        assert watcher.poll() is None and not halted.exists()   # a live driver's VM stays
         driver.send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
         driver.wait(timeout=10)
-        while state(vm) not in ("shutting-down", "terminated") and time.monotonic() - killed_at < 3 + 60:
-            time.sleep(0.2)
+        out, _ = watcher.communicate(timeout=3 + 60)
         took_s = time.monotonic() - killed_at
-        assert state(vm) in ("shutting-down", "terminated"), f"still {state(vm)} {took_s:.0f} s after the kill"
-        out, _ = watcher.communicate(timeout=30)
-        assert watcher.returncode == 0 and "terminated " + vm in out, out
-        print(f"VM terminated {took_s:.1f} s after kill -9 of the driver (autodown_after_s 3)")
+        assert watcher.returncode == 0 and halted.exists(), out
+        assert "no heartbeat from the driver" in out
+        assert aws_env.count("TerminateInstances") == 0 and state(vm) == "running"   # the OS's shutdown ends it
+        print(f"VM shut down {took_s:.1f} s after kill -9 of the driver (autodown_after_s 3)")
     finally:
         _stop(driver, watcher)
         p.close()

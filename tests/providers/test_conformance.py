@@ -1,5 +1,5 @@
 """Every provider passes the same tests: `local` (Ray nodes on this machine), `aws` (boto3 against
-moto on 127.0.0.1) and `gcp` (google-cloud-compute against tests/providers/gcp_fake.py).
+moto on 127.0.0.1) and `gcp` (google-cloud-compute against providers/lab/gcefake.py).
 
 A harness per cloud says only what differs at the network boundary: the recipe, how a rented
 VM's boot is stood in for (a raylet labelled with its instance id joins the real local Ray

@@ -1,5 +1,5 @@
 """The gcp provider against the local fake of Compute Engine, the Billing Catalog and the metadata
-server (tests/providers/gcp_fake.py): the real google-cloud clients, our code path, HTTP on 127.0.0.1."""
+server (providers/lab/gcefake.py): the real google-cloud clients, our code path, HTTP on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from providers.base import Offer
 from tests.conftest import REPO, cli_env, join_as_vm, polled_events, run_cli, tiny_recipe
-from tests.providers.gcp_fake import MACHINE_TYPES, PRICES, ZONE_ACCELERATORS, ZONE_MACHINE_TYPES, ZONES
+from providers.lab.gcefake import MACHINE_TYPES, PRICES, ZONE_ACCELERATORS, ZONE_MACHINE_TYPES, ZONES
 
 
 def _provider(run="run-1", cluster=None, **dotted):

@@ -18,9 +18,7 @@ from elastic.net import overlay
 from providers.local import localnet
 from tests.conftest import no_cloud_env, run_cli
 
-REQUIRES = localnet.missing_requirements() or (
-    f"missing {', '.join(overlay.missing_tools())}" if overlay.missing_tools() else None)
-pytestmark = pytest.mark.skipif(REQUIRES is not None, reason=f"network lab unavailable: {REQUIRES}")
+pytestmark = pytest.mark.usefixtures("root_tools")
 
 PORT = 7000
 

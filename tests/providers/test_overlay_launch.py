@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import os
 import subprocess
 import threading
 import time
@@ -25,8 +24,7 @@ from elastic.net import overlay
 from tests.conftest import join_as_vm, polled_events, tiny_recipe
 from tests.providers.test_aws import spot_history
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    os.geteuid() != 0 or bool(overlay.missing_tools()), reason="the overlay's head needs root and wireguard-tools")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("root_tools")]   # the overlay's head: root, wireguard-tools
 
 RUN = "wg-multi"
 AWS_REGIONS = ("us-east-1", "us-west-2")

@@ -60,8 +60,7 @@ def test_roster_allocates_reuses_and_publishes_public_facts_only():
     assert roster.allocate_ip() == "100.80.0.4"
 
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0 or bool(overlay.missing_tools()),
-                                reason="a WireGuard interface needs root and wireguard-tools/wireguard-go")
+needs_root = pytest.mark.usefixtures("root_tools")   # a WireGuard interface: root, wireguard-tools/-go
 
 
 @pytest.fixture

@@ -17,10 +17,7 @@ from elastic.views.report import build_report
 from providers.local import localnet
 from tests.conftest import REPO, cli_env
 
-REQUIRES = localnet.missing_requirements() or (
-    f"missing {', '.join(overlay.missing_tools())}" if overlay.missing_tools() else None)
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(REQUIRES is not None, reason=f"network lab unavailable: {REQUIRES}")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("root_tools")]
 
 
 def test_two_regions_train_over_the_overlay_survive_a_preemption_and_leave_nothing(tmp_path):

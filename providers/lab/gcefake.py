@@ -29,7 +29,7 @@ Injected failures: paths refused 403 (a missing permission); a zone's inserts en
 
 Run it by hand (for `elastic prices --cloud gcp`, `elastic launch recipes/gcp-smoke.yaml`):
 
-    python -m tests.providers.gcp_fake --port 8089
+    python -m providers.lab.gcefake --port 8089
 """
 
 from __future__ import annotations
@@ -277,6 +277,17 @@ class GCPFake:
         with self._lock:
             if self.instances.pop(name, None) is not None:
                 self._hook(self.on_delete, name)
+
+    def snapshot(self) -> dict[str, dict]:
+        """Every instance as the fake holds it now (name -> a copy of its resource)."""
+        with self._lock:
+            return {name: json.loads(json.dumps(vm)) for name, vm in self.instances.items()}
+
+    def guest_shutdown(self, name: str) -> None:
+        """The VM's guest OS shut down: Compute Engine stops it (status TERMINATED, kept)."""
+        with self._lock:
+            if name in self.instances:
+                self.instances[name]["status"] = "TERMINATED"
 
     # -- request handling ------------------------------------------------------------------------
 

@@ -1,0 +1,274 @@
+"""The VM lab: watches the clouds' APIs (moto's EC2 at an endpoint, the local Compute Engine fake)
+for instances, boots each as a lab machine (`providers.lab.machine`) with its metadata server
+(`providers.lab.metadata`) and its gateways to the APIs (`providers.lab.gateway`), and ends it as
+its cloud would:
+
+- the API terminated / deleted / stopped it: the machine is powered off;
+- the machine halted itself (`shutdown`, `poweroff`): it is powered off and, by the instance's
+  shutdown behaviour, terminated or stopped in moto (EC2's InstanceInitiatedShutdownBehavior),
+  stopped (TERMINATED) in the Compute Engine fake, as a guest OS shutdown does there.
+
+Everything it makes carries the network lab's tag (`el` + 4 hex digits): `down()` removes it, on
+every exit path of the caller; `cleanup_orphans()` removes what a killed process left.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from providers.lab import machine as machines
+from providers.lab.gateway import Gateway, node_actions
+from providers.lab.metadata import MetadataServer, aws_values, gcp_values
+from providers.local import localnet
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.3
+LIVE_EC2 = ("pending", "running")
+LIVE_GCE = ("PROVISIONING", "STAGING", "RUNNING")
+WORK_ROOT = Path("/run/elastic-lab")
+
+
+@dataclass
+class AwsCloud:
+    """moto's EC2, as the lab reaches it.
+
+    Args:
+        endpoint: moto's URL on this host.
+        regions: the regions whose instances boot (one lab region each).
+    """
+
+    endpoint: str
+    regions: list[str]
+
+
+def _ec2(endpoint: str, region: str):
+    import boto3
+
+    # The lab is EC2 itself here: moto takes any key.
+    return boto3.client("ec2", region_name=region, endpoint_url=endpoint, aws_access_key_id="lab",
+                        aws_secret_access_key="lab")
+
+
+class VmLab:
+    """Every instance of the given clouds, booted as a machine of this host.
+
+    Args:
+        aws: moto's EC2 (None: no AWS).
+        gcp: the Compute Engine fake (`providers.lab.gcefake.GCEFake`, running; None: no GCP).
+        gcp_regions: the GCP regions whose instances boot.
+        env: extra environment every machine's OS sets.
+    """
+
+    def __init__(self, aws: AwsCloud | None = None, gcp=None, gcp_regions: list[str] = (),
+                 env: dict[str, str] | None = None):
+        regions = [*(aws.regions if aws else []), *gcp_regions]
+        self.aws, self.gcp, self.env = aws, gcp, dict(env or {})
+        self.net = localnet.Lab({r: localnet.Link() for r in regions})
+        self.tag = self.net.tag
+        self.root = WORK_ROOT / self.tag
+        self.machines: dict[str, machines.Machine] = {}
+        self.hosts: dict[str, localnet.Host] = {}
+        self.metadata: dict[str, MetadataServer] = {}
+        self.gateways: dict[str, list[Gateway]] = {}
+        self.ended: dict[str, str] = {}          # instance id -> how it ended ("terminated", "stopped", "api")
+        self.boot_errors: dict[str, str] = {}
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._node_actions = node_actions()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._thread = threading.Thread(target=self._loop, name=f"vmlab-{self.tag}", daemon=True)
+        self._thread.start()
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.wait(POLL_S):
+            try:
+                self._round()
+            except Exception as exc:   # noqa: BLE001 -- an API briefly out of reach: the next round asks again
+                log.warning("lab: %s", exc)
+
+    def _round(self) -> None:
+        live: dict[str, tuple] = {}
+        if self.aws is not None:
+            for region in self.aws.regions:
+                ec2 = _ec2(self.aws.endpoint, region)
+                for r in ec2.describe_instances()["Reservations"]:
+                    for vm in r["Instances"]:
+                        if vm["State"]["Name"] in LIVE_EC2:
+                            live[vm["InstanceId"]] = ("aws", region, vm)
+        if self.gcp is not None:
+            for name, vm in self.gcp.snapshot().items():
+                region = vm["zone"].rsplit("/", 1)[-1][:-2]
+                if vm.get("status", "RUNNING") in LIVE_GCE and region in self._gcp_regions():
+                    live[name] = ("gcp", region, vm)
+        for iid, (cloud, region, vm) in live.items():
+            if iid not in self.machines and iid not in self.ended and iid not in self.boot_errors:
+                try:
+                    self._boot(iid, cloud, region, vm)
+                except Exception as exc:   # noqa: BLE001 -- noted; the other instances still boot
+                    log.warning("lab: %s did not boot: %s", iid, exc)
+                    self.boot_errors[iid] = str(exc)
+        for iid, m in list(self.machines.items()):
+            if iid not in live:
+                self._power_off(iid, "api")
+            elif m.shutdown_due():
+                self._halted(iid)
+
+    def _gcp_regions(self) -> set[str]:
+        return {r for r in self.net._regions if not (self.aws and r in self.aws.regions)}
+
+    # -- booting ----------------------------------------------------------------------------------
+
+    def _boot(self, iid: str, cloud: str, region: str, vm: dict) -> None:
+        host = self.net.add_host(region)
+        with self._lock:
+            self.hosts[iid] = host
+        root = self.root / iid
+        closers = []
+        try:
+            if cloud == "aws":
+                script, env, values = self._aws_boot(iid, region, vm, host, closers)
+                hostname = f"ip-{host.private_ip.replace('.', '-')}"
+            else:
+                script, env, values = self._gcp_boot(iid, vm, host, closers)
+                hostname = iid
+            md = MetadataServer(host.netns, cloud, values)
+            closers.append(md.close)
+            m = machines.boot(iid, cloud, host.netns, root, hostname, script, {**env, **self.env})
+        except BaseException:
+            for close in closers:
+                close()
+            self.net.remove_host(host)
+            raise
+        m.closers = closers
+        with self._lock:
+            self.machines[iid], self.metadata[iid] = m, md
+        log.info("lab: %s (%s %s) booted at %s / %s", iid, cloud, region, host.private_ip, host.public_ip)
+
+    def _aws_boot(self, iid: str, region: str, vm: dict, host, closers: list):
+        ec2 = _ec2(self.aws.endpoint, region)
+        raw = ec2.describe_instance_attribute(InstanceId=iid, Attribute="userData")["UserData"].get("Value", "")
+        script = base64.b64decode(raw).decode() if raw else ""
+        gw = Gateway(host.netns, self.aws.endpoint, allowed=self._node_actions)
+        closers.append(gw.close)
+        self.gateways[iid] = [gw]
+        profile = (vm.get("IamInstanceProfile") or {}).get("Arn", "")
+        role = profile.rsplit("/", 1)[-1] if profile else None
+        values = aws_values(iid, vm["InstanceType"], vm["Placement"]["AvailabilityZone"], host.private_ip,
+                            host.public_ip, script, role)
+        # The machine's SDKs find the API at the gateway, their credentials at the metadata server.
+        return script, {"AWS_ENDPOINT_URL": gw.url, "AWS_DEFAULT_REGION": region}, values
+
+    def _gcp_boot(self, name: str, vm: dict, host, closers: list):
+        items = {i["key"]: i["value"] for i in vm.get("metadata", {}).get("items", [])}
+        script = items.get("startup-script", "")
+        gw = Gateway(host.netns, self.gcp.url)
+        closers.append(gw.close)
+        self.gateways[name] = [gw]
+        accounts = vm.get("serviceAccounts") or []
+        email = accounts[0]["email"] if accounts else None
+        token = self.gcp.token_of(email) if email and email in self.gcp.service_accounts else None
+        zone = vm["zone"].rsplit("/", 1)[-1]
+        values = gcp_values(name, str(vm.get("id", name)), zone, self.gcp.project, host.private_ip, host.public_ip,
+                            script, email, token)
+        env = {k: gw.url for k, v in self.gcp.env().items() if v == self.gcp.url}
+        # gcloud (the script's secret reads) finds the Secret Manager at the gateway.
+        env["CLOUDSDK_API_ENDPOINT_OVERRIDES_SECRETMANAGER"] = gw.url + "/"
+        env["CLOUDSDK_CORE_PROJECT"] = self.gcp.project
+        return script, env, values
+
+    # -- ending -----------------------------------------------------------------------------------
+
+    def _halted(self, iid: str) -> None:
+        """The machine ran `shutdown`: off, and its cloud acts by the instance's shutdown behaviour."""
+        m, region = self.machines[iid], self.hosts[iid].region
+        self._power_off(iid, "halt")
+        if m.cloud == "aws":
+            ec2 = _ec2(self.aws.endpoint, region)
+            behaviour = ec2.describe_instance_attribute(InstanceId=iid, Attribute="instanceInitiatedShutdownBehavior")[
+                "InstanceInitiatedShutdownBehavior"]["Value"]
+            if behaviour == "terminate":
+                ec2.terminate_instances(InstanceIds=[iid])
+            else:
+                ec2.stop_instances(InstanceIds=[iid])
+            self.ended[iid] = "terminated" if behaviour == "terminate" else "stopped"
+        else:
+            self.gcp.guest_shutdown(iid)   # a guest OS shutdown stops a Compute Engine VM
+            self.ended[iid] = "stopped"
+        log.info("lab: %s halted itself: %s", iid, self.ended[iid])
+
+    def _power_off(self, iid: str, why: str) -> None:
+        """Every process of the machine ends, its network host goes; only then is it no longer
+        listed (a caller waiting for it to go finds nothing of it left)."""
+        with self._lock:
+            m, host = self.machines.get(iid), self.hosts.get(iid)
+        if m is None:
+            return
+        m.power_off()
+        if host is not None:
+            self.net.remove_host(host)
+        with self._lock:
+            self.ended.setdefault(iid, why)
+            for held in (self.machines, self.hosts, self.metadata, self.gateways):
+                held.pop(iid, None)
+        log.info("lab: %s powered off (%s)", iid, why)
+
+    # -- what tests and rehearse do ----------------------------------------------------------------
+
+    def machine(self, iid: str) -> machines.Machine | None:
+        with self._lock:
+            return self.machines.get(iid)
+
+    def wait_for(self, predicate, timeout_s: float, what: str):
+        """Poll `predicate()` every POLL_S until it returns something truthy (returned); raise
+        TimeoutError naming `what` after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(POLL_S)   # polling a condition, bounded by the deadline
+        raise TimeoutError(f"lab: {what} within {timeout_s:g} s")
+
+    def notify(self, iid: str, lead_s: float = 120.0) -> None:
+        """An interruption notice on instance `iid`'s metadata server."""
+        self.metadata[iid].notify(lead_s)
+
+    def console(self, iid: str, lines: int = 40) -> str:
+        """The tail of instance `iid`'s serial console (also after it ended, until `down`)."""
+        m = self.machines.get(iid)
+        if m is not None:
+            return m.console_tail(lines)
+        try:
+            return "\n".join((self.root / iid / "console").read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def down(self) -> None:
+        """Power off every machine and remove the network lab and the machines' files (idempotent)."""
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=30)
+        for iid in list(self.machines):
+            self._power_off(iid, "lab down")
+        self.net.down()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def cleanup_orphans() -> list[str]:
+    """Remove what labs of dead processes left: their machines' processes and namespaces (the
+    network lab's `cleanup_orphans`) and their directories."""
+    removed = localnet.cleanup_orphans()
+    if WORK_ROOT.exists():
+        for d in WORK_ROOT.iterdir():
+            if not any(n.startswith(d.name + "-") for n in localnet.list_namespaces()):
+                shutil.rmtree(d, ignore_errors=True)
+    return removed
