@@ -24,6 +24,10 @@ cost less λ·tokens less μ·(capacity not used), plus λ·tokens needed, is at
 pays (weak duality): the bound is the best of these over a subgradient search, valid whether or not
 the search converged. With no boot (`recovery_s` 0) and no preemption it is the relaxation of
 choosing the cheapest world at every row with free moves.
+
+`min_replicas_floor_usd_per_mtok` is the other yardstick: it keeps world.min_replicas (every credited
+step has that many members) and drops boots and preemptions instead; each is a lower bound, so the
+higher of the two is one (`elastic.sim.simulate.min_replicas_bound_usd_per_mtok`).
 """
 
 from __future__ import annotations
