@@ -15,7 +15,9 @@ Per trace and policy, over seeds 0..N-1 (the preemption draws): how many runs co
 token budget within budget.max_hours and budget.max_usd), how the others ended (status, at which
 simulated hour), and medians of USD, USD per 1M tokens and the ratio to the bound
 (`elastic.sim.simulate.bound_usd_per_mtok`: the least any policy could pay on the trace, every price
-known in advance; "none" when no policy can finish in time). USD per 1M tokens and the ratio are
+known in advance; "none" when no policy can finish in time), and the ratio to the bound that holds
+to world.min_replicas (`min_replicas_bound_usd_per_mtok`: the higher of that bound and the least a
+policy pays that trains only in worlds of world.min_replicas replicas; `elastic.sim.bound`). USD per 1M tokens and the ratio are
 of the completed runs only: a run that stopped early paid for fewer tokens, and its ratio would say
 nothing about the deadline it missed. Uses `elastic.sim.simulate`'s public `simulate` and
 `bound_usd_per_mtok` only.
@@ -35,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from elastic.policy.registry import POLICIES  # noqa: E402
 from elastic.recipe.model import load_recipe  # noqa: E402
-from elastic.sim.simulate import bound_usd_per_mtok, simulate  # noqa: E402
+from elastic.sim.simulate import bound_usd_per_mtok, min_replicas_bound_usd_per_mtok, simulate  # noqa: E402
 
 REAL_RECIPE = ROOT / "bench" / "recipes" / "real-v100.yaml"
 SYNTHETIC_RECIPE = ROOT / "recipes" / "multi-cloud.yaml"
@@ -60,7 +62,8 @@ def run_trace(recipe_path: Path, trace: Path, seeds: int, overrides: list[str]) 
         for r in simulate(recipe, str(trace), None, seed):
             runs[r["policy"]].append(r)
     return {"recipe": str(recipe_path.relative_to(ROOT)) if recipe_path.is_relative_to(ROOT) else str(recipe_path),
-            "trace": str(trace), "bound_usd_per_mtok": bound_usd_per_mtok(recipe, str(trace)), "runs": dict(runs)}
+            "trace": str(trace), "bound_usd_per_mtok": bound_usd_per_mtok(recipe, str(trace)),
+            "min_replicas_bound_usd_per_mtok": min_replicas_bound_usd_per_mtok(recipe, str(trace)), "runs": dict(runs)}
 
 
 def _median(xs: list[float]) -> float | None:
@@ -69,7 +72,7 @@ def _median(xs: list[float]) -> float | None:
 
 def rows(result: dict) -> list[str]:
     """Markdown rows of one trace's table (one per policy)."""
-    bound = result["bound_usd_per_mtok"]
+    bound, floor = result["bound_usd_per_mtok"], result["min_replicas_bound_usd_per_mtok"]
     out = []
     for policy in POLICIES:
         rs = result["runs"][policy]
@@ -82,9 +85,10 @@ def rows(result: dict) -> list[str]:
         per_mtok = _median([r["usd_per_mtok"] for r in done])
         ratio = _median([r["usd_per_mtok"] / bound for r in done]) if bound else None
         worst = max((r["usd_per_mtok"] / bound for r in done), default=None) if bound else None
+        to_floor = _median([r["usd_per_mtok"] / floor for r in done]) if floor else None
         wall = _median([r["wall_h"] for r in done])
         out.append(f"| {Path(result['trace']).name} | {policy} | {len(done)}/{len(rs)} | {other or '-'} | {usd:.2f} | "
-                   f"{_fmt(per_mtok, 4)} | {_fmt(ratio, 2)} | {_fmt(worst, 2)} | {_fmt(wall, 1)} |")
+                   f"{_fmt(per_mtok, 4)} | {_fmt(ratio, 2)} | {_fmt(worst, 2)} | {_fmt(to_floor, 2)} | {_fmt(wall, 1)} |")
     return out
 
 
@@ -103,8 +107,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write every run's figures here")
     args = ap.parse_args()
     print("| trace | policy | completed | other ends (median hour) | USD, median | USD / 1M tok (completed) "
-          "| ratio to bound, median | worst | hours (completed) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| ratio to bound, median | worst | ratio to the min_replicas bound, median | hours (completed) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     results = []
     for trace in args.traces or default_traces():
         result = run_trace((args.recipe or recipe_for(trace)).resolve(), trace, args.seeds, args.overrides)
@@ -112,8 +116,10 @@ def main() -> None:
         print("\n".join(rows(result)), flush=True)
     for result in results:
         bound = result["bound_usd_per_mtok"]
+        floor = result["min_replicas_bound_usd_per_mtok"]
         print(f"bound, {Path(result['trace']).name} ({result['recipe']}): "
-              + ("none (no policy can finish in time)" if bound is None else f"{bound:.4f} USD / 1M tok"))
+              + ("none (no policy can finish in time)" if bound is None else f"{bound:.4f} USD / 1M tok")
+              + ("" if floor is None else f"; with world.min_replicas, {floor:.4f}"))
     if args.json:
         doc = {"seeds": args.seeds, "overrides": args.overrides, "results": results}
         args.json.write_text(json.dumps(doc, indent=1))

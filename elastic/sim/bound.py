@@ -24,6 +24,10 @@ cost less λ·tokens less μ·(capacity not used), plus λ·tokens needed, is at
 pays (weak duality): the bound is the best of these over a subgradient search, valid whether or not
 the search converged. With no boot (`recovery_s` 0) and no preemption it is the relaxation of
 choosing the cheapest world at every row with free moves.
+
+`min_replicas_floor_usd_per_mtok` is the other yardstick: it keeps world.min_replicas (every credited
+step has that many members) and drops boots and preemptions instead; each is a lower bound, so the
+higher of the two is one (`elastic.sim.simulate.min_replicas_bound_usd_per_mtok`).
 """
 
 from __future__ import annotations
@@ -197,3 +201,88 @@ def lower_bound_usd_per_mtok(recipe, market, finish_h: float | None = None, iter
         # Steps of up to 2 $/h per VM, shrinking as 1/√k (the most any row can exceed is every slot).
         mu = np.maximum(0.0, mu + excess / (slots * row_s.max() / 3600) * (2.0 / math.sqrt(k + 1)))
     return best / needed * 1e6
+
+
+def min_replicas_floor_usd_per_mtok(recipe, market, finish_h: float | None = None) -> float:
+    """USD per 1M tokens below which no policy can go that trains only in worlds of at least
+    world.min_replicas replicas, as the simulator's does (a phase starts with that many ready
+    members), training the run's tokens by `finish_h` (default budget.max_hours, else the trace's
+    end); inf: no such schedule trains them in time. Reported beside `lower_bound_usd_per_mtok`,
+    which drops world.min_replicas: where spot rarely offers world.min_replicas VMs at once, the
+    world trains on-demand or not at all, and this floor is the higher of the two.
+
+    Offers: the trace's spot offers the recipe allows, at their capacity, and (for an on-demand
+    recipe, or a spot one with budget.max_hours, whose deadline rule falls back on them) its
+    on-demand offers, unlimited.
+
+    Why it is a lower bound. Every token the simulator credits is credited in an outer step whose
+    members M (world.min_replicas ≤ |M| ≤ world.max_replicas, each billed over the whole step at
+    its row's price) each train at most their own tokens/s over the step: the step lasts at least
+    the slowest member's inner phase, and a step a notice ends early credits each member the same
+    share of it, the noticed one too. So a run's credited steps are a schedule of worlds W
+    over the rows, each W held for some seconds x_W ≤ its rows' length, earning at most
+    tokens(W)/s and costing at least usd(W)/h, and the run pays at least Σ x_W·usd(W) over such
+    a schedule with Σ x_W·tokens(W) ≥ the tokens it needs. For any token price λ ≥ 0,
+    Σ x_W·usd(W) ≥ λ·need − Σ x_W·(λ·tokens(W) − usd(W)) ≥ λ·need − Σ_rows row_h·max(0, best_W
+    (λ·tokens(W) − usd(W))) (weak duality of that linear program); the floor is the best λ found,
+    valid whichever it is. Dropped, in the policy's favour: boots, preemptions and the work they
+    lose, billing minimums and increments, decisions between rows, the sync's own cost.
+
+    Outside the model (said, not bounded): a VM kept where its offer's capacity fell below what is
+    held (the simulator lets it go through the trace's hazard; a fall to 0 in
+    bench/traces/convert_real.py's traces leaves it a chance of e^-10 per fall), and the survivors
+    of a loss without a notice, credited their step though fewer than world.min_replicas remain
+    (the simulator's path for a cloud whose notice is at most twice the sync; AWS's 120 s notice
+    takes the notice path)."""
+    usd, cap, _, row_s, tps, _ = _arrays(recipe, market, finish_h)
+    od_usd = np.zeros((len(row_s), 0))
+    if not recipe.resources.spot or recipe.budget.max_hours is not None:
+        od_usd = _on_demand_usd(recipe, market, len(row_s)) if recipe.resources.spot else od_usd
+    m, most, needed = recipe.world.min_replicas, recipe.world.max_replicas, run_tokens(recipe)
+    first_od = [o for o in market.offers(0.0, False) if allowed(o, recipe.resources)]
+    od_tps = np.array([recipe_tokens_per_s(o, recipe.planner) for o in first_od]) if od_usd.shape[1] else np.zeros(0)
+
+    # Each offer's VMs that could be held in a row: spot up to its capacity, on-demand unlimited
+    # (world.max_replicas at most, either way); their USD/h and tokens/h.
+    price = np.concatenate([usd, od_usd], axis=1)
+    count = np.concatenate([np.where(np.isfinite(usd), np.minimum(cap, most), 0.0),
+                            np.full(od_usd.shape, float(most))], axis=1)
+    tokens_h = np.concatenate([tps, od_tps]) * 3600
+    price = np.where(count > 0, price, 0.0)
+    enough = count.sum(axis=1) >= m
+    hours = row_s / 3600
+
+    def rows_gain(lam: float) -> tuple[float, float]:
+        """Σ_rows row_h·max(0, best world's λ·tokens − usd) (USD), and the tokens those worlds
+        train. A row's best world: its VMs of most gain, every one that gains (at most
+        world.max_replicas), at least world.min_replicas."""
+        gain = np.where(count > 0, lam * tokens_h - price, -np.inf)
+        order = np.argsort(-gain, axis=1)
+        g = np.take_along_axis(gain, order, 1)
+        c = np.take_along_axis(count, order, 1)
+        x = tokens_h[order]
+        before = np.cumsum(c, axis=1) - c
+        k = np.clip(np.where(g > 0, c, 0.0).sum(axis=1), m, most)[:, None]
+        take = np.clip(k - before, 0.0, c)
+        with np.errstate(invalid="ignore"):
+            row_gain = np.where(take > 0, take * g, 0.0).sum(axis=1)
+        use = enough & (row_gain > 0)
+        return (float((row_gain * hours)[use].sum()),
+                float(((take * x).sum(axis=1) * hours)[use].sum()))
+
+    lo, hi = 0.0, 1e-9
+    while rows_gain(hi)[1] < needed:
+        hi *= 2
+        if hi > 1:                 # $1M per 1M tokens and still short: no such schedule trains them
+            return math.inf
+    for _ in range(40):            # the least λ whose best worlds train what the run needs
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if rows_gain(mid)[1] >= needed else (mid, hi)
+    return max(0.0, hi * needed - rows_gain(hi)[0]) / needed * 1e6
+
+
+def _on_demand_usd(recipe, market, rows: int):
+    """USD/h of each on-demand offer the recipe allows, per row (the first `rows` of the trace)."""
+    times = market.times()[:rows]
+    keys = [(o.zone, o.instance_type) for o in market.offers(0.0, False) if allowed(o, recipe.resources)]
+    return np.array([[market.state(z, it, t).on_demand_usd_per_hour for z, it in keys] for t in times]).reshape(rows, len(keys))

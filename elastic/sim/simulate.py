@@ -610,6 +610,18 @@ def bound_usd_per_mtok(recipe, trace_path: str) -> float | None:
     return bound if math.isfinite(bound) else None
 
 
+def min_replicas_bound_usd_per_mtok(recipe, trace_path: str) -> float | None:
+    """The least USD per 1M tokens any policy that trains only in worlds of at least
+    world.min_replicas replicas could pay on the trace: the higher of `bound_usd_per_mtok` and
+    `elastic.sim.bound.min_replicas_floor_usd_per_mtok` (each a lower bound, so their maximum is
+    one); None when no policy can train the run's tokens in time."""
+    from elastic.sim.bound import lower_bound_usd_per_mtok, min_replicas_floor_usd_per_mtok
+
+    market = _market(recipe, trace_path)
+    bound = max(lower_bound_usd_per_mtok(recipe, market), min_replicas_floor_usd_per_mtok(recipe, market))
+    return bound if math.isfinite(bound) else None
+
+
 def simulate(recipe, trace_path: str, policies: list[str | Policy] | None = None, seed: int = 0,
              ledgers: dict[str, list[dict]] | None = None, kept: dict[str, list] | None = None,
              market: TraceMarket | None = None) -> list[dict]:

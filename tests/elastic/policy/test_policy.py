@@ -376,3 +376,27 @@ def test_a_lone_spot_replica_is_paired_with_an_on_demand_one_while_behind_the_de
     two = [quote(offer("r1a", 8.0), capacity=2)]
     assert all(a.quote.offer.spot for a in decide(dataclasses.replace(behind, quotes=tuple(two)))
                if isinstance(a, Rent))
+
+
+def test_a_paired_on_demand_replica_leaves_once_spot_holds_the_world_or_has_none_to_pair():
+    """The pairing rule's on-demand replica goes (no move: nothing replaces it) once world.min_replicas
+    spot replicas train, and when no spot replica is left to pair with; it stays while its lone spot
+    partner trains or boots, and while the deadline rule is late."""
+    r = recipe(**{"train.token_budget": 5_184_000_000, "train.outer_steps": "null", "budget.max_hours": 30,
+                  "budget.max_usd": 100_000, "world.min_replicas": 2})
+    od_quote = quote(offer("r1a", 30.0, spot=False))
+    spot_quote = quote(offer("r1a", 8.0), capacity=2)
+    od_node = Node("od", od_quote, launched_at_s=T)
+    t = T + 3600
+    base = snap(r, quotes=[spot_quote], on_demand_quotes=(od_quote,), target_replicas=4, time_s=t, started_s=T,
+                progress=Progress(hours=1.0))
+    spot = [Node(f"s{k}", spot_quote, launched_at_s=T) for k in range(2)]
+    # Two spot replicas train: the on-demand one leaves.
+    acts = decide(dataclasses.replace(base, nodes=(od_node, *spot)))
+    assert Release("od") in acts and rents(acts) == []
+    # One trains, the other boots: it stays.
+    booting = dataclasses.replace(spot[1], ready=False)
+    assert Release("od") not in decide(dataclasses.replace(base, nodes=(od_node, spot[0], booting)))
+    # No spot replica left (the partner was preempted, none offered): it leaves.
+    none = dataclasses.replace(base, nodes=(od_node,), quotes=(quote(offer("r1a", 8.0), capacity=0),))
+    assert Release("od") in decide(none)

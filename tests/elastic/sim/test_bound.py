@@ -109,3 +109,33 @@ def test_a_vm_preempted_mid_increment_bills_the_rest_of_it(tmp_path, monkeypatch
     assert per_ten_minutes > per_second * 1.01
     # At most one whole increment more per VM: a VM lives 10 min on average at 6 preemptions per hour.
     assert per_ten_minutes < per_second * 2
+
+
+def test_the_min_replicas_floor_prices_the_worlds_spot_cannot_hold_alone(tmp_path):
+    """Two zones of one spot VM each, never both at once, and on-demand at 30 $/h: a world of
+    world.min_replicas = 2 trains only as a spot/on-demand pair (39 $/h for two VMs), which the
+    floor says, while the plain bound (no world.min_replicas) trains each spot VM alone (9 $/h).
+    With both zones at once for long enough, two spot VMs make the world and the floor is spot's."""
+    from elastic.sim.bound import min_replicas_floor_usd_per_mtok
+
+    hours = 400
+    # A zone with no capacity takes its VM at 60 per hour (the traces' fall to 0): capacity bounds
+    # launches only, a VM held through a fall goes through the hazard.
+    apart = write_trace(tmp_path / "apart.csv", [row(h * 3600, z, 9.0, cap=int((h + k) % 2 == 0),
+                                                     rate=60.0 * ((h + k) % 2))
+                                                 for h in range(hours) for k, z in enumerate(("r1a", "r1b"))])
+    together = write_trace(tmp_path / "together.csv", [row(h * 3600, z, 9.0, cap=1)
+                                                       for h in range(hours) for z in ("r1a", "r1b")])
+    r = recipe(**{"planner.recovery_s": 0, "world.min_replicas": 2, "budget.max_hours": hours})
+
+    def floor(trace):
+        return min_replicas_floor_usd_per_mtok(r, TraceMarket(read_trace_rows(trace), r))
+
+    assert floor(apart) == pytest.approx(raw((9.0 + 30.0) / 2), rel=1e-4)
+    assert bound(r, apart) <= raw(9.0) * 1.001 < floor(apart)
+    assert floor(together) == pytest.approx(raw(9.0), rel=1e-4)
+    # A lower bound still: no policy of the simulator pays less per token on either trace.
+    for trace in (apart, together):
+        for res in simulate(r, trace, None, seed=0):
+            if res["status"] == "completed":
+                assert res["usd_per_mtok"] >= floor(trace) * (1 - 1e-6), res
