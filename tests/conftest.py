@@ -182,6 +182,25 @@ def nodes(local_cluster, idle_nodes):
             local_cluster.remove_node(node_id)
 
 
+def new_namespaces(before: list[str]) -> set[str]:
+    """The network namespaces that appeared since `before` was listed, less those another live
+    process owns (`overlay.claim`: a lab or a second host of a concurrent test worker, `pytest -n`).
+    What a test leaves behind is here; what runs beside it is not."""
+    from elastic.net import overlay
+    from providers.local import localnet
+
+    def elsewhere(name: str) -> bool:
+        for tag in {name, name.split("-")[0]}:   # a NetnsHost claims its name, a lab its tag
+            try:
+                pid = int((overlay.OWNERS / tag).read_text())
+            except (OSError, ValueError):
+                continue
+            return pid != os.getpid() and os.path.exists(f"/proc/{pid}")
+        return False
+
+    return {n for n in set(localnet.list_namespaces()) - set(before) if not elsewhere(n)}
+
+
 @pytest.fixture
 def netns_host():
     """A second host: a network namespace behind a veth pair (tests/servers/netns.py). Every
