@@ -11,8 +11,11 @@ from tests.servers.object_stores import GateProxy
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Keep the cache of the default corpus inside the test session, never in the user's home.
-os.environ.setdefault("ELASTIC_CACHE", str(Path(os.environ.get("PYTEST_CACHE_DIR", "/tmp")) / "elastic-test-cache"))
+# Keep the cache of the default corpus inside the test session, never in the user's home; one per
+# worker (`pytest -n`), so what one worker's runs learn (tokens/s, preemption rates) never reaches
+# the plans of tests running beside them.
+os.environ.setdefault("ELASTIC_CACHE", str(Path(os.environ.get("PYTEST_CACHE_DIR", "/tmp"))
+                                           / f"elastic-test-cache-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}"))
 
 
 def events_within(provider, timeout_s: float = 10.0) -> list:
