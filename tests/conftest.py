@@ -18,6 +18,21 @@ os.environ.setdefault("ELASTIC_CACHE", str(Path(os.environ.get("PYTEST_CACHE_DIR
                                            / f"elastic-test-cache-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}"))
 
 
+# Tests that change this machine's own network run on one worker, one after another (`pytest -n`
+# with `--dist loadgroup`): a run's head puts its WireGuard interface here on 100.80.0.1, a network
+# lab attaches this namespace to its region, a second host adds a veth; two at once would fight over
+# the same addresses and routes. The clouds' tests (they start heads) and the network tests are these.
+HOST_NETWORK_DIRS = (REPO / "tests" / "providers", REPO / "tests" / "elastic" / "net")
+HOST_NETWORK_FIXTURES = {"aws_env", "gcp_fake", "netns_host", "imds"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if (any(item.path.is_relative_to(d) for d in HOST_NETWORK_DIRS)
+                or HOST_NETWORK_FIXTURES & set(getattr(item, "fixturenames", ()))):
+            item.add_marker(pytest.mark.xdist_group("host-network"))
+
+
 def events_within(provider, timeout_s: float = 10.0) -> list:
     """The provider's next non-empty batch of events (it reads forwarded notices once a second)."""
     import time
