@@ -11,8 +11,26 @@ from tests.servers.object_stores import GateProxy
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Keep the cache of the default corpus inside the test session, never in the user's home.
-os.environ.setdefault("ELASTIC_CACHE", str(Path(os.environ.get("PYTEST_CACHE_DIR", "/tmp")) / "elastic-test-cache"))
+# Keep the cache of the default corpus inside the test session, never in the user's home; one per
+# worker (`pytest -n`), so what one worker's runs learn (tokens/s, preemption rates) never reaches
+# the plans of tests running beside them.
+os.environ.setdefault("ELASTIC_CACHE", str(Path(os.environ.get("PYTEST_CACHE_DIR", "/tmp"))
+                                           / f"elastic-test-cache-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}"))
+
+
+# Tests that change this machine's own network run on one worker, one after another (`pytest -n`
+# with `--dist loadgroup`): a run's head puts its WireGuard interface here on 100.80.0.1, a network
+# lab attaches this namespace to its region, a second host adds a veth; two at once would fight over
+# the same addresses and routes. The clouds' tests (they start heads) and the network tests are these.
+HOST_NETWORK_DIRS = (REPO / "tests" / "providers", REPO / "tests" / "elastic" / "net")
+HOST_NETWORK_FIXTURES = {"aws_env", "gcp_fake", "netns_host", "imds"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if (any(item.path.is_relative_to(d) for d in HOST_NETWORK_DIRS)
+                or HOST_NETWORK_FIXTURES & set(getattr(item, "fixturenames", ()))):
+            item.add_marker(pytest.mark.xdist_group("host-network"))
 
 
 def events_within(provider, timeout_s: float = 10.0) -> list:
@@ -211,6 +229,25 @@ def root_tools_missing() -> str | None:
 def root_tools():
     """For tests that need root and the network lab's tools (`require_root_tools`)."""
     require_root_tools(root_tools_missing())
+
+
+def new_namespaces(before: list[str]) -> set[str]:
+    """The network namespaces that appeared since `before` was listed, less those another live
+    process owns (`overlay.claim`: a lab or a second host of a concurrent test worker, `pytest -n`).
+    What a test leaves behind is here; what runs beside it is not."""
+    from elastic.net import overlay
+    from providers.local import localnet
+
+    def elsewhere(name: str) -> bool:
+        for tag in {name, name.split("-")[0]}:   # a NetnsHost claims its name, a lab its tag
+            try:
+                pid = int((overlay.OWNERS / tag).read_text())
+            except (OSError, ValueError):
+                continue
+            return pid != os.getpid() and os.path.exists(f"/proc/{pid}")
+        return False
+
+    return {n for n in set(localnet.list_namespaces()) - set(before) if not elsewhere(n)}
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import pytest
 
 from elastic.net import overlay
 from providers.local import localnet
-from tests.conftest import no_cloud_env, run_cli
+from tests.conftest import new_namespaces, no_cloud_env, run_cli
 
 pytestmark = pytest.mark.usefixtures("root_tools")
 
@@ -147,7 +147,7 @@ def test_teardown_leaves_no_namespace_interface_or_wireguard_process(tmp_path):
 
 
 def test_link_delay_takes_netem_or_a_relay_and_loss_without_netem_is_refused_with_nothing_left():
-    before = set(localnet.list_namespaces())
+    before = localnet.list_namespaces()
     with localnet.Lab({"region-a": localnet.Link(delay_ms=20, rate_mbit=100)}) as lab:
         qdisc = subprocess.run(["ip", "netns", "exec", lab.router_of("region-a").netns, "tc",
                                 "qdisc", "show", "dev", "pub"], capture_output=True, text=True).stdout
@@ -158,7 +158,7 @@ def test_link_delay_takes_netem_or_a_relay_and_loss_without_netem_is_refused_wit
             assert lab.delay_by == "relay" and "tbf" in qdisc and "netem" not in qdisc
             with pytest.raises(localnet.LabError, match="loss_pct needs the netem qdisc"):
                 localnet.Lab({"region-a": localnet.Link(loss_pct=1)})
-    assert set(localnet.list_namespaces()) == before
+    assert new_namespaces(before) == set()
 
 
 def test_a_regions_delay_raises_the_round_trip_over_the_overlay_by_twice_the_one_way_delay():

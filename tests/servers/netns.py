@@ -13,6 +13,8 @@ import signal
 import subprocess
 import time
 
+from elastic.net import overlay
+
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
@@ -33,6 +35,7 @@ class NetnsHost:
         subnet = random.randrange(1, 250)
         self.host_ip, self.peer_ip = f"10.77.{subnet}.1", f"10.77.{subnet}.2"
         self._procs: list[subprocess.Popen] = []
+        overlay.claim(self.name)   # ours: a concurrent test worker's checks leave it be
         try:
             _ip("netns", "add", self.name)
             _ip("link", "add", self._veth, "type", "veth", "peer", "name", f"{self._veth}p"[:15])
@@ -73,4 +76,5 @@ class NetnsHost:
                     pass
             time.sleep(0.05)   # polling the namespace's process list with a deadline
         _ip("netns", "del", self.name, check=False)
+        overlay.disclaim(self.name)
         _ip("link", "del", self._veth, check=False)   # normally gone with its peer's namespace
