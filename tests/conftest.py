@@ -23,7 +23,7 @@ os.environ.setdefault("ELASTIC_CACHE", str(Path(os.environ.get("PYTEST_CACHE_DIR
 # lab attaches this namespace to its region, a second host adds a veth; two at once would fight over
 # the same addresses and routes. The clouds' tests (they start heads) and the network tests are these.
 HOST_NETWORK_DIRS = (REPO / "tests" / "providers", REPO / "tests" / "elastic" / "net")
-HOST_NETWORK_FIXTURES = {"aws_env", "gcp_fake", "netns_host", "imds"}
+HOST_NETWORK_FIXTURES = {"aws_env", "gcp_fake", "netns_host", "imds", "root_tools"}
 
 
 def pytest_collection_modifyitems(config, items):
