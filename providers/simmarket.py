@@ -2,15 +2,23 @@
 
 Per (zone, instance type): a spot price over time, a capacity (how many VMs can be had; 0 is a
 stock-out) and a preemption hazard. Generated from a seed (mean-reverting log-price walk,
-Poisson stock-outs and preemptions) or replayed from a trace CSV. Time is simulated: `compression`
-simulated seconds pass per real second, so an hour of market fits in a minute of test.
+Poisson stock-outs) or replayed from a trace CSV. Time is simulated: `compression` simulated
+seconds pass per real second, so an hour of market fits in a minute of test.
+
+Preemptions are drawn per VM, not per tick: the n-th VM a run rents gets a unit-exponential hazard
+budget seeded by (seed, n) (`hazard_budget`) and is preempted once the hazard it has run through,
+∫ preempt_per_hour dt over the trace rows it lived through, reaches it (`preempted_at_s`). The
+simulator (`elastic.sim.simulate`) draws its preemptions with the same two functions, so a seeded run
+loses the same VMs at the same trace times on both sides, whatever the clocks' jitter.
 """
 
 from __future__ import annotations
 
+import bisect
 import csv
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,6 +132,34 @@ def read_trace(path: str | Path) -> dict[tuple[str, str], list[tuple[float, Mark
     return out
 
 
+def hazard_budget(seed: int, launch: int) -> float:
+    """The hazard (unit-exponential, dimensionless) the `launch`-th VM (1, 2, …) of a run seeded
+    `seed` can run through before it is preempted. Its own generator per VM: the draw does not
+    depend on what else the run did, nor on how often a clock ticked."""
+    return random.Random(f"{seed}:{launch}").expovariate(1.0)
+
+
+def preempted_at_s(times_s: Sequence[float], rates_per_hour: Sequence[float], from_s: float, budget: float) -> float:
+    """When (simulated seconds) a VM whose hazard starts accruing at `from_s` has run through
+    `budget` (`hazard_budget`): ∫ rate dt / 3600 from `from_s` reaches it. `times_s`, sorted, and
+    `rates_per_hour`: the preemption hazard each row sets from its time on (the first row's also
+    holds before it; the last one for ever). inf: never (the hazard ends too low)."""
+    left = budget
+    i = max(0, bisect.bisect_right(times_s, from_s) - 1)
+    t = from_s
+    while True:
+        rate = rates_per_hour[i]
+        end = times_s[i + 1] if i + 1 < len(times_s) else math.inf
+        if rate > 0:
+            need_s = left * 3600 / rate
+            if t + need_s <= end:
+                return t + need_s
+            left -= rate * (end - t) / 3600
+        if end == math.inf:
+            return math.inf
+        t, i = end, i + 1
+
+
 class SimMarket:
     """Args:
         section: the recipe's `local.market` section.
@@ -182,17 +218,19 @@ class SimMarket:
             if self._s.stockout_per_hour and self._rng.random() < 1 - math.exp(-self._s.stockout_per_hour * hours):
                 self._stockout_until[key] = self._sim_t + self._s.stockout_s
 
-    def draw_preemption(self, zone: str, instance_type: str, real_dt_s: float, age_sim_s: float) -> str | None:
-        """Whether a node of this kind is preempted in the last `real_dt_s`: None, "notice" or "hard"."""
-        if age_sim_s < self._s.first_preemption_after_s:
-            return None
-        rate = self.state(zone, instance_type).preempt_per_hour
-        if rate <= 0:
-            return None
-        p = 1 - math.exp(-rate * real_dt_s * self._s.time_compression / 3600)
-        if self._rng.random() >= p:
-            return None
-        return "notice" if self._rng.random() < self._s.notice_fraction else "hard"
+    def preemption(self, zone: str, instance_type: str, launch: int, launched_sim_s: float) -> tuple[float, bool]:
+        """When the `launch`-th spot VM of the run (1, 2, …), of this kind, rented at
+        `launched_sim_s`, is preempted: (simulated seconds, inf for never; whether a notice comes
+        `notice_s` ahead, else a hard kill). Its hazard accrues from `first_preemption_after_s`
+        after its launch, at the trace's rate (the section's for a generated market)."""
+        from_s = launched_sim_s + self._s.first_preemption_after_s
+        if self._trace is None:
+            times, rates = [0.0], [self._s.preempt_per_hour]
+        else:
+            rows = self._trace.get((zone, instance_type)) or [(0.0, MarketState(0, 0, 0.0, None))]
+            times, rates = [t for t, _ in rows], [st.preempt_per_hour for _, st in rows]
+        at_s = preempted_at_s(times, rates, from_s, hazard_budget(self._s.seed, launch))
+        return at_s, random.Random(f"{self._s.seed}:{launch}:notice").random() < self._s.notice_fraction
 
     @property
     def notice_real_s(self) -> float:

@@ -2,8 +2,10 @@
 simulated time.
 
 No training runs: a replica trains `planner.tokens_per_s` (the recipe's figure), in inner phases of
-`train.inner_steps × batch_size × seq_len` tokens. Preemptions are drawn from the trace's
-`preempt_per_hour` with a seeded generator; capacity is the trace's; a spot VM on `aws` gets a
+`train.inner_steps × batch_size × seq_len` tokens. Preemptions follow the trace's
+`preempt_per_hour`, drawn per VM as the local provider's market draws them (`providers.simmarket`:
+the n-th VM rented under `seed` runs through its own hazard budget), so `simulate` and a run on
+the local provider replaying the trace lose the same VMs; capacity is the trace's; a spot VM on `aws` gets a
 120 s notice and on `gcp` 30 s (its provider's `notice_s`). Each decision is the policy's, on a
 snapshot of the simulated run, and the driver's executor (`elastic.policy.executor`) carries it out against
 the trace (`_Run` is its host). VMs bill through `elastic.record.billing` at the trace's prices; the budget
@@ -35,7 +37,6 @@ import bisect
 import dataclasses
 import itertools
 import math
-import random
 
 from elastic.errors import UserError
 from elastic.policy.baselines import whole_world
@@ -49,6 +50,7 @@ from elastic.record.events import (CapacityRefused, CheckpointSaved, NodeLaunche
                             ReplicaMove, Role, WorldPaused)
 from providers import notice_s
 from providers.base import Offer
+from providers.simmarket import hazard_budget, preempted_at_s
 
 WAIT_S = 300.0                 # simulated seconds between looks at the market while nothing runs
 DEFAULT_HORIZON_S = 60 * 86400  # without budget.max_hours, a run gives up after 60 simulated days
@@ -76,12 +78,9 @@ class TraceMarket:
             s[2].append(r.state)
         if not self._series:
             raise UserError("the trace has no row for resources.clouds / resources.regions")
-        # When each series' preemption hazard changes (the rows whose rate differs from the row
-        # before): `next_rate_change` finds the next one by bisection.
-        self._rate_changes: dict[tuple, list[float]] = {}
-        for key, (_, times, states) in self._series.items():   # rows come sorted by time (read_trace_rows)
-            self._rate_changes[key] = [t for i, t in enumerate(times)
-                                       if i and states[i].preempt_per_hour != states[i - 1].preempt_per_hour]
+        # Each series' preemption hazard by row (rows come sorted by time: read_trace_rows).
+        self._rates = {key: (times, [st.preempt_per_hour for st in states])
+                       for key, (_, times, states) in self._series.items()}
 
     def times(self) -> list[float]:
         """Every time a row of the trace starts, in order."""
@@ -118,17 +117,13 @@ class TraceMarket:
                 return times[i]
         return math.inf
 
-    def preempt_per_hour(self, offer: Offer, t: float) -> float:
-        """The hazard a VM of `offer` runs at `t` (per hour; on-demand VMs are never preempted)."""
-        return self.state(offer.zone, offer.instance_type, t).preempt_per_hour if offer.spot else 0.0
-
-    def next_rate_change(self, offer: Offer, t: float) -> float:
-        """When the hazard a VM of `offer` runs next changes after `t` (inf: never; on-demand: never)."""
+    def preempted_at_s(self, offer: Offer, t: float, budget: float) -> float:
+        """When a VM of `offer` rented at `t` runs through its hazard `budget`
+        (`providers.simmarket.preempted_at_s`; inf: never; on-demand VMs are never preempted)."""
         if not offer.spot:
             return math.inf
-        changes = self._rate_changes[(offer.zone, offer.instance_type)]
-        i = bisect.bisect_right(changes, t)
-        return changes[i] if i < len(changes) else math.inf
+        times, rates = self._rates[(offer.zone, offer.instance_type)]
+        return preempted_at_s(times, rates, t, budget)
 
     def offers(self, t: float, spot: bool) -> list[Offer]:
         """Offers now for spot or on-demand renting (spot ones with the trace's capacity)."""
@@ -149,6 +144,7 @@ class _Node:
     launched_at: float
     ready_at: float
     drain_for: str | None = None   # instance id of the replica this one replaces (a move)
+    preempted_at: float = math.inf   # simulated seconds (`TraceMarket.preempted_at_s`)
 
 
 class _Run:
@@ -157,7 +153,7 @@ class _Run:
 
     def __init__(self, recipe, market: TraceMarket, seed: int, policy: Policy):
         self.recipe, self.market, self.policy = recipe, market, policy
-        self.rng = random.Random(f"{seed}:{policy.name}")
+        self.seed = seed
         self.t = 0.0
         self.closed_usd = 0.0   # the bill of the VMs already gone
         self.tokens = 0
@@ -214,9 +210,11 @@ class _Run:
             self.record(CapacityRefused(zone=offer.zone, instance_type=offer.instance_type,
                                         message="the trace's capacity is held"))
             return False
-        iid = f"sim-{next(self._ids):05d}"
+        n = next(self._ids)
+        iid = f"sim-{n:05d}"
         self.nodes[iid] = _Node(iid, offer, self.t, self.t + self.recipe.planner.recovery_s,
-                                drain_for=move.drain if move is not None else None)
+                                drain_for=move.drain if move is not None else None,
+                                preempted_at=self.market.preempted_at_s(offer, self.t, hazard_budget(self.seed, n)))
         self.record(NodeLaunched.of(offer, instance_id=iid, ray_node_id=None, role=Role.REPLICA,
                                     launched_at=self.t, joined=True))
         return True
@@ -271,14 +269,12 @@ class _Run:
         return True
 
     def advance(self, dt: float, stop_at_first_loss: bool, rest_until: float | None = None) -> dict[str, _Node]:
-        """Move time on by `dt` (or to the first preemption): draw preemptions, bill every VM. Each
-        VM's time to preemption is drawn at the hazard in effect, and drawn again at each change of
-        that hazard (memoryless: exact), so a hazard that lasts one trace row takes the VMs it
-        should even inside a phase. At each change of a held VM's price the budget is checked for
-        the rest (`affordable`; the rest lasts until `rest_until`, the phase's end, when later than
-        `dt`), as the driver does when it records a `node_price`: time stops there, with `status`
-        set, when the rest would cross it. Returns the preempted VMs by instance id (gone from
-        `nodes`).
+        """Move time on by `dt` (or to the first preemption): preempt each VM whose drawn time
+        (`_Node.preempted_at`, its hazard budget run through at the trace's rates) falls within,
+        bill every VM. At each change of a held VM's price the budget is checked for the rest
+        (`affordable`; the rest lasts until `rest_until`, the phase's end, when later than `dt`), as
+        the driver does when it records a `node_price`: time stops there, with `status` set, when
+        the rest would cross it. Returns the preempted VMs by instance id (gone from `nodes`).
 
         A trace's capacity bounds launches only: a VM held where the capacity falls below what is
         held goes through the hazard, as the trace states it (bench/traces/convert_real.py writes
@@ -286,23 +282,10 @@ class _Run:
         and as the driver's local market (providers.simmarket) does."""
         end = self.t + dt
         rest_until = max(end, rest_until or end)
-        draws: dict[str, float] = {}
-        rates: dict[str, float] = {}
-
-        def draw(iid: str, n: _Node) -> None:
-            rate = rates[iid] = self.market.preempt_per_hour(n.offer, self.t)
-            if rate > 0:
-                draws[iid] = self.t + self.rng.expovariate(rate / 3600)
-            else:
-                draws.pop(iid, None)
-
-        for iid, n in self.nodes.items():
-            draw(iid, n)
         gone = {}
         while True:
-            until = min([end] + [min(self.market.next_change(n.offer, self.t),
-                                     self.market.next_rate_change(n.offer, self.t)) for n in self.nodes.values()])
-            due = {iid: at for iid, at in draws.items() if at <= until and iid in self.nodes}
+            until = min([end] + [self.market.next_change(n.offer, self.t) for n in self.nodes.values()])
+            due = {iid: n.preempted_at for iid, n in self.nodes.items() if n.preempted_at <= until}
             if stop_at_first_loss and due:
                 first = min(due, key=due.get)
                 end = until = due[first]
@@ -312,13 +295,9 @@ class _Run:
             for iid, at in sorted(due.items(), key=lambda kv: kv[1]):
                 self.events.append(NodePreempted(instance_id=iid, with_notice=False, replica=None).record(at))
                 gone[iid] = self.nodes.pop(iid)
-                draws.pop(iid)
                 self.closed_usd += self.usd(gone[iid], at, ended=True)
                 self.preemptions += 1
             self.t = until
-            for iid, n in self.nodes.items():   # a new hazard: a fresh draw (the old one is memoryless)
-                if self.market.preempt_per_hour(n.offer, until) != rates[iid]:
-                    draw(iid, n)
             for n in self.nodes.values():   # the ledger's record of a price move, as the driver writes it
                 if self.market.next_change(n.offer, until - 1e-9) <= until:
                     self.events.append(NodePrice(instance_id=n.iid, usd_per_hour=self.price(n)).record(until))

@@ -76,6 +76,7 @@ class LocalProvider(BaseProvider):
         self._instances: dict[str, Instance] = {}
         self._hosts: dict[str, object] = {}   # instance id -> its localnet.Member (local.network)
         self._kill_at: dict[str, float] = {}   # instance id -> unix time of a noticed kill
+        self._doom: dict[str, tuple[float, bool]] = {}   # spot instance id -> `SimMarket.preemption`
         self._starting: dict[tuple, int] = {}   # (zone, instance type, spot) -> launches under way
         self._events: list[NodeEvent] = []
         self._ids = itertools.count(1)
@@ -172,7 +173,11 @@ class LocalProvider(BaseProvider):
                 raise CapacityError(f"{offer.instance_type} in {offer.zone}: no capacity "
                                     f"({'stock-out' if cap == 0 else f'{held}/{cap} held'})")
             self._starting[key] = self._starting.get(key, 0) + 1   # the slot is ours while it starts
-            instance_id = f"local-{next(self._ids):04d}"
+            n = next(self._ids)
+            instance_id = f"local-{n:04d}"
+            # Drawn now, by launch order, as the simulator draws it (`providers.simmarket`).
+            doom = self.market.preemption(offer.zone, offer.instance_type, n, self.market.sim_time_s) \
+                if offer.spot else None
         labels = {"elastic.cloud": "local", "elastic.region": offer.region, "elastic.zone": offer.zone,
                   "elastic.instance_type": offer.instance_type, "elastic.instance_id": instance_id,
                   "elastic.run": run, "elastic.role": role}
@@ -188,6 +193,8 @@ class LocalProvider(BaseProvider):
                             ray_node_id=node_id, labels=labels)
             with self._lock:
                 self._instances[instance_id] = inst
+                if doom is not None:
+                    self._doom[instance_id] = doom
                 if member is not None:
                     self._hosts[instance_id] = member
             return inst
@@ -203,6 +210,7 @@ class LocalProvider(BaseProvider):
         with self._lock:
             inst = self._instances.pop(instance_id, None)
             self._kill_at.pop(instance_id, None)
+            self._doom.pop(instance_id, None)
         if inst is not None:
             self._cluster.remove_node(inst.ray_node_id)
             self._drop_host(instance_id)
@@ -256,12 +264,17 @@ class LocalProvider(BaseProvider):
 
     def preempt(self, instance_id: str, notice: bool) -> None:
         """Reclaim a node as the cloud would: now (hard), or after the market's notice length."""
+        self._reclaim(instance_id, self.market.notice_real_s if notice else None)
+
+    def _reclaim(self, instance_id: str, notice_real_s: float | None) -> None:
+        """A notice now and the kill `notice_real_s` real seconds later; None: a hard kill now."""
         now = time.time()
         with self._lock:
             if instance_id not in self._instances or instance_id in self._kill_at:
                 return
-            if notice:
-                deadline = now + self.market.notice_real_s
+            self._doom.pop(instance_id, None)
+            if notice_real_s is not None:
+                deadline = now + notice_real_s
                 self._kill_at[instance_id] = deadline
                 self._events.append(NodeEvent(instance_id, NodeEventKind.NOTICE, now, deadline=deadline))
                 return
@@ -271,6 +284,7 @@ class LocalProvider(BaseProvider):
         with self._lock:
             inst = self._instances.pop(instance_id, None)
             self._kill_at.pop(instance_id, None)
+            self._doom.pop(instance_id, None)
         if inst is None:
             return
         self._cluster.remove_node(inst.ray_node_id, graceful=False)
@@ -288,19 +302,16 @@ class LocalProvider(BaseProvider):
             with self._lock:
                 self.market.advance(dt)
                 due = [i for i, t in self._kill_at.items() if t <= now]
-                draws = []
-                for inst in self._instances.values():
-                    if inst.instance_id in self._kill_at or not inst.offer.spot:
-                        continue   # on-demand VMs are not reclaimed
-                    age_sim = (now - inst.launched_at) * self._section.market.time_compression
-                    kind = self.market.draw_preemption(inst.offer.zone, inst.offer.instance_type, dt, age_sim)
-                    if kind:
-                        draws.append((inst.instance_id, kind == "notice"))
+                # A VM ends at its drawn time; a noticed one hears of it notice_s (simulated) ahead.
+                sim_t, draws = self.market.sim_time_s, []
+                for instance_id, (end_sim_s, notice) in self._doom.items():
+                    if sim_t >= end_sim_s - (self.notice_s if notice else 0.0):
+                        draws.append((instance_id, self.market.real_s(max(0.0, end_sim_s - sim_t)) if notice else None))
             for instance_id in due:
                 self._kill(instance_id, with_notice=True)
-            for instance_id, notice in draws:
+            for instance_id, notice_real_s in draws:
                 try:
-                    self.preempt(instance_id, notice)
+                    self._reclaim(instance_id, notice_real_s)
                 except Exception:  # a node that vanished on its own meanwhile
                     log.exception("preempting %s", instance_id)
 

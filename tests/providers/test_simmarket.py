@@ -9,36 +9,47 @@ import sys
 import pytest
 
 from providers.local.config import LocalInstanceType, MarketSection
-from providers.simmarket import SimMarket, TraceError, read_trace
+from providers.simmarket import SimMarket, TraceError, hazard_budget, preempted_at_s, read_trace
 from tests.conftest import cli_env
 
 TYPES = [LocalInstanceType(name="cpu", region="r1", zone="r1a", spot_usd_per_hour=0.5, on_demand_usd_per_hour=1.5)]
 
 
 def test_preemptions_follow_the_rate_and_notice_fraction():
-    # 2 per node-hour, 60× compression: p = 1 - exp(-2 * 0.1 * 60 / 3600) per 0.1 s tick.
+    # 2 per node-hour: each VM's time to preemption is exponential with a mean of 1800 s (simulated).
     m = SimMarket(MarketSection(seed=3, preempt_per_hour=2.0, notice_fraction=0.25, time_compression=60), TYPES)
-    ticks = 200_000
-    draws = [m.draw_preemption("r1a", "cpu", 0.1, age_sim_s=1e9) for _ in range(ticks)]
-    hits = [d for d in draws if d]
-    expected = ticks * (1 - math.exp(-2.0 * 0.1 * 60 / 3600))
-    assert abs(len(hits) - expected) < 4 * math.sqrt(expected)
-    share = sum(d == "notice" for d in hits) / len(hits)
-    assert abs(share - 0.25) < 0.05
+    n = 20_000
+    draws = [m.preemption("r1a", "cpu", launch, launched_sim_s=100.0) for launch in range(1, n + 1)]
+    mean_s = sum(at - 100.0 for at, _ in draws) / n
+    assert abs(mean_s - 1800) < 4 * 1800 / math.sqrt(n)
+    share = sum(notice for _, notice in draws) / n
+    assert abs(share - 0.25) < 0.02
 
 
 def test_same_seed_same_market_and_grace_period():
     a = SimMarket(MarketSection(seed=9, preempt_per_hour=5, volatility=0.5), TYPES)
     b = SimMarket(MarketSection(seed=9, preempt_per_hour=5, volatility=0.5), TYPES)
-    for _ in range(500):
+    for launch in range(1, 500):
         a.advance(0.1)
         b.advance(0.1)
         assert a.state("r1a", "cpu") == b.state("r1a", "cpu")
-        assert a.draw_preemption("r1a", "cpu", 0.1, 1e9) == b.draw_preemption("r1a", "cpu", 0.1, 1e9)
+        assert a.preemption("r1a", "cpu", launch, 0.0) == b.preemption("r1a", "cpu", launch, 0.0)
     assert a.state("r1a", "cpu").spot_usd_per_hour != 0.5   # the price walked
+    assert a.preemption("r1a", "cpu", 1, 0.0) != a.preemption("r1a", "cpu", 2, 0.0)   # each VM its own draw
     young = SimMarket(MarketSection(seed=1, preempt_per_hour=1e6, first_preemption_after_s=600), TYPES)
-    assert young.draw_preemption("r1a", "cpu", 1.0, age_sim_s=599) is None
-    assert young.draw_preemption("r1a", "cpu", 1.0, age_sim_s=601) is not None
+    at_s, _ = young.preemption("r1a", "cpu", 1, launched_sim_s=50.0)
+    assert 650 < at_s < 651
+
+
+def test_a_vm_is_preempted_once_its_hazard_budget_is_spent_across_rows():
+    # Budget 1.5: 0.5 of it in the first hour at 0.5/h, none in the calm hour, 1.0 at 2/h (half an hour).
+    times, rates = [0.0, 3600.0, 7200.0], [0.5, 0.0, 2.0]
+    assert preempted_at_s(times, rates, 0.0, 1.5) == pytest.approx(7200 + 1800)
+    assert preempted_at_s(times, rates, 1800.0, 0.25) == pytest.approx(3600)   # from mid-row, exactly at its end
+    assert preempted_at_s([0.0, 60.0], [1.0, 0.0], 0.0, 0.5) == math.inf     # the hazard stops first
+    assert preempted_at_s([100.0], [3600.0], 0.0, 1.0) == pytest.approx(1.0)  # the first row holds before it
+    budgets = [hazard_budget(7, n) for n in range(1, 20_001)]
+    assert abs(sum(budgets) / len(budgets) - 1) < 0.03 and hazard_budget(7, 1) == hazard_budget(7, 1)
 
 
 def test_stockouts_take_capacity_to_zero_then_return():

@@ -129,3 +129,105 @@ def test_the_simulator_and_the_driver_take_the_same_actions_and_bill_alike(local
     assert sim_report["cost_usd"] == pytest.approx(result["cost_usd"], abs=1e-4)
     assert cost_so_far(events, events[-1]["t"]) == pytest.approx(driver_report["cost_usd"], abs=1e-6)
     assert bill(sim_report) == bill(driver_report) == [("r1a", 40.0), ("r1b", 45.0), ("r2a", 5.0), ("r2a", 5.0)]
+
+
+# -- with preemptions -----------------------------------------------------------------------------
+
+HAZARD_END_S = 200.0   # trace seconds: r1a's hazard (12 per node-hour) stops here
+SEED = 3               # hazard budgets (providers.simmarket.hazard_budget) 0.32, 1.66, 0.88 for VMs 1-3
+
+
+def preempting_scenario(tmp_path):
+    """r1a, the cheaper zone, runs a hazard of 12 per node-hour until HAZARD_END_S. Under SEED the
+    first VM runs through its budget (0.32 × 300 s) at 96 trace seconds, the second (1.66) and the
+    replacement (0.88, from ~96 s on: at most 0.35 left) never do. At 10 trace seconds per real
+    second, the driver's VM 1 hears its notice (10 trace s ahead) about 8.6 s after its launch."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text(TRACE_HEADER
+                     + "0,local,r1,r1a,cpu,,0,40,120,12,4\n"
+                     f"{HAZARD_END_S:g},local,r1,r1a,cpu,,0,40,120,0,4\n"
+                     "0,local,r1,r1b,cpu,,0,45,120,0,4\n")
+    recipe = tiny_recipe(**{
+        "world.replicas": 2, "world.max_replicas": 2, "train.outer_steps": 40, "train.inner_steps": 4,
+        "checkpoint.every_outer_steps": 0, "local.market.time_compression": 10,
+        "local.market.trace": str(trace), "local.market.notice_fraction": 1, "local.market.notice_s": 10,
+        "local.market.seed": SEED,
+        "planner.tokens_per_s": "{cpu: 100}", "planner.replan_every_s": 5, "planner.recovery_s": 10,
+        "planner.cross_region_sync_s": 0,
+        "local.instance_types": "[{name: cpu, region: r1, zone: r1a}, {name: cpu, region: r1, zone: r1b}]"})
+    return trace, recipe
+
+
+def recorded_preemptions(monkeypatch, seq: list[tuple]) -> None:
+    """Adds to `seq` each preemption as the host learns of it: ("preempted", zone, n), n the VM's
+    launch order (both sides number their VMs 1, 2, … in the order they rent them). The driver
+    learns of it at the notice (and then hands the VM back once it has synced: its ledger says
+    node_notice, node_released), the simulator at the kill, which it treats as noticed (the notice
+    is folded into the phase's share): one event each, at the same place in the sequence."""
+    from providers.base import NodeEventKind
+    from providers.local.provider import LocalProvider
+
+    advance = sim._Run.advance
+
+    def sim_advance(self, *args, **kwargs):
+        gone = advance(self, *args, **kwargs)
+        for iid, node in gone.items():
+            seq.append(("preempted", node.offer.zone, int(iid.split("-")[1])))
+        return gone
+    monkeypatch.setattr(sim._Run, "advance", sim_advance)
+
+    zones: dict[str, str] = {}
+    heard: set[str] = set()
+    launch, events = LocalProvider.launch, LocalProvider.events
+
+    def local_launch(self, offer, run, role):
+        inst = launch(self, offer, run, role)
+        zones[inst.instance_id] = offer.zone
+        return inst
+
+    def local_events(self):
+        out = events(self)
+        for e in out:   # a VM's notice, or its kill when none came first
+            if e.kind in (NodeEventKind.NOTICE, NodeEventKind.PREEMPTED) and e.instance_id not in heard:
+                heard.add(e.instance_id)
+                seq.append(("preempted", zones[e.instance_id], int(e.instance_id.split("-")[1])))
+        return out
+    monkeypatch.setattr(LocalProvider, "launch", local_launch)
+    monkeypatch.setattr(LocalProvider, "events", local_events)
+
+
+def test_a_seeded_run_loses_the_same_vm_in_the_simulator_and_the_driver(local_cluster, tmp_path, monkeypatch):
+    """Unscripted: the preemption is the market's draw (providers.simmarket), the same on both
+    sides; everything else is the policy's."""
+    trace, recipe = preempting_scenario(tmp_path)
+    seq = recorded(monkeypatch, zone_of)
+    recorded_preemptions(monkeypatch, seq)
+
+    ledgers: dict[str, list[dict]] = {}
+    (result,) = sim.simulate(recipe, str(trace), ["elastic"], seed=SEED, ledgers=ledgers)
+    assert result["status"] == "completed" and result["preemptions"] == 1
+    simulated, seq[:] = list(seq), []
+
+    # At least 80 ms per inner step: 40 outer steps outlast the preemption (~10 s after the launch).
+    monkeypatch.setenv("ELASTIC_FAULT_STEP_DELAY_S", "0.08")
+    status, events = run_attached(recipe, local_cluster, tmp_path / "run", run_name="equivalence-preempted")
+    assert status == "completed"
+    driven = list(seq)
+
+    assert simulated == [("rent", "r1a", True, None), ("rent", "r1a", True, None), ("preempted", "r1a", 1),
+                         ("rent", "r1a", True, None), ("checkpoint", "final")], simulated
+    assert driven == simulated, (driven, simulated)
+
+    # When: the preemption at the same trace second on both sides (the draw is the VM's own; the
+    # driver's side is its launch, read on the market's clock, plus the same 96 s), within the
+    # market's tick (0.1 real s = 1 trace s) and the jitter of reading the clock at the launch.
+    sim_at = next(e["t"] for e in ledgers["elastic"] if e["type"] == "node_preempted")
+    assert sim_at == pytest.approx(0.32 * 3600 / 12, abs=1)
+
+    # The bills: each side's total is its ledger priced by elastic.record.billing; VM by VM, in
+    # launch order, the same zone at the same price. The totals differ by the clocks only (the
+    # planner's phases in trace seconds, the driver's real seconds), so they are not compared.
+    sim_report, driver_report = build_report(ledgers["elastic"]), build_report(events)
+    assert sim_report["cost_usd"] == pytest.approx(result["cost_usd"], abs=1e-4)
+    assert cost_so_far(events, events[-1]["t"]) == pytest.approx(driver_report["cost_usd"], abs=1e-6)
+    assert bill(sim_report) == bill(driver_report) == [("r1a", 40.0), ("r1a", 40.0), ("r1a", 40.0)]
