@@ -19,8 +19,8 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from elastic.record.events import (CapacityWaitEnded, CheckpointSaved, Event, NodeJoinTimeout, NodeLaunched, NodePreempted,
-                            NodePrice, NodeReleased, OuterStep, ReplicaJoined, ReplicaLost, read)
+from elastic.record.events import (CapacityWaitEnded, CheckpointSaved, DriverLost, Event, NodeJoinTimeout, NodeLaunched,
+                            NodePreempted, NodePrice, NodeReleased, OuterStep, ReplicaJoined, ReplicaLost, read)
 from providers import billing_terms
 from providers.base import BillingTerms
 
@@ -232,7 +232,14 @@ def cumulative(vms: dict[str, Hold], t0: float, end: float) -> tuple[list, list]
     return usd, od
 
 
-WASTE_CAUSES = ("preemption", "capacity_wait", "checkpoint_stalls", "never_joined", "setup_failed")
+WASTE_CAUSES = ("preemption", "capacity_wait", "checkpoint_stalls", "never_joined", "setup_failed",
+                "driver_lost")
+
+
+def driver_lost_usd(e: DriverLost, vms: dict[str, Hold]) -> float:
+    """USD the VMs a lost driver left held accrued with no driver: from its last event to their
+    release (the autodown time `node_released` records), no minimum."""
+    return sum(vms[i].usd_between(e.last_seen_at, e.t) for i in e.instance_ids if i in vms)
 
 
 def wasted(events: list[Event], vms: dict[str, Hold]) -> dict:
@@ -268,6 +275,8 @@ def wasted(events: list[Event], vms: dict[str, Hold]) -> dict:
             waste["capacity_wait"] += joined_usd(e.t - (e.waited_s or 0), e.t)
         elif isinstance(e, CheckpointSaved):
             waste["checkpoint_stalls"] += joined_usd(e.t - e.stall_s, e.t)
+        elif isinstance(e, DriverLost):
+            waste["driver_lost"] += driver_lost_usd(e, vms)
     for vm in vms.values():
         if not vm.joined:
             waste["never_joined"] += vm.usd()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from elastic.errors import UserError
 from elastic.record import remote
+from elastic.record.events import RunEnded, RunStarted
 from elastic.record.ledger import read_events
 
 RUNS = Path("runs")
@@ -90,7 +91,7 @@ def _controller_stub(run_dir: Path) -> RemoteRun | None:
     import yaml
 
     events = read_events(run_dir / "events.jsonl")
-    start = next((e for e in events if e["type"] == "run_started"), None)
+    start = next((e for e in events if e["type"] == RunStarted.TYPE), None)
     if start is None or start.get("head") != "controller":
         return None
     try:
@@ -216,7 +217,7 @@ def _age(s: float) -> str:
 
 def ended(events: list[dict]) -> dict | None:
     """The run's `run_ended` record, or None while it goes."""
-    return next((e for e in reversed(events) if e.get("type") == "run_ended"), None)
+    return next((e for e in reversed(events) if e.get("type") == RunEnded.TYPE), None)
 
 
 def follow_logs(src, out, follow: bool, poll_s: float | None = None) -> dict | None:

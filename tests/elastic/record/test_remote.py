@@ -55,10 +55,38 @@ def test_the_vms_a_lost_driver_held_are_billed_until_their_autodown_and_the_new_
               {"type": "controller_started", "t": 1, "instance_id": "c1", "cloud": "aws", "region": "r"},
               {"type": "run_started", "t": 5, "run": "R", "recipe": "r", "recipe_digest": "d"},
               launched("n1", 10), {"type": "outer_step", "t": 100},
+              # `elastic launch --resume R` on a laptop: a new controller (not the lost driver's last event)
+              {"type": "run_started", "t": 4999, "run": "R", "recipe": "r", "recipe_digest": "d", "head": "controller"},
               launched("c2", 5000, "controller"),
               {"type": "controller_started", "t": 5000, "instance_id": "c2", "cloud": "aws", "region": "r"}]
     assert remote.earlier_part(events) and not remote.earlier_part(events[:3])
+    assert remote.last_seen(events) == 100 and remote.last_seen(events[:3]) is None
     assert sorted(remote.lost_vms(events, now_s=6000, autodown_after_s=600)) == [("c1", 700), ("n1", 700)]
+
+
+def test_the_report_prices_a_lost_driver():
+    """The report's `driver_lost`: the seconds without a driver, the VMs it left held billed until
+    their autodown (no driver used them: waste), the outer steps trained again."""
+    from elastic.views.report import build_report, headline_rows
+
+    def launched(vm, t, role="replica"):
+        return {"type": "node_launched", "t": t, "instance_id": vm, "ray_node_id": None, "role": role,
+                "launched_at": t, "joined": True, "cloud": "local", "region": "r", "zone": "z",
+                "instance_type": "x", "gpu": "", "gpus": 0, "cpus": 1, "spot": False, "usd_per_hour": 3.6,
+                "on_demand_usd_per_hour": 3.6}
+    events = [{"type": "run_started", "t": 0, "run": "R", "recipe": "r", "recipe_digest": "d", "pid": 1, "host": "h"},
+              launched("n1", 10),
+              {"type": "run_started", "t": 1000, "run": "R", "recipe": "r", "recipe_digest": "d", "pid": 2, "host": "h"},
+              {"type": "node_released", "t": 1001, "instance_id": "n1", "released_at": 700.0},
+              {"type": "driver_lost", "t": 1001, "last_seen_at": 100.0, "instance_ids": ["n1"], "outer_step": 3},
+              {"type": "resumed", "t": 1050, "from_step": 2, "uri": "file:///ck", "saved_replicas": 1, "saved_ranks": 1},
+              {"type": "run_ended", "t": 1100, "status": "completed"}]
+    r = build_report(events)
+    # 600 s at $3.60/h: $0.60 of the VM held with no driver, all of it waste.
+    assert r["driver_lost"] == [{"down_s": 900.0, "vms": 1, "usd_held_unused": 0.6, "outer_steps_redone": 1}]
+    assert r["wasted_usd"]["driver_lost"] == 0.6 and r["driver_restarts"] == 1
+    assert ("driver lost", "900 s without a driver, 1 VM(s) held unused $0.6000 until their autodown, "
+                           "1 outer step(s) trained again") in headline_rows(r)
 
 
 def _launch(cwd: Path, run: str, *args: str, env: dict) -> subprocess.Popen:
@@ -142,7 +170,8 @@ def test_a_run_followed_from_a_laptop_survives_its_lost_controller_and_resumes_w
     assert record.read("events")[0] == (second / "runs" / run / "events.jsonl").read_bytes()
     doc = json.loads(written)
     assert doc["status"] == "completed" and doc["driver_restarts"] == 1 and doc["resumed_from_step"] >= 1
-    assert any("driver was lost" in line for line in doc["errors"])
+    [lost] = doc["driver_lost"]   # what the loss cost
+    assert lost["down_s"] > 0 and lost["vms"] == 0 and lost["outer_steps_redone"] >= 0
     assert not (laptop / "runs").exists()
     store = open_storage(uri)
     assert any(n.startswith(f"record/{run}/metrics/") for n in store.list("record"))
