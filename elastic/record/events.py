@@ -293,8 +293,9 @@ class ControllerStarted(Event):
 
 @_event("driver_lost")
 class DriverLost(Event):
-    """A driver continuing the run (a controller restarted, `elastic launch --resume RUN`) found
-    the driver before it gone without ending the run (its controller lost, or its process killed).
+    """A driver continuing the run (`elastic launch --resume RUN`, or `--run-dir runs/RUN` whose
+    record has not ended) found the driver before it gone without ending the run (its controller
+    lost, or its process killed).
     What the loss cost is a view of it (`billing.driver_lost_usd`, the report's `driver_lost`).
 
     Args:
