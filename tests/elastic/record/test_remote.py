@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -39,8 +40,10 @@ def test_a_file_streams_in_parts_of_whole_lines_and_reads_back_whole(tmp_path):
     again = remote.RecordStream(record, run_dir, skip={"events": (run_dir / "events.jsonl").stat().st_size})
     with open(run_dir / "events.jsonl", "ab") as f:
         f.write(b'{"type":"c","t":3}\n')
-    again.close()
+    again.start()
+    again.close()   # the last part written, and its thread gone: a run leaves no thread behind
     assert [n for n, _ in record.parts("events")] == [1, 2, 3]
+    assert not any(t.name == "record-stream" for t in threading.enumerate())
     assert [r.run for r in remote.runs_at(str(tmp_path / "ck"))] == ["RUN"]
 
 
@@ -108,13 +111,17 @@ def _session_pids(session_dir: str) -> list[int]:
 
 
 @pytest.mark.slow
-def test_a_run_followed_from_a_laptop_survives_its_lost_controller_and_resumes_with_one_report(tmp_path, s3_server):
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_a_run_followed_from_a_laptop_survives_its_lost_controller_and_resumes_with_one_report(tmp_path, request, scheme):
     """The "controller" runs what infra/controller.sh.tmpl runs (`elastic launch recipe --run-dir
     runs/RUN`, with head local) in a directory of its own; a separate "laptop" directory, which has
     no runs/, lists, follows and reports the run from the bucket. The controller is killed mid-run
     (kill -9, its directory deleted); the same command in a third directory continues the run from
     its record and latest checkpoint, and the report from the bucket equals the driver's, byte for byte."""
-    uri = f"s3://rec-{uuid.uuid4().hex[:8]}/ck"
+    # S3 on moto; Cloud Storage on its emulator, with the checkpoints' keys in the GCP fake's Secret Manager.
+    for server in ("s3_server",) if scheme == "s3" else ("gcs_server", "gcp_fake"):
+        request.getfixturevalue(server)
+    uri = f"{scheme}://rec-{uuid.uuid4().hex[:8]}/ck"
     run = "RUN"
     env = cli_env(PYTHONUNBUFFERED="1", ELASTIC_CACHE=str(tmp_path / "cache"), ELASTIC_RUNS_URIS=uri)
     args = ["--set", "model.layers=1", "--set", "model.width=64", "--set", "data.corpus_bytes=300000",
