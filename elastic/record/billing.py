@@ -158,6 +158,11 @@ def holds(events: list[Event], now: float) -> dict[str, Hold]:
     out: dict[str, Hold] = {}
     for e in events:
         if isinstance(e, NodeLaunched):
+            if e.instance_id in out and out[e.instance_id].end_s is not None:
+                # An id used again after its VM went (a local run continued by a new driver numbers its
+                # VMs from 1 again): the earlier hold stays billed, under a key of its own.
+                earlier = out.pop(e.instance_id)
+                out[f"{e.instance_id}@{earlier.start_s:.6f}"] = earlier
             start = e.launched_at or e.t
             out[e.instance_id] = Hold(vm=e, start_s=start, segments=[(start, e.usd_per_hour)],
                                       joined=e.joined is not False)
@@ -238,8 +243,10 @@ WASTE_CAUSES = ("preemption", "capacity_wait", "checkpoint_stalls", "never_joine
 
 def driver_lost_usd(e: DriverLost, vms: dict[str, Hold]) -> float:
     """USD the VMs a lost driver left held accrued with no driver: from its last event to their
-    release (the autodown time `node_released` records), no minimum."""
-    return sum(vms[i].usd_between(e.last_seen_at, e.t) for i in e.instance_ids if i in vms)
+    release (the autodown time `node_released` records), no minimum. (A VM of the same id the next
+    driver rented, after this event, accrued nothing before it.)"""
+    ids = set(e.instance_ids)
+    return sum(h.usd_between(e.last_seen_at, e.t) for h in vms.values() if h.vm.instance_id in ids)
 
 
 def wasted(events: list[Event], vms: dict[str, Hold]) -> dict:

@@ -83,11 +83,15 @@ def test_the_report_prices_a_lost_driver():
               {"type": "node_released", "t": 1001, "instance_id": "n1", "released_at": 700.0},
               {"type": "driver_lost", "t": 1001, "last_seen_at": 100.0, "instance_ids": ["n1"], "outer_step": 3},
               {"type": "resumed", "t": 1050, "from_step": 2, "uri": "file:///ck", "saved_replicas": 1, "saved_ranks": 1},
+              launched("n1", 1060),   # the local cloud numbers the new driver's VMs from 1 again
+              {"type": "node_released", "t": 1090, "instance_id": "n1", "released_at": None},
               {"type": "run_ended", "t": 1100, "status": "completed"}]
     r = build_report(events)
     # 600 s at $3.60/h: $0.60 of the VM held with no driver, all of it waste.
     assert r["driver_lost"] == [{"down_s": 900.0, "vms": 1, "usd_held_unused": 0.6, "outer_steps_redone": 1}]
     assert r["wasted_usd"]["driver_lost"] == 0.6 and r["driver_restarts"] == 1
+    # Both parts billed: the lost driver's VM to its autodown (690 s), the new one's (30 s).
+    assert r["cost_usd"] == pytest.approx(0.72) and [i["instance_id"] for i in r["instances"]] == ["n1", "n1"]
     assert ("driver lost", "900 s without a driver, 1 VM(s) held unused $0.6000 until their autodown, "
                            "1 outer step(s) trained again") in headline_rows(r)
 
@@ -125,7 +129,7 @@ def test_a_run_followed_from_a_laptop_survives_its_lost_controller_and_resumes_w
     run = "RUN"
     env = cli_env(PYTHONUNBUFFERED="1", ELASTIC_CACHE=str(tmp_path / "cache"), ELASTIC_RUNS_URIS=uri)
     args = ["--set", "model.layers=1", "--set", "model.width=64", "--set", "data.corpus_bytes=300000",
-            "--set", f"checkpoint.uri={uri}", "--set", "train.outer_steps=4", "--set", "checkpoint.every_outer_steps=1"]
+            "--set", f"checkpoint.uri={uri}", "--set", "train.outer_steps=6", "--set", "checkpoint.every_outer_steps=1"]
     controller, laptop, second = (tmp_path / d for d in ("controller", "laptop", "second"))
     for d in (controller, laptop, second):
         d.mkdir()
@@ -145,12 +149,9 @@ def test_a_run_followed_from_a_laptop_survives_its_lost_controller_and_resumes_w
             time.sleep(1)
         else:
             pytest.fail("no checkpoint uploaded in time")
-        listed = run_cli("runs", env=env, cwd=laptop)
-        assert listed.returncode == 0 and run in listed.stdout, listed.stdout + listed.stderr
+        # Followed from the laptop while it runs (one command: the run goes on meanwhile).
         status = run_cli("status", run, "--once", env=env, cwd=laptop)
         assert status.returncode == 0 and "running" in status.stdout, status.stdout + status.stderr
-        logs = run_cli("logs", run, env=env, cwd=laptop)
-        assert logs.returncode == 0 and "run_started" in logs.stdout, logs.stdout + logs.stderr
     finally:
         session = next((e["session_dir"] for e in (record.events() if record else [])
                         if e["type"] == "cluster_started"), None)
@@ -163,6 +164,10 @@ def test_a_run_followed_from_a_laptop_survives_its_lost_controller_and_resumes_w
                 pass
     shutil.rmtree(controller)
     assert not any(e["type"] == "run_ended" for e in record.events())
+    listed = run_cli("runs", env=env, cwd=laptop)
+    assert listed.returncode == 0 and run in listed.stdout, listed.stdout + listed.stderr
+    logs = run_cli("logs", run, env=env, cwd=laptop)
+    assert logs.returncode == 0 and "run_started" in logs.stdout, logs.stdout + logs.stderr
     # A new controller: the same command, elsewhere. It continues the record from the latest checkpoint.
     again = _launch(second, run, *args, env=env)
     follow = run_cli("logs", run, "--follow", env=env, cwd=laptop, timeout=400)
@@ -177,8 +182,10 @@ def test_a_run_followed_from_a_laptop_survives_its_lost_controller_and_resumes_w
     assert record.read("events")[0] == (second / "runs" / run / "events.jsonl").read_bytes()
     doc = json.loads(written)
     assert doc["status"] == "completed" and doc["driver_restarts"] == 1 and doc["resumed_from_step"] >= 1
-    [lost] = doc["driver_lost"]   # what the loss cost
-    assert lost["down_s"] > 0 and lost["vms"] == 0 and lost["outer_steps_redone"] >= 0
+    # What the loss cost: the lost driver's nodes billed, unused, until their autodown.
+    [lost] = doc["driver_lost"]
+    assert lost["down_s"] > 0 and lost["vms"] == 2 and lost["usd_held_unused"] > 0 and lost["outer_steps_redone"] >= 0
+    assert doc["wasted_usd"]["driver_lost"] == lost["usd_held_unused"]
     assert not (laptop / "runs").exists()
     store = open_storage(uri)
     assert any(n.startswith(f"record/{run}/metrics/") for n in store.list("record"))
