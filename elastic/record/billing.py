@@ -19,8 +19,8 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from elastic.record.events import (CapacityWaitEnded, CheckpointSaved, Event, NodeJoinTimeout, NodeLaunched, NodePreempted,
-                            NodePrice, NodeReleased, OuterStep, ReplicaJoined, ReplicaLost, read)
+from elastic.record.events import (CapacityWaitEnded, CheckpointSaved, DriverLost, Event, NodeJoinTimeout, NodeLaunched,
+                            NodePreempted, NodePrice, NodeReleased, OuterStep, ReplicaJoined, ReplicaLost, read)
 from providers import billing_terms
 from providers.base import BillingTerms
 
@@ -158,6 +158,11 @@ def holds(events: list[Event], now: float) -> dict[str, Hold]:
     out: dict[str, Hold] = {}
     for e in events:
         if isinstance(e, NodeLaunched):
+            if e.instance_id in out and out[e.instance_id].end_s is not None:
+                # An id used again after its VM went (a local run continued by a new driver numbers its
+                # VMs from 1 again): the earlier hold stays billed, under a key of its own.
+                earlier = out.pop(e.instance_id)
+                out[f"{e.instance_id}@{earlier.start_s:.6f}"] = earlier
             start = e.launched_at or e.t
             out[e.instance_id] = Hold(vm=e, start_s=start, segments=[(start, e.usd_per_hour)],
                                       joined=e.joined is not False)
@@ -232,7 +237,16 @@ def cumulative(vms: dict[str, Hold], t0: float, end: float) -> tuple[list, list]
     return usd, od
 
 
-WASTE_CAUSES = ("preemption", "capacity_wait", "checkpoint_stalls", "never_joined", "setup_failed")
+WASTE_CAUSES = ("preemption", "capacity_wait", "checkpoint_stalls", "never_joined", "setup_failed",
+                "driver_lost")
+
+
+def driver_lost_usd(e: DriverLost, vms: dict[str, Hold]) -> float:
+    """USD the VMs a lost driver left held accrued with no driver: from its last event to their
+    release (the autodown time `node_released` records), no minimum. (A VM of the same id the next
+    driver rented, after this event, accrued nothing before it.)"""
+    ids = set(e.instance_ids)
+    return sum(h.usd_between(e.last_seen_at, e.t) for h in vms.values() if h.vm.instance_id in ids)
 
 
 def wasted(events: list[Event], vms: dict[str, Hold]) -> dict:
@@ -268,6 +282,8 @@ def wasted(events: list[Event], vms: dict[str, Hold]) -> dict:
             waste["capacity_wait"] += joined_usd(e.t - (e.waited_s or 0), e.t)
         elif isinstance(e, CheckpointSaved):
             waste["checkpoint_stalls"] += joined_usd(e.t - e.stall_s, e.t)
+        elif isinstance(e, DriverLost):
+            waste["driver_lost"] += driver_lost_usd(e, vms)
     for vm in vms.values():
         if not vm.joined:
             waste["never_joined"] += vm.usd()

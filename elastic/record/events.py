@@ -291,6 +291,31 @@ class ControllerStarted(Event):
     region: str
 
 
+@_event("driver_lost")
+class DriverLost(Event):
+    """A driver continuing the run (`elastic launch --resume RUN`, or `--run-dir runs/RUN` whose
+    record has not ended) found the driver before it gone without ending the run (its controller
+    lost, or its process killed).
+    What the loss cost is a view of it (`billing.driver_lost_usd`, the report's `driver_lost`).
+
+    Args:
+        last_seen_at: unix seconds of the lost driver's last event (the run had no driver since).
+        instance_ids: the VMs it left held, recorded released (`node_released`) at their autodown.
+        outer_step: the last outer step it recorded (the run continues from its latest complete
+            checkpoint, at or before it).
+    """
+
+    STYLE = "red"
+
+    last_seen_at: float
+    instance_ids: list[str]
+    outer_step: int
+
+    def story(self) -> str:
+        return (f"the run's previous driver was lost after outer step {self.outer_step}: the VMs it held are "
+                f"billed until their autodown ended them; continuing from the latest complete checkpoint")
+
+
 # -- nodes -----------------------------------------------------------------------------------------
 
 @_event("node_launched")

@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from elastic.record.events import ControllerStarted, NodeLaunched, RunStarted
 
 log = logging.getLogger(__name__)
 
@@ -242,30 +243,45 @@ def _size(path: Path) -> int:
 
 def earlier_part(events: list[dict]) -> bool:
     """Whether a driver already wrote this ledger (the run is continued, not started)."""
-    return any(e.get("type") == "run_started" and e.get("head", "local") == "local" for e in events)
+    return any(e.get("type") == RunStarted.TYPE and e.get("head", "local") == "local" for e in events)
+
+
+def _by_launcher(e: dict) -> bool:
+    """Whether `elastic launch` wrote record `e` starting a controller VM (not a driver)."""
+    kind = e.get("type")
+    return (kind == ControllerStarted.TYPE or (kind == RunStarted.TYPE and e.get("head") == "controller")
+            or (kind == NodeLaunched.TYPE and e.get("role") == "controller"))
+
+
+def last_seen(events: list[dict]) -> float | None:
+    """Unix seconds of the last event the run's latest driver wrote (None: no driver wrote one);
+    what a controller started for `--resume RUN` recorded since is not the driver's."""
+    last_driver = max((i for i, e in enumerate(events) if e.get("type") == RunStarted.TYPE
+                       and e.get("head", "local") == "local"), default=-1)
+    if last_driver < 0:
+        return None
+    return max(e["t"] for e in events[last_driver:] if not _by_launcher(e))
 
 
 def lost_vms(events: list[dict], now_s: float, autodown_after_s: float) -> list[tuple[str, float]]:
     """(instance id, estimated release time) of each VM the ledger leaves held by a driver that
     is gone: its nodes' watchers end them `autodown_after_s` after the driver's last heartbeat,
-    taken as its last event. The newest controller, started after the last driver, is the one
-    continuing the run and is left out."""
+    taken as its last event (`last_seen`). The newest controller, started after the last driver,
+    is the one continuing the run and is left out."""
     from elastic.record import billing
     from elastic.record.events import read
 
-    typed = read(events)
-    last_driver = max((i for i, e in enumerate(events) if e.get("type") == "run_started"
-                       and e.get("head", "local") == "local"), default=-1)
+    seen = last_seen(events)
+    if seen is None:
+        return []
+    last_driver = max(i for i, e in enumerate(events) if e.get("type") == RunStarted.TYPE
+                      and e.get("head", "local") == "local")
     ours = None
     for e in events[last_driver + 1:]:
-        if e.get("type") == "controller_started":
+        if e.get("type") == ControllerStarted.TYPE:
             ours = e.get("instance_id")
-    driver_events = [e for e in events[:last_driver + 1]] + [
-        e for e in events[last_driver + 1:] if e.get("type") not in ("node_launched", "controller_started")
-        or e.get("instance_id") != ours]
-    last_t = max((e["t"] for e in driver_events), default=now_s)
-    end = min(now_s, last_t + autodown_after_s)
-    return [(vm_id, end) for vm_id, h in billing.holds(typed, now_s).items() if h.end_s is None and vm_id != ours]
+    end = min(now_s, seen + autodown_after_s)
+    return [(vm_id, end) for vm_id, h in billing.holds(read(events), now_s).items() if h.end_s is None and vm_id != ours]
 
 
 # -- which runs this machine knows --------------------------------------------------------------------

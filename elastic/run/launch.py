@@ -22,7 +22,8 @@ from pathlib import Path
 
 from elastic.errors import UserError, described, first_line
 from elastic.recipe.model import Recipe, dump_recipe
-from elastic.record.events import ControllerStarted, Error, Event, NodeLaunched, Role, RunEnded, RunPlanned, RunStarted, RunStatus
+from elastic.record.events import (ControllerStarted, Error, Event, NodeLaunched, OuterStep, Role, RunEnded, RunPlanned,
+                                   RunStarted, RunStatus)
 from elastic.record.ledger import Ledger
 
 log = logging.getLogger(__name__)
@@ -348,22 +349,18 @@ def _start_record(recipe: Recipe, run_dir: Path, earlier: tuple[bytes, bytes] | 
 def _close_lost_part(recipe: Recipe, ledger: Ledger, earlier: list[dict]) -> None:
     """A continued run whose earlier driver is gone (its controller lost, or stopped): record the
     VMs that driver left held as released when their watchers' autodown ended them (estimated from
-    its last event), and one error line saying what the loss cost."""
-    from elastic.record import billing, remote
-    from elastic.record.events import NodeReleased, read
+    its last event), and the loss (`driver_lost`: the report prices it)."""
+    from elastic.record import remote
+    from elastic.record.events import DriverLost, NodeReleased
 
     if not remote.earlier_part(earlier):
         return
-    now = time.time()
-    lost = remote.lost_vms(earlier, now, recipe.resources.autodown_after_s)
+    lost = remote.lost_vms(earlier, time.time(), recipe.resources.autodown_after_s)
     for vm_id, at in lost:
         ledger.append(NodeReleased(instance_id=vm_id, released_at=round(at, 6)))
-    last_t = max((e["t"] for e in earlier if e.get("type") != ControllerStarted.TYPE), default=now)
-    holds = billing.holds(read(ledger.events), now)
-    usd = sum(holds[v].usd() - holds[v].usd(until=last_t) for v, _ in lost if v in holds)
-    ledger.append(Error(message=f"continued after the run's driver was lost (its last event "
-                                f"{now - last_t:.0f} s ago): {len(lost)} VM(s) it held billed until their "
-                                f"autodown, ${usd:.4f} after its last event"))
+    step = max((e.get("outer_step") or 0 for e in earlier if e.get("type") == OuterStep.TYPE), default=0)
+    ledger.append(DriverLost(last_seen_at=remote.last_seen(earlier), instance_ids=[vm_id for vm_id, _ in lost],
+                             outer_step=step))
 
 
 def launch(recipe: Recipe, run_dir: Path, address: str | None = None, console=None, resume: bool = False,
@@ -408,12 +405,12 @@ def _launch_recorded(recipe: Recipe, run_dir: Path, address: str | None, console
         ledger.append(RunStarted(run=run, recipe=recipe.name, recipe_digest=recipe.digest(), pid=os.getpid(),
                                  host=socket.gethostname(), target_replicas=recipe.world.replicas,
                                  ranks_per_replica=recipe.world.ranks_per_replica))
-        if earlier is not None:
-            from elastic.record.remote import records_of
-            _close_lost_part(recipe, ledger, records_of(earlier[0]))
         _record_plan(recipe, ledger)
         # Every event of the story gets its line, also those of the start and of the teardown.
         ledger.listeners.append(story_listener(console))
+        if earlier is not None:
+            from elastic.record.remote import records_of
+            _close_lost_part(recipe, ledger, records_of(earlier[0]))
         status, message = RunStatus.FAILED, None
         driver = None
         t_start = time.monotonic()

@@ -21,7 +21,7 @@ from elastic.record import billing
 from elastic.record.billing import WASTE_CAUSES
 from elastic.record.events import (
     BudgetExhausted, CapacityWaitEnded, CheckpointDeleted, CheckpointSaved, CheckpointUploadFailed,
-    CheckpointUploaded, Error, Event, NodeNotice, NodePreempted, OnDemandStarted, OuterStep, ReplicaDrained,
+    CheckpointUploaded, DriverLost, Error, Event, NodeNotice, NodePreempted, OnDemandStarted, OuterStep, ReplicaDrained,
     ReplicaJoined, ReplicaLost, Resumed, RunEnded, RunPlanned, RunStarted, SyncRetried, Validation, WorldFormed, WorldPaused,
     WorldRestored, WorldUnpaused, read)
 
@@ -228,6 +228,7 @@ def build_report(records: list[dict], now: float | None = None) -> dict:
         "effective_training_time": _effective(steps, instances),
         # Drivers that started (a `run_started` of `elastic launch` recording a controller is none).
         "driver_restarts": max(0, sum(1 for e in _of(events, RunStarted) if e.head != "controller") - 1),
+        "driver_lost": _driver_lost(events, vms),
         # VMs rented on-demand (in a spot run: the deadline rule's fallback, `on_demand_started`).
         "on_demand_vm_hours": round(sum(i["billed_seconds"] for i in instances if not i["spot"]) / 3600, 6),
         "on_demand_usd": round(sum(i["cost_usd"] for i in instances if not i["spot"]), 6),
@@ -251,6 +252,23 @@ def build_report(records: list[dict], now: float | None = None) -> dict:
     }
     report["plan_vs_actual"] = _plan_vs_actual(events, report)
     return report
+
+
+def _driver_lost(events: list[Event], vms: dict) -> list[dict]:
+    """What each lost driver cost (`driver_lost` events): the seconds the run had no driver (from
+    the lost one's last event to the next one's start), the USD its VMs accrued unused until their
+    autodown, and the outer steps trained again (its last one minus the step the run continued from)."""
+    out = []
+    for i, e in enumerate(events):
+        if not isinstance(e, DriverLost):
+            continue
+        resumed = next((r.from_step for r in events[i:] if isinstance(r, Resumed)), 0)
+        start = next((s for s in reversed(_of(events[:i], RunStarted)) if s.head != "controller"), None)
+        out.append({"down_s": round((start.t if start else e.t) - e.last_seen_at, 3),
+                    "vms": len(e.instance_ids),
+                    "usd_held_unused": round(billing.driver_lost_usd(e, vms), 6),
+                    "outer_steps_redone": max(0, e.outer_step - resumed)})
+    return out
 
 
 def _paused_s(events: list[Event]) -> float:
@@ -301,6 +319,9 @@ def headline_rows(report: dict) -> list[tuple[str, str]]:
         ("$ per 1M tokens", _fmt(report["usd_per_mtok"], ".4f")),
         ("VM-hours / GPU-hours", f"{report['vm_hours']:.3f} / {report['gpu_hours']:.3f}"),
         ("wasted", f"${waste['total']:.4f}" + (f" ({causes})" if causes else "")),
+        *[("driver lost", (f"{d['down_s']:.0f} s without a driver, {d['vms']} VM(s) held unused "
+                           f"${d['usd_held_unused']:.4f} until their autodown, {d['outer_steps_redone']} outer "
+                           f"step(s) trained again")) for d in report.get("driver_lost") or ()],
         *([("on-demand VMs", f"{report['on_demand_vm_hours']:.2f} VM-hours, ${report['on_demand_usd']:.4f}"
             + (f" ({report['on_demand_why'][-1]})" if report["on_demand_why"] else ""))]
           if report.get("on_demand_why") else []),

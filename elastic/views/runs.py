@@ -16,7 +16,9 @@ from pathlib import Path
 
 from elastic.errors import UserError
 from elastic.record import remote
+from elastic.record.events import RunEnded, RunStarted
 from elastic.record.ledger import read_events
+from elastic.views.status import REFRESH_S, REMOTE_REFRESH_S, latest_run_dir, snapshot, target_outer_steps
 
 RUNS = Path("runs")
 FINAL_WAIT_S = 30.0   # a follower waits this long after run_ended for the driver's last lines
@@ -24,6 +26,8 @@ FINAL_WAIT_S = 30.0   # a follower waits this long after run_ended for the drive
 
 class LocalRun:
     """A run directory on this machine."""
+
+    refresh_s = REFRESH_S   # `elastic status`'s seconds between two reads
 
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
@@ -58,6 +62,8 @@ class LocalRun:
 class RemoteRun:
     """A run's record in storage (`elastic.record.remote.Record`); reads new parts only."""
 
+    refresh_s = REMOTE_REFRESH_S   # a listing and the new parts each time
+
     def __init__(self, record: remote.Record):
         self.record = record
         self.name = record.run
@@ -90,7 +96,7 @@ def _controller_stub(run_dir: Path) -> RemoteRun | None:
     import yaml
 
     events = read_events(run_dir / "events.jsonl")
-    start = next((e for e in events if e["type"] == "run_started"), None)
+    start = next((e for e in events if e["type"] == RunStarted.TYPE), None)
     if start is None or start.get("head") != "controller":
         return None
     try:
@@ -110,7 +116,6 @@ def _local(run_dir: Path):
 def resolve(arg: str | None, uris: list[str] = ()):
     """The run `arg` names (None: the run under ./runs whose ledger changed last)."""
     if arg is None:
-        from elastic.views.status import latest_run_dir
         return _local(latest_run_dir())
     if "://" in arg:
         return _by_uri(arg)
@@ -169,23 +174,11 @@ def all_runs(uris: list[str] = ()) -> list:
     return out
 
 
-def target_outer_steps(recipe_text: str | None) -> int | None:
-    import yaml
-
-    if recipe_text is None:
-        return None
-    try:
-        return int(yaml.safe_load(recipe_text)["train"]["outer_steps"])
-    except (yaml.YAMLError, KeyError, TypeError, ValueError, AttributeError):
-        return None
-
-
 def runs_table(sources: list, now_s: float):
     """`elastic runs`: one row per run: name, status, world, tokens, USD so far, age, where."""
     from rich.table import Table
 
     from elastic.record.ledger import SHAPE_ERRORS
-    from elastic.views.status import snapshot
 
     t = Table(title="elastic runs", title_justify="left")
     for col in ("run", "status", "world", "outer step", "tokens", "USD so far", "age", "where"):
@@ -216,7 +209,7 @@ def _age(s: float) -> str:
 
 def ended(events: list[dict]) -> dict | None:
     """The run's `run_ended` record, or None while it goes."""
-    return next((e for e in reversed(events) if e.get("type") == "run_ended"), None)
+    return next((e for e in reversed(events) if e.get("type") == RunEnded.TYPE), None)
 
 
 def follow_logs(src, out, follow: bool, poll_s: float | None = None) -> dict | None:

@@ -30,6 +30,18 @@ def latest_run_dir(root: Path = Path("runs")) -> Path:
     return ledgers[-1].parent
 
 
+def target_outer_steps(recipe_text: str | None) -> int | None:
+    """`train.outer_steps` of a run's recipe.yaml text (None without one, or unreadable)."""
+    import yaml
+
+    if recipe_text is None:
+        return None
+    try:
+        return int(yaml.safe_load(recipe_text)["train"]["outer_steps"])
+    except (yaml.YAMLError, KeyError, TypeError, ValueError, AttributeError):
+        return None
+
+
 def driver_alive(pid, host) -> bool:
     """Whether the driver that wrote the ledger still runs (unknown, or on another host: assume so)."""
     import socket
@@ -148,10 +160,8 @@ def watch(src, console, once: bool = False) -> int:
     """Show the status of run `src` (elastic.views.runs: a run directory or a record in storage);
     refresh until it ends unless `once`. On a terminal the table redraws in place; piped, one line
     per outer step, then the table at the end."""
-    from elastic.views.runs import RemoteRun, target_outer_steps
-
     target = target_outer_steps(src.recipe_text())
-    refresh_s = REMOTE_REFRESH_S if isinstance(src, RemoteRun) else REFRESH_S
+    refresh_s = src.refresh_s
 
     def render():
         events = src.events()

@@ -4,10 +4,12 @@ security group per region. Created when the run first launches, deleted when it 
 
 - **Role `elastic-run-<run>`** (when `aws.node_role_boundary` is set): an inline policy that allows
   reading only the run's own token parameter (`/elastic/<run>/*`), writing only under the run's
-  `checkpoint.uri` prefix, but not its record there (`record/`: the driver writes it), and reading
-  only under its `data.uri` prefix. The role is created with the
-  reviewed managed policy `aws.node_role_boundary` as its permissions boundary, so the driver cannot
-  give a node more than infra/aws/node-policy.json allows, whatever it writes inline.
+  `checkpoint.uri` prefix, and reading only under its `data.uri` prefix; never the records under
+  `<checkpoint.uri>/record/` (elastic/record/remote.py: the driver's identity writes them, the
+  user's reads them; a later run resuming from the same prefix cannot read an earlier one's). The
+  role is created with the reviewed managed policy `aws.node_role_boundary` as its permissions
+  boundary, so the driver cannot give a node more than infra/aws/node-policy.json allows, whatever
+  it writes inline.
 - **Security group `elastic-run-<run>`** per region: only the overlay's UDP port (51820) open, to
   the whole internet (IPv4 and IPv6): every byte between the run's nodes, in one VPC or across
   regions and clouds, is WireGuard (elastic/net/overlay.py), which answers nothing that does not carry
@@ -58,7 +60,7 @@ def _s3_prefix(uri: str | None) -> tuple[str, str] | None:
 
 def node_policy(run: str, checkpoint_uri: str | None, data_uri: str | None) -> dict:
     """The inline policy of run `run`'s node role: its token, its checkpoint prefix (read, write,
-    delete), its data prefix (read)."""
+    delete) but not the runs' records there, its data prefix (read)."""
     statements = [{"Sid": "ItsOwnToken", "Effect": "Allow", "Action": "ssm:GetParameter",
                    "Resource": f"arn:aws:ssm:*:*:parameter/elastic/{run}/*"}]
     for sid, uri, actions in (("ItsCheckpoints", checkpoint_uri, ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"]),
@@ -75,10 +77,12 @@ def node_policy(run: str, checkpoint_uri: str | None, data_uri: str | None) -> d
             listing["Condition"] = {"StringLike": {"s3:prefix": [prefix, f"{prefix}/*"]}}
         statements.append(listing)
         if sid == "ItsCheckpoints":
-            # The run's record (elastic/record/remote.py) sits beside its checkpoints; only the
-            # driver's identity writes it, so a node cannot rewrite the run's ledger or report.
+            # The runs' records (elastic/record/remote.py) sit beside the checkpoints; only the
+            # driver's identity writes one, so a node cannot rewrite its run's ledger or report,
+            # nor read the record of an earlier run that checkpointed to the same prefix.
             record = f"{prefix}/{RECORD}/*" if prefix else f"{RECORD}/*"
-            statements.append({"Sid": "NotItsRecord", "Effect": "Deny", "Action": ["s3:PutObject", "s3:DeleteObject"],
+            statements.append({"Sid": "NotTheRecords", "Effect": "Deny",
+                               "Action": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"],
                                "Resource": f"arn:aws:s3:::{bucket}/{record}"})
     return {"Version": "2012-10-17", "Statement": statements}
 

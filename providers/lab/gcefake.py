@@ -639,18 +639,26 @@ _LIST_STARTS = re.compile(r'^api\.getAttribute\("storage\.googleapis\.com/object
 
 
 def _condition_holds(expression: str, resource: str, list_prefix: str | None) -> bool:
-    """A condition of `||`-joined `resource.name.startsWith(..)` and objectListPrefix terms, the
-    CEL forms elastic writes; any other form is an error (the fake does not guess)."""
+    """A condition of `||`-joined terms, each a `resource.name.startsWith(..)` or objectListPrefix
+    test, or a parenthesized `&&` of such tests, each maybe negated with `!`: the CEL forms elastic
+    writes; any other form is an error (the fake does not guess)."""
     for term in (t.strip() for t in expression.split("||")):
-        if m := _RESOURCE_STARTS.match(term):
-            if resource.startswith(m[1]):
+        if term.startswith("(") and term.endswith(")"):
+            if all(_test_holds(f.strip(), resource, list_prefix) for f in term[1:-1].split("&&")):
                 return True
-        elif m := _LIST_STARTS.match(term):
-            if list_prefix is not None and list_prefix.startswith(m[1]):
-                return True
-        else:
-            raise ValueError(f"fake: condition term {term!r} not understood")
+        elif _test_holds(term, resource, list_prefix):
+            return True
     return False
+
+
+def _test_holds(test: str, resource: str, list_prefix: str | None) -> bool:
+    if test.startswith("!"):
+        return not _test_holds(test[1:].strip(), resource, list_prefix)
+    if m := _RESOURCE_STARTS.match(test):
+        return resource.startswith(m[1])
+    if m := _LIST_STARTS.match(test):
+        return list_prefix is not None and list_prefix.startswith(m[1])
+    raise ValueError(f"fake: condition term {test!r} not understood")
 
 
 def _etag(value: str) -> str:

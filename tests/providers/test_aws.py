@@ -689,6 +689,30 @@ def test_each_run_gets_its_own_role_token_prefix_and_security_group(aws_env, mon
     assert not _token_exists("run-a") and _token_exists("run-b")
 
 
+def test_a_runs_nodes_neither_write_nor_read_the_records_beside_its_checkpoints():
+    """The run's record (elastic/record/remote.py) sits under `<checkpoint.uri>/record/`: the
+    driver's identity writes it, not the run's nodes, which may write checkpoints right beside it;
+    and a later run that checkpoints to the same prefix (`--resume` under another name) cannot read
+    the earlier run's ledger, log or report, nor another run's node a record under its own prefix."""
+    from elastic.record import remote
+    from providers.aws.scope import node_policy
+
+    for uri, key in (("s3://ckpts/team/run-a", "team/run-a"), ("s3://ckpts", "")):
+        policy = node_policy("run-a", uri, "s3://shards/tok")
+        at = f"arn:aws:s3:::ckpts/{key + '/' if key else ''}"
+        assert _permits(policy, "s3:PutObject", f"{at}step-00000002/shard-0")
+        assert _permits(policy, "s3:GetObject", f"{at}step-00000002/shard-0")
+        assert _permits(policy, "s3:ListBucket", "arn:aws:s3:::ckpts", **({"s3:prefix": f"{key}/"} if key else {}))
+        for run in ("run-a", "earlier-run"):
+            for part in ("events/000001.jsonl", "metrics/000003.jsonl", "driver/000002.log", "report.json",
+                         "report.html", "recipe.yaml"):
+                name = f"{at}{remote.RECORD}/{run}/{part}"
+                for action in ("s3:PutObject", "s3:DeleteObject", "s3:GetObject"):
+                    assert not _permits(policy, action, name), (uri, action, name)
+    other = node_policy("run-b", "s3://ckpts/team/run-b", None)
+    assert not _permits(other, "s3:GetObject", f"arn:aws:s3:::ckpts/team/run-a/{remote.RECORD}/run-a/report.json")
+
+
 def test_down_removes_a_dead_runs_role_group_and_token(aws_env, monkeypatch):
     """A driver killed with SIGKILL cleans nothing up: `elastic down RUN --yes` terminates the
     VMs and then deletes the run's token, its nodes' overlay keys, role, instance profile and

@@ -486,6 +486,15 @@ def test_each_run_gets_a_firewall_rule_and_a_service_account_of_its_own(gcp_fake
         assert not gcp_fake.bucket_allows(email["run-a"], permission, bucket, name), (permission, name)
     assert not gcp_fake.bucket_allows(email["run-a"], "storage.objects.list", "ckpt", list_prefix="runs/b/")
     assert gcp_fake.bucket_allows(email["run-b"], "storage.objects.create", "ckpt", "runs/b/step-00000002/x")
+    # The records beside the checkpoints (elastic/record/remote.py): the driver's account writes
+    # them; no node writes or reads one, its own run's or an earlier run's at the same prefix.
+    for run in ("run-a", "earlier-run"):
+        for part in ("events/000001.jsonl", "driver/000002.log", "report.json", "recipe.yaml"):
+            name = f"runs/a/record/{run}/{part}"
+            for permission in ("storage.objects.create", "storage.objects.delete", "storage.objects.get"):
+                assert not gcp_fake.bucket_allows(email["run-a"], permission, "ckpt", name), (permission, name)
+            assert not gcp_fake.bucket_allows(email["run-b"], "storage.objects.get", "ckpt", name)
+    assert gcp_fake.bucket_allows(email["run-a"], "storage.objects.get", "ckpt", "runs/a/recorded/x")   # a prefix, not a folder
     # A node deletes itself (autodown), through its own VM's policy.
     doomed = vms["run-a"].pop()
     assert _node_call(gcp_fake, node_a, "DELETE", vm.format(doomed.instance_id)) == 200

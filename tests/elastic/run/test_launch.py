@@ -99,7 +99,7 @@ def assert_outputs_of_any_ending(run_dir: Path, out: str) -> dict:
     report = json.loads((run_dir / "report.json").read_text())
     assert all(k in report for k in REPORT_FIELDS), [k for k in REPORT_FIELDS if k not in report]
     assert set(report["wasted_usd"]) == {"preemption", "capacity_wait", "checkpoint_stalls", "never_joined", "setup_failed",
-                                         "total"}
+                                         "driver_lost", "total"}
     html = (run_dir / "report.html").read_text()
     # Seven charts, each drawn or, with nothing to draw (no VM ever rented), saying so.
     assert html.count('<svg class="chart"') + html.count('class="empty"') == 7 and "<script" not in html
