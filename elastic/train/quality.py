@@ -1,0 +1,93 @@
+"""What DiLoCo costs in model quality: the held-out loss of the product's DiLoCo against synchronous
+data-parallel training (torch DDP) on the same tokens, as measured by bench/quality.py.
+
+The figures are measurements, not a model: `MEASURED` holds each one with the run it came from, and
+`expected_cost` looks up the nearest for a recipe by how many outer steps the run takes (H relative
+to the run's length: what decides how far DiLoCo lags), the replica count and the sync codec.
+`elastic plan` prints it and the report carries it (`expected_quality_cost`). Re-measure with the
+command in `SOURCE` and replace the table when the training path changes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+SOURCE = "python bench/quality.py (docs/benchmarks.md, 'Held-out loss against DDP'; 2-core CPU, byte-level GPT)"
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One measured run: held-out loss of DiLoCo against DDP at equal tokens.
+
+    Args:
+        outer_steps: outer steps the run took (its inner steps per replica ÷ H).
+        inner_steps: H.
+        replicas: DiLoCo replicas (DDP ranks, at the same global batch).
+        sync: `float32`, `int8` (with error feedback) or `sparse`.
+        churn: False: no preemptions; True: one replica preempted every few outer steps and replaced.
+        vs_ddp_pct: (DiLoCo's final held-out loss ÷ DDP's − 1) × 100; negative is better than DDP.
+    """
+
+    outer_steps: int
+    inner_steps: int
+    replicas: int
+    sync: str
+    churn: bool
+    vs_ddp_pct: float
+
+
+# bench/quality.py --steps 160 (160 inner steps per replica), 2 layers × width 128, batch 8 × 128.
+MEASURED: tuple[Measured, ...] = ()
+
+
+def sync_name(recipe) -> str:
+    """The codec a recipe syncs with, as `MEASURED` names it."""
+    w = recipe.world
+    return "sparse" if w.sync == "sparse" else w.sync_dtype
+
+
+def run_outer_steps(recipe, replicas: int) -> int:
+    """Outer steps the recipe's run takes with `replicas` replicas (`train.outer_steps`, or what
+    `train.token_budget` needs)."""
+    t = recipe.train
+    if t.token_budget is not None:
+        return max(1, -(-t.token_budget // (replicas * t.inner_steps * t.batch_size * t.seq_len)))
+    return t.outer_steps
+
+
+def expected_cost(outer_steps: int, replicas: int, sync: str, churn: bool = False) -> Measured | None:
+    """The measurement nearest to a run of `outer_steps` outer steps over `replicas` replicas with
+    codec `sync` (nearest in outer steps on a log scale first, then in replicas), or None when that
+    codec (and, with `churn`, churn) was never measured. A run with more outer steps than any
+    measured gets the figure of the most measured: DiLoCo's gap narrows as outer steps grow, so
+    the figure errs high."""
+    rows = [m for m in MEASURED if m.sync == sync and m.churn == churn]
+    if not rows:
+        return None
+    return min(rows, key=lambda m: (abs(math.log(m.outer_steps / outer_steps)), abs(m.replicas - replicas)))
+
+
+def quality_cost(recipe, replicas: int) -> dict | None:
+    """What `elastic plan` and the report state: the expected held-out loss cost against DDP of
+    this recipe's H and sync with `replicas` replicas, without and with churn, and the measured run
+    each figure comes from. None when the codec was never measured."""
+    steps, sync = run_outer_steps(recipe, replicas), sync_name(recipe)
+    calm = expected_cost(steps, replicas, sync)
+    if calm is None:
+        return None
+    churn = expected_cost(steps, replicas, sync, churn=True)
+    return {"outer_steps": steps, "sync": sync, "vs_ddp_pct": calm.vs_ddp_pct,
+            "vs_ddp_pct_churn": None if churn is None else churn.vs_ddp_pct,
+            "measured": asdict(calm), "source": SOURCE}
+
+
+def describe(cost: dict | None) -> str:
+    """One line for `elastic plan`."""
+    if cost is None:
+        return "quality: this sync was not measured against DDP (bench/quality.py)"
+    m = cost["measured"]
+    churn = "" if cost["vs_ddp_pct_churn"] is None else f", {cost['vs_ddp_pct_churn']:+.1f} % under churn"
+    return (f"quality: expected held-out loss {cost['vs_ddp_pct']:+.1f} % against synchronous DDP on the same "
+            f"tokens{churn} ({cost['outer_steps']} outer steps, {cost['sync']}; measured at {m['outer_steps']} outer "
+            f"steps, {m['replicas']} replicas by bench/quality.py)")
