@@ -248,6 +248,7 @@ def churn_hook(every: int, notice: bool, seed: int = 0):
 def run_diloco(recipe, cluster, on_phase=None) -> dict:
     """One run of the product on `cluster`. Returns {"curve": [(tokens, held-out loss)],
     "preemptions", "joins", "outer_steps", "seconds"}."""
+    from elastic.record.events import NodePreempted, OuterStep, ReplicaJoined, Validation
     from elastic.run.driver import run_attached
 
     t0 = time.monotonic()
@@ -255,10 +256,10 @@ def run_diloco(recipe, cluster, on_phase=None) -> dict:
         status, events = run_attached(recipe, cluster, Path(tmp) / "run", on_phase=on_phase, run_name="bench-quality")
     if status != "completed":
         raise RuntimeError(f"run ended {status}")
-    return {"curve": [(e["tokens_total"], e["loss"]) for e in events if e["type"] == "validation"],
-            "preemptions": sum(e["type"] == "node_preempted" for e in events),
-            "joins": sum(e["type"] == "replica_joined" and e["outer_step"] > 0 for e in events),
-            "outer_steps": sum(e["type"] == "outer_step" for e in events),
+    return {"curve": [(e["tokens_total"], e["loss"]) for e in events if e["type"] == Validation.TYPE],
+            "preemptions": sum(e["type"] == NodePreempted.TYPE for e in events),
+            "joins": sum(e["type"] == ReplicaJoined.TYPE and e["outer_step"] > 0 for e in events),
+            "outer_steps": sum(e["type"] == OuterStep.TYPE for e in events),
             "seconds": time.monotonic() - t0}
 
 
@@ -315,6 +316,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=20, help="warm-up, inner steps")
     ap.add_argument("--inner-lr", type=float, default=3e-3)
     ap.add_argument("--corpus-bytes", type=int, default=4_000_000)
+    ap.add_argument("--outer-lr", type=float, default=None, help="train.outer_lr of the dense DiLoCo runs (default: the recipe's)")
+    ap.add_argument("--outer-momentum", type=float, default=None,
+                    help="train.outer_momentum of the dense DiLoCo runs (default: the recipe's)")
     ap.add_argument("--plot", default=None, help="write the curves to this PNG")
     ap.add_argument("--json", default=None, help="write the figures to this JSON file")
     args = ap.parse_args()
@@ -338,7 +342,9 @@ def main() -> None:
                 results[run["name"]] = {**run, "curve": out["curve"]}
             else:
                 h = run["H"] or best_h(results, args.replicas[0], args.inner_steps[0])
-                recipe = make_recipe(args, uri, r, h, **run.get("overrides", {}))
+                outer = {k: v for k, v in (("train.outer_lr", args.outer_lr), ("train.outer_momentum", args.outer_momentum))
+                         if v is not None}
+                recipe = make_recipe(args, uri, r, h, **{**outer, **run.get("overrides", {})})
                 hook = churn_hook(args.churn_every, run["churn"]) if "churn" in run else None
                 if cluster is None:
                     cluster = LocalCluster()
@@ -364,7 +370,8 @@ def report(args, results: dict) -> None:
            if r["kind"] == "diloco" and r["H"] == best_h(results, r["replicas"], r["H"])
            and not r.get("overrides") and r.get("churn") is None}
     print(f"\nmodel: {args.layers} layers × width {args.width}, batch {args.batch} × {args.seq_len} tokens per replica "
-          f"per step, {args.steps} steps per replica, warm-up {args.warmup}, inner lr {args.inner_lr}\n")
+          f"per step, {args.steps} steps per replica, warm-up {args.warmup}, inner lr {args.inner_lr}, "
+          f"outer lr {args.outer_lr or 'recipe'}, outer momentum {args.outer_momentum if args.outer_momentum is not None else 'recipe'}\n")
     print("| run | H | outer steps | tokens | held-out loss | vs DDP | vs float32 DiLoCo | preemptions |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, r in results.items():
@@ -399,8 +406,10 @@ def plot(results: dict, path: str) -> None:
                 style["linestyle"] = "--"
             elif r.get("overrides"):
                 style["linestyle"] = ":"
-            ax.plot([x / 1e6 for x in xs], ys, marker=".", label=name if r["kind"] == "ddp" else
-                    f"{name.split(' ', 2)[-1] if ' ' in name else name} (H={r['H']})", **style)
+            label = name.replace(f"DiLoCo ×{n}", "DiLoCo").strip()
+            if r["kind"] == "diloco" and "H=" not in label:
+                label += f" H={r['H']}"
+            ax.plot([x / 1e6 for x in xs], ys, marker=".", label=label, **style)
         ax.set_title(f"{n} replicas")
         ax.set_xlabel("tokens (millions)")
         ax.set_ylabel("held-out loss")
