@@ -2,8 +2,9 @@
 data-parallel training (torch DDP) on the same tokens, as measured by bench/quality.py.
 
 The figures are measurements, not a model: `MEASURED` holds each one with the run it came from, and
-`expected_cost` looks up the nearest for a recipe by how many outer steps the run takes (H relative
-to the run's length: what decides how far DiLoCo lags), the replica count and the sync codec.
+`expected_cost` looks up the nearest for a recipe by its outer momentum (which decides most of the
+gap on short runs), how many outer steps the run takes (H relative to the run's length), the replica
+count and the sync codec.
 `elastic plan` prints it and the report carries it (`expected_quality_cost`). Re-measure with the
 command in `SOURCE` and replace the table when the training path changes.
 """
@@ -25,6 +26,7 @@ class Measured:
         inner_steps: H.
         replicas: DiLoCo replicas (DDP ranks, at the same global batch).
         sync: `float32`, `int8` (with error feedback) or `sparse`.
+        outer_momentum: `train.outer_momentum` (Nesterov; sparse runs take 0, with outer lr 1).
         churn: False: no preemptions; True: one replica preempted every few outer steps and replaced.
         vs_ddp_pct: (DiLoCo's final held-out loss ÷ DDP's − 1) × 100; negative is better than DDP.
     """
@@ -33,12 +35,21 @@ class Measured:
     inner_steps: int
     replicas: int
     sync: str
+    outer_momentum: float
     churn: bool
     vs_ddp_pct: float
 
 
-# bench/quality.py --steps 160 (160 inner steps per replica), 2 layers × width 128, batch 8 × 128.
-MEASURED: tuple[Measured, ...] = ()
+# bench/quality.py, 2 layers × width 128 byte-level GPT, batch 8 × 128 per replica, inner lr 3e-3,
+# outer lr 0.7; DDP ×4 at 160 steps: 2.4006 (2026-11-27, 2-core CPU; docs/benchmarks.md).
+MEASURED: tuple[Measured, ...] = (
+    # --replicas 4 --inner-steps 5 (the recipe's outer momentum 0.9): 3.1639
+    Measured(outer_steps=32, inner_steps=5, replicas=4, sync="float32", outer_momentum=0.9, churn=False, vs_ddp_pct=31.80),
+    # --quick (40 steps per replica): DDP 2.6397, DiLoCo 2.8287
+    Measured(outer_steps=4, inner_steps=10, replicas=4, sync="float32", outer_momentum=0.9, churn=False, vs_ddp_pct=7.16),
+    # --replicas 4 --inner-steps 5 10 --outer-momentum 0.5
+    Measured(outer_steps=32, inner_steps=5, replicas=4, sync="float32", outer_momentum=0.5, churn=False, vs_ddp_pct=3.67),
+)
 
 
 def sync_name(recipe) -> str:
@@ -56,27 +67,29 @@ def run_outer_steps(recipe, replicas: int) -> int:
     return t.outer_steps
 
 
-def expected_cost(outer_steps: int, replicas: int, sync: str, churn: bool = False) -> Measured | None:
+def expected_cost(outer_steps: int, replicas: int, sync: str, outer_momentum: float,
+                  churn: bool = False) -> Measured | None:
     """The measurement nearest to a run of `outer_steps` outer steps over `replicas` replicas with
-    codec `sync` (nearest in outer steps on a log scale first, then in replicas), or None when that
-    codec (and, with `churn`, churn) was never measured. A run with more outer steps than any
-    measured gets the figure of the most measured: DiLoCo's gap narrows as outer steps grow, so
-    the figure errs high."""
+    codec `sync` and `outer_momentum` (nearest in momentum first, then in outer steps on a log
+    scale, then in replicas), or None when that codec (and, with `churn`, churn) was never
+    measured. Measured on short runs (tens of outer steps): for a run of hundreds it is an upper
+    bound, not a forecast."""
     rows = [m for m in MEASURED if m.sync == sync and m.churn == churn]
     if not rows:
         return None
-    return min(rows, key=lambda m: (abs(math.log(m.outer_steps / outer_steps)), abs(m.replicas - replicas)))
+    return min(rows, key=lambda m: (abs(m.outer_momentum - outer_momentum), abs(math.log(m.outer_steps / outer_steps)),
+                                    abs(m.replicas - replicas)))
 
 
 def quality_cost(recipe, replicas: int) -> dict | None:
     """What `elastic plan` and the report state: the expected held-out loss cost against DDP of
     this recipe's H and sync with `replicas` replicas, without and with churn, and the measured run
     each figure comes from. None when the codec was never measured."""
-    steps, sync = run_outer_steps(recipe, replicas), sync_name(recipe)
-    calm = expected_cost(steps, replicas, sync)
+    steps, sync, momentum = run_outer_steps(recipe, replicas), sync_name(recipe), recipe.train.outer_momentum
+    calm = expected_cost(steps, replicas, sync, momentum)
     if calm is None:
         return None
-    churn = expected_cost(steps, replicas, sync, churn=True)
+    churn = expected_cost(steps, replicas, sync, momentum, churn=True)
     return {"outer_steps": steps, "sync": sync, "vs_ddp_pct": calm.vs_ddp_pct,
             "vs_ddp_pct_churn": None if churn is None else churn.vs_ddp_pct,
             "measured": asdict(calm), "source": SOURCE}
@@ -90,4 +103,4 @@ def describe(cost: dict | None) -> str:
     churn = "" if cost["vs_ddp_pct_churn"] is None else f", {cost['vs_ddp_pct_churn']:+.1f} % under churn"
     return (f"quality: expected held-out loss {cost['vs_ddp_pct']:+.1f} % against synchronous DDP on the same "
             f"tokens{churn} ({cost['outer_steps']} outer steps, {cost['sync']}; measured at {m['outer_steps']} outer "
-            f"steps, {m['replicas']} replicas by bench/quality.py)")
+            f"steps, {m['replicas']} replicas, outer momentum {m['outer_momentum']} by bench/quality.py)")
