@@ -321,7 +321,25 @@ def main() -> None:
                     help="train.outer_momentum of the dense DiLoCo runs (default: the recipe's)")
     ap.add_argument("--plot", default=None, help="write the curves to this PNG")
     ap.add_argument("--json", default=None, help="write the figures to this JSON file")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="run nothing: table and plot of earlier --json files together (runs named after "
+                         "their file's outer lr and momentum when those were set)")
     args = ap.parse_args()
+    if args.merge:
+        results = {}
+        for path in args.merge:
+            doc = json.loads(Path(path).read_text())
+            a = doc["args"]
+            tag = "" if a.get("outer_momentum") is None else f", outer lr {a.get('outer_lr') or 0.7} m {a['outer_momentum']}"
+            for name, r in doc["results"].items():
+                if r["kind"] == "ddp" and any(x["kind"] == "ddp" and x["replicas"] == r["replicas"] for x in results.values()):
+                    continue   # the same DDP run (deterministic) in several files: once
+                results[name + ("" if r["kind"] == "ddp" or r.get("overrides", {}).get("world.sync") else tag)] = r
+        for k in ("steps", "width", "layers", "batch", "seq_len", "warmup", "inner_lr"):
+            setattr(args, k, doc["args"][k])
+        args.outer_lr = args.outer_momentum = None
+        report(args, results)
+        return
     if args.quick:
         args.replicas, args.inner_steps, args.steps = [4], [10], 40
         args.variants = [v for v in args.variants if v in ("ddp", "diloco")]
@@ -363,19 +381,34 @@ def main() -> None:
     report(args, results)
 
 
+def at_budget(r: dict, args) -> float:
+    """Held-out loss of run `r` at its token budget: a churn run's last outer step may end past
+    it (the world was smaller for a while: more, smaller steps), so its curve is read there,
+    linearly between the validations either side."""
+    budget = r["replicas"] * args.steps * args.batch * args.seq_len
+    curve = r["curve"]
+    for (t0, l0), (t1, l1) in zip(curve, curve[1:]):
+        if t0 <= budget <= t1:
+            return l0 + (l1 - l0) * (budget - t0) / (t1 - t0)
+    return curve[-1][1]
+
+
 def report(args, results: dict) -> None:
     """The table (markdown), and the PNG and JSON when asked for."""
-    ddp = {r["replicas"]: r["curve"][-1][1] for r in results.values() if r["kind"] == "ddp"}
-    f32 = {r["replicas"]: r["curve"][-1][1] for r in results.values()
+    for r in results.values():
+        r["final"] = at_budget(r, args)
+    ddp = {r["replicas"]: r["final"] for r in results.values() if r["kind"] == "ddp"}
+    f32 = {r["replicas"]: r["final"] for r in results.values()
            if r["kind"] == "diloco" and r["H"] == best_h(results, r["replicas"], r["H"])
            and not r.get("overrides") and r.get("churn") is None}
     print(f"\nmodel: {args.layers} layers × width {args.width}, batch {args.batch} × {args.seq_len} tokens per replica "
           f"per step, {args.steps} steps per replica, warm-up {args.warmup}, inner lr {args.inner_lr}, "
           f"outer lr {args.outer_lr or 'recipe'}, outer momentum {args.outer_momentum if args.outer_momentum is not None else 'recipe'}\n")
-    print("| run | H | outer steps | tokens | held-out loss | vs DDP | vs float32 DiLoCo | preemptions |")
+    print("| run | H | outer steps | tokens trained | held-out loss at the budget | vs DDP | vs float32 DiLoCo | "
+          "preemptions |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, r in results.items():
-        final = r["curve"][-1][1]
+        final = r["final"]
         vs_ddp = f"{100 * (final / ddp[r['replicas']] - 1):+.2f} %" if r["replicas"] in ddp else "–"
         vs_f32 = (f"{100 * (final / f32[r['replicas']] - 1):+.2f} %"
                   if r["kind"] == "diloco" and r["replicas"] in f32 and (r.get("overrides") or "churn" in r) else "–")

@@ -47,8 +47,14 @@ MEASURED: tuple[Measured, ...] = (
     Measured(outer_steps=32, inner_steps=5, replicas=4, sync="float32", outer_momentum=0.9, churn=False, vs_ddp_pct=31.80),
     # --quick (40 steps per replica): DDP 2.6397, DiLoCo 2.8287
     Measured(outer_steps=4, inner_steps=10, replicas=4, sync="float32", outer_momentum=0.9, churn=False, vs_ddp_pct=7.16),
-    # --replicas 4 --inner-steps 5 10 --outer-momentum 0.5
+    # --replicas 4 --inner-steps 5 10 --outer-momentum 0.5 (churn, int8 and sparse at H = 10)
     Measured(outer_steps=32, inner_steps=5, replicas=4, sync="float32", outer_momentum=0.5, churn=False, vs_ddp_pct=3.67),
+    Measured(outer_steps=16, inner_steps=10, replicas=4, sync="float32", outer_momentum=0.5, churn=False, vs_ddp_pct=3.06),
+    # one replica preempted every 3 outer steps, with a notice (+0.95 %) and without (+0.83 %), read at
+    # the token budget: the worse
+    Measured(outer_steps=26, inner_steps=10, replicas=4, sync="float32", outer_momentum=0.5, churn=True, vs_ddp_pct=0.95),
+    Measured(outer_steps=16, inner_steps=10, replicas=4, sync="int8", outer_momentum=0.5, churn=False, vs_ddp_pct=3.00),
+    Measured(outer_steps=16, inner_steps=10, replicas=4, sync="sparse", outer_momentum=0.0, churn=False, vs_ddp_pct=5.76),
 )
 
 
