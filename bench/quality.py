@@ -247,8 +247,9 @@ def churn_hook(every: int, notice: bool, seed: int = 0):
 
 def run_diloco(recipe, cluster, on_phase=None) -> dict:
     """One run of the product on `cluster`. Returns {"curve": [(tokens, held-out loss)],
-    "preemptions", "joins", "outer_steps", "seconds"}."""
-    from elastic.record.events import NodePreempted, OuterStep, ReplicaJoined, Validation
+    "preemptions" (nodes taken), "notices" (notices given: a noticed replica drains and is
+    released before its node is taken), "joins", "outer_steps", "seconds"}."""
+    from elastic.record.events import NodeNotice, NodePreempted, OuterStep, ReplicaJoined, Validation
     from elastic.run.driver import run_attached
 
     t0 = time.monotonic()
@@ -258,6 +259,7 @@ def run_diloco(recipe, cluster, on_phase=None) -> dict:
         raise RuntimeError(f"run ended {status}")
     return {"curve": [(e["tokens_total"], e["loss"]) for e in events if e["type"] == Validation.TYPE],
             "preemptions": sum(e["type"] == NodePreempted.TYPE for e in events),
+            "notices": sum(e["type"] == NodeNotice.TYPE for e in events),
             "joins": sum(e["type"] == ReplicaJoined.TYPE and e["outer_step"] > 0 for e in events),
             "outer_steps": sum(e["type"] == OuterStep.TYPE for e in events),
             "seconds": time.monotonic() - t0}
@@ -322,15 +324,19 @@ def main() -> None:
     ap.add_argument("--plot", default=None, help="write the curves to this PNG")
     ap.add_argument("--json", default=None, help="write the figures to this JSON file")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
-                    help="run nothing: table and plot of earlier --json files together (runs named after "
-                         "their file's outer lr and momentum when those were set)")
+                    help="run nothing: table and plot of earlier --json files together (DiLoCo runs named "
+                         "with their outer lr and momentum)")
     args = ap.parse_args()
     if args.merge:
+        from elastic.recipe.model import load_recipe
+
+        base = load_recipe(REPO / "recipes/local-tiny.yaml").train
         results = {}
         for path in args.merge:
             doc = json.loads(Path(path).read_text())
             a = doc["args"]
-            tag = "" if a.get("outer_momentum") is None else f", outer lr {a.get('outer_lr') or 0.7} m {a['outer_momentum']}"
+            lr = base.outer_lr if a.get("outer_lr") is None else a["outer_lr"]
+            tag = f", outer lr {lr} m {base.outer_momentum if a.get('outer_momentum') is None else a['outer_momentum']}"
             for name, r in doc["results"].items():
                 if r["kind"] == "ddp" and any(x["kind"] == "ddp" and x["replicas"] == r["replicas"] for x in results.values()):
                     continue   # the same DDP run (deterministic) in several files: once
@@ -405,7 +411,7 @@ def report(args, results: dict) -> None:
           f"per step, {args.steps} steps per replica, warm-up {args.warmup}, inner lr {args.inner_lr}, "
           f"outer lr {args.outer_lr or 'recipe'}, outer momentum {args.outer_momentum if args.outer_momentum is not None else 'recipe'}\n")
     print("| run | H | outer steps | tokens trained | held-out loss at the budget | vs DDP | vs float32 DiLoCo | "
-          "preemptions |")
+          "preemptions (notices) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, r in results.items():
         final = r["final"]
@@ -413,8 +419,9 @@ def report(args, results: dict) -> None:
         vs_f32 = (f"{100 * (final / f32[r['replicas']] - 1):+.2f} %"
                   if r["kind"] == "diloco" and r["replicas"] in f32 and (r.get("overrides") or "churn" in r) else "–")
         h = r.get("H", "–") if r["kind"] == "diloco" else "–"
+        losses = "–" if r["kind"] == "ddp" else f"{r['preemptions']} ({r.get('notices', '?')} notices)"
         print(f"| {name} | {h} | {r.get('outer_steps', '–')} | {r['curve'][-1][0]:,} | {final:.4f} | {vs_ddp} | "
-              f"{vs_f32} | {r.get('preemptions', '–')} |")
+              f"{vs_f32} | {losses} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
     if args.plot:
@@ -443,6 +450,8 @@ def plot(results: dict, path: str) -> None:
             if r["kind"] == "diloco" and "H=" not in label:
                 label += f" H={r['H']}"
             ax.plot([x / 1e6 for x in xs], ys, marker=".", label=label, **style)
+        low = min(y for r in results.values() if r["replicas"] == n for _, y in r["curve"])
+        ax.set_ylim(low - 0.05, low + 0.9)   # the early, steep part of the curves off the top: the ends apart
         ax.set_title(f"{n} replicas")
         ax.set_xlabel("tokens (millions)")
         ax.set_ylabel("held-out loss")

@@ -9,8 +9,8 @@ from tests.conftest import tiny_recipe
 def test_every_measured_codec_is_found_and_the_nearest_run_answers():
     assert MEASURED
     for m in MEASURED:
-        assert expected_cost(m.outer_steps, m.replicas, m.sync, m.outer_momentum, m.churn) == m
-    assert expected_cost(10, 4, "fp8", 0.9) is None
+        assert expected_cost(m.outer_steps, m.replicas, m.sync, m.outer_momentum, m.outer_lr, m.churn) == m
+    assert expected_cost(10, 4, "fp8", 0.9, 0.7) is None
 
 
 def test_a_recipe_gets_its_run_length_and_a_line_for_plan():
