@@ -43,7 +43,7 @@ class Measured:
 
 
 # bench/quality.py, 2 layers × width 128 byte-level GPT, batch 8 × 128 per replica, 160 inner steps per
-# replica, inner lr 3e-3; DDP ×4: 2.4006, DDP ×2: 2.4605 (2026-11-27, 2-core CPU; docs/benchmarks.md).
+# replica, inner lr 3e-3; DDP ×4: 2.4006 (2026-11-27, 2-core CPU; docs/benchmarks.md).
 _F32, _INT8, _SPARSE = "float32", "int8", "sparse"
 MEASURED: tuple[Measured, ...] = (
     # --replicas 4 --inner-steps 5 (the recipe's outer lr 0.7, momentum 0.9): 3.1639
@@ -66,6 +66,10 @@ MEASURED: tuple[Measured, ...] = (
     # churn: the worse of notice (−2.37 %) and none (−2.30 %); more, smaller outer steps (82 against
     # 32) while replacements started made up for the lost phases on this short run
     Measured(82, 5, 4, _F32, 1.0, 0.0, True, -2.30),
+    # --replicas 2 8 --inner-steps 5 --variants ddp diloco --outer-lr 1 --outer-momentum 0: DDP ×2 2.4605,
+    # DDP ×8 2.3695
+    Measured(32, 5, 2, _F32, 1.0, 0.0, False, 1.41),
+    Measured(32, 5, 8, _F32, 1.0, 0.0, False, 1.54),
 )
 
 
