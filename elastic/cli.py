@@ -483,6 +483,7 @@ def _plan(args, out) -> int:
     from elastic.errors import UserError
     from elastic.recipe.model import load_recipe
     from elastic.run.fleet import on_demand_fallback, plan_now
+    from elastic.train.quality import describe as describe_quality
 
     recipe = load_recipe(args.recipe, args.overrides)
     if args.refresh:
@@ -523,6 +524,7 @@ def _plan(args, out) -> int:
                       f"allows, then {fb['replicas']} on-demand replica(s) at ${fb['usd_per_hour']:.2f}/h train the "
                       f"whole run in about {_hours(fb['expected_hours'])} for ${fb['expected_usd']:,.2f}",
                       highlight=False)
+        out.print(describe_quality(doc["quality"]), highlight=False)
         _print_warnings(out, doc["warnings"])
     return 0 if placement.feasible else 4
 

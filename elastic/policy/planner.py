@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from elastic.policy.market import Quote, recipe_tokens_per_s
 from elastic.record import billing
+from elastic.train.quality import quality_cost
 
 
 def replica_tokens_per_s(q: Quote, planner) -> float:
@@ -142,6 +143,7 @@ class Placement:
                 "usd_per_mtok": fin(self.usd_per_mtok), "phase_s": round(self.phase_s, 3),
                 "sync_penalty_s": self.sync_penalty_s, "tokens_needed": self.tokens_needed,
                 "expected_hours": fin(self.expected_hours), "expected_usd": fin(self.expected_usd),
+                "quality": quality_cost(recipe, len(self.quotes)),
                 "warnings": self.warnings}
 
 

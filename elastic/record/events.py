@@ -221,6 +221,8 @@ class RunPlanned(Event):
         useful_tokens_per_s: expected training tokens per second. tokens_per_s_source: where that
             figure came from. usd_per_hour: the planned world's price. expected_hours,
         expected_usd: to finish. tokens_needed: tokens the run trains.
+        quality: the expected held-out loss cost against synchronous DDP of the recipe's H and sync
+            (`elastic.train.quality.quality_cost`), or None when not measured.
     """
 
     replicas: list
@@ -230,6 +232,7 @@ class RunPlanned(Event):
     expected_hours: float
     expected_usd: float
     tokens_needed: int
+    quality: dict | None = None
 
 
 @_event("run_ended")

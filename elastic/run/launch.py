@@ -473,7 +473,7 @@ def _record_plan(recipe: Recipe, ledger: Ledger) -> None:
     ledger.append(RunPlanned(replicas=doc["replicas"], useful_tokens_per_s=doc["useful_tokens_per_s"],
                              tokens_per_s_source=doc["tokens_per_s_source"], usd_per_hour=doc["usd_per_hour"],
                              expected_hours=doc["expected_hours"], expected_usd=doc["expected_usd"],
-                             tokens_needed=doc["tokens_needed"]))
+                             tokens_needed=doc["tokens_needed"], quality=doc["quality"]))
 
 
 def _save_throughput(recipe: Recipe, events: list[dict]) -> None:

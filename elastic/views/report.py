@@ -247,6 +247,8 @@ def build_report(records: list[dict], now: float | None = None) -> dict:
         "validation": [{"outer_step": e.outer_step, "tokens_total": e.tokens_total, "loss": e.loss,
                         "perplexity": e.perplexity} for e in validations],
         "val_loss_last": validations[-1].loss if validations else None,
+        # What the plan expected DiLoCo's H and sync to cost against synchronous DDP (bench/quality.py).
+        "expected_quality_cost": next((e.quality for e in _of(events, RunPlanned)), None),
         "budget_exhausted": next((e.reason for e in _of(events, BudgetExhausted)), None),
         "errors": [e.message for e in _of(events, Error)],
     }
