@@ -114,8 +114,17 @@ def quality_cost(recipe, replicas: int) -> dict | None:
     churn = expected_cost(steps, replicas, sync, t.outer_momentum, t.outer_lr, churn=True)
     if churn is not None and (churn.outer_momentum, churn.outer_lr) != (calm.outer_momentum, calm.outer_lr):
         churn = None   # measured under churn only at other outer settings: no figure rather than another's
+    # What plain averaging (outer lr 1, no momentum) measured for this run's shape, when the recipe
+    # uses other outer settings and they measured worse: the one change that closed the gap here.
+    plain = None
+    if (t.outer_lr, t.outer_momentum) != (1.0, 0.0):
+        other = expected_cost(steps, replicas, sync, 0.0, 1.0)
+        if other is not None and (other.outer_lr, other.outer_momentum) == (1.0, 0.0) \
+                and other.vs_ddp_pct < calm.vs_ddp_pct - 1.0:
+            plain = other.vs_ddp_pct
     return {"outer_steps": steps, "sync": sync, "vs_ddp_pct": calm.vs_ddp_pct,
             "vs_ddp_pct_churn": None if churn is None else churn.vs_ddp_pct,
+            "vs_ddp_pct_plain_averaging": plain,
             "measured": asdict(calm), "source": SOURCE}
 
 
@@ -128,4 +137,8 @@ def describe(cost: dict | None) -> str:
     return (f"quality: expected held-out loss {cost['vs_ddp_pct']:+.1f} % against synchronous DDP on the same "
             f"tokens{churn} ({cost['outer_steps']} outer steps, {cost['sync']}; measured at {m['outer_steps']} outer "
             f"steps, {m['replicas']} replicas, outer lr {m['outer_lr']} momentum {m['outer_momentum']} by "
-            f"bench/quality.py)")
+            f"bench/quality.py)"
+            + ("" if cost.get("vs_ddp_pct_plain_averaging") is None else
+               f"; plain averaging (train.outer_lr 1, train.outer_momentum 0) measured "
+               f"{cost['vs_ddp_pct_plain_averaging']:+.1f} %: docs/guide.md, 'Choosing H, the outer learning rate "
+               f"and the sync'"))

@@ -21,3 +21,17 @@ def test_a_recipe_gets_its_run_length_and_a_line_for_plan():
     assert Measured(**cost["measured"]) in MEASURED
     assert describe(cost).startswith("quality: expected held-out loss")
     assert "not measured" in describe(None)
+
+
+def test_a_recipe_whose_outer_settings_measured_worse_is_told_what_plain_averaging_measured():
+    # The recipe's outer lr 0.7 / Nesterov 0.9 over 32 outer steps measured far above DDP; plain
+    # averaging on the same run measured within a few percent: the plan line says so.
+    shape = {"train.token_budget": 4 * 160 * 4 * 32, "train.inner_steps": 5, "world.replicas": 4}
+    heavy = quality_cost(tiny_recipe(**shape, **{"train.outer_lr": 0.7, "train.outer_momentum": 0.9}), 4)
+    plain = next(m for m in MEASURED if (m.outer_steps, m.sync, m.outer_lr, m.outer_momentum, m.churn)
+                 == (32, "float32", 1.0, 0.0, False) and m.replicas == 4)
+    assert heavy["vs_ddp_pct_plain_averaging"] == plain.vs_ddp_pct < heavy["vs_ddp_pct"] - 1
+    assert "plain averaging (train.outer_lr 1, train.outer_momentum 0)" in describe(heavy)
+    # Plain averaging itself gets no such hint.
+    same = quality_cost(tiny_recipe(**shape, **{"train.outer_lr": 1.0, "train.outer_momentum": 0.0}), 4)
+    assert same["vs_ddp_pct_plain_averaging"] is None and "plain averaging" not in describe(same)
