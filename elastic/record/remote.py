@@ -263,11 +263,13 @@ def last_seen(events: list[dict]) -> float | None:
     return max(e["t"] for e in events[last_driver:] if not _by_launcher(e))
 
 
-def lost_vms(events: list[dict], now_s: float, autodown_after_s: float) -> list[tuple[str, float]]:
+def lost_vms(events: list[dict], now_s: float, autodown_after_s: float,
+             this_vm: str | None = None) -> list[tuple[str, float]]:
     """(instance id, estimated release time) of each VM the ledger leaves held by a driver that
     is gone: its nodes' watchers end them `autodown_after_s` after the driver's last heartbeat,
-    taken as its last event (`last_seen`). The newest controller, started after the last driver,
-    is the one continuing the run and is left out."""
+    taken as its last event (`last_seen`). The VM this driver runs on (`this_vm`: a controller
+    that booted again and continues its own run) and the newest controller, started after the last
+    driver, are the ones continuing the run and are left out."""
     from elastic.record import billing
     from elastic.record.events import read
 
@@ -281,7 +283,8 @@ def lost_vms(events: list[dict], now_s: float, autodown_after_s: float) -> list[
         if e.get("type") == ControllerStarted.TYPE:
             ours = e.get("instance_id")
     end = min(now_s, seen + autodown_after_s)
-    return [(vm_id, end) for vm_id, h in billing.holds(read(events), now_s).items() if h.end_s is None and vm_id != ours]
+    return [(vm_id, end) for vm_id, h in billing.holds(read(events), now_s).items()
+            if h.end_s is None and vm_id not in (ours, this_vm)]
 
 
 # -- which runs this machine knows --------------------------------------------------------------------

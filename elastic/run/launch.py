@@ -355,7 +355,10 @@ def _close_lost_part(recipe: Recipe, ledger: Ledger, earlier: list[dict]) -> Non
 
     if not remote.earlier_part(earlier):
         return
-    lost = remote.lost_vms(earlier, time.time(), recipe.resources.autodown_after_s)
+    # A controller's boot script names the VM it runs on: one that booted again continues the run
+    # it holds, and is not one of the VMs its lost driver left.
+    lost = remote.lost_vms(earlier, time.time(), recipe.resources.autodown_after_s,
+                           this_vm=os.environ.get("ELASTIC_INSTANCE_ID") or None)
     for vm_id, at in lost:
         ledger.append(NodeReleased(instance_id=vm_id, released_at=round(at, 6)))
     step = max((e.get("outer_step") or 0 for e in earlier if e.get("type") == OuterStep.TYPE), default=0)

@@ -473,6 +473,10 @@ def test_head_controller_starts_an_on_demand_controller_vm_that_down_stops(aws_e
     raw = ec2.describe_instance_attribute(InstanceId=vm["InstanceId"], Attribute="userData")["UserData"]["Value"]
     script = base64.b64decode(raw).decode()
     assert "ray start --head" in script and "elastic launch recipe.yaml --set resources.head=local" in script
+    # It runs again at every boot (cloud-init's per-boot scripts), and a driver started after a
+    # reboot continues the run on this VM (its lost driver's directory moved aside).
+    assert "install -m 0700 \"$0\" /var/lib/cloud/scripts/per-boot/elastic-controller.sh" in script
+    assert script.index("mv runs/") < script.index("export ELASTIC_INSTANCE_ID") < script.index("elastic launch recipe.yaml")
     [recipe_b64] = re.findall(r"echo (\S+) \| base64 -d", script)
     assert "name: aws-smoke" in base64.b64decode(recipe_b64).decode()
     assert "dont-leak-this-secret" not in script and "AWS_SECRET" not in script

@@ -65,6 +65,11 @@ def test_the_vms_a_lost_driver_held_are_billed_until_their_autodown_and_the_new_
     assert remote.earlier_part(events) and not remote.earlier_part(events[:3])
     assert remote.last_seen(events) == 100 and remote.last_seen(events[:3]) is None
     assert sorted(remote.lost_vms(events, now_s=6000, autodown_after_s=600)) == [("c1", 700), ("n1", 700)]
+    # The first controller booted again (no new controller): its boot script names it, and the
+    # driver it starts continues the run on it, so it is no VM the lost driver left.
+    rebooted = events[:6]
+    assert sorted(remote.lost_vms(rebooted, now_s=6000, autodown_after_s=600)) == [("c1", 700), ("n1", 700)]
+    assert remote.lost_vms(rebooted, now_s=6000, autodown_after_s=600, this_vm="c1") == [("n1", 700)]
 
 
 def test_the_report_prices_a_lost_driver():
