@@ -61,6 +61,9 @@ MEASURED: tuple[Measured, ...] = (
     # --replicas 4 --inner-steps 5 --variants churn codecs --outer-lr 1 --outer-momentum 0
     Measured(32, 5, 4, _F32, 1.0, 0.0, False, 1.52),
     Measured(16, 10, 4, _F32, 1.0, 0.0, False, 2.15),
+    # --replicas 4 --inner-steps 20 40 --variants diloco --outer-lr 1 --outer-momentum 0
+    Measured(8, 20, 4, _F32, 1.0, 0.0, False, 2.54),
+    Measured(4, 40, 4, _F32, 1.0, 0.0, False, 2.95),
     Measured(32, 5, 4, _INT8, 1.0, 0.0, False, 1.52),
     Measured(32, 5, 4, _SPARSE, 1.0, 0.0, False, 4.56),
     # churn: the worse of notice (−2.37 %) and none (−2.30 %); more, smaller outer steps (82 against
