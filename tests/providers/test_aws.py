@@ -364,7 +364,8 @@ def test_down_orphans_judges_runs_by_their_heartbeat_in_the_cloud(aws_env, tmp_p
 
 def test_driver_release_ends_the_controller_and_strays_of_its_run(aws_env, local_cluster, tmp_path):
     """The driver on a controller (head: controller) releases its nodes, then what the cloud still
-    holds for the run: a VM whose launch it lost track of, and last the controller it runs on."""
+    holds for the run: a VM whose launch it lost track of; the controller it runs on goes last,
+    after the ledger is closed (and the report and the record written): `release_controller`."""
     from elastic.record.ledger import Ledger
     from elastic.run.driver import Driver
 
@@ -389,7 +390,10 @@ def test_driver_release_ends_the_controller_and_strays_of_its_run(aws_env, local
     driver = Driver(recipe, run_dir, ledger)
     driver.providers = {"aws": p}
     driver.release_all()
+    state = {vm["InstanceId"]: vm["State"]["Name"] for vm in instances("us-west-2")}
+    assert state[ctl.instance_id] == "running"          # the run's record is not written yet
     ledger.close()
+    driver.release_controller()
     state = {vm["InstanceId"]: vm["State"]["Name"] for vm in instances("us-west-2")}
     for gone in (ctl.instance_id, held.instance_id, stray):
         assert state[gone] in ("shutting-down", "terminated"), gone
