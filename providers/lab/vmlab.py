@@ -25,6 +25,7 @@ from pathlib import Path
 from providers.lab import machine as machines
 from providers.lab.gateway import Gateway, node_actions
 from providers.lab.metadata import MetadataServer, aws_values, gcp_values
+from elastic.net.overlay import OVERLAY_PORT
 from providers.local import localnet
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ POLL_S = 0.3
 LIVE_EC2 = ("pending", "running")
 LIVE_GCE = ("PROVISIONING", "STAGING", "RUNNING")
 WORK_ROOT = Path("/run/elastic-lab")
+CONSOLE_KEPT_LINES = 2000   # what a console API shows of a machine's console (EC2 keeps its last 64 KB)
 
 
 @dataclass
@@ -42,10 +44,13 @@ class AwsCloud:
     Args:
         endpoint: moto's URL on this host.
         regions: the regions whose instances boot (one lab region each).
+        server: moto served from this process (`providers.lab.ec2.LabEC2`), whose answers the
+            lab makes true (addresses, console output); None: moto elsewhere, as it answers.
     """
 
     endpoint: str
     regions: list[str]
+    server: object | None = None
 
 
 def _ec2(endpoint: str, region: str):
@@ -83,6 +88,14 @@ class VmLab:
         self._stop = threading.Event()
         self._node_actions = node_actions()
         self.root.mkdir(parents=True, exist_ok=True)
+        # The lab is the clouds' network: the addresses they name and the consoles they show are
+        # the machines'.
+        if aws is not None and aws.server is not None:
+            aws.server.addresses = self._reserve
+            aws.server.console = self._console_of
+        if gcp is not None:
+            gcp.addresses = lambda name, zone: self._reserve(name, zone.rsplit("-", 1)[0])
+            gcp.console = lambda name: self._console_of(name) or ""
         self._thread = threading.Thread(target=self._loop, name=f"vmlab-{self.tag}", daemon=True)
         self._thread.start()
 
@@ -127,9 +140,34 @@ class VmLab:
 
     # -- booting ----------------------------------------------------------------------------------
 
-    def _boot(self, iid: str, cloud: str, region: str, vm: dict) -> None:
-        host = self.net.add_host(region)
+    def _reserve(self, iid: str, region: str) -> tuple[str, str] | None:
+        """The network host of an instance being created (its cloud asks before it answers):
+        (private IP, public IP); None for a region the lab does not have."""
+        if region not in self.net._regions:
+            return None
         with self._lock:
+            host = self.hosts.get(iid) or self.net.add_host(region)
+            self.hosts[iid] = host
+        return host.private_ip, host.public_ip
+
+    def _console_of(self, iid: str) -> str | None:
+        """Instance `iid`'s whole console (None: no machine of this lab)."""
+        with self._lock:
+            known = iid in self.hosts or iid in self.ended or iid in self.boot_errors
+        return self.console(iid, CONSOLE_KEPT_LINES) if known else None
+
+    def attach_driver(self, region: str) -> dict[str, str]:
+        """Put this machine (the driver's host, the overlay's head) on `region`'s private network
+        behind its NAT; returns the environment that makes a run's head interface reachable
+        there (`ELASTIC_OVERLAY_ENDPOINT`: its public address, `ELASTIC_OVERLAY_LISTEN_PORT`)."""
+        port = OVERLAY_PORT + 1 + int(self.tag[len(localnet.PREFIX):], 16) % 10_000
+        root = self.net.attach_root(region, port)
+        return {"ELASTIC_OVERLAY_ENDPOINT": f"{root.public_ip}:{OVERLAY_PORT}",
+                "ELASTIC_OVERLAY_LISTEN_PORT": str(port)}
+
+    def _boot(self, iid: str, cloud: str, region: str, vm: dict) -> None:
+        with self._lock:
+            host = self.hosts.get(iid) or self.net.add_host(region)
             self.hosts[iid] = host
         root = self.root / iid
         closers = []
@@ -147,6 +185,8 @@ class VmLab:
             for close in closers:
                 close()
             self.net.remove_host(host)
+            with self._lock:
+                self.hosts.pop(iid, None)
             raise
         m.closers = closers
         with self._lock:
@@ -255,6 +295,10 @@ class VmLab:
     def down(self) -> None:
         """Power off every machine and remove the network lab and the machines' files (idempotent)."""
         self._stop.set()
+        if self.aws is not None and self.aws.server is not None:
+            self.aws.server.addresses = self.aws.server.console = None
+        if self.gcp is not None:
+            self.gcp.addresses = self.gcp.console = None
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=30)
         for iid in list(self.machines):

@@ -49,6 +49,34 @@ def lab(aws_env, moto_server, gcp_fake):
         assert not vmlab.root.exists()
 
 
+@pytest.fixture
+def owned_lab(monkeypatch, tmp_path, gcp_fake):
+    """A lab that owns EC2 (moto served from this process: `providers.lab.ec2.LabEC2`), so the
+    addresses and consoles EC2 names are the machines'; the test's proxy in front of it (prices)."""
+    from providers.lab.ec2 import LabEC2
+    from providers.lab.vmlab import AwsCloud, VmLab
+    from tests.conftest import AWSProxy
+
+    ec2 = LabEC2()
+    proxy = AWSProxy(ec2.url)
+    proxy.rules.append(price_rule)
+    env = {"AWS_ENDPOINT_URL": proxy.url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
+           "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"), "AWS_CONFIG_FILE": str(tmp_path / "none")}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    vmlab = None
+    try:
+        vmlab = VmLab(aws=AwsCloud(ec2.url, ["us-west-2"], server=ec2), gcp=gcp_fake, gcp_regions=["us-central1"])
+        yield vmlab
+    finally:
+        if vmlab is not None:
+            vmlab.down()
+        proxy.close()
+        ec2.stop()
+    assert not [n for n in _namespaces() if n.startswith(vmlab.tag)]
+
+
 def _namespaces() -> list[str]:
     return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
 
@@ -137,3 +165,52 @@ def test_a_gcp_vm_deletes_itself_with_its_own_account(lab, gcp_fake, wheel):
     lab.wait_for(lambda: lab.machine(inst.instance_id) is None, 30, f"{inst.instance_id} powered off")
     console = lab.console(inst.instance_id, 200)
     assert f"deleted {inst.instance_id} (itself)" in console and lab.ended[inst.instance_id] == "api", console
+
+
+def test_a_vm_whose_install_fails_is_released_and_named_with_the_tail_of_its_boot_log(owned_lab, gcp_fake):
+    """AWS and GCP VMs whose install fails never join: each launch releases its VM and its
+    JoinTimeout (the ledger's `node_join_timeout`, the driver's story line) names the VM and ends
+    with its boot log as the cloud's console API shows it (GetConsoleOutput, getSerialPortOutput).
+    The addresses the clouds name are the lab machines' own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from elastic.record.events import NodeJoinTimeout
+    from providers.base import JoinTimeout
+    from tests.providers.test_gcp import _offer, _provider
+
+    lab = owned_lab
+    broken = "pip install --no-deps --no-index /nonexistent/elastic-0.1.0-py3-none-any.whl"
+    aws_p = provider(aws_recipe(**{"resources.regions": "[us-west-2]", "resources.join_timeout_s": 60,
+                                   "world.capacity_timeout_s": 60, "aws.install": broken}), run="run-broken")
+    gcp_p, gcp_recipe = _provider(run="run-gbroken", **{"resources.accelerators": "L4:1",
+                                                         "resources.regions": "[us-central1]",
+                                                         "resources.join_timeout_s": 60, "gcp.install": broken})
+
+    def launch(p, offer, run):
+        with pytest.raises(JoinTimeout) as info:
+            p.launch(offer, run, "replica")
+        return info.value
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            aws_f = pool.submit(launch, aws_p, aws_p.offers(aws_p.recipe.resources)[0], "run-broken")
+            gcp_f = pool.submit(launch, gcp_p, _offer(gcp_p, gcp_recipe), "run-gbroken")
+            vm = lab.wait_for(lambda: next(iter(lab.machines), None), 60, "the AWS VM booting")
+            host = lab.hosts[vm]
+            described = boto3.client("ec2", region_name="us-west-2").describe_instances(
+                InstanceIds=[vm])["Reservations"][0]["Instances"][0]
+            assert (described["PrivateIpAddress"], described["PublicIpAddress"]) == (host.private_ip, host.public_ip)
+            aws_exc, gcp_exc = aws_f.result(timeout=180), gcp_f.result(timeout=180)
+    finally:
+        aws_p.close()
+        gcp_p.close()
+    for exc in (aws_exc, gcp_exc):
+        iid = exc.instance.instance_id
+        assert "/nonexistent/elastic-0.1.0-py3-none-any.whl" in exc.console_tail, exc.console_tail
+        assert "user data exited with status 1" in exc.console_tail
+        assert len(exc.console_tail.splitlines()) <= 10
+        line = NodeJoinTimeout(instance_id=iid, timeout_s=exc.timeout_s, boot_log=exc.console_tail).story()
+        assert line.startswith(f"never joined: {iid}; its boot log ends:") and "/nonexistent/" in line
+        lab.wait_for(lambda: lab.machine(iid) is None and iid in lab.ended, 30, f"{iid} released")
+    assert _state(aws_exc.instance.instance_id) == "terminated"
+    assert gcp_exc.instance.instance_id not in gcp_fake.instances
