@@ -37,6 +37,11 @@ def _parser() -> argparse.ArgumentParser:
                          "before the recipe's tokens are trained (train until the budget runs out)")
     offline_arg(sp)
 
+    sp = sub.add_parser("rehearse", help="run an aws/gcp recipe end to end on this machine: local fakes of the "
+                        "clouds' APIs, every VM a machine here running its real boot script (needs root)")
+    recipe_args(sp)
+    sp.add_argument("--run-dir", type=Path, help="where the run writes (default runs/<name>-<UTC time>/)")
+
     sp = sub.add_parser("validate", help="check a recipe and what its clouds need (credentials, project, regions, "
                                           "quota, checkpoint bucket); print every problem, one line each")
     recipe_args(sp)
@@ -260,6 +265,11 @@ def _dispatch(args, err) -> int:
                 raise UserError("--resume with resources.head: controller: not supported yet; use head: local")
             return launch_controller(recipe, run_dir, out)
         return launch(recipe, run_dir, address=args.address, console=out, resume=args.resume)
+    if args.command == "rehearse":   # `launch` as written, against the lab's clouds
+        from providers.lab.rehearse import rehearsal
+        with rehearsal(args.recipe, args.overrides) as install:
+            sets = [a for o in args.overrides for a in ("--set", o)] + install
+            return main(["launch", args.recipe, *sets, *(["--run-dir", str(args.run_dir)] if args.run_dir else [])])
     if args.command == "report":
         from elastic.errors import UserError
         from elastic.record.ledger import read_events

@@ -204,8 +204,11 @@ class VmLab:
         role = profile.rsplit("/", 1)[-1] if profile else None
         values = aws_values(iid, vm["InstanceType"], vm["Placement"]["AvailabilityZone"], host.private_ip,
                             host.public_ip, script, role)
-        # The machine's SDKs find the API at the gateway, their credentials at the metadata server.
-        return script, {"AWS_ENDPOINT_URL": gw.url, "AWS_DEFAULT_REGION": region}, values
+        # The machine's SDKs find the API at the gateway, their credentials at the metadata server
+        # (which answers from this process, beside a driver on a busy host: more than the SDKs'
+        # default one second, once).
+        return script, {"AWS_ENDPOINT_URL": gw.url, "AWS_DEFAULT_REGION": region,
+                        "AWS_METADATA_SERVICE_TIMEOUT": "10", "AWS_METADATA_SERVICE_NUM_ATTEMPTS": "3"}, values
 
     def _gcp_boot(self, name: str, vm: dict, host, closers: list):
         items = {i["key"]: i["value"] for i in vm.get("metadata", {}).get("items", [])}
