@@ -265,11 +265,9 @@ def _dispatch(args, err) -> int:
                 raise UserError("--resume with resources.head: controller: not supported yet; use head: local")
             return launch_controller(recipe, run_dir, out)
         return launch(recipe, run_dir, address=args.address, console=out, resume=args.resume)
-    if args.command == "rehearse":   # `launch` as written, against the lab's clouds
-        from providers.lab.rehearse import rehearsal
-        with rehearsal(args.recipe, args.overrides) as install:
-            sets = [a for o in args.overrides for a in ("--set", o)] + install
-            return main(["launch", args.recipe, *sets, *(["--run-dir", str(args.run_dir)] if args.run_dir else [])])
+    if args.command == "rehearse":   # `launch` as written, its driver a child, against the lab's clouds
+        from providers.lab.rehearse import rehearse
+        return rehearse(args.recipe, args.overrides, args.run_dir, out)
     if args.command == "report":
         from elastic.errors import UserError
         from elastic.record.ledger import read_events

@@ -10,6 +10,7 @@ moto's classes are patched while a `LabEC2` runs (one per process); `stop` undoe
 
 from __future__ import annotations
 
+import logging
 import socket
 from collections.abc import Callable
 
@@ -62,6 +63,8 @@ class LabEC2:
 
         EC2Backend.run_instances, General.get_console_output = lab_run_instances, lab_console_output
         LabEC2._running = self
+        # werkzeug (moto's server) logs every request on stderr otherwise.
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
         try:
             self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
             self._server.start()

@@ -67,6 +67,9 @@ hostname __HOSTNAME__
 mount --bind __ROOT__/etc/hostname /etc/hostname
 mount --bind __ROOT__/etc/hosts /etc/hosts
 mount --bind __ROOT__/log /var/log
+# Its own /run/wireguard: wireguard-go's control sockets are named by interface, the same on every VM.
+mkdir -p /run/wireguard
+mount -t tmpfs -o mode=0700 tmpfs /run/wireguard
 echo "lab: ${HOSTNAME:-__HOSTNAME__} booted $(date -u +%FT%TZ); running the user data"
 set +e
 __ROOT__/os/user-data
@@ -95,6 +98,7 @@ class Machine:
     proc: subprocess.Popen
     booted_at: float
     closers: list = field(default_factory=list)
+    interrupted: bool = False   # its metadata server announced an interruption
 
     def shutdown_due(self, now_s: float | None = None) -> bool:
         """Whether its `shutdown` asked for a halt that is due now."""
@@ -124,6 +128,23 @@ class Machine:
         if not path.startswith("/var/log/"):
             raise ValueError("only the machine's /var/log is its own")
         return self.root / "log" / path.removeprefix("/var/log/")
+
+    def init_pid(self) -> int | None:
+        """Its PID 1, as this host numbers it (None: powered off)."""
+        try:
+            children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        except OSError:
+            return None
+        return int(children[0]) if children else None
+
+    def run(self, *args: str) -> str:
+        """Run a command inside the machine (its network and mount namespaces) as root; its stdout
+        ("" when the machine is off or the command fails)."""
+        pid = self.init_pid()
+        if pid is None:
+            return ""
+        proc = subprocess.run(["nsenter", "-t", str(pid), "-n", "-m", *args], capture_output=True, text=True)
+        return proc.stdout if proc.returncode == 0 else ""
 
     def alive(self) -> bool:
         return self.proc.poll() is None

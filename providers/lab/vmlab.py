@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import logging
 import shutil
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ POLL_S = 0.3
 LIVE_EC2 = ("pending", "running")
 LIVE_GCE = ("PROVISIONING", "STAGING", "RUNNING")
 WORK_ROOT = Path("/run/elastic-lab")
+DRIVER_NETWORK = "driver"   # the lab's region where the driver's host sits (not a cloud's)
 CONSOLE_KEPT_LINES = 2000   # what a console API shows of a machine's console (EC2 keeps its last 64 KB)
 
 
@@ -69,12 +71,15 @@ class VmLab:
         gcp: the Compute Engine fake (`providers.lab.gcefake.GCEFake`, running; None: no GCP).
         gcp_regions: the GCP regions whose instances boot.
         env: extra environment every machine's OS sets.
+        on_end: called with one line when a machine ends (how, after how long, the bytes its
+            WireGuard interfaces carried); default: logged.
     """
 
     def __init__(self, aws: AwsCloud | None = None, gcp=None, gcp_regions: list[str] = (),
-                 env: dict[str, str] | None = None):
-        regions = [*(aws.regions if aws else []), *gcp_regions]
+                 env: dict[str, str] | None = None, on_end=None):
+        regions = [*(aws.regions if aws else []), *gcp_regions, DRIVER_NETWORK]
         self.aws, self.gcp, self.env = aws, gcp, dict(env or {})
+        self.gcp_regions = set(gcp_regions)
         self.net = localnet.Lab({r: localnet.Link() for r in regions})
         self.tag = self.net.tag
         self.root = WORK_ROOT / self.tag
@@ -84,6 +89,8 @@ class VmLab:
         self.gateways: dict[str, list[Gateway]] = {}
         self.ended: dict[str, str] = {}          # instance id -> how it ended ("terminated", "stopped", "api")
         self.boot_errors: dict[str, str] = {}
+        self.overlay_bytes: dict[str, tuple[int, int]] = {}   # instance id -> (received, sent) at its end
+        self._on_end = on_end or (lambda line: log.info("lab: %s", line))
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._node_actions = node_actions()
@@ -120,7 +127,7 @@ class VmLab:
         if self.gcp is not None:
             for name, vm in self.gcp.snapshot().items():
                 region = vm["zone"].rsplit("/", 1)[-1][:-2]
-                if vm.get("status", "RUNNING") in LIVE_GCE and region in self._gcp_regions():
+                if vm.get("status", "RUNNING") in LIVE_GCE and region in self.gcp_regions:
                     live[name] = ("gcp", region, vm)
         for iid, (cloud, region, vm) in live.items():
             if iid not in self.machines and iid not in self.ended and iid not in self.boot_errors:
@@ -134,16 +141,16 @@ class VmLab:
                 self._power_off(iid, "api")
             elif m.shutdown_due():
                 self._halted(iid)
-
-    def _gcp_regions(self) -> set[str]:
-        return {r for r in self.net._regions if not (self.aws and r in self.aws.regions)}
+            elif (m.root / "interrupt").exists() and not m.interrupted:
+                m.interrupted = True
+                self.notify(iid)
 
     # -- booting ----------------------------------------------------------------------------------
 
     def _reserve(self, iid: str, region: str) -> tuple[str, str] | None:
         """The network host of an instance being created (its cloud asks before it answers):
         (private IP, public IP); None for a region the lab does not have."""
-        if region not in self.net._regions:
+        if region not in self.net._regions or region == DRIVER_NETWORK:
             return None
         with self._lock:
             host = self.hosts.get(iid) or self.net.add_host(region)
@@ -156,12 +163,14 @@ class VmLab:
             known = iid in self.hosts or iid in self.ended or iid in self.boot_errors
         return self.console(iid, CONSOLE_KEPT_LINES) if known else None
 
-    def attach_driver(self, region: str) -> dict[str, str]:
-        """Put this machine (the driver's host, the overlay's head) on `region`'s private network
-        behind its NAT; returns the environment that makes a run's head interface reachable
-        there (`ELASTIC_OVERLAY_ENDPOINT`: its public address, `ELASTIC_OVERLAY_LISTEN_PORT`)."""
+    def attach_driver(self) -> dict[str, str]:
+        """Put this machine (the driver's host, the overlay's head of a `head: local` run) on a
+        network of its own behind a NAT that forwards the overlay's port to it, as a user's
+        machine at home or in an office; the VMs reach it across the lab's internet. Returns the
+        environment that makes a run's head interface reachable there
+        (`ELASTIC_OVERLAY_ENDPOINT`: its public address, `ELASTIC_OVERLAY_LISTEN_PORT`)."""
         port = OVERLAY_PORT + 1 + int(self.tag[len(localnet.PREFIX):], 16) % 10_000
-        root = self.net.attach_root(region, port)
+        root = self.net.attach_root(DRIVER_NETWORK, port)
         return {"ELASTIC_OVERLAY_ENDPOINT": f"{root.public_ip}:{OVERLAY_PORT}",
                 "ELASTIC_OVERLAY_LISTEN_PORT": str(port)}
 
@@ -178,7 +187,7 @@ class VmLab:
             else:
                 script, env, values = self._gcp_boot(iid, vm, host, closers)
                 hostname = iid
-            md = MetadataServer(host.netns, cloud, values)
+            md = MetadataServer(host.netns, cloud, values, root / "metadata")
             closers.append(md.close)
             m = machines.boot(iid, cloud, host.netns, root, hostname, script, {**env, **self.env})
         except BaseException:
@@ -200,15 +209,25 @@ class VmLab:
         gw = Gateway(host.netns, self.aws.endpoint, allowed=self._node_actions)
         closers.append(gw.close)
         self.gateways[iid] = [gw]
-        profile = (vm.get("IamInstanceProfile") or {}).get("Arn", "")
-        role = profile.rsplit("/", 1)[-1] if profile else None
+        role = self._role_of(vm.get("IamInstanceProfile") or {})
         values = aws_values(iid, vm["InstanceType"], vm["Placement"]["AvailabilityZone"], host.private_ip,
                             host.public_ip, script, role)
-        # The machine's SDKs find the API at the gateway, their credentials at the metadata server
-        # (which answers from this process, beside a driver on a busy host: more than the SDKs'
-        # default one second, once).
-        return script, {"AWS_ENDPOINT_URL": gw.url, "AWS_DEFAULT_REGION": region,
-                        "AWS_METADATA_SERVICE_TIMEOUT": "10", "AWS_METADATA_SERVICE_NUM_ATTEMPTS": "3"}, values
+        # The machine's SDKs find the API at the gateway, their credentials at the metadata server.
+        return script, {"AWS_ENDPOINT_URL": gw.url, "AWS_DEFAULT_REGION": region}, values
+
+    def _role_of(self, profile: dict) -> str | None:
+        """The IAM role of an instance profile (`IamInstanceProfile` of DescribeInstances), as
+        IMDS names it under `iam/security-credentials/`; None: no profile, or one without a role
+        (as on EC2, the machine then has no credentials)."""
+        name = profile.get("Arn", "").rsplit("/", 1)[-1]
+        if not name:
+            return None
+        import boto3
+
+        iam = boto3.client("iam", region_name="us-east-1", endpoint_url=self.aws.endpoint,
+                           aws_access_key_id="lab", aws_secret_access_key="lab")
+        roles = iam.get_instance_profile(InstanceProfileName=name)["InstanceProfile"]["Roles"]
+        return roles[0]["RoleName"] if roles else None
 
     def _gcp_boot(self, name: str, vm: dict, host, closers: list):
         items = {i["key"]: i["value"] for i in vm.get("metadata", {}).get("items", [])}
@@ -246,7 +265,7 @@ class VmLab:
         else:
             self.gcp.guest_shutdown(iid)   # a guest OS shutdown stops a Compute Engine VM
             self.ended[iid] = "stopped"
-        log.info("lab: %s halted itself: %s", iid, self.ended[iid])
+        self._say_end(iid, m, f"{self.ended[iid]} by its own shutdown")
 
     def _power_off(self, iid: str, why: str) -> None:
         """Every process of the machine ends, its network host goes; only then is it no longer
@@ -255,6 +274,7 @@ class VmLab:
             m, host = self.machines.get(iid), self.hosts.get(iid)
         if m is None:
             return
+        self.overlay_bytes[iid] = _wireguard_bytes(m)
         m.power_off()
         if host is not None:
             self.net.remove_host(host)
@@ -262,7 +282,13 @@ class VmLab:
             self.ended.setdefault(iid, why)
             for held in (self.machines, self.hosts, self.metadata, self.gateways):
                 held.pop(iid, None)
-        log.info("lab: %s powered off (%s)", iid, why)
+        if why != "halt":
+            self._say_end(iid, m, {"api": "released through its cloud's API"}.get(why, why))
+
+    def _say_end(self, iid: str, m: machines.Machine, how: str) -> None:
+        received, sent = self.overlay_bytes.get(iid, (0, 0))
+        self._on_end(f"{iid} ({m.cloud}) ended: {how}, {time.time() - m.booted_at:.0f} s after its boot; "
+                     f"overlay {received} bytes received, {sent} sent")
 
     # -- what tests and rehearse do ----------------------------------------------------------------
 
@@ -308,6 +334,16 @@ class VmLab:
             self._power_off(iid, "lab down")
         self.net.down()
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _wireguard_bytes(m: machines.Machine) -> tuple[int, int]:
+    """(received, sent) bytes over every WireGuard interface of machine `m` (`wg show all transfer`)."""
+    received = sent = 0
+    for line in m.run("wg", "show", "all", "transfer").splitlines():   # interface, peer, received, sent
+        fields = line.split()
+        if len(fields) == 4:
+            received, sent = received + int(fields[2]), sent + int(fields[3])
+    return received, sent
 
 
 def cleanup_orphans() -> list[str]:
