@@ -203,8 +203,9 @@ def boot(instance_id: str, cloud: str, netns: str, root: Path, hostname: str, sc
     (root / "os" / "init").write_text(init)
     (root / "os" / "init").chmod(0o700)
     path = ":".join([str(root / "os" / "bin"), str(bin_dir), os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")])
+    # ELASTIC_LAB_GPU_IS_CPU: the instance type's GPUs are this host's CPU (elastic.train.replica.rank_device).
     machine_env = {"PATH": path, "HOME": "/root", "LANG": "C.UTF-8", "USER": "root", "LOGNAME": "root",
-                   "HOSTNAME": hostname, **env}
+                   "HOSTNAME": hostname, "ELASTIC_LAB_GPU_IS_CPU": "1", **env}
     with open(root / "console", "ab", buffering=0) as console:   # the child holds its own copy
         proc = subprocess.Popen(
             ["ip", "netns", "exec", netns, "unshare", "--mount", "--uts", "--pid", "--fork", "--kill-child",

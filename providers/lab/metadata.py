@@ -84,8 +84,15 @@ class MetadataServer:
 
     def set(self, path: str, value: str) -> None:
         """Change one answer (long polls waiting on it return)."""
-        self._values[path] = value
+        self.update({path: value})
+
+    def update(self, values: dict[str, str]) -> None:
+        """Change answers at once."""
+        self._values.update(values)
         self._write()
+
+    def get(self, path: str) -> str | None:
+        return self._values.get(path)
 
     def _write(self) -> None:
         tmp = self.root / "values.json.tmp"
@@ -226,13 +233,18 @@ def aws_values(instance_id: str, instance_type: str, zone: str, private_ip: str,
               "meta-data/hostname": f"ip-{private_ip.replace('.', '-')}.{zone[:-1]}.compute.internal",
               "user-data": user_data}
     if role:
-        expires = _iso(time.time() + 6 * 3600)
-        values["meta-data/iam/role"] = role
-        values[f"meta-data/iam/security-credentials/{role}"] = json.dumps({
-            "Code": "Success", "LastUpdated": _iso(time.time()), "Type": "AWS-HMAC",
-            "AccessKeyId": "ASIA" + hashlib.sha1(instance_id.encode()).hexdigest()[:16].upper(),
-            "SecretAccessKey": secrets.token_hex(20), "Token": secrets.token_hex(32), "Expiration": expires})
+        values.update(aws_credentials(instance_id, role))
     return values
+
+
+def aws_credentials(instance_id: str, role: str) -> dict[str, str]:
+    """IMDS's answers for the instance's role: its name, and credentials in EC2's shape (moto
+    accepts any key; the lab's gateway holds them to the node's policy)."""
+    return {"meta-data/iam/role": role, f"meta-data/iam/security-credentials/{role}": json.dumps({
+        "Code": "Success", "LastUpdated": _iso(time.time()), "Type": "AWS-HMAC",
+        "AccessKeyId": "ASIA" + hashlib.sha1(instance_id.encode()).hexdigest()[:16].upper(),
+        "SecretAccessKey": secrets.token_hex(20), "Token": secrets.token_hex(32),
+        "Expiration": _iso(time.time() + 6 * 3600)})}
 
 
 def gcp_values(name: str, instance_id: str, zone: str, project: str, private_ip: str, public_ip: str,

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from providers.lab import machine as machines
 from providers.lab.gateway import Gateway, node_actions
-from providers.lab.metadata import MetadataServer, aws_values, gcp_values
+from providers.lab.metadata import MetadataServer, aws_credentials, aws_values, gcp_values
 from elastic.net.overlay import OVERLAY_PORT
 from providers.local import localnet
 
@@ -136,6 +136,12 @@ class VmLab:
                 except Exception as exc:   # noqa: BLE001 -- noted; the other instances still boot
                     log.warning("lab: %s did not boot: %s", iid, exc)
                     self.boot_errors[iid] = str(exc)
+        for iid, (cloud, _, vm) in live.items():
+            md = self.metadata.get(iid)
+            if cloud == "aws" and md is not None and md.get("meta-data/iam/role") is None and vm.get("IamInstanceProfile"):
+                # EC2 (moto) associates the profile just after the instance is listed.
+                if role := self._role_of(vm["IamInstanceProfile"]):
+                    md.update(aws_credentials(iid, role))
         for iid, m in list(self.machines.items()):
             if iid not in live:
                 self._power_off(iid, "api")
