@@ -225,7 +225,7 @@ name: rehearse-test
 model: {layers: 2, width: 128, heads: 2, context: 32}
 data: {corpus_bytes: 200000}
 train: {inner_steps: 4, outer_steps: 3, batch_size: 4, seq_len: 32, inner_lr: 0.003, warmup_steps: 2}
-world: {min_replicas: 1, replicas: 1, max_replicas: 1, ranks_per_replica: 1, capacity_timeout_s: 600}
+world: {min_replicas: 2, replicas: 2, max_replicas: 2, ranks_per_replica: 1, capacity_timeout_s: 600}
 resources:
   clouds: [aws]
   regions: [us-west-2]
@@ -268,10 +268,11 @@ def _leftovers(tag: str, driver_pid: int) -> list[str]:
 
 
 def test_rehearse_runs_an_aws_recipe_to_completed_over_the_overlay(tmp_path):
-    """`elastic rehearse`, as a user runs it: the VM boots the provider's user data, installs the
-    wheel, reads its overlay key with its instance role's credentials from its metadata server,
-    joins the overlay and Ray, trains, and is released at the end; the run completes with its
-    report, the training crossed the WireGuard overlay, and nothing of the lab is left."""
+    """`elastic rehearse`, as a user runs it: two VMs boot the provider's user data, install the
+    wheel, read their overlay keys with their instance role's credentials from their metadata
+    servers, join the overlay and Ray, train two replicas, and are released at the end; the run
+    completes with its report, the replicas' syncs crossed the WireGuard overlay, and nothing of
+    the lab is left."""
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(REHEARSE_RECIPE)
     run_dir = tmp_path / "run"
@@ -286,12 +287,13 @@ def test_rehearse_runs_an_aws_recipe_to_completed_over_the_overlay(tmp_path):
     report = json.loads((run_dir / "report.json").read_text())
     assert report["status"] == "completed" and report["outer_steps"] == 3, out[-3000:]
     assert (run_dir / "report.html").exists()
-    [(vm, how, received, sent)] = re.findall(
-        r"rehearse: (i-[0-9a-f]+) \(aws\) ended: ([^,]+), \d+ s after its boot; overlay (\d+) bytes received, "
-        r"(\d+) sent", out)
-    assert how == "released through its cloud's API"
-    # The model's state went out to the VM over WireGuard (a join alone carries a tenth of it).
-    assert int(received) > _model_bytes(recipe), (received, sent)
+    ends = re.findall(r"rehearse: (i-[0-9a-f]+) \(aws\) ended: ([^,]+), \d+ s after its boot; overlay (\d+) bytes "
+                      r"received, (\d+) sent", out)
+    assert len(ends) == 2 and {how for _, how, _, _ in ends} == {"released through its cloud's API"}, out[-3000:]
+    # Each outer step's sync between the two replicas crossed WireGuard: three model's worth
+    # each way (a join alone carries a tenth of one).
+    for vm, _, received, sent in ends:
+        assert int(received) > 2 * _model_bytes(recipe) and int(sent) > 2 * _model_bytes(recipe), (vm, received, sent)
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert not _leftovers(tag, int(driver))
-    print(f"rehearsal completed in {took_s:.0f} s; {vm}: {received} B in, {sent} B out over the overlay")
+    print(f"rehearsal completed in {took_s:.0f} s; overlay bytes (VM, in, out): {[(e[0], e[2], e[3]) for e in ends]}")
