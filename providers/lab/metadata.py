@@ -188,7 +188,9 @@ class _Server:
                     value = server._wait(path, query.get("last_etag"), float(query.get("timeout_sec", 300)))
                 if value is None:
                     return self.answer(404)
-                self.answer(200, value, {"ETag": _etag(value), "Metadata-Flavor": "Google"})
+                # JSON answers (token, an account's details) say so: google-auth parses by the type.
+                ctype = "application/json" if value.startswith("{") else "application/text"
+                self.answer(200, value, {"ETag": _etag(value), "Metadata-Flavor": "Google", "Content-Type": ctype})
 
         return Handler
 
@@ -214,9 +216,9 @@ class _Quiet(http.server.BaseHTTPRequestHandler):
     def answer(self, status: int, body: str = "", headers: dict | None = None) -> None:
         payload = body.encode()
         self.send_response(status)
-        for k, v in (headers or {}).items():
+        headers = {"Content-Type": "text/plain", **(headers or {})}
+        for k, v in headers.items():
             self.send_header(k, v)
-        self.send_header("Content-Type", "text/plain")
         self.send_header("Content-Length", str(len(payload)))
         self.end_headers()
         self.wfile.write(payload)
@@ -256,11 +258,20 @@ def gcp_values(name: str, instance_id: str, zone: str, project: str, private_ip:
               "instance/network-interfaces/0/access-configs/0/external-ip": public_ip,
               "instance/attributes/startup-script": startup_script,
               "instance/preempted": "FALSE", "instance/maintenance-event": "NONE"}
+    # gcloud and google-auth ask whether they run on Compute Engine (the numeric project id), which
+    # accounts the VM has (the listing), then one account's details (`?recursive=true`) and token.
+    values["project/numeric-project-id"] = str(int(hashlib.sha1(project.encode()).hexdigest()[:10], 16))
     if account:
-        values["instance/service-accounts/default/email"] = account
-    if token:
-        values["instance/service-accounts/default/token"] = json.dumps(
-            {"access_token": token, "expires_in": 3599, "token_type": "Bearer"})
+        values["instance/service-accounts/"] = f"default/\n{account}/\n"
+        scopes = "https://www.googleapis.com/auth/cloud-platform"
+        for alias in ("default", account):
+            values[f"instance/service-accounts/{alias}/"] = json.dumps(
+                {"aliases": ["default"], "email": account, "scopes": [scopes]})
+            values[f"instance/service-accounts/{alias}/email"] = account
+            values[f"instance/service-accounts/{alias}/scopes"] = scopes + "\n"
+            if token:
+                values[f"instance/service-accounts/{alias}/token"] = json.dumps(
+                    {"access_token": token, "expires_in": 3599, "token_type": "Bearer"})
     return values
 
 
