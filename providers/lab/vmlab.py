@@ -35,6 +35,8 @@ POLL_S = 0.3
 LIVE_EC2 = ("pending", "running")
 LIVE_GCE = ("PROVISIONING", "STAGING", "RUNNING")
 WORK_ROOT = Path("/run/elastic-lab")
+AWS_NOTICE_S = 120.0   # EC2's spot interruption notice comes two minutes ahead
+GCE_NOTICE_S = 30.0    # Compute Engine's preemption notice, 30 s
 DRIVER_NETWORK = "driver"   # the lab's region where the driver's host sits (not a cloud's)
 CONSOLE_KEPT_LINES = 2000   # what a console API shows of a machine's console (EC2 keeps its last 64 KB)
 
@@ -90,6 +92,7 @@ class VmLab:
         self.ended: dict[str, str] = {}          # instance id -> how it ended ("terminated", "stopped", "api")
         self.boot_errors: dict[str, str] = {}
         self.overlay_bytes: dict[str, tuple[int, int]] = {}   # instance id -> (received, sent) at its end
+        self._reclaim_at: dict[str, float] = {}   # instance id -> unix time its cloud takes it back
         self._on_end = on_end or (lambda line: log.info("lab: %s", line))
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -147,6 +150,8 @@ class VmLab:
                 self._power_off(iid, "api")
             elif m.shutdown_due():
                 self._halted(iid)
+            elif iid in self._reclaim_at and time.time() >= self._reclaim_at[iid]:
+                self._reclaim(iid)
             elif (m.root / "interrupt").exists() and not m.interrupted:
                 m.interrupted = True
                 self.notify(iid)
@@ -313,9 +318,24 @@ class VmLab:
             time.sleep(POLL_S)   # polling a condition, bounded by the deadline
         raise TimeoutError(f"lab: {what} within {timeout_s:g} s")
 
-    def notify(self, iid: str, lead_s: float = 120.0) -> None:
-        """An interruption notice on instance `iid`'s metadata server."""
+    def notify(self, iid: str, lead_s: float | None = None) -> None:
+        """An interruption notice on instance `iid`'s metadata server; its cloud reclaims it
+        `lead_s` later (default: EC2's two minutes, Compute Engine's 30 s)."""
+        m = self.machines[iid]
+        lead_s = (AWS_NOTICE_S if m.cloud == "aws" else GCE_NOTICE_S) if lead_s is None else lead_s
         self.metadata[iid].notify(lead_s)
+        self._reclaim_at[iid] = time.time() + lead_s
+
+    def _reclaim(self, iid: str) -> None:
+        """The cloud takes a spot VM back (its notice ran out): terminated on EC2, preempted
+        (TERMINATED) on Compute Engine."""
+        self._reclaim_at.pop(iid, None)
+        m = self.machines[iid]
+        if m.cloud == "aws":
+            _ec2(self.aws.endpoint, self.hosts[iid].region).terminate_instances(InstanceIds=[iid])
+        else:
+            self.gcp.preempt(iid)
+        self._power_off(iid, "reclaimed by its cloud after an interruption notice")
 
     def console(self, iid: str, lines: int = 40) -> str:
         """The tail of instance `iid`'s serial console (also after it ended, until `down`)."""
