@@ -15,7 +15,9 @@ SIGTERM.
 Its lab is `/run/elastic-lab/<tag>/` (the first line it prints names it); while it runs,
 writing a file `interrupt` into a VM's directory there (`/run/elastic-lab/<tag>/<instance id>/`)
 makes that VM's metadata server announce a spot interruption (AWS: `spot/instance-action`, two
-minutes ahead; GCP: `preempted`), which is how a test or a user rehearses a preemption.
+minutes ahead; GCP: `preempted`, 30 s), and its cloud reclaims it when the notice runs out:
+how a test or a user rehearses a preemption. One rehearsal at a time per machine: the driver's
+network (`VmLab.attach_driver`) is this machine's own.
 """
 
 from __future__ import annotations

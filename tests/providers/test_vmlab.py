@@ -297,3 +297,108 @@ def test_rehearse_runs_an_aws_recipe_to_completed_over_the_overlay(tmp_path):
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert not _leftovers(tag, int(driver))
     print(f"rehearsal completed in {took_s:.0f} s; overlay bytes (VM, in, out): {[(e[0], e[2], e[3]) for e in ends]}")
+
+
+MULTI_RECIPE = """\
+name: rehearse-multi
+model: {layers: 2, width: 128, heads: 2, context: 32}
+data: {corpus_bytes: 200000}
+train: {inner_steps: 4, outer_steps: 200, batch_size: 4, seq_len: 32, inner_lr: 0.003, warmup_steps: 2}
+world: {min_replicas: 2, replicas: 3, max_replicas: 3, ranks_per_replica: 1, capacity_timeout_s: 900}
+resources:
+  clouds: [aws, gcp]
+  regions: [us-west-2, us-east-1, us-central1]
+  accelerators: "L4:1"
+  head: local
+  join_timeout_s: 900
+  autodown_after_s: 60
+planner: {spread_min: 3}
+aws:
+  ami_ssm_parameter: /aws/service/ami-amazon-linux-latest/al2023-ami-kernel-default-x86_64
+  node_role_boundary: elastic-node
+"""
+
+
+class _Lines:
+    """A process's output lines as they come, each with the monotonic time it was read."""
+
+    def __init__(self, proc: subprocess.Popen):
+        import threading
+
+        self.lines: list[tuple[float, str]] = []
+        self._new = threading.Condition()
+        self._proc = proc
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            with self._new:
+                self.lines.append((time.monotonic(), line.rstrip("\n")))
+                self._new.notify_all()
+        with self._new:
+            self._new.notify_all()
+
+    def text(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+    def wait(self, pattern: str, timeout_s: float, count: int = 1) -> list[re.Match]:
+        """The first `count` matches of `pattern`, waiting up to `timeout_s` for them."""
+        deadline = time.monotonic() + timeout_s
+        with self._new:
+            while True:
+                found = [m for _, line in self.lines if (m := re.search(pattern, line))]
+                if len(found) >= count:
+                    return found[:count]
+                left = deadline - time.monotonic()
+                if left <= 0 or (self._proc.poll() is not None and not self._new.wait(0.5)):
+                    raise AssertionError(f"no {count} x {pattern!r} within {timeout_s:g} s:\n{self.text()[-6000:]}")
+                self._new.wait(left)
+
+    def when(self, pattern: str) -> float:
+        return next(t for t, line in self.lines if re.search(pattern, line))
+
+
+def test_rehearse_three_regions_two_clouds_a_spot_notice_drains_and_a_killed_driver_leaves_nothing(tmp_path):
+    """`elastic rehearse` of a recipe over two AWS regions and one GCP region: the three replicas
+    train over the overlay; an interruption notice served by one VM's metadata server (the
+    rehearsal's `interrupt` file) drains that replica before EC2 reclaims the VM; then the driver
+    is killed with SIGKILL, and every VM ends itself through the production path (the watcher's
+    autodown: AWS `shutdown`, terminated by its shutdown behaviour; GCP deletes itself with its
+    own account) within autodown_after_s + 60 s, and nothing of the lab is left."""
+    import signal
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(MULTI_RECIPE)
+    proc = subprocess.Popen([sys.executable, "-m", "elastic", "rehearse", str(recipe), "--run-dir", str(tmp_path / "run")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"})
+    out = _Lines(proc)
+    try:
+        tag, driver = out.wait(r"rehearse: lab (el[0-9a-f]{4}) at \S+; driver pid (\d+)", 600)[0].groups()
+        joined = out.wait(r"joined: replica \d+ on (\S+)", 1200, count=3)
+        out.wait(r"^outer \d+/", 300)
+        rented = {m[1]: m[2] for m in out.wait(r"rented (\S+): \S+ in (\w+:[\w-]+)", 10, count=3)}
+        assert sorted(v.split(":")[0] for v in rented.values()) == ["aws", "aws", "gcp"], rented
+        vm = next(iid for iid, where in rented.items() if where.startswith("aws:us-east-1"))
+        (Path(f"/run/elastic-lab/{tag}") / vm / "interrupt").touch()
+        out.wait(rf"notice: {vm} ", 120)
+        out.wait(rf"drained: replica \d+ on {vm} ", 180)
+        out.wait(rf"rehearse: {vm} \(aws\) ended: reclaimed by its cloud", 240)
+        # Its replacement joins (a VM still booting when the driver dies has no watcher yet).
+        out.wait(r"joined: replica \d+ on (\S+)", 900, count=4)
+        live = {m[1] for m in joined} - {vm} | {out.wait(r"joined: replica \d+ on (\S+)", 1, count=4)[3][1]}
+        os.kill(int(driver), signal.SIGKILL)
+        killed = time.monotonic()
+        assert proc.wait(timeout=60 + 60 + 120) == 128 + signal.SIGKILL, out.text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=300)
+    text = out.text()
+    for iid in live:
+        how = "terminated by its own shutdown" if iid.startswith("i-") else "released through its cloud's API"
+        pattern = rf"rehearse: {iid} \(\w+\) ended: {how}"
+        assert re.search(pattern, text), text[-4000:]
+        assert out.when(pattern) - killed <= 60 + 60, f"{iid} ended {out.when(pattern) - killed:.0f} s after the kill"
+    assert "did not end itself" not in text
+    assert not _leftovers(tag, int(driver))
