@@ -19,6 +19,7 @@ Directory layout on this host (`root`, also the same paths inside the machine):
     os/user-data   the script as the cloud returned it
     run/           shutdown-at (unix time a halt is due), written by os/bin/shutdown
     log/           the machine's /var/log
+    home/          its root's ~/.config, ~/.ray, ~/.aws, ~/.cache
     venv/          the image's Python
     console        the serial console
 """
@@ -70,6 +71,12 @@ mount --bind __ROOT__/log /var/log
 # Its own /run/wireguard: wireguard-go's control sockets are named by interface, the same on every VM.
 mkdir -p /run/wireguard
 mount -t tmpfs -o mode=0700 tmpfs /run/wireguard
+# Its own root's dotfiles (gcloud's config and its on-GCE cache, Ray's token, the AWS CLI's,
+# caches): a fresh VM has none of this host's. (/root itself stays: the image's Python lives there.)
+for d in .config .ray .aws .cache; do
+  mkdir -p "__ROOT__/home/$d" "/root/$d"
+  mount --bind "__ROOT__/home/$d" "/root/$d"
+done
 echo "lab: ${HOSTNAME:-__HOSTNAME__} booted $(date -u +%FT%TZ); running the user data"
 set +e
 __ROOT__/os/user-data
