@@ -303,14 +303,14 @@ MULTI_RECIPE = """\
 name: rehearse-multi
 model: {layers: 2, width: 128, heads: 2, context: 32}
 data: {corpus_bytes: 200000}
-train: {inner_steps: 4, outer_steps: 200, batch_size: 4, seq_len: 32, inner_lr: 0.003, warmup_steps: 2}
+train: {inner_steps: 4, outer_steps: 100000, batch_size: 4, seq_len: 32, inner_lr: 0.003, warmup_steps: 2}
 world: {min_replicas: 2, replicas: 3, max_replicas: 3, ranks_per_replica: 1, capacity_timeout_s: 900}
 resources:
   clouds: [aws, gcp]
   regions: [us-west-2, us-east-1, us-central1]
   accelerators: "L4:1"
   head: local
-  join_timeout_s: 900
+  join_timeout_s: 300
   autodown_after_s: 60
 planner: {spread_min: 3}
 aws:
@@ -352,7 +352,7 @@ class _Lines:
                 left = deadline - time.monotonic()
                 if left <= 0 or (self._proc.poll() is not None and not self._new.wait(0.5)):
                     raise AssertionError(f"no {count} x {pattern!r} within {timeout_s:g} s:\n{self.text()[-6000:]}")
-                self._new.wait(left)
+                self._new.wait(min(left, 1.0))   # the output may end before the process does: look again
 
     def when(self, pattern: str) -> float:
         return next(t for t, line in self.lines if re.search(pattern, line))
@@ -361,7 +361,7 @@ class _Lines:
 def test_rehearse_three_regions_two_clouds_a_spot_notice_drains_and_a_killed_driver_leaves_nothing(tmp_path):
     """`elastic rehearse` of a recipe over two AWS regions and one GCP region: the three replicas
     train over the overlay; an interruption notice served by one VM's metadata server (the
-    rehearsal's `interrupt` file) drains that replica before EC2 reclaims the VM; then the driver
+    rehearsal's `interrupt` file) drains that replica and its VM goes; a replacement joins; then the driver
     is killed with SIGKILL, and every VM ends itself through the production path (the watcher's
     autodown: AWS `shutdown`, terminated by its shutdown behaviour; GCP deletes itself with its
     own account) within autodown_after_s + 60 s, and nothing of the lab is left."""
@@ -377,13 +377,16 @@ def test_rehearse_three_regions_two_clouds_a_spot_notice_drains_and_a_killed_dri
         tag, driver = out.wait(r"rehearse: lab (el[0-9a-f]{4}) at \S+; driver pid (\d+)", 600)[0].groups()
         joined = out.wait(r"joined: replica \d+ on (\S+)", 1200, count=3)
         out.wait(r"^outer \d+/", 300)
-        rented = {m[1]: m[2] for m in out.wait(r"rented (\S+): \S+ in (\w+:[\w-]+)", 10, count=3)}
-        assert sorted(v.split(":")[0] for v in rented.values()) == ["aws", "aws", "gcp"], rented
-        vm = next(iid for iid, where in rented.items() if where.startswith("aws:us-east-1"))
+        # (A VM that never joins, its `ray start` timed out on this busy host, is replaced.)
+        rented = dict(re.findall(r"rented (\S+): \S+ in (\w+:[\w-]+)", out.text()))
+        where = {m[1]: rented[m[1]] for m in joined}
+        assert sorted(w.split(":")[0] for w in where.values()) == ["aws", "aws", "gcp"], where
+        vm = next(iid for iid, w in where.items() if w.startswith("aws:"))
         (Path(f"/run/elastic-lab/{tag}") / vm / "interrupt").touch()
         out.wait(rf"notice: {vm} ", 120)
         out.wait(rf"drained: replica \d+ on {vm} ", 180)
-        out.wait(rf"rehearse: {vm} \(aws\) ended: reclaimed by its cloud", 240)
+        # The driver releases the drained VM, or EC2 reclaims it when the notice runs out.
+        out.wait(rf"rehearse: {vm} \(aws\) ended: (released through its cloud's API|reclaimed by its cloud)", 240)
         # Its replacement joins (a VM still booting when the driver dies has no watcher yet).
         out.wait(r"joined: replica \d+ on (\S+)", 900, count=4)
         live = {m[1] for m in joined} - {vm} | {out.wait(r"joined: replica \d+ on (\S+)", 1, count=4)[3][1]}
