@@ -42,6 +42,11 @@ def _parser() -> argparse.ArgumentParser:
                          "before the recipe's tokens are trained (train until the budget runs out)")
     offline_arg(sp)
 
+    sp = sub.add_parser("rehearse", help="run an aws/gcp recipe end to end on this machine: local fakes of the "
+                        "clouds' APIs, every VM a machine here running its real boot script (needs root)")
+    recipe_args(sp)
+    sp.add_argument("--run-dir", type=Path, help="where the run writes (default runs/<name>-<UTC time>/)")
+
     sp = sub.add_parser("validate", help="check a recipe and what its clouds need (credentials, project, regions, "
                                           "quota, checkpoint bucket); print every problem, one line each")
     recipe_args(sp)
@@ -302,6 +307,9 @@ def _dispatch(args, err) -> int:
                 run_dir = default_run_dir(recipe).with_name(f"{run_name}-resumed-{run_dir.name.rpartition('-')[2]}")
             return launch_controller(recipe, run_dir, out, follow=not args.detach, run=run_name)
         return launch(recipe, run_dir, address=args.address, console=out, resume=bool(args.resume), earlier=earlier)
+    if args.command == "rehearse":   # `launch` as written, its driver a child, against the lab's clouds
+        from providers.lab.rehearse import rehearse
+        return rehearse(args.recipe, args.overrides, args.run_dir, out)
     if args.command == "report":
         from elastic.errors import UserError
         from elastic.views.report import build_report, compare_table, summary_table

@@ -294,11 +294,13 @@ class JoinTimeout(CapacityError):
         released_at: unix time it was terminated.
         timeout_s: the join timeout it ran into, seconds.
         waited_s: how long it was waited for (less than `timeout_s` when the run stopped first).
+        console_tail: the last lines of its serial console (its boot log), "" when none was read.
     """
 
     def __init__(self, message: str, instance: Instance, released_at: float, timeout_s: float,
-                 waited_s: float | None = None):
+                 waited_s: float | None = None, console_tail: str = ""):
         super().__init__(message)
+        self.console_tail = console_tail
         self.instance = instance
         self.released_at = released_at
         self.timeout_s = timeout_s

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 PRICE_TTL_S = 300.0          # spot prices on disk are reused for this long
 JOIN_POLL_S = 1.0            # how often a launch looks for its node in the Ray cluster
 ADDRESS_WAIT_S = 30.0       # how long a launch waits for the cloud to name a VM's public address
+CONSOLE_TAIL_LINES = 10     # lines of a VM's boot log shown when it never joined
 STATE_POLL_S = 15.0          # how often events() asks the cloud whether held VMs still run
 NOTICE_KV_PREFIX = "elastic/notice/"   # Ray internal KV key the node's watcher writes, + instance id
 BOOTSTRAP_TEMPLATE = Path(__file__).resolve().parents[1] / "infra" / "bootstrap.sh.tmpl"
@@ -177,7 +178,9 @@ class CloudNetwork:
 
     `ELASTIC_OVERLAY_ENDPOINT` (HOST:PORT, set by the controller's boot script to its public
     address) is where nodes reach the head; without it (a laptop behind NAT) the head dials each
-    node, and a node without a public address cannot join. Needs root and wireguard-tools (and
+    node, and a node without a public address cannot join. `ELASTIC_OVERLAY_LISTEN_PORT` fixes the
+    UDP port a fresh interface listens on (default: any free one), for an endpoint forwarded to it
+    (the VM lab's NAT, a router's port forward). Needs root and wireguard-tools (and
     wireguard-go where the kernel has no WireGuard).
     """
 
@@ -188,7 +191,8 @@ class CloudNetwork:
             self.iface = overlay.Interface(ifname=f"elw{os.urandom(4).hex()}")
             overlay.claim(self.iface.ifname)   # a killed run's is found by `elastic down --orphans`
             try:
-                self.iface.up(overlay.HEAD_IP, overlay.keypair()[0], listen_port=0)
+                self.iface.up(overlay.HEAD_IP, overlay.keypair()[0],
+                              listen_port=int(os.environ.get("ELASTIC_OVERLAY_LISTEN_PORT") or 0))
             except BaseException:
                 overlay.disclaim(self.iface.ifname)
                 raise
@@ -319,6 +323,11 @@ class CloudProvider(BaseProvider):
         """Ask the cloud to delete the VM (idempotent)."""
         raise NotImplementedError
 
+    def console_tail(self, instance: Instance, lines: int = CONSOLE_TAIL_LINES) -> str:
+        """The last `lines` lines of the VM's serial console (its boot script's output), as the
+        cloud keeps it ("" when it has none yet)."""
+        raise NotImplementedError
+
     def _vm_states(self, instances: list[Instance]) -> dict[str, str]:
         """instance id -> `running` / `pending` / `gone` for VMs this provider holds."""
         raise NotImplementedError
@@ -380,12 +389,16 @@ class CloudProvider(BaseProvider):
             if self._stop.wait(JOIN_POLL_S):
                 break
         why = "the run stopped" if self._stop.is_set() else f"no Ray node joined within {timeout_s:g} s"
+        try:   # what the VM's boot script said, read before the VM (and its console) goes
+            tail = self.console_tail(inst) if not self._stop.is_set() else ""
+        except Exception as exc:   # noqa: BLE001 -- the release matters more than the log
+            tail = f"(its console could not be read: {exc})"
         self.terminate(inst.instance_id)
         if not admitted:
             net.roster.release_ip(join.overlay_ip)
         raise JoinTimeout(f"{inst.instance_id} ({offer.instance_type} in {offer.zone}): {why}; terminated",
                           instance=inst, released_at=time.time(), timeout_s=timeout_s,
-                          waited_s=round(time.monotonic() - start, 3))
+                          waited_s=round(time.monotonic() - start, 3), console_tail=tail)
 
     def terminate(self, instance_id: str) -> None:
         """Release one VM: its overlay key is revoked first, then the VM is deleted."""

@@ -33,15 +33,28 @@ log = logging.getLogger(__name__)
 POLL_S = 5.0
 HEARTBEAT_KV_KEY = "elastic/driver-heartbeat"
 HALT_CMD = ["shutdown", "-h", "now"]
+KV_TIMEOUT_S = 5.0           # one read of the heartbeat or the peers, at most
+GCS_RECONNECT_S = 10 ** 9    # Ray's reconnect timeout for the watcher's client: never
 
 
 def connect(address: str) -> None:
     """Reach the cluster's KV through a bare GCS client, not `ray.init`: a Ray driver process is
-    ended by Ray when its head goes away, and this one must outlive the head to shut the VM down."""
+    ended by Ray when its head goes away, and this one must outlive the head to shut the VM down.
+    A bare client too ends its process once the head has been unreachable for Ray's reconnect
+    timeout (60 s), which a head dying with its driver (`head: local`) always is: the watcher
+    gives Ray a timeout it never reaches, and bounds each read itself (`KV_TIMEOUT_S`)."""
+    os.environ["RAY_gcs_rpc_server_reconnect_timeout_s"] = str(GCS_RECONNECT_S)
     import ray
     from ray.experimental import internal_kv
 
     internal_kv._initialize_internal_kv(ray._raylet.GcsClient(address=address))
+
+
+def _kv_get(key: str) -> bytes | None:
+    """One read of the cluster's KV, given up after KV_TIMEOUT_S (raises)."""
+    from ray.experimental import internal_kv
+
+    return internal_kv.global_gcs_client.internal_kv_get(key.encode(), None, timeout=KV_TIMEOUT_S)
 
 
 def beat(now: float | None = None) -> None:
@@ -54,9 +67,7 @@ def beat(now: float | None = None) -> None:
 def read_beat() -> str | None:
     """The driver's last heartbeat as stored, or None when it cannot be read (the head is gone)."""
     try:
-        from ray.experimental import internal_kv
-
-        value = internal_kv._internal_kv_get(HEARTBEAT_KV_KEY)
+        value = _kv_get(HEARTBEAT_KV_KEY)
     except Exception:   # any failure to reach the cluster is a missing heartbeat
         return None
     return value.decode() if value is not None else None
@@ -134,11 +145,9 @@ def cloud_watcher(cloud: str):
 def read_peers() -> str | None:
     """The run's peers document as the driver last published it, or None (unreadable, or none yet)."""
     try:
-        from ray.experimental import internal_kv
-
         from elastic.net.overlay import PEERS_KV_KEY
 
-        value = internal_kv._internal_kv_get(PEERS_KV_KEY)
+        value = _kv_get(PEERS_KV_KEY)
     except Exception:   # the head unreachable: keep the peers as they are
         return None
     return value.decode() if value is not None else None

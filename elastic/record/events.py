@@ -419,13 +419,18 @@ class NodeReleased(Event):
 @_event("node_join_timeout")
 class NodeJoinTimeout(Event):
     """A rented VM never joined the cluster. Args: instance_id: the VM. timeout_s:
-    `resources.join_timeout_s`."""
+    `resources.join_timeout_s`. boot_log: the last lines of its serial console (its boot script's
+    output) as the cloud kept it, "" when none was read."""
 
     instance_id: str
     timeout_s: float
+    boot_log: str = ""
 
     def story(self) -> str:
-        return f"never joined: {self.instance_id}"
+        if not self.boot_log:
+            return f"never joined: {self.instance_id}"
+        return f"never joined: {self.instance_id}; its boot log ends:\n" + "\n".join(
+            f"    {line}" for line in self.boot_log.splitlines())
 
 
 @_event("capacity_error")

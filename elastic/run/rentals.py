@@ -147,7 +147,8 @@ class Rentals:
         """A VM that was rented but never joined: launched, timed out, released (billed between)."""
         self._record_launch(exc.instance, offer, joined=False)
         if exc.waited_s >= exc.timeout_s:   # not when the run stopped while it was still booting
-            self._ledger.append(NodeJoinTimeout(instance_id=exc.instance.instance_id, timeout_s=exc.timeout_s))
+            self._ledger.append(NodeJoinTimeout(instance_id=exc.instance.instance_id, timeout_s=exc.timeout_s,
+                                                boot_log=exc.console_tail))
         self._ledger.append(NodeReleased(instance_id=exc.instance.instance_id, released_at=exc.released_at))
 
     def _link_peer(self, offer) -> tuple[str, str, str] | None:

@@ -113,7 +113,9 @@ def rank_device():
     """The device this rank trains on: the one GPU Ray assigned it, made current, or the CPU when
     Ray assigned none (a CPU node). Ray names the assigned GPU in CUDA_VISIBLE_DEVICES, so this
     process sees it alone, as cuda:0; where Ray was told not to set it, the id is the index.
-    Raises when Ray assigned a GPU that torch cannot use (a CPU-only torch on a GPU node)."""
+    Raises when Ray assigned a GPU that torch cannot use (a CPU-only torch on a GPU node), except
+    on the VM lab's machines (`ELASTIC_LAB_GPU_IS_CPU=1`, set by providers/lab/machine.py), whose
+    "GPUs" are this host's CPU."""
     import ray
     import torch
 
@@ -124,6 +126,8 @@ def rank_device():
         return torch.device("cpu")
     if len(ids) != 1:
         raise RuntimeError(f"a rank takes one GPU; Ray assigned {ids}")
+    if not torch.cuda.is_available() and os.environ.get("ELASTIC_LAB_GPU_IS_CPU") == "1":
+        return torch.device("cpu")
     if not torch.cuda.is_available():
         raise RuntimeError(f"Ray assigned GPU {ids[0]} to this rank but torch sees no CUDA device "
                            f"(torch {torch.__version__}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")

@@ -105,7 +105,8 @@ resource "google_project_iam_custom_role" "driver" {
     "iam.serviceAccounts.create",
     # Instance permissions that change or delete a VM are in elastic.driverInstances below, limited
     # to the instances elastic names elastic-*; creating is conditioned the same way there.
-    "compute.instances.get", "compute.instances.list", "compute.disks.create", "compute.images.useReadOnly",
+    "compute.instances.get", "compute.instances.list", "compute.disks.create",
+    "compute.instances.getSerialPortOutput",   # the boot log of a VM that never joined "compute.images.useReadOnly",
     "compute.subnetworks.use", "compute.subnetworks.useExternalIp", "compute.networks.use",
     "compute.networks.useExternalIp", "compute.zoneOperations.get", "compute.zones.list",
     "compute.regions.get",   # the region's GPU quotas, which validate / launch check first

@@ -24,7 +24,7 @@ from elastic.errors import UserError
 from providers.aws.config import AWSSection
 from providers.aws.scope import RunScope
 from providers.base import CapacityError, Instance, Offer
-from providers.cloud import (CONTROLLER_TEMPLATE, CloudProvider, NodeJoin, cached_json, head_address,
+from providers.cloud import (CONSOLE_TAIL_LINES, CONTROLLER_TEMPLATE, CloudProvider, NodeJoin, cached_json, head_address,
                              heartbeat_time, join_values, labels_arg, quote, render_bootstrap, usable_price)
 
 log = logging.getLogger(__name__)
@@ -615,6 +615,12 @@ class AWSProvider(CloudProvider):
             if exc.response.get("Error", {}).get("Code") != "InvalidInstanceID.NotFound":
                 raise
         log.info("terminated %s", instance.instance_id)
+
+    def console_tail(self, instance: Instance, lines: int = CONSOLE_TAIL_LINES) -> str:
+        """GetConsoleOutput (EC2 keeps the last 64 KB; botocore decodes its base64 `Output`)."""
+        out = self._call("ec2", instance.offer.region, "get_console_output", InstanceId=instance.instance_id)
+        text = out.get("Output") or ""
+        return "\n".join(text.splitlines()[-lines:])
 
     def _vm_states(self, instances: list[Instance]) -> dict[str, str]:
         out = {}

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from elastic.errors import UserError, described
 from elastic.net.overlay import OVERLAY_PORT
 from providers.base import CapacityError, Instance, Offer
-from providers.cloud import (CONTROLLER_TEMPLATE, CloudProvider, NodeJoin, cached_json, head_address,
+from providers.cloud import (CONSOLE_TAIL_LINES, CONTROLLER_TEMPLATE, CloudProvider, NodeJoin, cached_json, head_address,
                              heartbeat_time, join_values, labels_arg, quote, render_bootstrap, usable_price)
 from providers.gcp.api import (BILLING_ENDPOINT_ENV, COMPUTE_ENDPOINT_ENV, SECRETS_ENDPOINT_ENV, credentials_or_line,
                               endpoint_override, is_local, label_value)
@@ -841,6 +841,12 @@ class GCPProvider(CloudProvider):
             raise exceptions.from_http_status(op.http_error_status_code or 500,
                                               op.http_error_message or op.error.errors[0].message,
                                               errors=list(op.error.errors))
+
+    def console_tail(self, instance: Instance, lines: int = CONSOLE_TAIL_LINES) -> str:
+        """instances.getSerialPortOutput of port 1 (`contents`)."""
+        out = self._call("read serial port", lambda: self._client("instances").get_serial_port_output(
+            project=self.project, zone=instance.offer.zone, instance=instance.instance_id, retry=self._retry()))
+        return "\n".join((out.contents or "").splitlines()[-lines:])
 
     def _terminate_vm(self, instance: Instance) -> None:
         """Delete the VM and wait for the zone operation (a VM already gone is fine)."""

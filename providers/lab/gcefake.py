@@ -177,6 +177,10 @@ class GCPFake:
         # a local Ray node labelled with its name, and stop it again.
         self.on_insert = None   # (name, body) -> None
         self.on_delete = None   # (name) -> None
+        # Set by the VM lab, which is the network here: (name, zone) -> (private IP, public IP) of
+        # a VM being created (called before the insert answers), and name -> its serial console.
+        self.addresses = None
+        self.console = None
         self.secrets: dict[str, dict] = {}            # Secret Manager: id -> labels, version payloads
         self.firewalls: dict[str, dict] = {}          # firewall rule name -> rule resource
         self.service_accounts: dict[str, dict] = {}   # email -> service account resource
@@ -412,7 +416,7 @@ class GCPFake:
             return 200, {"items": items}
         if m := re.fullmatch(r"global/firewalls(?:/([^/]+))?", rest):
             return self._firewall(method, base, m[1], body)
-        m = re.fullmatch(r"zones/([^/]+)/(instances|operations)(?:/([^/]+))?(/wait|/setLabels|/setIamPolicy)?", rest)
+        m = re.fullmatch(r"zones/([^/]+)/(instances|operations)(?:/([^/]+))?(/wait|/setLabels|/setIamPolicy|/serialPort)?", rest)
         if not m:
             return 404, _error(404, f"no such path {path}", "notFound")
         zone, kind, name, verb = m.groups()
@@ -433,6 +437,10 @@ class GCPFake:
         if inst is None or not inst["zone"].endswith(f"/{zone}"):
             return 404, _error(404, f"The resource 'projects/{project}/zones/{zone}/instances/{name}' was not "
                                     "found", "notFound")
+        if method == "GET" and verb == "/serialPort":   # port 1, from the start: what the VM wrote
+            contents = self.console(name) if self.console is not None else ""
+            return 200, {"kind": "compute#serialPortOutput", "contents": contents, "start": "0",
+                         "next": str(len(contents.encode())), "selfLink": f"{inst['selfLink']}/serialPort"}
         if method == "GET":
             return 200, inst
         if method == "POST" and verb == "/setLabels":   # optimistic locking, as the API does
@@ -548,9 +556,11 @@ class GCPFake:
         else:
             n = next(self._ids)
             # Addresses as Compute Engine gives them: a private one on the VPC, a public one (here in
-            # TEST-NET-3, never routed) for each access config.
-            nics = [{**nic, "networkIP": f"10.128.{n // 250}.{n % 250 + 2}",
-                     "accessConfigs": [{**ac, "natIP": f"203.0.113.{n % 250 + 2}"} for ac in nic.get("accessConfigs", [])]}
+            # TEST-NET-3, never routed) for each access config; the lab's machine's where a lab runs.
+            private, public = ((self.addresses(name, zone) if self.addresses is not None else None)
+                               or (f"10.128.{n // 250}.{n % 250 + 2}", f"203.0.113.{n % 250 + 2}"))
+            nics = [{**nic, "networkIP": private,
+                     "accessConfigs": [{**ac, "natIP": public} for ac in nic.get("accessConfigs", [])]}
                     for nic in body.get("networkInterfaces", [])]
             self.instances[name] = {
                 **body, "networkInterfaces": nics, "id": str(n), "kind": "compute#instance", "status": "RUNNING",

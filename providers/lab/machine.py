@@ -19,6 +19,7 @@ Directory layout on this host (`root`, also the same paths inside the machine):
     os/user-data   the script as the cloud returned it
     run/           shutdown-at (unix time a halt is due), written by os/bin/shutdown
     log/           the machine's /var/log
+    home/          its root's ~/.config, ~/.ray, ~/.aws, ~/.cache
     venv/          the image's Python
     console        the serial console
 """
@@ -67,6 +68,15 @@ hostname __HOSTNAME__
 mount --bind __ROOT__/etc/hostname /etc/hostname
 mount --bind __ROOT__/etc/hosts /etc/hosts
 mount --bind __ROOT__/log /var/log
+# Its own /run/wireguard: wireguard-go's control sockets are named by interface, the same on every VM.
+mkdir -p /run/wireguard
+mount -t tmpfs -o mode=0700 tmpfs /run/wireguard
+# Its own root's dotfiles (gcloud's config and its on-GCE cache, Ray's token, the AWS CLI's,
+# caches): a fresh VM has none of this host's. (/root itself stays: the image's Python lives there.)
+for d in .config .ray .aws .cache; do
+  mkdir -p "__ROOT__/home/$d" "/root/$d"
+  mount --bind "__ROOT__/home/$d" "/root/$d"
+done
 echo "lab: ${HOSTNAME:-__HOSTNAME__} booted $(date -u +%FT%TZ); running the user data"
 set +e
 __ROOT__/os/user-data
@@ -95,6 +105,7 @@ class Machine:
     proc: subprocess.Popen
     booted_at: float
     closers: list = field(default_factory=list)
+    interrupted: bool = False   # its metadata server announced an interruption
 
     def shutdown_due(self, now_s: float | None = None) -> bool:
         """Whether its `shutdown` asked for a halt that is due now."""
@@ -124,6 +135,23 @@ class Machine:
         if not path.startswith("/var/log/"):
             raise ValueError("only the machine's /var/log is its own")
         return self.root / "log" / path.removeprefix("/var/log/")
+
+    def init_pid(self) -> int | None:
+        """Its PID 1, as this host numbers it (None: powered off)."""
+        try:
+            children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        except OSError:
+            return None
+        return int(children[0]) if children else None
+
+    def run(self, *args: str) -> str:
+        """Run a command inside the machine (its network and mount namespaces) as root; its stdout
+        ("" when the machine is off or the command fails)."""
+        pid = self.init_pid()
+        if pid is None:
+            return ""
+        proc = subprocess.run(["nsenter", "-t", str(pid), "-n", "-m", *args], capture_output=True, text=True)
+        return proc.stdout if proc.returncode == 0 else ""
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -182,8 +210,9 @@ def boot(instance_id: str, cloud: str, netns: str, root: Path, hostname: str, sc
     (root / "os" / "init").write_text(init)
     (root / "os" / "init").chmod(0o700)
     path = ":".join([str(root / "os" / "bin"), str(bin_dir), os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")])
+    # ELASTIC_LAB_GPU_IS_CPU: the instance type's GPUs are this host's CPU (elastic.train.replica.rank_device).
     machine_env = {"PATH": path, "HOME": "/root", "LANG": "C.UTF-8", "USER": "root", "LOGNAME": "root",
-                   "HOSTNAME": hostname, **env}
+                   "HOSTNAME": hostname, "ELASTIC_LAB_GPU_IS_CPU": "1", **env}
     with open(root / "console", "ab", buffering=0) as console:   # the child holds its own copy
         proc = subprocess.Popen(
             ["ip", "netns", "exec", netns, "unshare", "--mount", "--uts", "--pid", "--fork", "--kill-child",

@@ -5,23 +5,33 @@ as its cloud's does: EC2's IMDSv2 (a session token from `PUT /latest/api/token`,
 what the node's boot script, its watcher and the SDKs on it read, and nothing else (404).
 
 Interruption notices are set by the lab (`notify`): EC2's `spot/instance-action`, Compute
-Engine's `instance/preempted` turning TRUE."""
+Engine's `instance/preempted` turning TRUE.
+
+Each server is a process of its own in its machine's namespace (`MetadataServer` starts it),
+answering from a file the lab writes."""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import http.server
 import json
+import os
 import secrets
+import subprocess
+import sys
 import threading
 import time
 import urllib.parse
 from datetime import datetime, timezone
-
-from providers.lab import netns
+from pathlib import Path
 
 ADDRESS = "169.254.169.254"
 AWS_TOKEN_MAX_TTL_S = 21600
+READY_TIMEOUT_S = 60.0   # a Python start on a busy host
+WAIT_POLL_S = 0.2
+PARENT_POLL_S = 1.0
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _iso(unix_s: float) -> str:
@@ -29,34 +39,65 @@ def _iso(unix_s: float) -> str:
 
 
 class MetadataServer:
-    """One machine's metadata server.
+    """One machine's metadata server: a process of its own inside the machine's network namespace
+    (`python -m providers.lab.metadata`), so that it answers in time whatever the process that
+    booted the machine is busy with (the SDKs on a VM give IMDS one second). It serves the answers
+    in `values.json` beside it and rereads them when the file changes (`set`, `notify`, or anyone
+    writing the file); it ends with the process that started it.
 
     Args:
-        netns: the machine's network namespace (169.254.169.254 is added to its loopback).
+        netns_name: the machine's network namespace (169.254.169.254 is added to its loopback).
         cloud: "aws" or "gcp".
         values: path below the API's root (`meta-data/instance-id`, `instance/zone`) -> answer.
+        root: a directory of its own: `values.json` (its answers), `requests` (the paths asked,
+            one a line: what the machine read), `log` (its errors).
     """
 
-    def __init__(self, netns_name: str, cloud: str, values: dict[str, str]):
-        self.cloud = cloud
+    def __init__(self, netns_name: str, cloud: str, values: dict[str, str], root: Path):
+        self.cloud, self.root = cloud, root
         self._values = dict(values)
-        self._tokens: dict[str, float] = {}   # IMDSv2 session token -> expiry (monotonic s)
-        self._changed = threading.Condition()
-        self.requests: list[str] = []          # paths asked, in order (what the machine read)
-        import subprocess
+        root.mkdir(parents=True, exist_ok=True)
+        self._write()
         subprocess.run(["ip", "-n", netns_name, "address", "add", f"{ADDRESS}/32", "dev", "lo"],
                        check=True, capture_output=True)
-        handler = self._aws_handler() if cloud == "aws" else self._gcp_handler()
-        self._server = netns.inside(netns_name, lambda: http.server.ThreadingHTTPServer((ADDRESS, 80), handler))
-        self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
-                         name=f"metadata-{netns_name}", daemon=True).start()
+        with open(root / "log", "ab", buffering=0) as log:
+            self._proc = subprocess.Popen(
+                ["ip", "netns", "exec", netns_name, sys.executable, "-m", "providers.lab.metadata", "--cloud", cloud,
+                 "--root", str(root)], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))},
+                start_new_session=True)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not (root / "ready").exists():   # it binds, then says so: the machine's first request finds it
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"metadata server in {netns_name} did not start: "
+                                   f"{(root / 'log').read_text(errors='replace')[-500:]}")
+            time.sleep(0.05)   # polling its readiness, bounded by the deadline
+
+    @property
+    def requests(self) -> list[str]:
+        """The paths the machine asked, in order."""
+        try:
+            return (self.root / "requests").read_text().splitlines()
+        except OSError:
+            return []
 
     def set(self, path: str, value: str) -> None:
         """Change one answer (long polls waiting on it return)."""
-        with self._changed:
-            self._values[path] = value
-            self._changed.notify_all()
+        self.update({path: value})
+
+    def update(self, values: dict[str, str]) -> None:
+        """Change answers at once."""
+        self._values.update(values)
+        self._write()
+
+    def get(self, path: str) -> str | None:
+        return self._values.get(path)
+
+    def _write(self) -> None:
+        tmp = self.root / "values.json.tmp"
+        tmp.write_text(json.dumps(self._values))
+        tmp.replace(self.root / "values.json")
 
     def notify(self, lead_s: float) -> None:
         """An interruption notice, the instance to go in `lead_s` seconds (EC2's two minutes,
@@ -68,13 +109,35 @@ class MetadataServer:
             self.set("instance/preempted", "TRUE")
 
     def close(self) -> None:
-        with self._changed:
-            self._changed.notify_all()
-        self._server.shutdown()
-        self._server.server_close()
+        """Stop serving (idempotent)."""
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait(timeout=10)
+
+
+class _Server:
+    """The metadata server's process: answers from `root/values.json`, reread when it changes."""
+
+    def __init__(self, cloud: str, root: Path):
+        self.cloud, self.root = cloud, root
+        self._values: dict[str, str] = {}
+        self._mtime_ns = -1
+        self._tokens: dict[str, float] = {}   # IMDSv2 session token -> expiry (monotonic s)
+        self._lock = threading.Lock()
+        self._requests = open(root / "requests", "a", buffering=1)
+
+    def note(self, path: str) -> None:
+        with self._lock:
+            self._requests.write(path + "\n")
 
     def _get(self, path: str) -> str | None:
-        with self._changed:
+        with self._lock:
+            try:
+                mtime = (self.root / "values.json").stat().st_mtime_ns
+                if mtime != self._mtime_ns:
+                    self._values, self._mtime_ns = json.loads((self.root / "values.json").read_text()), mtime
+            except (OSError, ValueError):
+                pass   # being replaced: the answers read last stand
             return self._values.get(path)
 
     # -- EC2 IMDSv2 --------------------------------------------------------------------------------
@@ -94,7 +157,7 @@ class MetadataServer:
                 self.answer(200, token, {"X-aws-ec2-metadata-token-ttl-seconds": ttl})
 
             def do_GET(self):
-                server.requests.append(self.path)
+                server.note(self.path)
                 expiry = server._tokens.get(self.headers.get("X-aws-ec2-metadata-token", ""))
                 if expiry is None or expiry < time.monotonic():
                     return self.answer(401)
@@ -115,7 +178,7 @@ class MetadataServer:
         class Handler(_Quiet):
             def do_GET(self):
                 url = urllib.parse.urlparse(self.path)
-                server.requests.append(url.path)
+                server.note(url.path)
                 if self.headers.get("Metadata-Flavor") != "Google":
                     return self.answer(403, "Missing Metadata-Flavor:Google header.")
                 path = url.path.removeprefix("/computeMetadata/v1/")
@@ -125,19 +188,19 @@ class MetadataServer:
                     value = server._wait(path, query.get("last_etag"), float(query.get("timeout_sec", 300)))
                 if value is None:
                     return self.answer(404)
-                self.answer(200, value, {"ETag": _etag(value), "Metadata-Flavor": "Google"})
+                # JSON answers (token, an account's details) say so: google-auth parses by the type.
+                ctype = "application/json" if value.startswith("{") else "application/text"
+                self.answer(200, value, {"ETag": _etag(value), "Metadata-Flavor": "Google", "Content-Type": ctype})
 
         return Handler
 
     def _wait(self, path: str, etag: str | None, timeout_s: float) -> str | None:
         deadline = time.monotonic() + timeout_s
-        with self._changed:
-            while True:
-                value = self._values.get(path)
-                left = deadline - time.monotonic()
-                if value is None or etag is None or _etag(value) != etag or left <= 0:
-                    return value
-                self._changed.wait(min(left, 1.0))
+        while True:
+            value = self._get(path)
+            if value is None or etag is None or _etag(value) != etag or time.monotonic() >= deadline:
+                return value
+            time.sleep(WAIT_POLL_S)   # a long poll: the answer is reread until it changes or time is up
 
 
 def _etag(value: str) -> str:
@@ -153,9 +216,9 @@ class _Quiet(http.server.BaseHTTPRequestHandler):
     def answer(self, status: int, body: str = "", headers: dict | None = None) -> None:
         payload = body.encode()
         self.send_response(status)
-        for k, v in (headers or {}).items():
+        headers = {"Content-Type": "text/plain", **(headers or {})}
+        for k, v in headers.items():
             self.send_header(k, v)
-        self.send_header("Content-Type", "text/plain")
         self.send_header("Content-Length", str(len(payload)))
         self.end_headers()
         self.wfile.write(payload)
@@ -172,13 +235,18 @@ def aws_values(instance_id: str, instance_type: str, zone: str, private_ip: str,
               "meta-data/hostname": f"ip-{private_ip.replace('.', '-')}.{zone[:-1]}.compute.internal",
               "user-data": user_data}
     if role:
-        expires = _iso(time.time() + 6 * 3600)
-        values["meta-data/iam/role"] = role
-        values[f"meta-data/iam/security-credentials/{role}"] = json.dumps({
-            "Code": "Success", "LastUpdated": _iso(time.time()), "Type": "AWS-HMAC",
-            "AccessKeyId": "ASIA" + hashlib.sha1(instance_id.encode()).hexdigest()[:16].upper(),
-            "SecretAccessKey": secrets.token_hex(20), "Token": secrets.token_hex(32), "Expiration": expires})
+        values.update(aws_credentials(instance_id, role))
     return values
+
+
+def aws_credentials(instance_id: str, role: str) -> dict[str, str]:
+    """IMDS's answers for the instance's role: its name, and credentials in EC2's shape (moto
+    accepts any key; the lab's gateway holds them to the node's policy)."""
+    return {"meta-data/iam/role": role, f"meta-data/iam/security-credentials/{role}": json.dumps({
+        "Code": "Success", "LastUpdated": _iso(time.time()), "Type": "AWS-HMAC",
+        "AccessKeyId": "ASIA" + hashlib.sha1(instance_id.encode()).hexdigest()[:16].upper(),
+        "SecretAccessKey": secrets.token_hex(20), "Token": secrets.token_hex(32),
+        "Expiration": _iso(time.time() + 6 * 3600)})}
 
 
 def gcp_values(name: str, instance_id: str, zone: str, project: str, private_ip: str, public_ip: str,
@@ -190,9 +258,48 @@ def gcp_values(name: str, instance_id: str, zone: str, project: str, private_ip:
               "instance/network-interfaces/0/access-configs/0/external-ip": public_ip,
               "instance/attributes/startup-script": startup_script,
               "instance/preempted": "FALSE", "instance/maintenance-event": "NONE"}
+    # gcloud and google-auth ask whether they run on Compute Engine (the numeric project id), which
+    # accounts the VM has (the listing), then one account's details (`?recursive=true`) and token.
+    values["project/numeric-project-id"] = str(int(hashlib.sha1(project.encode()).hexdigest()[:10], 16))
     if account:
-        values["instance/service-accounts/default/email"] = account
-    if token:
-        values["instance/service-accounts/default/token"] = json.dumps(
-            {"access_token": token, "expires_in": 3599, "token_type": "Bearer"})
+        values["instance/service-accounts/"] = f"default/\n{account}/\n"
+        scopes = "https://www.googleapis.com/auth/cloud-platform"
+        for alias in ("default", account):
+            values[f"instance/service-accounts/{alias}/"] = json.dumps(
+                {"aliases": ["default"], "email": account, "scopes": [scopes]})
+            values[f"instance/service-accounts/{alias}/email"] = account
+            values[f"instance/service-accounts/{alias}/scopes"] = scopes + "\n"
+            if token:
+                values[f"instance/service-accounts/{alias}/token"] = json.dumps(
+                    {"access_token": token, "expires_in": 3599, "token_type": "Bearer"})
     return values
+
+
+class _HTTPServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        # A client that gave up (its SDK's timeout) is no error of the server's.
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError, TimeoutError)):
+            super().handle_error(request, client_address)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The metadata server's process: serve until the process that started it ends."""
+    p = argparse.ArgumentParser(description="a lab machine's metadata server (run by providers.lab.vmlab)")
+    p.add_argument("--cloud", choices=("aws", "gcp"), required=True)
+    p.add_argument("--root", type=Path, required=True)
+    args = p.parse_args(argv)
+    server = _Server(args.cloud, args.root)
+    handler = server._aws_handler() if args.cloud == "aws" else server._gcp_handler()
+    httpd = _HTTPServer((ADDRESS, 80), handler)
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
+    (args.root / "ready").touch()
+    parent = os.getppid()
+    while os.getppid() == parent:   # its lab's process ended (killed too): so does it
+        time.sleep(PARENT_POLL_S)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import logging
 import shutil
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -24,7 +25,8 @@ from pathlib import Path
 
 from providers.lab import machine as machines
 from providers.lab.gateway import Gateway, node_actions
-from providers.lab.metadata import MetadataServer, aws_values, gcp_values
+from providers.lab.metadata import MetadataServer, aws_credentials, aws_values, gcp_values
+from elastic.net.overlay import OVERLAY_PORT
 from providers.local import localnet
 
 log = logging.getLogger(__name__)
@@ -33,6 +35,10 @@ POLL_S = 0.3
 LIVE_EC2 = ("pending", "running")
 LIVE_GCE = ("PROVISIONING", "STAGING", "RUNNING")
 WORK_ROOT = Path("/run/elastic-lab")
+AWS_NOTICE_S = 120.0   # EC2's spot interruption notice comes two minutes ahead
+GCE_NOTICE_S = 30.0    # Compute Engine's preemption notice, 30 s
+DRIVER_NETWORK = "driver"   # the lab's region where the driver's host sits (not a cloud's)
+CONSOLE_KEPT_LINES = 2000   # what a console API shows of a machine's console (EC2 keeps its last 64 KB)
 
 
 @dataclass
@@ -42,10 +48,13 @@ class AwsCloud:
     Args:
         endpoint: moto's URL on this host.
         regions: the regions whose instances boot (one lab region each).
+        server: moto served from this process (`providers.lab.ec2.LabEC2`), whose answers the
+            lab makes true (addresses, console output); None: moto elsewhere, as it answers.
     """
 
     endpoint: str
     regions: list[str]
+    server: object | None = None
 
 
 def _ec2(endpoint: str, region: str):
@@ -64,12 +73,15 @@ class VmLab:
         gcp: the Compute Engine fake (`providers.lab.gcefake.GCEFake`, running; None: no GCP).
         gcp_regions: the GCP regions whose instances boot.
         env: extra environment every machine's OS sets.
+        on_end: called with one line when a machine ends (how, after how long, the bytes its
+            WireGuard interfaces carried); default: logged.
     """
 
     def __init__(self, aws: AwsCloud | None = None, gcp=None, gcp_regions: list[str] = (),
-                 env: dict[str, str] | None = None):
-        regions = [*(aws.regions if aws else []), *gcp_regions]
+                 env: dict[str, str] | None = None, on_end=None):
+        regions = [*(aws.regions if aws else []), *gcp_regions, DRIVER_NETWORK]
         self.aws, self.gcp, self.env = aws, gcp, dict(env or {})
+        self.gcp_regions = set(gcp_regions)
         self.net = localnet.Lab({r: localnet.Link() for r in regions})
         self.tag = self.net.tag
         self.root = WORK_ROOT / self.tag
@@ -79,10 +91,21 @@ class VmLab:
         self.gateways: dict[str, list[Gateway]] = {}
         self.ended: dict[str, str] = {}          # instance id -> how it ended ("terminated", "stopped", "api")
         self.boot_errors: dict[str, str] = {}
+        self.overlay_bytes: dict[str, tuple[int, int]] = {}   # instance id -> (received, sent) at its end
+        self._reclaim_at: dict[str, float] = {}   # instance id -> unix time its cloud takes it back
+        self._on_end = on_end or (lambda line: log.info("lab: %s", line))
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._node_actions = node_actions()
         self.root.mkdir(parents=True, exist_ok=True)
+        # The lab is the clouds' network: the addresses they name and the consoles they show are
+        # the machines'.
+        if aws is not None and aws.server is not None:
+            aws.server.addresses = self._reserve
+            aws.server.console = self._console_of
+        if gcp is not None:
+            gcp.addresses = lambda name, zone: self._reserve(name, zone.rsplit("-", 1)[0])
+            gcp.console = lambda name: self._console_of(name) or ""
         self._thread = threading.Thread(target=self._loop, name=f"vmlab-{self.tag}", daemon=True)
         self._thread.start()
 
@@ -107,7 +130,7 @@ class VmLab:
         if self.gcp is not None:
             for name, vm in self.gcp.snapshot().items():
                 region = vm["zone"].rsplit("/", 1)[-1][:-2]
-                if vm.get("status", "RUNNING") in LIVE_GCE and region in self._gcp_regions():
+                if vm.get("status", "RUNNING") in LIVE_GCE and region in self.gcp_regions:
                     live[name] = ("gcp", region, vm)
         for iid, (cloud, region, vm) in live.items():
             if iid not in self.machines and iid not in self.ended and iid not in self.boot_errors:
@@ -116,20 +139,55 @@ class VmLab:
                 except Exception as exc:   # noqa: BLE001 -- noted; the other instances still boot
                     log.warning("lab: %s did not boot: %s", iid, exc)
                     self.boot_errors[iid] = str(exc)
+        for iid, (cloud, _, vm) in live.items():
+            md = self.metadata.get(iid)
+            if cloud == "aws" and md is not None and md.get("meta-data/iam/role") is None and vm.get("IamInstanceProfile"):
+                # EC2 (moto) associates the profile just after the instance is listed.
+                if role := self._role_of(vm["IamInstanceProfile"]):
+                    md.update(aws_credentials(iid, role))
         for iid, m in list(self.machines.items()):
             if iid not in live:
                 self._power_off(iid, "api")
             elif m.shutdown_due():
                 self._halted(iid)
-
-    def _gcp_regions(self) -> set[str]:
-        return {r for r in self.net._regions if not (self.aws and r in self.aws.regions)}
+            elif iid in self._reclaim_at and time.time() >= self._reclaim_at[iid]:
+                self._reclaim(iid)
+            elif (m.root / "interrupt").exists() and not m.interrupted:
+                m.interrupted = True
+                self.notify(iid)
 
     # -- booting ----------------------------------------------------------------------------------
 
-    def _boot(self, iid: str, cloud: str, region: str, vm: dict) -> None:
-        host = self.net.add_host(region)
+    def _reserve(self, iid: str, region: str) -> tuple[str, str] | None:
+        """The network host of an instance being created (its cloud asks before it answers):
+        (private IP, public IP); None for a region the lab does not have."""
+        if region not in self.net._regions or region == DRIVER_NETWORK:
+            return None
         with self._lock:
+            host = self.hosts.get(iid) or self.net.add_host(region)
+            self.hosts[iid] = host
+        return host.private_ip, host.public_ip
+
+    def _console_of(self, iid: str) -> str | None:
+        """Instance `iid`'s whole console (None: no machine of this lab)."""
+        with self._lock:
+            known = iid in self.hosts or iid in self.ended or iid in self.boot_errors
+        return self.console(iid, CONSOLE_KEPT_LINES) if known else None
+
+    def attach_driver(self) -> dict[str, str]:
+        """Put this machine (the driver's host, the overlay's head of a `head: local` run) on a
+        network of its own behind a NAT that forwards the overlay's port to it, as a user's
+        machine at home or in an office; the VMs reach it across the lab's internet. Returns the
+        environment that makes a run's head interface reachable there
+        (`ELASTIC_OVERLAY_ENDPOINT`: its public address, `ELASTIC_OVERLAY_LISTEN_PORT`)."""
+        port = OVERLAY_PORT + 1 + int(self.tag[len(localnet.PREFIX):], 16) % 10_000
+        root = self.net.attach_root(DRIVER_NETWORK, port)
+        return {"ELASTIC_OVERLAY_ENDPOINT": f"{root.public_ip}:{OVERLAY_PORT}",
+                "ELASTIC_OVERLAY_LISTEN_PORT": str(port)}
+
+    def _boot(self, iid: str, cloud: str, region: str, vm: dict) -> None:
+        with self._lock:
+            host = self.hosts.get(iid) or self.net.add_host(region)
             self.hosts[iid] = host
         root = self.root / iid
         closers = []
@@ -140,13 +198,15 @@ class VmLab:
             else:
                 script, env, values = self._gcp_boot(iid, vm, host, closers)
                 hostname = iid
-            md = MetadataServer(host.netns, cloud, values)
+            md = MetadataServer(host.netns, cloud, values, root / "metadata")
             closers.append(md.close)
             m = machines.boot(iid, cloud, host.netns, root, hostname, script, {**env, **self.env})
         except BaseException:
             for close in closers:
                 close()
             self.net.remove_host(host)
+            with self._lock:
+                self.hosts.pop(iid, None)
             raise
         m.closers = closers
         with self._lock:
@@ -160,12 +220,25 @@ class VmLab:
         gw = Gateway(host.netns, self.aws.endpoint, allowed=self._node_actions)
         closers.append(gw.close)
         self.gateways[iid] = [gw]
-        profile = (vm.get("IamInstanceProfile") or {}).get("Arn", "")
-        role = profile.rsplit("/", 1)[-1] if profile else None
+        role = self._role_of(vm.get("IamInstanceProfile") or {})
         values = aws_values(iid, vm["InstanceType"], vm["Placement"]["AvailabilityZone"], host.private_ip,
                             host.public_ip, script, role)
         # The machine's SDKs find the API at the gateway, their credentials at the metadata server.
         return script, {"AWS_ENDPOINT_URL": gw.url, "AWS_DEFAULT_REGION": region}, values
+
+    def _role_of(self, profile: dict) -> str | None:
+        """The IAM role of an instance profile (`IamInstanceProfile` of DescribeInstances), as
+        IMDS names it under `iam/security-credentials/`; None: no profile, or one without a role
+        (as on EC2, the machine then has no credentials)."""
+        name = profile.get("Arn", "").rsplit("/", 1)[-1]
+        if not name:
+            return None
+        import boto3
+
+        iam = boto3.client("iam", region_name="us-east-1", endpoint_url=self.aws.endpoint,
+                           aws_access_key_id="lab", aws_secret_access_key="lab")
+        roles = iam.get_instance_profile(InstanceProfileName=name)["InstanceProfile"]["Roles"]
+        return roles[0]["RoleName"] if roles else None
 
     def _gcp_boot(self, name: str, vm: dict, host, closers: list):
         items = {i["key"]: i["value"] for i in vm.get("metadata", {}).get("items", [])}
@@ -203,7 +276,7 @@ class VmLab:
         else:
             self.gcp.guest_shutdown(iid)   # a guest OS shutdown stops a Compute Engine VM
             self.ended[iid] = "stopped"
-        log.info("lab: %s halted itself: %s", iid, self.ended[iid])
+        self._say_end(iid, m, f"{self.ended[iid]} by its own shutdown")
 
     def _power_off(self, iid: str, why: str) -> None:
         """Every process of the machine ends, its network host goes; only then is it no longer
@@ -212,6 +285,7 @@ class VmLab:
             m, host = self.machines.get(iid), self.hosts.get(iid)
         if m is None:
             return
+        self.overlay_bytes[iid] = _wireguard_bytes(m)
         m.power_off()
         if host is not None:
             self.net.remove_host(host)
@@ -219,7 +293,13 @@ class VmLab:
             self.ended.setdefault(iid, why)
             for held in (self.machines, self.hosts, self.metadata, self.gateways):
                 held.pop(iid, None)
-        log.info("lab: %s powered off (%s)", iid, why)
+        if why != "halt":
+            self._say_end(iid, m, {"api": "released through its cloud's API"}.get(why, why))
+
+    def _say_end(self, iid: str, m: machines.Machine, how: str) -> None:
+        received, sent = self.overlay_bytes.get(iid, (0, 0))
+        self._on_end(f"{iid} ({m.cloud}) ended: {how}, {time.time() - m.booted_at:.0f} s after its boot; "
+                     f"overlay {received} bytes received, {sent} sent")
 
     # -- what tests and rehearse do ----------------------------------------------------------------
 
@@ -238,9 +318,24 @@ class VmLab:
             time.sleep(POLL_S)   # polling a condition, bounded by the deadline
         raise TimeoutError(f"lab: {what} within {timeout_s:g} s")
 
-    def notify(self, iid: str, lead_s: float = 120.0) -> None:
-        """An interruption notice on instance `iid`'s metadata server."""
+    def notify(self, iid: str, lead_s: float | None = None) -> None:
+        """An interruption notice on instance `iid`'s metadata server; its cloud reclaims it
+        `lead_s` later (default: EC2's two minutes, Compute Engine's 30 s)."""
+        m = self.machines[iid]
+        lead_s = (AWS_NOTICE_S if m.cloud == "aws" else GCE_NOTICE_S) if lead_s is None else lead_s
         self.metadata[iid].notify(lead_s)
+        self._reclaim_at[iid] = time.time() + lead_s
+
+    def _reclaim(self, iid: str) -> None:
+        """The cloud takes a spot VM back (its notice ran out): terminated on EC2, preempted
+        (TERMINATED) on Compute Engine."""
+        self._reclaim_at.pop(iid, None)
+        m = self.machines[iid]
+        if m.cloud == "aws":
+            _ec2(self.aws.endpoint, self.hosts[iid].region).terminate_instances(InstanceIds=[iid])
+        else:
+            self.gcp.preempt(iid)
+        self._power_off(iid, "reclaimed by its cloud after an interruption notice")
 
     def console(self, iid: str, lines: int = 40) -> str:
         """The tail of instance `iid`'s serial console (also after it ended, until `down`)."""
@@ -255,12 +350,26 @@ class VmLab:
     def down(self) -> None:
         """Power off every machine and remove the network lab and the machines' files (idempotent)."""
         self._stop.set()
+        if self.aws is not None and self.aws.server is not None:
+            self.aws.server.addresses = self.aws.server.console = None
+        if self.gcp is not None:
+            self.gcp.addresses = self.gcp.console = None
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=30)
         for iid in list(self.machines):
             self._power_off(iid, "lab down")
         self.net.down()
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _wireguard_bytes(m: machines.Machine) -> tuple[int, int]:
+    """(received, sent) bytes over every WireGuard interface of machine `m` (`wg show all transfer`)."""
+    received = sent = 0
+    for line in m.run("wg", "show", "all", "transfer").splitlines():   # interface, peer, received, sent
+        fields = line.split()
+        if len(fields) == 4:
+            received, sent = received + int(fields[2]), sent + int(fields[3])
+    return received, sent
 
 
 def cleanup_orphans() -> list[str]:

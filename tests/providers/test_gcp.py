@@ -661,6 +661,8 @@ _DRIVER_PERMISSIONS = [(m, re.compile(p), perm) for m, p, perm in (
     ("GET", r"/compute/v1/projects/[^/]+/aggregated/instances", "compute.instances.list"),
     ("POST", r"/compute/v1/projects/[^/]+/zones/[^/]+/instances", "compute.instances.create"),
     ("GET", r"/compute/v1/projects/[^/]+/zones/[^/]+/instances/[^/]+", "compute.instances.get"),
+    ("GET", r"/compute/v1/projects/[^/]+/zones/[^/]+/instances/[^/]+/serialPort",
+     "compute.instances.getSerialPortOutput"),
     ("DELETE", r"/compute/v1/projects/[^/]+/zones/[^/]+/instances/[^/]+", "compute.instances.delete"),
     ("POST", r"/compute/v1/projects/[^/]+/zones/[^/]+/instances/[^/]+/setLabels", "compute.instances.setLabels"),
     ("POST", r"/compute/v1/projects/[^/]+/zones/[^/]+/instances/[^/]+/setIamPolicy",
@@ -701,6 +703,7 @@ def test_driver_roles_allow_every_call_the_provider_makes(gcp_fake, monkeypatch)
     p._held[inst.instance_id] = inst
     p.heartbeat("run-perm", time.time())
     assert [i.instance_id for i in p.list_instances("run-perm")] == [inst.instance_id]
+    assert p.console_tail(inst) == ""   # the fake's VM wrote nothing to its console
     p.terminate(inst.instance_id)
     p.remove_run_resources("run-perm")
     p.close()

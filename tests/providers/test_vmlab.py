@@ -9,9 +9,13 @@ a missing tool fails there)."""
 from __future__ import annotations
 
 import base64
+import json
+import os
+import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import boto3
 import pytest
@@ -47,6 +51,34 @@ def lab(aws_env, moto_server, gcp_fake):
         vmlab.down()
         assert not [n for n in _namespaces() if n.startswith(vmlab.tag)]
         assert not vmlab.root.exists()
+
+
+@pytest.fixture
+def owned_lab(monkeypatch, tmp_path, gcp_fake):
+    """A lab that owns EC2 (moto served from this process: `providers.lab.ec2.LabEC2`), so the
+    addresses and consoles EC2 names are the machines'; the test's proxy in front of it (prices)."""
+    from providers.lab.ec2 import LabEC2
+    from providers.lab.vmlab import AwsCloud, VmLab
+    from tests.conftest import AWSProxy
+
+    ec2 = LabEC2()
+    proxy = AWSProxy(ec2.url)
+    proxy.rules.append(price_rule)
+    env = {"AWS_ENDPOINT_URL": proxy.url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
+           "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"), "AWS_CONFIG_FILE": str(tmp_path / "none")}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    vmlab = None
+    try:
+        vmlab = VmLab(aws=AwsCloud(ec2.url, ["us-west-2"], server=ec2), gcp=gcp_fake, gcp_regions=["us-central1"])
+        yield vmlab
+    finally:
+        if vmlab is not None:
+            vmlab.down()
+        proxy.close()
+        ec2.stop()
+    assert not [n for n in _namespaces() if n.startswith(vmlab.tag)]
 
 
 def _namespaces() -> list[str]:
@@ -137,3 +169,239 @@ def test_a_gcp_vm_deletes_itself_with_its_own_account(lab, gcp_fake, wheel):
     lab.wait_for(lambda: lab.machine(inst.instance_id) is None, 30, f"{inst.instance_id} powered off")
     console = lab.console(inst.instance_id, 200)
     assert f"deleted {inst.instance_id} (itself)" in console and lab.ended[inst.instance_id] == "api", console
+
+
+def test_a_vm_whose_install_fails_is_released_and_named_with_the_tail_of_its_boot_log(owned_lab, gcp_fake):
+    """AWS and GCP VMs whose install fails never join: each launch releases its VM and its
+    JoinTimeout (the ledger's `node_join_timeout`, the driver's story line) names the VM and ends
+    with its boot log as the cloud's console API shows it (GetConsoleOutput, getSerialPortOutput).
+    The addresses the clouds name are the lab machines' own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from elastic.record.events import NodeJoinTimeout
+    from providers.base import JoinTimeout
+    from tests.providers.test_gcp import _offer, _provider
+
+    lab = owned_lab
+    broken = "pip install --no-deps --no-index /nonexistent/elastic-0.1.0-py3-none-any.whl"
+    aws_p = provider(aws_recipe(**{"resources.regions": "[us-west-2]", "resources.join_timeout_s": 60,
+                                   "world.capacity_timeout_s": 60, "aws.install": broken}), run="run-broken")
+    gcp_p, gcp_recipe = _provider(run="run-gbroken", **{"resources.accelerators": "L4:1",
+                                                         "resources.regions": "[us-central1]",
+                                                         "resources.join_timeout_s": 60, "gcp.install": broken})
+
+    def launch(p, offer, run):
+        with pytest.raises(JoinTimeout) as info:
+            p.launch(offer, run, "replica")
+        return info.value
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            aws_f = pool.submit(launch, aws_p, aws_p.offers(aws_p.recipe.resources)[0], "run-broken")
+            gcp_f = pool.submit(launch, gcp_p, _offer(gcp_p, gcp_recipe), "run-gbroken")
+            vm = lab.wait_for(lambda: next(iter(lab.machines), None), 60, "the AWS VM booting")
+            host = lab.hosts[vm]
+            described = boto3.client("ec2", region_name="us-west-2").describe_instances(
+                InstanceIds=[vm])["Reservations"][0]["Instances"][0]
+            assert (described["PrivateIpAddress"], described["PublicIpAddress"]) == (host.private_ip, host.public_ip)
+            aws_exc, gcp_exc = aws_f.result(timeout=180), gcp_f.result(timeout=180)
+    finally:
+        aws_p.close()
+        gcp_p.close()
+    for exc in (aws_exc, gcp_exc):
+        iid = exc.instance.instance_id
+        assert "/nonexistent/elastic-0.1.0-py3-none-any.whl" in exc.console_tail, exc.console_tail
+        assert "user data exited with status 1" in exc.console_tail
+        assert len(exc.console_tail.splitlines()) <= 10
+        line = NodeJoinTimeout(instance_id=iid, timeout_s=exc.timeout_s, boot_log=exc.console_tail).story()
+        assert line.startswith(f"never joined: {iid}; its boot log ends:") and "/nonexistent/" in line
+        lab.wait_for(lambda: lab.machine(iid) is None and iid in lab.ended, 30, f"{iid} released")
+    assert _state(aws_exc.instance.instance_id) == "terminated"
+    assert gcp_exc.instance.instance_id not in gcp_fake.instances
+
+
+REHEARSE_RECIPE = """\
+name: rehearse-test
+model: {layers: 2, width: 128, heads: 2, context: 32}
+data: {corpus_bytes: 200000}
+train: {inner_steps: 4, outer_steps: 3, batch_size: 4, seq_len: 32, inner_lr: 0.003, warmup_steps: 2}
+world: {min_replicas: 2, replicas: 2, max_replicas: 2, ranks_per_replica: 1, capacity_timeout_s: 600}
+resources:
+  clouds: [aws]
+  regions: [us-west-2]
+  accelerators: A10G
+  head: local
+  join_timeout_s: 600
+  autodown_after_s: 60
+aws:
+  ami_ssm_parameter: /aws/service/ami-amazon-linux-latest/al2023-ami-kernel-default-x86_64
+  node_role_boundary: elastic-node
+"""
+
+
+def _model_bytes(recipe: Path) -> int:
+    """The recipe's model's parameters in float32: what a replica's state weighs (about 1.7 MB
+    here, ten times what a node's joining sends over the overlay)."""
+    from elastic.models import build_model
+    from elastic.recipe.model import load_recipe
+
+    return 4 * sum(p.numel() for p in build_model(load_recipe(str(recipe), []).model).parameters())
+
+
+def _leftovers(tag: str, driver_pid: int) -> list[str]:
+    """What a rehearsal with lab `tag` and driver `driver_pid` left on this machine."""
+    left = [f"netns {n}" for n in _namespaces() if n.startswith(tag)]
+    left += [f"link {link}" for link in subprocess.run(["ip", "-br", "link"], capture_output=True,
+                                                      text=True).stdout.split("\n") if link.startswith(tag)]
+    left += [f"dir /run/elastic-lab/{tag}"] if Path(f"/run/elastic-lab/{tag}").exists() else []
+    try:
+        os.killpg(driver_pid, 0)
+        left.append(f"processes of the driver's session {driver_pid}")
+    except ProcessLookupError:
+        pass
+    pids = subprocess.run(["pgrep", "-f", f"elastic-lab/{tag}"], capture_output=True, text=True).stdout.split()
+    left += [f"process {pid}" for pid in pids]
+    from elastic.net import overlay
+    if overlay.OWNERS.exists():
+        left += [f"overlay {c.name}" for c in overlay.OWNERS.iterdir() if c.read_text().strip() == str(driver_pid)]
+    return left
+
+
+def test_rehearse_runs_an_aws_recipe_to_completed_over_the_overlay(tmp_path):
+    """`elastic rehearse`, as a user runs it: two VMs boot the provider's user data, install the
+    wheel, read their overlay keys with their instance role's credentials from their metadata
+    servers, join the overlay and Ray, train two replicas, and are released at the end; the run
+    completes with its report, the replicas' syncs crossed the WireGuard overlay, and nothing of
+    the lab is left."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(REHEARSE_RECIPE)
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "elastic", "rehearse", str(recipe), "--run-dir", str(run_dir)],
+                          capture_output=True, text=True, timeout=1200,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"})
+    took_s = time.monotonic() - started
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    tag, driver = re.search(r"rehearse: lab (el[0-9a-f]{4}) at \S+; driver pid (\d+)", out).groups()
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["status"] == "completed" and report["outer_steps"] == 3, out[-3000:]
+    assert (run_dir / "report.html").exists()
+    ends = re.findall(r"rehearse: (i-[0-9a-f]+) \(aws\) ended: ([^,]+), \d+ s after its boot; overlay (\d+) bytes "
+                      r"received, (\d+) sent", out)
+    assert len(ends) == 2 and {how for _, how, _, _ in ends} == {"released through its cloud's API"}, out[-3000:]
+    # Each outer step's sync between the two replicas crossed WireGuard: three model's worth
+    # each way (a join alone carries a tenth of one).
+    for vm, _, received, sent in ends:
+        assert int(received) > 2 * _model_bytes(recipe) and int(sent) > 2 * _model_bytes(recipe), (vm, received, sent)
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert not _leftovers(tag, int(driver))
+    print(f"rehearsal completed in {took_s:.0f} s; overlay bytes (VM, in, out): {[(e[0], e[2], e[3]) for e in ends]}")
+
+
+MULTI_RECIPE = """\
+name: rehearse-multi
+model: {layers: 2, width: 128, heads: 2, context: 32}
+data: {corpus_bytes: 200000}
+train: {inner_steps: 4, outer_steps: 100000, batch_size: 4, seq_len: 32, inner_lr: 0.003, warmup_steps: 2}
+world: {min_replicas: 2, replicas: 3, max_replicas: 3, ranks_per_replica: 1, capacity_timeout_s: 900}
+resources:
+  clouds: [aws, gcp]
+  regions: [us-west-2, us-east-1, us-central1]
+  accelerators: "L4:1"
+  head: local
+  join_timeout_s: 300
+  autodown_after_s: 60
+planner: {spread_min: 3}
+aws:
+  ami_ssm_parameter: /aws/service/ami-amazon-linux-latest/al2023-ami-kernel-default-x86_64
+  node_role_boundary: elastic-node
+"""
+
+
+class _Lines:
+    """A process's output lines as they come, each with the monotonic time it was read."""
+
+    def __init__(self, proc: subprocess.Popen):
+        import threading
+
+        self.lines: list[tuple[float, str]] = []
+        self._new = threading.Condition()
+        self._proc = proc
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            with self._new:
+                self.lines.append((time.monotonic(), line.rstrip("\n")))
+                self._new.notify_all()
+        with self._new:
+            self._new.notify_all()
+
+    def text(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+    def wait(self, pattern: str, timeout_s: float, count: int = 1) -> list[re.Match]:
+        """The first `count` matches of `pattern`, waiting up to `timeout_s` for them."""
+        deadline = time.monotonic() + timeout_s
+        with self._new:
+            while True:
+                found = [m for _, line in self.lines if (m := re.search(pattern, line))]
+                if len(found) >= count:
+                    return found[:count]
+                left = deadline - time.monotonic()
+                if left <= 0 or (self._proc.poll() is not None and not self._new.wait(0.5)):
+                    raise AssertionError(f"no {count} x {pattern!r} within {timeout_s:g} s:\n{self.text()[-6000:]}")
+                self._new.wait(min(left, 1.0))   # the output may end before the process does: look again
+
+    def when(self, pattern: str) -> float:
+        return next(t for t, line in self.lines if re.search(pattern, line))
+
+
+def test_rehearse_three_regions_two_clouds_a_spot_notice_drains_and_a_killed_driver_leaves_nothing(tmp_path):
+    """`elastic rehearse` of a recipe over two AWS regions and one GCP region: the three replicas
+    train over the overlay; an interruption notice served by one VM's metadata server (the
+    rehearsal's `interrupt` file) drains that replica and its VM goes; a replacement joins; then the driver
+    is killed with SIGKILL, and every VM ends itself through the production path (the watcher's
+    autodown: AWS `shutdown`, terminated by its shutdown behaviour; GCP deletes itself with its
+    own account) within autodown_after_s + 60 s, and nothing of the lab is left."""
+    import signal
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(MULTI_RECIPE)
+    proc = subprocess.Popen([sys.executable, "-m", "elastic", "rehearse", str(recipe), "--run-dir", str(tmp_path / "run")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"})
+    out = _Lines(proc)
+    try:
+        tag, driver = out.wait(r"rehearse: lab (el[0-9a-f]{4}) at \S+; driver pid (\d+)", 600)[0].groups()
+        joined = out.wait(r"joined: replica \d+ on (\S+)", 1200, count=3)
+        out.wait(r"^outer \d+/", 300)
+        # (A VM that never joins, its `ray start` timed out on this busy host, is replaced.)
+        rented = dict(re.findall(r"rented (\S+): \S+ in (\w+:[\w-]+)", out.text()))
+        where = {m[1]: rented[m[1]] for m in joined}
+        assert sorted(w.split(":")[0] for w in where.values()) == ["aws", "aws", "gcp"], where
+        vm = next(iid for iid, w in where.items() if w.startswith("aws:"))
+        (Path(f"/run/elastic-lab/{tag}") / vm / "interrupt").touch()
+        out.wait(rf"notice: {vm} ", 120)
+        out.wait(rf"drained: replica \d+ on {vm} ", 180)
+        # The driver releases the drained VM, or EC2 reclaims it when the notice runs out.
+        out.wait(rf"rehearse: {vm} \(aws\) ended: (released through its cloud's API|reclaimed by its cloud)", 240)
+        # Its replacement joins (a VM still booting when the driver dies has no watcher yet).
+        out.wait(r"joined: replica \d+ on (\S+)", 900, count=4)
+        live = {m[1] for m in joined} - {vm} | {out.wait(r"joined: replica \d+ on (\S+)", 1, count=4)[3][1]}
+        os.kill(int(driver), signal.SIGKILL)
+        killed = time.monotonic()
+        assert proc.wait(timeout=60 + 60 + 120) == 128 + signal.SIGKILL, out.text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=300)
+    text = out.text()
+    for iid in live:
+        how = "terminated by its own shutdown" if iid.startswith("i-") else "released through its cloud's API"
+        pattern = rf"rehearse: {iid} \(\w+\) ended: {how}"
+        assert re.search(pattern, text), text[-4000:]
+        assert out.when(pattern) - killed <= 60 + 60, f"{iid} ended {out.when(pattern) - killed:.0f} s after the kill"
+    assert "did not end itself" not in text
+    assert not _leftovers(tag, int(driver))
