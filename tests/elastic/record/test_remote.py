@@ -138,7 +138,9 @@ def test_a_run_followed_from_a_laptop_survives_its_lost_controller_and_resumes_w
     controller, laptop, second = (tmp_path / d for d in ("controller", "laptop", "second"))
     for d in (controller, laptop, second):
         d.mkdir()
-    first = _launch(controller, run, *args, env=env)
+    # The first controller's inner steps take at least 0.2 s each (fault injection: a slow VM), so
+    # the run is still going when the laptop looks, however fast this machine is.
+    first = _launch(controller, run, *args, env={**env, "ELASTIC_FAULT_STEP_DELAY_S": "0.2"})
     record = None
     try:
         deadline = time.monotonic() + 240
