@@ -59,7 +59,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="elastic-bench-ckpt-"))
     uri = f"s3://bench-{uuid.uuid4().hex[:8]}/run"
     ledger = Ledger(tmp / "events.jsonl")
-    staging = ckpt.staging_root(args.local_dir, tmp.name)
+    staging = ckpt.staging_root(args.local_dir, tmp.name, uri)
     saver = ckpt.Checkpointer(uri, staging, keep_last=args.checkpoints + 1, threads=args.threads, ledger=ledger,
                               run="bench")
     world = World(recipe)

@@ -75,9 +75,9 @@ class Driver:
         self._metrics = None
         self._t0 = time.time()
         c = recipe.checkpoint
-        self.ckpt = ckpt.Checkpointer(ckpt.destination(c.uri, run_dir), ckpt.staging_root(c.local_dir, self.run_name),
-                                      c.keep_last, c.upload_threads, ledger, run=self.run_name,
-                                      run_dir=run_dir)
+        dest = ckpt.destination(c.uri, run_dir)
+        self.ckpt = ckpt.Checkpointer(dest, ckpt.staging_root(c.local_dir, self.run_name, dest), c.keep_last,
+                                      c.upload_threads, ledger, run=self.run_name, run_dir=run_dir)
         self.executor = Executor(self.policy, self, recipe, started_s=time.time())   # the driver is its host
         self.prices = PriceWatch(ledger)
         self.offer_feed = None                           # elastic.run.offerfeed.OfferFeed, once attached

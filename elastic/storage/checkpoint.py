@@ -59,15 +59,19 @@ def destination(uri: str | None, run_dir: Path) -> str:
     return uri or str(run_dir / "checkpoints")
 
 
-def staging_root(local_dir: str | None, run: str) -> str:
-    """Where phase 1 writes on each node: `shm` → /dev/shm, a path, or the temp directory."""
+def staging_root(local_dir: str | None, run: str, destination: str) -> str:
+    """Where phase 1 writes on each node: `shm` → /dev/shm, a path, or the temp directory; one
+    directory per run and checkpoint destination (`<run>-<8 hex digits of the destination>`), so
+    two runs of the same name on one machine (local nodes share it) never write, clean or restore
+    in each other's."""
     if local_dir == "shm":
         base = "/dev/shm"
     elif local_dir:
         base = local_dir
     else:
         base = tempfile.gettempdir()
-    return str(Path(base).expanduser() / "elastic-staging" / run)
+    digest = hashlib.sha256(destination.encode()).hexdigest()[:8]
+    return str(Path(base).expanduser() / "elastic-staging" / f"{run}-{digest}")
 
 
 def step_name(step: int) -> str:

@@ -311,13 +311,17 @@ def test_the_runs_staging_directory_is_gone_after_the_run(tmp_path):
     Checkpointer removes that directory, this run's only, when the run ends."""
     from elastic.record.ledger import Ledger
 
-    staging = ckpt.staging_root(str(tmp_path / "local"), "run-a")
-    other = Path(ckpt.staging_root(str(tmp_path / "local"), "run-b"))
-    for d in (Path(staging) / "restore-step-00000002", other):
+    dest = f"file://{tmp_path / 'ckpt'}"
+    staging = ckpt.staging_root(str(tmp_path / "local"), "run-a", dest)
+    other = Path(ckpt.staging_root(str(tmp_path / "local"), "run-b", dest))
+    # A run of the same name writing elsewhere (another directory's runs/run-a) stages apart.
+    namesake = Path(ckpt.staging_root(str(tmp_path / "local"), "run-a", f"file://{tmp_path / 'elsewhere'}"))
+    assert namesake != Path(staging)
+    for d in (Path(staging) / "restore-step-00000002", other, namesake):
         d.mkdir(parents=True)
         (d / "x").write_bytes(b"x")
     ledger = Ledger(tmp_path / "events.jsonl")
-    c = ckpt.Checkpointer(f"file://{tmp_path / 'ckpt'}", staging, 2, 2, ledger, run="run-a", run_dir=tmp_path / "run-a")
+    c = ckpt.Checkpointer(dest, staging, 2, 2, ledger, run="run-a", run_dir=tmp_path / "run-a")
     c.close()
     ledger.close()
-    assert not Path(staging).exists() and (other / "x").exists()
+    assert not Path(staging).exists() and (other / "x").exists() and (namesake / "x").exists()
