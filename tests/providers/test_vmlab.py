@@ -312,7 +312,7 @@ resources:
   regions: [us-west-2, us-east-1, us-central1]
   accelerators: "L4:1"
   head: local
-  join_timeout_s: 300
+  join_timeout_s: 150
   autodown_after_s: 60
 planner: {spread_min: 3}
 aws:
