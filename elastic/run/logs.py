@@ -84,19 +84,6 @@ def read_log(path: Path) -> list[dict]:
     return out
 
 
-def parse_lines(data: bytes) -> list[dict]:
-    """The records of driver.log bytes (whole JSON lines; others skipped)."""
-    out = []
-    for line in data.decode("utf-8", errors="replace").splitlines():
-        try:
-            doc = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(doc, dict):
-            out.append(doc)
-    return out
-
-
 def format_record(rec: dict) -> str:
     """One driver.log record for people: `HH:MM:SS LEVEL logger: message` (UTC), and its
     traceback's last line when it has one."""

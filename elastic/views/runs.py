@@ -215,7 +215,7 @@ def ended(events: list[dict]) -> dict | None:
 def follow_logs(src, out, follow: bool, poll_s: float | None = None) -> dict | None:
     """Print the driver's log lines (`elastic.run.logs.format_record`); with `follow`, keep
     printing new ones until the run ends. Returns the `run_ended` record, if the run ended."""
-    from elastic.run.logs import format_record, parse_lines
+    from elastic.run.logs import format_record
 
     poll_s = poll_s if poll_s is not None else (remote.POLL_S if isinstance(src, RemoteRun) else 0.5)
     offset, last_look = 0, None
@@ -226,7 +226,7 @@ def follow_logs(src, out, follow: bool, poll_s: float | None = None) -> dict | N
             last_look = time.monotonic() + FINAL_WAIT_S
         finished = done is not None and (src.finished() or time.monotonic() >= last_look)
         data, offset = src.log_bytes(offset)
-        for rec in parse_lines(data):
+        for rec in remote.records_of(data):   # driver.log is JSON lines too
             out.print(format_record(rec), highlight=False, soft_wrap=True, markup=False)
         if hasattr(out, "file"):
             out.file.flush()
