@@ -26,6 +26,7 @@ HOST_NETWORK_DIRS = (REPO / "tests" / "providers", REPO / "tests" / "elastic" / 
 HOST_NETWORK_FIXTURES = {"aws_env", "gcp_fake", "netns_host", "imds", "root_tools"}
 
 
+@pytest.hookimpl(tryfirst=True)   # before xdist's, which reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if (any(item.path.is_relative_to(d) for d in HOST_NETWORK_DIRS)
