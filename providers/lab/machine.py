@@ -2,7 +2,7 @@
 
 Its network is a host of the network lab (`providers.local.localnet`: its own namespace and
 address in its region's subnet, behind the region's NAT). Its processes run in namespaces of
-their own (mount, UTS, PID): its own /var/log, /etc/hostname, /etc/hosts (with
+their own (mount, UTS, PID): its own /var/log, /tmp/ray, /etc/hostname, /etc/hosts (with
 `metadata.google.internal`), a hostname, and a PID 1 whose end ends every process of the
 machine. Its "image" is this host's system with a Python venv (`--system-site-packages`: torch
 and Ray come from the host, as from a deep-learning image) whose `bin/` is first on PATH, and a
@@ -20,6 +20,7 @@ Directory layout on this host (`root`, also the same paths inside the machine):
     run/           shutdown-at (unix time a halt is due), written by os/bin/shutdown
     log/           the machine's /var/log
     home/          its root's ~/.config, ~/.ray, ~/.aws, ~/.cache
+    tmp-ray/       its /tmp/ray (Ray's sessions: sockets and logs)
     venv/          the image's Python
     console        the serial console
 """
@@ -71,6 +72,11 @@ mount --bind __ROOT__/log /var/log
 # Its own /run/wireguard: wireguard-go's control sockets are named by interface, the same on every VM.
 mkdir -p /run/wireguard
 mount -t tmpfs -o mode=0700 tmpfs /run/wireguard
+# Its own /tmp/ray: Ray names a node's sockets (`sockets/raylet`, `.1`, ...: the first name not
+# taken, taken only when the raylet binds it) and logs in its session's directory there, and a
+# cluster's nodes share the session's name: VMs joining at once on one host took the same socket.
+mkdir -p __ROOT__/tmp-ray /tmp/ray
+mount --bind __ROOT__/tmp-ray /tmp/ray
 # Its own root's dotfiles (gcloud's config and its on-GCE cache, Ray's token, the AWS CLI's,
 # caches): a fresh VM has none of this host's. (/root itself stays: the image's Python lives there.)
 for d in .config .ray .aws .cache; do

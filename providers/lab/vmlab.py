@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import re
 import shutil
 import subprocess
 import threading
@@ -38,6 +39,7 @@ WORK_ROOT = Path("/run/elastic-lab")
 AWS_NOTICE_S = 120.0   # EC2's spot interruption notice comes two minutes ahead
 GCE_NOTICE_S = 30.0    # Compute Engine's preemption notice, 30 s
 DRIVER_NETWORK = "driver"   # the lab's region where the driver's host sits (not a cloud's)
+FAILED_BOOT_LINES = 15      # a failed boot's console lines told with the VM's end
 CONSOLE_KEPT_LINES = 2000   # what a console API shows of a machine's console (EC2 keeps its last 64 KB)
 
 
@@ -298,8 +300,16 @@ class VmLab:
 
     def _say_end(self, iid: str, m: machines.Machine, how: str) -> None:
         received, sent = self.overlay_bytes.get(iid, (0, 0))
-        self._on_end(f"{iid} ({m.cloud}) ended: {how}, {time.time() - m.booted_at:.0f} s after its boot; "
-                     f"overlay {received} bytes received, {sent} sent")
+        line = (f"{iid} ({m.cloud}) ended: {how}, {time.time() - m.booted_at:.0f} s after its boot; "
+                f"overlay {received} bytes received, {sent} sent")
+        # A boot script that failed, or never finished, is why a VM never joined: what it said last
+        # comes with its end.
+        console = m.console_tail(CONSOLE_KEPT_LINES)
+        if not re.search(r"^lab: user data exited with status 0$", console, re.MULTILINE):
+            failed = re.search(r"^lab: user data exited with status [1-9]", console, re.MULTILINE)
+            line += (f"; its user data {'failed' if failed else 'had not finished'}, its console ends:\n"
+                     + "\n".join(f"    {t}" for t in console.splitlines()[-FAILED_BOOT_LINES:]))
+        self._on_end(line)
 
     # -- what tests and rehearse do ----------------------------------------------------------------
 
