@@ -116,9 +116,12 @@ def test_a_paused_run_that_no_offer_can_price_ends_at_its_deadline(local_cluster
     # Paused in a spike, then every offer passes resources.max_usd_per_hour (no price to unpause
     # on): the run stays paused, holds nothing, and ends budget_exhausted at budget.max_hours (43 s),
     # not later, and not with an error.
+    # 30 outer steps of at least 160 ms each: the run needs well under the 43 s even on a loaded
+    # machine (at 0.25 s a step and a 13 s setup, 200 steps needed all the time left, and a run
+    # that needs GO_ON_NEED of it trains whatever the price: it never paused).
     gone_s = 20.0
     recipe = scenario(tmp_path, [(0, 10), (SPIKE_S, 1000), (gone_s, 5000)], **{
-        "train.outer_steps": 200, "budget.max_hours": 0.012, "resources.max_usd_per_hour": 2000})
+        "train.outer_steps": 30, "budget.max_hours": 0.012, "resources.max_usd_per_hour": 2000})
     market = Market()
 
     def spike(driver, phase, members):
