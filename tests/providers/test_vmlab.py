@@ -186,13 +186,14 @@ def test_a_vm_whose_install_fails_is_released_and_named_with_the_tail_of_its_boo
 
     lab = owned_lab
     broken = "pip install --no-deps --no-index /nonexistent/elastic-0.1.0-py3-none-any.whl"
-    # The install fails within seconds of the boot (pip's start): 30 s of join timeout leave the
-    # boot script that long to have failed, and its console to say so, on a loaded machine.
-    aws_p = provider(aws_recipe(**{"resources.regions": "[us-west-2]", "resources.join_timeout_s": 30,
+    # The install fails within seconds of the boot (pip's start): 40 s of join timeout leave the
+    # boot script (a venv made, the install run) that long to have failed, and its console to say so,
+    # on a loaded machine.
+    aws_p = provider(aws_recipe(**{"resources.regions": "[us-west-2]", "resources.join_timeout_s": 40,
                                    "world.capacity_timeout_s": 60, "aws.install": broken}), run="run-broken")
     gcp_p, gcp_recipe = _provider(run="run-gbroken", **{"resources.accelerators": "L4:1",
                                                          "resources.regions": "[us-central1]",
-                                                         "resources.join_timeout_s": 30, "gcp.install": broken})
+                                                         "resources.join_timeout_s": 40, "gcp.install": broken})
 
     def launch(p, offer, run):
         with pytest.raises(JoinTimeout) as info:
