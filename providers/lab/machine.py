@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -38,6 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+CONSOLE_LINES = 2000   # a console as its cloud's API keeps it (EC2: its last 64 KB)
 
 _SHUTDOWN = r"""#!/bin/bash
 # The lab machine's shutdown(8): -h/-P/-r/-H, now / +MINUTES / HH:MM, -c cancels a scheduled one.
@@ -135,6 +138,12 @@ class Machine:
         except OSError:
             return ""
         return "\n".join(text.splitlines()[-lines:])
+
+    def user_data_status(self) -> int | None:
+        """The exit status its user data ended with (its PID 1 says so on the console), None while
+        it runs."""
+        found = re.findall(r"^lab: user data exited with status (\d+)$", self.console_tail(CONSOLE_LINES), re.MULTILINE)
+        return int(found[-1]) if found else None
 
     def file(self, path: str) -> Path:
         """Where its `/var/log/...` file is on this host."""

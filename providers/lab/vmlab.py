@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import logging
-import re
 import shutil
 import subprocess
 import threading
@@ -40,7 +39,6 @@ AWS_NOTICE_S = 120.0   # EC2's spot interruption notice comes two minutes ahead
 GCE_NOTICE_S = 30.0    # Compute Engine's preemption notice, 30 s
 DRIVER_NETWORK = "driver"   # the lab's region where the driver's host sits (not a cloud's)
 FAILED_BOOT_LINES = 15      # a failed boot's console lines told with the VM's end
-CONSOLE_KEPT_LINES = 2000   # what a console API shows of a machine's console (EC2 keeps its last 64 KB)
 
 
 @dataclass
@@ -174,7 +172,7 @@ class VmLab:
         """Instance `iid`'s whole console (None: no machine of this lab)."""
         with self._lock:
             known = iid in self.hosts or iid in self.ended or iid in self.boot_errors
-        return self.console(iid, CONSOLE_KEPT_LINES) if known else None
+        return self.console(iid, machines.CONSOLE_LINES) if known else None
 
     def attach_driver(self) -> dict[str, str]:
         """Put this machine (the driver's host, the overlay's head of a `head: local` run) on a
@@ -304,11 +302,10 @@ class VmLab:
                 f"overlay {received} bytes received, {sent} sent")
         # A boot script that failed, or never finished, is why a VM never joined: what it said last
         # comes with its end.
-        console = m.console_tail(CONSOLE_KEPT_LINES)
-        if not re.search(r"^lab: user data exited with status 0$", console, re.MULTILINE):
-            failed = re.search(r"^lab: user data exited with status [1-9]", console, re.MULTILINE)
-            line += (f"; its user data {'failed' if failed else 'had not finished'}, its console ends:\n"
-                     + "\n".join(f"    {t}" for t in console.splitlines()[-FAILED_BOOT_LINES:]))
+        status = m.user_data_status()
+        if status != 0:
+            line += (f"; its user data {'had not finished' if status is None else 'failed'}, its console ends:\n"
+                     + "\n".join(f"    {t}" for t in m.console_tail(FAILED_BOOT_LINES).splitlines()))
         self._on_end(line)
 
     # -- what tests and rehearse do ----------------------------------------------------------------
