@@ -71,7 +71,10 @@ def owned_lab(monkeypatch, tmp_path, gcp_fake):
         monkeypatch.setenv(k, v)
     vmlab = None
     try:
-        vmlab = VmLab(aws=AwsCloud(ec2.url, ["us-west-2"], server=ec2), gcp=gcp_fake, gcp_regions=["us-central1"])
+        told: list[str] = []
+        vmlab = VmLab(aws=AwsCloud(ec2.url, ["us-west-2"], server=ec2), gcp=gcp_fake, gcp_regions=["us-central1"],
+                      on_end=told.append)
+        vmlab.told = told   # what it said as each machine ended (`elastic rehearse` prints these lines)
         yield vmlab
     finally:
         if vmlab is not None:
@@ -221,6 +224,9 @@ def test_a_vm_whose_install_fails_is_released_and_named_with_the_tail_of_its_boo
         line = NodeJoinTimeout(instance_id=iid, timeout_s=exc.timeout_s, boot_log=exc.console_tail).story()
         assert line.startswith(f"never joined: {iid}; its boot log ends:") and "/nonexistent/" in line
         lab.wait_for(lambda: lab.machine(iid) is None and iid in lab.ended, 30, f"{iid} released")
+        # The lab's own account of its end carries the failed boot's console too.
+        [end] = [t for t in lab.told if t.startswith(f"{iid} ")]
+        assert "its user data failed, its console ends:" in end and "/nonexistent/" in end, end
     assert _state(aws_exc.instance.instance_id) == "terminated"
     assert gcp_exc.instance.instance_id not in gcp_fake.instances
 
