@@ -30,13 +30,16 @@ def store_host() -> str:
     return node_ip()
 
 
-def store_listener(host: str) -> int:
-    """A listening TCP socket on `host` (a free port) for the TCPStore server, as a file descriptor
-    whose ownership passes to the store (`TCPStore(master_listen_fd=...)`): left to itself the
-    store listens on every interface of the machine, not only on the overlay's."""
+def store_listener(host: str) -> tuple[int, int]:
+    """A listening TCP socket on `host` (a free port) for the TCPStore server: (its file
+    descriptor, whose ownership passes to the store with `TCPStore(master_listen_fd=...)`, and its
+    port). Left to itself the store listens on every interface of the machine, not only on the
+    overlay's."""
     import socket
 
-    return socket.create_server((host, 0), backlog=512).detach()
+    sock = socket.create_server((host, 0), backlog=512)
+    port = sock.getsockname()[1]
+    return sock.detach(), port
 
 
 def gloo_device(ip: str | None = None):

@@ -104,10 +104,8 @@ class Driver:
     def start_cluster(self, address: str | None) -> None:
         """Start (or join) the Ray cluster, then attach to it."""
         from elastic.run.cluster import LOOPBACK, LocalCluster
-        from elastic.train.world import preload
         from providers import provider_class
 
-        preload()   # torch loads while Ray starts
         # A provider with a network of its own (local.network's lab) puts the driver's host on it.
         network = next((n for name in dict.fromkeys(self.recipe.resources.clouds)
                         if (n := provider_class(name).start_network(self.recipe)) is not None), None)

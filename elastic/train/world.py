@@ -26,16 +26,17 @@ step (a joiner's copy failing, a drop) is returned by `take_events`.
 from __future__ import annotations
 
 import datetime
-import importlib
 import itertools
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Generator
 
 from elastic.recipe.model import Recipe
+from elastic.train.imports import import_beside
 from elastic.record.events import LossPhase, LossRule
 
 log = logging.getLogger(__name__)
@@ -211,7 +212,6 @@ class World:
 
     def __init__(self, recipe: Recipe, store_host: str | None = None, identical_data: bool = False):
         import ray
-        import torch.distributed as dist
 
         from elastic.net.netaddr import store_host as driver_store_host
         from elastic.net.netaddr import store_listener
@@ -220,10 +220,17 @@ class World:
         self._ray = ray
         self._recipe = recipe
         self._identical = identical_data
-        self._store = dist.TCPStore(store_host, 0, is_master=True, wait_for_workers=False,
-                                    master_listen_fd=store_listener(store_host),
-                                    timeout=datetime.timedelta(seconds=recipe.world.step_timeout_s))
+        # The store's socket listens from here on (ranks that dial it wait in its backlog); the
+        # TCPStore serving it needs torch.distributed, ~1 s of the driver's CPU: it is built beside
+        # the first replicas' start (`_open_store_beside`), where the driver only waits, rather than
+        # on the way to them. Imported beside Ray's start instead, it took the GIL from the
+        # start and delayed it as long.
         self._store_host = store_host
+        self._store_fd, self._store_port = store_listener(store_host)
+        self._store_server = None
+        self._store_error: str | None = None
+        self._store_lock = threading.Lock()
+        self._store_opener: threading.Thread | None = None
         self.replicas: dict[int, Replica] = {}    # live and training
         self.joining: dict[int, Replica] = {}     # started, not yet admitted
         self._ids = itertools.count(0)
@@ -282,14 +289,46 @@ class World:
             return rep
         for rank in range(ranks):
             rs = RankSpec(recipe=spec, replica_id=rep.replica_id, rank=rank, ranks=ranks,
-                          store_host=self._store_host, store_port=self._store.port,
+                          store_host=self._store_host, store_port=self._store_port,
                           schedule=self.schedule)
             # Four threads: request_stop must reach a rank while inner_phase runs, and a
             # checkpoint upload (phase 2) and a joiner's chunk requests run beside both.
             rep.actors.append(self._actor_cls.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=strategy,
                                                       max_concurrency=4).remote(rs))
         rep.setup_refs = [a.setup.remote() for a in rep.actors]
+        self._open_store_beside()
         return rep
+
+    @property
+    def _store(self):
+        """The TCPStore every process group rendezvouses through, served from this process."""
+        with self._store_lock:
+            if self._store_server is None:
+                if self._store_error is not None:
+                    raise RuntimeError(f"the driver's store did not start: {self._store_error}")
+                try:
+                    dist = import_beside("torch.distributed")
+                    self._store_server = dist.TCPStore(
+                        self._store_host, self._store_port, is_master=True, wait_for_workers=False,
+                        master_listen_fd=self._store_fd,
+                        timeout=datetime.timedelta(seconds=self._recipe.world.step_timeout_s))
+                except Exception as exc:
+                    self._store_error = _short(exc)
+                    raise
+            return self._store_server
+
+    def _open_store_beside(self) -> None:
+        """Build the store on a thread of its own (once), while the replicas it serves start. If
+        it cannot start, every replica waiting for it fails its setup with why (`ready_joiners`)."""
+        def build() -> None:
+            try:
+                self._store
+            except Exception:
+                log.exception("the driver's store did not start")
+
+        if self._store_opener is None:
+            self._store_opener = threading.Thread(target=build, name="world-store", daemon=True)
+            self._store_opener.start()
 
     def node_gpus(self, node_id: str) -> float:
         """GPUs the Ray node offers (0 for a CPU node, or a node no longer alive)."""
@@ -302,6 +341,7 @@ class World:
         new = [self.start_replica(i, n) for i, n in placements]
         if errors := [rep.error for rep in new if rep.error]:
             raise RuntimeError("; ".join(errors))
+        self._store   # served (or why not) before the ranks are waited for
         self._setup_done(self._ray.get([r for rep in new for r in rep.setup_refs],
                                        timeout=self._recipe.world.step_timeout_s))
         for rep in new:
@@ -312,6 +352,8 @@ class World:
         """Joining replicas whose setup has finished (failed ones are dropped as losses)."""
         ready = []
         for rep in list(self.joining.values()):
+            if self._store_error is not None and rep.copy is None:
+                rep.error = rep.error or f"the driver's store did not start: {self._store_error}"
             if rep.error:
                 self._lose(rep, f"setup failed: {rep.error}", 0, LossPhase.SETUP, LossRule.SETUP_FAILED)
                 continue
@@ -719,6 +761,10 @@ class World:
             self._kill(rep)
         self.replicas.clear()
         self.joining.clear()
+        with self._store_lock:
+            if self._store_server is None and self._store_fd >= 0:   # no replica ever started
+                os.close(self._store_fd)
+                self._store_fd = -1
 
 
 def stalled(heartbeats: dict[tuple[int, int], str], clocks: dict, now_s: float, stall_timeout_s: float,
@@ -758,13 +804,6 @@ def stalled(heartbeats: dict[tuple[int, int], str], clocks: dict, now_s: float, 
             at = "; ".join(f"rank {r}: progress {work}, {received} bytes fetched" for r, work, received, _ in rs)
             out[rid] = f"no progress for {now_s - since:.1f} s while training, heartbeat alive ({at})"
     return out
-
-
-def preload() -> None:
-    """Start importing what a `World` needs (torch.distributed: ~2 s on 2 cores) on a thread of
-    its own, so that it loads beside Ray's start rather than after it."""
-    threading.Thread(target=importlib.import_module, args=("torch.distributed",), name="preload-torch",
-                     daemon=True).start()
 
 
 def _short(exc: BaseException) -> str:

@@ -143,25 +143,32 @@ def test_a_nodes_boot_command_brings_the_overlay_up_with_its_key_on_stdin_and_wa
         subprocess.run(["ip", "netns", "del", node_ns], check=False)
 
 
-def test_the_drivers_store_listens_on_its_node_address_only():
+def test_the_drivers_store_listens_on_its_node_address_only_and_takes_ranks_that_dialled_early():
     """The TCPStore every process group rendezvouses through listens where `netaddr.store_listener`
     bound it (the node's overlay address on a run with an overlay), not on every interface: here
-    127.0.0.2 answers and 127.0.0.1, another address of the same machine, refuses."""
+    127.0.0.2 answers and 127.0.0.1, another address of the same machine, refuses. The World builds
+    the store only once its first replicas start (`World._open_store_beside`): the socket takes
+    connections before then, and a rank that dials it meanwhile is answered once the store serves."""
     import datetime
     import socket
+    from concurrent.futures import ThreadPoolExecutor
 
     import torch.distributed as dist
 
     from elastic.net.netaddr import store_listener
 
     timeout = datetime.timedelta(seconds=10)
-    store = dist.TCPStore("127.0.0.2", 0, is_master=True, wait_for_workers=False,
-                          master_listen_fd=store_listener("127.0.0.2"), timeout=timeout)
-    client = dist.TCPStore("127.0.0.2", store.port, is_master=False, timeout=timeout)
-    client.set("k", "v")
-    assert store.get("k") == b"v"
+    fd, port = store_listener("127.0.0.2")
+    with ThreadPoolExecutor(1) as pool:
+        early = pool.submit(lambda: dist.TCPStore("127.0.0.2", port, is_master=False, timeout=timeout))
+        with socket.create_connection(("127.0.0.2", port), timeout=5):
+            pass   # the socket takes connections before any store serves it
+        store = dist.TCPStore("127.0.0.2", port, is_master=True, wait_for_workers=False,
+                              master_listen_fd=fd, timeout=timeout)
+        early.result(timeout=15).set("k", "v")
+    assert store.port == port and store.get("k") == b"v"
     with pytest.raises(ConnectionRefusedError):
-        socket.create_connection(("127.0.0.1", store.port), timeout=5).close()
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
 
 
 def test_a_network_lab_without_root_is_one_line_naming_the_field(monkeypatch, tmp_path, capsys):
