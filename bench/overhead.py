@@ -223,7 +223,7 @@ def profile_phases(t0: float, events: list[dict], driver_log: Path) -> list[tupl
               if rec.get("logger") == "elastic.train.world" and rec["msg"].startswith(prefix)]
     setup = max(setups, key=lambda x: sum(x.values())) if setups else {}
     phases = [("process start, imports, recipe, preflight", started["t"] - t0),
-              ("Ray head (GCS, head raylet, driver connects; torch loads beside)", cluster["t"] - started["t"]),
+              ("Ray head (GCS, head raylet, driver connects)", cluster["t"] - started["t"]),
               (f"attach (providers, market, World), policy{', earlier nodes' if node else ''}; node starts",
                raylet_start - cluster["t"]),
               ("node: raylet start to joined the cluster", raylet_joined - raylet_start),
