@@ -134,12 +134,13 @@ def _slot(usd, rate, row_s, tps, lam, mu, boot_s, short_usd):
     on, off = np.zeros(m), 1.0                                    # state distribution at row start
     presence = np.zeros((n, m))
     tokens = 0.0
+    booting = tps[move_to] * _expected_min(rate[np.arange(n), move_to], boot_s)   # tokens a move forgoes, per row
     for t in range(n):
         moved = on[~stay[t] & ~leave[t]].sum() + (off if start_from_off[t] else 0.0)
         now = np.where(stay[t], on, 0.0)
         now[move_to[t]] += moved
         presence[t] = now
-        tokens += (now * tps * there[t]).sum() - moved * tps[move_to[t]] * _expected_min(rate[t, move_to[t]], boot_s)
+        tokens += (now * tps * there[t]).sum() - moved * booting[t]
         off = on[leave[t]].sum() + (0.0 if start_from_off[t] else off) + (now * gone[t]).sum()
         on = now * (1 - gone[t])
     return value, presence, tokens
