@@ -120,16 +120,61 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def _kill_children(node) -> None:
-    """SIGKILL every process the node's raylet started (its worker processes)."""
+def _kill_children(node) -> list[int]:
+    """SIGKILL every process the node's raylet started (its worker processes and agents); returns
+    pidfds of those it killed (`_wait_gone`)."""
     from ray._private import ray_constants
 
-    for info in node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, []):
-        for child in _descendants(info.process.pid):
+    return _kill_all([child for info in node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, [])
+                      for child in _descendants(info.process.pid)])
+
+
+def _session_processes(session_dir: str) -> list[int]:
+    """Every process but this one whose command line names the Ray session directory (its GCS,
+    raylets, agents and workers)."""
+    marker = session_dir.encode()
+    out = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
             try:
-                os.kill(child, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+                with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                    if marker in f.read():
+                        out.append(int(entry.name))
+            except OSError:
+                continue
+    return out
+
+
+def _kill_all(pids: list[int]) -> list[int]:
+    """SIGKILL each process; returns pidfds of those it killed (`_wait_gone`)."""
+    killed = []
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:   # gone already
+            continue
+        signal.pidfd_send_signal(fd, signal.SIGKILL)   # this process, even if its pid was reused since
+        killed.append(fd)
+    return killed
+
+
+def _wait_gone(pidfds: list[int], timeout_s: float = 10.0) -> None:
+    """Wait until every process behind `pidfds` has exited, and close them. A SIGKILLed process
+    runs on until the kernel has torn it down, which on a busy machine takes a moment: a node
+    removed here is gone when its removal returns."""
+    import select
+
+    poller = select.poll()
+    for fd in pidfds:
+        poller.register(fd, select.POLLIN)   # readable once the process has exited
+    deadline = time.monotonic() + timeout_s
+    left = set(pidfds)
+    while left and (remaining_s := deadline - time.monotonic()) > 0:
+        for fd, _ in poller.poll(remaining_s * 1000):
+            poller.unregister(fd)
+            left.discard(fd)
+    for fd in pidfds:
+        os.close(fd)
 
 
 def ray_messages_log() -> logging.Logger:
@@ -342,8 +387,9 @@ class LocalCluster:
         if isinstance(node, subprocess.Popen):
             _kill_group(node)   # `ray start` in a namespace: its session holds every process
             return
-        _kill_children(node)
+        children = _kill_children(node)
         node.kill_all_processes(check_alive=False, allow_graceful=graceful, wait=True)
+        _wait_gone(children)
 
     def _kill_nodes(self) -> None:
         for node_id in list(self._nodes):
@@ -359,6 +405,10 @@ class LocalCluster:
         if self._cluster is not None:
             self._cluster.shutdown()
             self._cluster = None
+            # A process of this session can outlive its raylet for a moment: one the raylet was
+            # starting as its node was removed, an agent that dies with it only once the kernel
+            # says so. The cluster is ours: none of its processes is left when this returns.
+            _wait_gone(_kill_all(_session_processes(self.session_dir)))
         if self.network is not None:
             self.network.down()
 

@@ -27,18 +27,19 @@ pytestmark = pytest.mark.slow
 SMALL = ["--set", "model.layers=1", "--set", "model.width=64", "--set", "data.corpus_bytes=300000"]
 
 
-def session_pids(run_dir: Path) -> set[int]:
-    """The GCS and raylets of the Ray cluster the run started (their command lines name its session
-    directory; workers and agents rename themselves, and die with their raylet)."""
+def session_pids(run_dir: Path) -> dict[int, str]:
+    """The processes of the Ray cluster the run started, with their command lines: its GCS,
+    raylets, agents, and workers not yet retitled `ray::...` (a worker a raylet was starting as its
+    node went: it outlives its raylet for a moment unless the driver ends it)."""
     started = [e for e in read_events(run_dir / "events.jsonl") if e["type"] == "cluster_started"]
     assert started, "the run recorded no cluster"
     marker = started[0]["session_dir"].encode()
-    pids = set()
+    pids = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
-                if marker in (d / "cmdline").read_bytes():
-                    pids.add(int(d.name))
+                if marker in (cmdline := (d / "cmdline").read_bytes()):
+                    pids[int(d.name)] = cmdline.replace(b"\0", b" ")[:160].decode(errors="replace")
             except OSError:
                 continue
     return pids
