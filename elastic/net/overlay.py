@@ -30,6 +30,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import zlib
@@ -96,6 +97,13 @@ class Peer:
 
 def _cmd(netns: str | None, *args: str) -> list[str]:
     return (["ip", "netns", "exec", netns] if netns else []) + list(args)
+
+
+def _tail(output, lines: int = 3) -> str:
+    """The last lines a process wrote to the file `output`, on one line ("no output": none)."""
+    output.seek(0)
+    said = [x.strip() for x in output.read().decode(errors="replace").splitlines() if x.strip()]
+    return " | ".join(said[-lines:])[-500:] or "no output"
 
 
 def _run(netns: str | None, *args: str, input_text: str | None = None) -> str:
@@ -171,20 +179,23 @@ class Interface:
             raise OverlayError("the kernel has no WireGuard and wireguard-go is not installed")
         self.userspace = True
         env = dict(os.environ, WG_PROCESS_FOREGROUND="1", LOG_LEVEL="error")
-        self._proc = subprocess.Popen(_cmd(self.netns, "wireguard-go", self.ifname), env=env,
-                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE, start_new_session=True)
-        deadline = time.monotonic() + UP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                err = self._proc.stderr.read().decode(errors="replace").strip()
-                raise OverlayError(f"wireguard-go exited: {err or self._proc.returncode}")
-            if subprocess.run(_cmd(self.netns, "wg", "show", self.ifname),
-                              capture_output=True).returncode == 0:
-                return
-            time.sleep(0.05)   # polling for the tun device; bounded by UP_TIMEOUT_S
+        # wireguard-go logs to its stdout (why it failed to start, too): kept in a file, not a
+        # pipe, so that a daemon that logs on is never blocked by a pipe nobody reads.
+        with tempfile.TemporaryFile() as output:
+            self._proc = subprocess.Popen(_cmd(self.netns, "wireguard-go", self.ifname), env=env,
+                                          stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
+                                          start_new_session=True)
+            deadline = time.monotonic() + UP_TIMEOUT_S
+            while time.monotonic() < deadline:
+                if self._proc.poll() is not None:
+                    raise OverlayError(f"wireguard-go exited with {self._proc.returncode}: {_tail(output)}")
+                if subprocess.run(_cmd(self.netns, "wg", "show", self.ifname),
+                                  capture_output=True).returncode == 0:
+                    return
+                time.sleep(0.05)   # polling for the tun device; bounded by UP_TIMEOUT_S
+            said = _tail(output)
         self.down()
-        raise OverlayError(f"wireguard-go did not create {self.ifname} within {UP_TIMEOUT_S:.0f} s")
+        raise OverlayError(f"wireguard-go did not create {self.ifname} within {UP_TIMEOUT_S:.0f} s: {said}")
 
     @property
     def pid(self) -> int | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import secrets
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -143,10 +144,23 @@ def test_a_nodes_boot_command_brings_the_overlay_up_with_its_key_on_stdin_and_wa
         subprocess.run(["ip", "netns", "del", node_ns], check=False)
 
 
+@needs_root
+def test_a_wireguard_go_that_cannot_start_says_why(netns):
+    """Userspace WireGuard writes why it stopped to its stdout: the error carries it (here the
+    interface's name is taken by another device, so wireguard-go cannot create its TUN device)."""
+    name, iface = netns
+    subprocess.run(["ip", "netns", "exec", name, "ip", "link", "add", iface.ifname, "type", "veth",
+                    "peer", "name", "elvpeer"], check=True)
+    key = subprocess.run(["wg", "genkey"], capture_output=True, text=True, check=True).stdout.strip()
+    with pytest.raises(overlay.OverlayError, match=r"wireguard-go exited with 1: .*Failed to create TUN device"):
+        iface.up("100.80.0.9", key, listen_port=0)
+
+
 def test_the_drivers_store_listens_on_its_node_address_only_and_takes_ranks_that_dialled_early():
     """The TCPStore every process group rendezvouses through listens where `netaddr.store_listener`
     bound it (the node's overlay address on a run with an overlay), not on every interface: here
-    127.0.0.2 answers and 127.0.0.1, another address of the same machine, refuses. The World builds
+    this process listens on the store's port at 127.0.0.2 only (/proc/net/tcp{,6}: another process
+    of the machine may hold the same port on 127.0.0.1, which says nothing of the store). The World builds
     the store only once its first replicas start (`World._open_store_beside`): the socket takes
     connections before then, and a rank that dials it meanwhile is answered once the store serves."""
     import datetime
@@ -167,8 +181,31 @@ def test_the_drivers_store_listens_on_its_node_address_only_and_takes_ranks_that
                               master_listen_fd=fd, timeout=timeout)
         early.result(timeout=15).set("k", "v")
     assert store.port == port and store.get("k") == b"v"
-    with pytest.raises(ConnectionRefusedError):
-        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    assert _listening_here(port) == {"127.0.0.2"}
+
+
+def _listening_here(port: int) -> set[str]:
+    """The addresses on which this process's sockets listen at TCP `port`."""
+    import socket
+
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            mine.add(target[len("socket:["):-1])
+    out = set()
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            address_hex, port_hex = fields[1].split(":")
+            if fields[3] == "0A" and int(port_hex, 16) == port and fields[9] in mine:   # 0A: LISTEN
+                raw = bytes.fromhex(address_hex)   # 32-bit words in host (little-endian) order
+                words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                out.add(socket.inet_ntop(family, words))
+    return out
 
 
 def test_a_network_lab_without_root_is_one_line_naming_the_field(monkeypatch, tmp_path, capsys):
