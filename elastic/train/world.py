@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from typing import Generator
 
 from elastic.recipe.model import Recipe
-from elastic.train.imports import import_beside
 from elastic.record.events import LossPhase, LossRule
+from elastic.train.imports import import_beside
 
 log = logging.getLogger(__name__)
 
