@@ -1,6 +1,7 @@
 """Training speed on one GPU: the plain PyTorch loop against the rank's own loop, issue 20's figures.
 
-    python bench/gpu_throughput.py [--models 163m,1.4b] [--steps 30] [--peak-tflops 989]
+    python bench/gpu_throughput.py [--models 163m,1.4b] [--steps 30] [--runs eager,compiled,ours,host]
+                                   [--peak-tflops 989]
 
 For each model (byte data, vocab 50304, seq 1024; 163m: 12 × 768, batch 16; 1.4b: 24 × 2048,
 recipes/multi-cloud.yaml's model, batch 8), each in a fresh process so none inherits another's
@@ -137,9 +138,13 @@ def rank_worker(name: str, steps: int, outer_device: str) -> dict:
         form_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         assert w.outer_sync(0, 0, 1)["ok"]
+        sync_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
         w.outer_apply()
         torch.cuda.synchronize()
-        out["outer_step_s"] = form_s + time.perf_counter() - t0
+        apply_s = time.perf_counter() - t0
+        out["outer_step_s"] = form_s + sync_s + apply_s
+        out["outer_parts"] = f"Δ formed {form_s:.3f} s, sync (one replica) {sync_s:.3f} s, step and θ back {apply_s:.3f} s"
     with tempfile.TemporaryDirectory() as tmp:
         stalls, writes = [], []
         for i in range(2):
@@ -179,6 +184,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="163m,1.4b", help=f"comma-separated, of {sorted(MODELS)}")
     ap.add_argument("--steps", type=int, default=30, help="timed training steps per measurement")
+    ap.add_argument("--runs", default="eager,compiled,ours,host",
+                    help="which measurements: eager, compiled (the plain loops), ours (RankWorker, θ_outer where "
+                         "`auto` puts it), host (RankWorker, θ_outer on the CPU)")
     ap.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak (default: by name)")
     args = ap.parse_args()
     import torch
@@ -198,10 +206,11 @@ def main() -> int:
     for name in args.models.split(","):
         m = MODELS[name]
         print(f"\n{name}: {m['layers']} × {m['width']}, batch {m['batch']} × {SEQ_LEN}, vocab {VOCAB}")
-        eager = in_fresh_process(plain_loop, name, args.steps, False)
-        compiled = in_fresh_process(plain_loop, name, args.steps, True)
-        ours = in_fresh_process(rank_worker, name, args.steps, "auto")
-        host = in_fresh_process(rank_worker, name, args.steps, "cpu")
+        runs = args.runs.split(",")
+        eager = in_fresh_process(plain_loop, name, args.steps, False) if "eager" in runs else {}
+        compiled = in_fresh_process(plain_loop, name, args.steps, True) if "compiled" in runs else {}
+        ours = in_fresh_process(rank_worker, name, args.steps, "auto") if "ours" in runs else {}
+        host = in_fresh_process(rank_worker, name, args.steps, "cpu") if "host" in runs else {}
         for label, r in (("plain eager", eager), ("plain compiled", compiled), ("RankWorker 1×1", ours)):
             if "tokens_per_s" in r:
                 print(f"  {label:<16} {r['tokens_per_s']:>10,.0f} tok/s   MFU {mfu(name, r)}   "
@@ -213,7 +222,8 @@ def main() -> int:
                           f"{'   (goal ≥ 0.95)' if label == 'compiled' else ''}")
             for label, r in (("auto", ours), ("cpu", host)):
                 if "outer_step_s" in r:
-                    print(f"  outer step, outer_device {label} (θ on {r['outer_on']}): {r['outer_step_s']:.3f} s   (goal ≤ 0.5)")
+                    print(f"  outer step, outer_device {label} (θ on {r['outer_on']}): {r['outer_step_s']:.3f} s   (goal ≤ 0.5)\n"
+                          f"    {r['outer_parts']}")
             print(f"  checkpoint stall {ours['stall_s']:.3f} s (first save, allocating its buffers: "
                   f"{ours['stall_first_s']:.3f} s), write beside training {ours['write_s']:.2f} s   (goal ≤ 3)")
     return 0

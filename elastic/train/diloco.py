@@ -106,24 +106,32 @@ class OuterState:
         self.theta.grad = self._grad
         self.optimizer = torch.optim.SGD([self.theta], lr=lr, momentum=momentum, nesterov=nesterov)
         copy_all(self._theta_views, self._locals)
+        self._delta_on_host = True   # whether `delta` holds the Δ formed last (always, with θ on the host)
         self.pending = False   # Δ is formed and not yet applied
         self.reduced = False   # the codec holds the average of this epoch's Δs, ready to apply
 
     def form_pseudo_gradient(self) -> None:
-        """Δ = θ_outer − θ_local, into the preallocated buffer (kept until an outer step applies it)."""
+        """Δ = θ_outer − θ_local, into the preallocated buffer beside θ (kept until an outer step
+        applies it). On the GPU it is copied to the host only when a sync sends it."""
         copy_all(self._grad_views, self._locals)
         self._grad.sub_(self.theta.data).neg_()
-        if self._grad is not self.delta:
-            copy_all([self.delta], [self._grad])
+        self._delta_on_host = self._grad is self.delta
         self.pending = True
         self.reduced = False
 
     def all_reduce(self, pg, index: int, size: int) -> None:
         """Average Δ over the outer group `pg` (this rank is `index` of `size`) through the codec
         (phase 1: nothing is applied yet). Raises if a member fails; Δ and the error feedback are
-        untouched."""
+        untouched. Alone with the dense codec, the average is Δ itself, left where it was formed:
+        no copy through the host."""
         self.reduced = False
-        self._average, self.bytes_sent, self.network_s = self.codec.reduce(pg, self.delta, index, size)
+        if size == 1 and isinstance(self.codec, Dense):
+            self._average, self.bytes_sent, self.network_s = self._grad, 0, 0.0
+        else:
+            if not self._delta_on_host:
+                copy_all([self.delta], [self._grad])
+                self._delta_on_host = True
+            self._average, self.bytes_sent, self.network_s = self.codec.reduce(pg, self.delta, index, size)
         self.reduced = True
 
     def apply(self, keep_drift: bool = False) -> None:
@@ -143,9 +151,12 @@ class OuterState:
                 self._drift_views = [v.view(t.shape) for v, t in zip(self._drift.split(self._sizes), self._locals)]
             copy_all(self._drift_views, self._locals)
             self._drift.sub_(self.theta.data).add_(self._grad)   # θ_local − (θ_outer − Δ): since Δ was formed
-        self.delta.copy_(self._average)
+        if self._average is not self._grad:   # the average is in the codec's buffer: into Δ's
+            self.delta.copy_(self._average)
+            if self._grad is not self.delta:
+                copy_all([self._grad], [self.delta])
         self.codec.commit()
-        self.step_with_delta()
+        self._step()
         if keep_drift:
             self._drift.add_(self.theta.data)
             copy_all(self._locals, self._drift_views)
@@ -160,6 +171,10 @@ class OuterState:
         world took): what `apply` does, without the all-reduce or the codec's commit."""
         if self._grad is not self.delta:
             copy_all([self._grad], [self.delta])   # waited for: a joiner's replay refills delta next
+        self._step()
+
+    def _step(self) -> None:
+        """The outer SGD step with the averaged Δ in `_grad`; θ back into the model."""
         self.optimizer.step()
         copy_all(self._locals, self._theta_views)
         self.pending = self.reduced = False
@@ -442,11 +457,14 @@ class Fragments:
         return None if errors[0] is None else (errors[0] if len(errors) == 1 else torch.cat(errors))
 
     def momentum(self) -> torch.Tensor | None:
-        """The outer momentum, flat, or None before any fragment's first step (a fragment without
-        one yet counts as zeros)."""
+        """The outer momentum, flat, where it lives (the buffer itself with one fragment: a
+        checkpoint's stager copies it to the host once, without a pageable copy first), or None
+        before any fragment's first step (a fragment without one yet counts as zeros)."""
         ms = [p.momentum() for p in self.parts]
         if all(m is None for m in ms):
             return None
+        if len(ms) == 1:
+            return ms[0]
         return torch.cat([torch.zeros(p.numel) if m is None else m.to("cpu") for p, m in zip(self.parts, ms)])
 
     def shard_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -463,7 +481,8 @@ class Fragments:
     def export(self) -> dict:
         """θ_outer, the outer momentum and the error feedback of this shard, flat."""
         e = self.error
-        return {"theta": self.theta.data.to("cpu", copy=True), "momentum": self.momentum(),
+        m = self.momentum()
+        return {"theta": self.theta.data.to("cpu", copy=True), "momentum": None if m is None else m.to("cpu", copy=True),
                 "error": None if e is None else e.clone()}
 
     def load(self, state: dict) -> None:

@@ -109,6 +109,20 @@ class Schedule:
         return self.peak_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
+# How this process's pinned host memory (the checkpoint's snapshot buffers, the batches' staging)
+# is allocated: plain pages touched by 8 threads, then registered with CUDA, instead of one
+# single-threaded `cudaHostAlloc` per buffer (bench/gpu_host_memory.py measures both).
+PINNED_BY_REGISTERING = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
+
+
+def _pin_host_memory_by_registering() -> None:
+    """Set `PINNED_BY_REGISTERING` for this process, unless PYTORCH_CUDA_ALLOC_CONF already says how
+    to pin. Before CUDA is first used: torch reads the setting once."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if "pinned_" not in conf:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [conf, PINNED_BY_REGISTERING]))
+
+
 def rank_device():
     """The device this rank trains on: the one GPU Ray assigned it, made current, or the CPU when
     Ray assigned none (a CPU node). Ray names the assigned GPU in CUDA_VISIBLE_DEVICES, so this
@@ -321,6 +335,7 @@ class RankWorker:
         spec = self._spec
         recipe = Recipe.model_validate(spec.recipe)
         self._recipe = recipe
+        _pin_host_memory_by_registering()
         self._device = rank_device()
         cuda = self._device.type == "cuda"
         if not cuda:

@@ -191,3 +191,40 @@ def test_a_member_lost_mid_sync_fails_the_attempt_and_the_survivors_retry(groups
     retried = on_all(codecs, groups(2), deltas)
     fresh = on_all([make(numel) for _ in range(2)], groups(2), deltas)
     assert torch.equal(retried[0][0], fresh[0][0]) and torch.equal(retried[1][0], retried[0][0])
+
+
+def test_a_lone_member_steps_on_its_own_delta_as_a_group_of_identical_members_does(groups):
+    """Alone (a world shrunk to one replica), the dense codec's average is Δ itself, taken where it
+    was formed without a copy through the host; the outer step is the one two members with the same
+    Δ take over a real all-reduce, bit for bit, for two outer steps (momentum included)."""
+    from torch import nn
+
+    from elastic.train.diloco import OuterState
+
+    def member():
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(300)), nn.Parameter(torch.randn(7, 5))]
+        return params, OuterState(params, 0.7, 0.9, True)
+
+    def train(params, step):
+        with torch.no_grad():
+            for j, p in enumerate(params):
+                p.add_(0.01 * (step + 1) * (j + 1))
+
+    alone, pair = member(), [member(), member()]
+    pgs = groups(2)
+    for step in range(2):
+        for params, outer in [alone, *pair]:
+            train(params, step)
+            outer.form_pseudo_gradient()
+        alone[1].all_reduce(None, 0, 1)
+        assert alone[1].bytes_sent == 0 and alone[1].averaged is alone[1].delta   # Δ itself, no copy
+        threads = [threading.Thread(target=pair[i][1].all_reduce, args=(pgs[i], i, 2)) for i in range(2)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        assert pair[0][1].bytes_sent > 0
+        for params, outer in [alone, *pair]:
+            outer.apply()
+        for a, b in zip(alone[0], pair[0][0]):
+            assert torch.equal(a, b)
+    assert torch.equal(alone[1].momentum(), pair[1][1].momentum())

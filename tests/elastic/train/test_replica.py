@@ -6,6 +6,7 @@ save waits for the first write instead of overwriting its snapshot."""
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 
 import pytest
@@ -143,3 +144,17 @@ def test_a_second_save_waits_for_the_first_write(rank, monkeypatch, tmp_path):
     assert_identical(state(worker), first)
     worker.load_checkpoint(str(tmp_path / "two"))
     assert_identical(state(worker), second)
+
+
+def test_a_rank_pins_by_registering_unless_the_user_said_how_to_pin(monkeypatch):
+    from elastic.train.replica import PINNED_BY_REGISTERING, _pin_host_memory_by_registering
+
+    for before, after in ((None, PINNED_BY_REGISTERING),
+                          ("expandable_segments:True", f"expandable_segments:True,{PINNED_BY_REGISTERING}"),
+                          ("pinned_use_cuda_host_register:False", "pinned_use_cuda_host_register:False")):
+        if before is None:
+            monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+        else:
+            monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", before)
+        _pin_host_memory_by_registering()
+        assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == after
