@@ -2,9 +2,9 @@
 
 Its network is a host of the network lab (`providers.local.localnet`: its own namespace and
 address in its region's subnet, behind the region's NAT). Its processes run in namespaces of
-their own (mount, UTS, PID): its own /var/log, /tmp/ray, /etc/hostname, /etc/hosts (with
-`metadata.google.internal`), a hostname, and a PID 1 whose end ends every process of the
-machine. Its "image" is this host's system with a Python venv (`--system-site-packages`: torch
+their own (mount, UTS, PID): its own /var/log, /tmp/ray, /tmp/elastic-staging, /etc/hostname,
+/etc/hosts (with `metadata.google.internal`), a hostname, and a PID 1 whose end ends every process
+of the machine. Its "image" is this host's system with a Python venv (`--system-site-packages`: torch
 and Ray come from the host, as from a deep-learning image) whose `bin/` is first on PATH, and a
 `shutdown` / `poweroff` / `halt` that ask the lab to power the machine off (`shutdown -h +N`
 schedules, `-c` cancels, as systemd's does).
@@ -21,6 +21,7 @@ Directory layout on this host (`root`, also the same paths inside the machine):
     log/           the machine's /var/log
     home/          its root's ~/.config, ~/.ray, ~/.aws, ~/.cache
     tmp-ray/       its /tmp/ray (Ray's sessions: sockets and logs)
+    tmp-staging/   its /tmp/elastic-staging (checkpoints' phase 1)
     venv/          the image's Python
     console        the serial console
 """
@@ -80,6 +81,10 @@ mount -t tmpfs -o mode=0700 tmpfs /run/wireguard
 # cluster's nodes share the session's name: VMs joining at once on one host took the same socket.
 mkdir -p __ROOT__/tmp-ray /tmp/ray
 mount --bind __ROOT__/tmp-ray /tmp/ray
+# Its own checkpoint staging (`elastic.storage.checkpoint.staging_root`'s default, on the VM's
+# disk): what a rank wrote there goes with the machine, as with a VM's disk.
+mkdir -p __ROOT__/tmp-staging /tmp/elastic-staging
+mount --bind __ROOT__/tmp-staging /tmp/elastic-staging
 # Its own root's dotfiles (gcloud's config and its on-GCE cache, Ray's token, the AWS CLI's,
 # caches): a fresh VM has none of this host's. (/root itself stays: the image's Python lives there.)
 for d in .config .ray .aws .cache; do

@@ -259,9 +259,14 @@ def _model_bytes(recipe: Path) -> int:
     return 4 * sum(p.numel() for p in build_model(load_recipe(str(recipe), []).model).parameters())
 
 
-def _leftovers(tag: str, driver_pid: int) -> list[str]:
-    """What a rehearsal with lab `tag` and driver `driver_pid` left on this machine."""
+def _leftovers(tag: str, driver_pid: int, run_dir: Path) -> list[str]:
+    """What a rehearsal with lab `tag`, driver `driver_pid` and run directory `run_dir` left on this
+    machine (its VMs' checkpoint staging is on their own disks: none on this host's)."""
+    from elastic.storage.checkpoint import destination, staging_root
+
     left = [f"netns {n}" for n in _namespaces() if n.startswith(tag)]
+    staging = Path(staging_root(None, run_dir.name, destination(None, run_dir)))
+    left += [f"staging {staging}"] if staging.exists() else []
     left += [f"link {link}" for link in subprocess.run(["ip", "-br", "link"], capture_output=True,
                                                       text=True).stdout.split("\n") if link.startswith(tag)]
     left += [f"dir /run/elastic-lab/{tag}"] if Path(f"/run/elastic-lab/{tag}").exists() else []
@@ -306,7 +311,7 @@ def test_rehearse_runs_an_aws_recipe_to_completed_over_the_overlay(tmp_path):
     for vm, _, received, sent in ends:
         assert int(received) > 2 * _model_bytes(recipe) and int(sent) > 2 * _model_bytes(recipe), (vm, received, sent)
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert not _leftovers(tag, int(driver))
+    assert not _leftovers(tag, int(driver), run_dir)
     print(f"rehearsal completed in {took_s:.0f} s; overlay bytes (VM, in, out): {[(e[0], e[2], e[3]) for e in ends]}")
 
 
@@ -415,4 +420,4 @@ def test_rehearse_three_regions_two_clouds_a_spot_notice_drains_and_a_killed_dri
         assert re.search(pattern, text), text[-4000:]
         assert out.when(pattern) - killed <= 30 + 60, f"{iid} ended {out.when(pattern) - killed:.0f} s after the kill"
     assert "did not end itself" not in text
-    assert not _leftovers(tag, int(driver))
+    assert not _leftovers(tag, int(driver), tmp_path / "run")
