@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from elastic.train.optim import SGD
 from elastic.train.outer_sync import Dense
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ class OuterState:
         self.bytes_sent = 0     # by this rank in the last reduce
         self.network_s = 0.0    # inside its collectives
         self.theta.grad = self._grad
-        self.optimizer = torch.optim.SGD([self.theta], lr=lr, momentum=momentum, nesterov=nesterov)
+        self.optimizer = SGD([self.theta], lr=lr, momentum=momentum, nesterov=nesterov)
         copy_all(self._theta_views, self._locals)
         self._delta_on_host = True   # whether `delta` holds the Δ formed last (always, with θ on the host)
         self.pending = False   # Δ is formed and not yet applied

@@ -383,9 +383,12 @@ class RankWorker:
         # Fused AdamW (one kernel for every parameter) where the parameters are plain CUDA tensors.
         fused = cuda and not any(_is_dtensor(p) for p in self._params)
         lap("model")
-        self._opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": t.inner_weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=t.inner_lr, betas=t.inner_betas, **({"fused": True} if fused else {"foreach": True}))
+        groups = [{"params": decay, "weight_decay": t.inner_weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if fused:
+            self._opt = torch.optim.AdamW(groups, lr=t.inner_lr, betas=t.inner_betas, fused=True)
+        else:   # torch's foreach AdamW, without its torch._dynamo import (elastic.train.optim)
+            from elastic.train.optim import AdamW
+            self._opt = AdamW(groups, lr=t.inner_lr, betas=t.inner_betas)
         w = recipe.world
         local_numel = sum(local_shard(p).numel() for p in self._params)
         where = outer_device(t.outer_device, self._device, local_numel)
