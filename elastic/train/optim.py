@@ -20,6 +20,14 @@ def _plain(method):
     return getattr(method, "__wrapped__", method)
 
 
+def _loss(closure):
+    """What a step's `closure` returns (computed with gradients on), or None without one."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class _WithoutDynamo:
     """Optimizer's methods that torch wraps in `torch._disable_dynamo`, unwrapped: that wrapper
     imports `torch._dynamo` at its first call, and nothing here runs under `torch.compile`."""
@@ -46,10 +54,7 @@ class AdamW(_WithoutDynamo, torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _loss(closure)
         for group in self.param_groups:
             params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
             for p in group["params"]:
@@ -95,10 +100,7 @@ class SGD(_WithoutDynamo, torch.optim.SGD):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _loss(closure)
         for group in self.param_groups:
             momentum, lr = group["momentum"], group["lr"]
             for p in group["params"]:
