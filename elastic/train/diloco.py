@@ -152,12 +152,12 @@ class OuterState:
                 self._drift_views = [v.view(t.shape) for v, t in zip(self._drift.split(self._sizes), self._locals)]
             copy_all(self._drift_views, self._locals)
             self._drift.sub_(self.theta.data).add_(self._grad)   # θ_local − (θ_outer − Δ): since Δ was formed
-        if self._average is not self._grad:   # the average is in the codec's buffer: into Δ's
-            self.delta.copy_(self._average)
-            if self._grad is not self.delta:
-                copy_all([self._grad], [self.delta])
         self.codec.commit()
-        self._step()
+        if self._average is self._grad:   # alone: the average is Δ itself, beside θ
+            self._step()
+        else:                             # in the codec's buffer: through `delta`
+            self.delta.copy_(self._average)
+            self.step_with_delta()
         if keep_drift:
             self._drift.add_(self.theta.data)
             copy_all(self._locals, self._drift_views)

@@ -62,8 +62,9 @@ class AdamW(_WithoutDynamo, torch.optim.AdamW):
                     continue
                 state = self.state[p]
                 if not state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype() if torch.get_default_dtype()
-                                                 == torch.float64 else torch.float32)
+                    # torch's scalar dtype for the step: float64 only where that is the default
+                    wide = torch.get_default_dtype() == torch.float64
+                    state["step"] = torch.tensor(0.0, dtype=torch.float64 if wide else torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 params.append(p)
