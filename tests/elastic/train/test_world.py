@@ -141,29 +141,34 @@ def test_bfloat16_sync_stays_close_to_float32(nodes):
     assert_states_close(states[0], states[1], atol=0, rtol=0)
 
 
-def test_notice_deadlines_end_the_phase_for_every_member_or_sit_the_late_out(nodes):
+def test_notice_deadlines_end_the_phase_for_every_member_or_sit_the_late_out(nodes, monkeypatch):
     import time
 
-    recipe = tiny_recipe(**{"world.replicas": 2, "train.inner_steps": 400, "train.outer_steps": 3})
+    # Every inner step takes at least 10 ms (a slow VM), so a whole phase of 200 takes 2 s or more
+    # on any machine: a notice 1 s ahead always ends it early, and leaves a loaded machine time to
+    # start both members' phase before the deadline.
+    monkeypatch.setenv("ELASTIC_FAULT_STEP_DELAY_S", "0.01")
+    inner = 200
+    recipe = tiny_recipe(**{"world.replicas": 2, "train.inner_steps": inner, "train.outer_steps": 3})
     world = World(recipe)
     try:
         ids = nodes(2)
         world.add_replicas([(f"vm{i}", node_id) for i, node_id in enumerate(ids)])
         a, b = sorted(world.replicas)
         # A deadline in the future ends the next phase for both (the noticed one contributes).
-        world.request_stop(a, time.time() + 0.3)
+        world.request_stop(a, time.time() + 1.0)
         res = world.run_step()[0]
-        assert res.replicas == [a, b] and all(0 < n < 400 for n in res.steps_done.values()), res.steps_done
+        assert res.replicas == [a, b] and all(0 < n < inner for n in res.steps_done.values()), res.steps_done
         assert world.inner_step == max(res.steps_done.values())
         # A request meant for that phase never touches the next one.
         res = world.run_step()[0]
-        assert res.steps_done == {a: 400, b: 400}
+        assert res.steps_done == {a: inner, b: inner}
         # A deadline already passed: the noticed replica sits the step out, the other trains it whole.
         cursor = world.cursor
         world.request_stop(b, time.time() - 1)
         res = world.run_step()[0]
-        assert res.replicas == [a] and res.idle == [b] and res.steps_done == {a: 400}
-        assert world.cursor == cursor + 400 * recipe.train.batch_size      # no lease for the one sitting out
+        assert res.replicas == [a] and res.idle == [b] and res.steps_done == {a: inner}
+        assert world.cursor == cursor + inner * recipe.train.batch_size      # no lease for the one sitting out
         # Every member late: no step is taken, and the result says who leaves.
         world.release(b)
         world.request_stop(a, time.time() - 1)
