@@ -142,9 +142,8 @@ class LoggingSection(_Section):
 
     tensorboard: bool = True
     """Write TensorBoard event files to `<run dir>/tensorboard` (loss, validation loss, tokens/s,
-    replicas, USD/hour, cumulative USD, preemptions). Needs the `tensorboard` package (in the `hf`
-    extra); without it no event files: by default one info line in driver.log, a warning when the
-    recipe sets this to true."""
+    replicas, USD/hour, cumulative USD, preemptions). Written by elastic itself, on any install;
+    viewing them needs TensorBoard (`pip install tensorboard`, or the `hf` extra)."""
     wandb: WandbSection = Field(default_factory=WandbSection)
     """Weights & Biases."""
 

@@ -9,13 +9,11 @@ Scalars, all against the outer step: `train/loss` (mean over the step's inner st
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import threading
 from pathlib import Path
 
-from elastic.record.events import Event, NodeNotice, NodePreempted, OuterStep, ReplicaStarting, Validation
-from elastic.train.imports import import_beside
+from elastic.record.events import Event, NodeNotice, NodePreempted, OuterStep, Validation
+from elastic.train.event_file import EventFile
 
 log = logging.getLogger(__name__)
 
@@ -34,18 +32,10 @@ class Metrics:
         self._step = 0
         self._preempted: set[str] = set()
         self._run_dir = run_dir
-        self._tb_opener: threading.Thread | None = None
         lg = recipe.logging
-        # Set in the recipe: a warning where the user looks. Left at its default on a base install
-        # (no tensorboard): one quiet line in driver.log, nothing the user did not ask for.
-        self._say = log.warning if "tensorboard" in lg.model_fields_set else log.info
-        if lg.tensorboard:
-            if importlib.util.find_spec("tensorboard") is None:
-                self._no_tensorboard()
-            else:
-                # torch.utils.tensorboard loads torch: ~1.2 s of the driver's CPU, opened beside the
-                # first replicas' setup (where the driver waits) rather than before it rents them.
-                self._tb_opener = threading.Thread(target=self._open_tensorboard, name="tensorboard", daemon=True)
+        # The event files are written by elastic.train.event_file (no torch, no tensorboard package:
+        # viewing them needs TensorBoard, writing them does not), opened at the first scalar.
+        self._tensorboard = lg.tensorboard
         if lg.wandb.project:
             try:
                 import wandb
@@ -54,37 +44,14 @@ class Metrics:
             else:
                 self._wandb = wandb.init(project=lg.wandb.project, entity=lg.wandb.entity, mode=lg.wandb.mode,
                                          dir=str(run_dir), name=run_dir.name, config=recipe.model_dump(mode="json"))
-        if self._tb_opener is not None or self._wandb is not None:
+        if self._tensorboard or self._wandb is not None:
             ledger.listeners.append(self.on_event)
-
-    def _no_tensorboard(self) -> None:
-        self._say("logging.tensorboard: the tensorboard package is not installed "
-                  "(pip install 'elastic[hf]'); no event files are written")
-
-    def _open_tensorboard(self) -> None:
-        try:
-            writer = import_beside("torch.utils.tensorboard").SummaryWriter
-        except ImportError:
-            self._no_tensorboard()
-        else:
-            self._tb = writer(str(self._run_dir / "tensorboard"), flush_secs=10)
-
-    def _tensorboard(self, wait: bool) -> None:
-        """Open the event files on their thread (once), and with `wait` until they are open."""
-        if self._tb_opener is None:
-            return
-        if self._tb_opener.ident is None:
-            self._tb_opener.start()
-        if wait:
-            self._tb_opener.join()
 
     def on_event(self, e: Event) -> None:
         """Write the scalars one ledger event carries."""
         from elastic.record.billing import burn_usd_per_hour, cost_so_far
 
-        if isinstance(e, ReplicaStarting):
-            self._tensorboard(wait=False)
-        elif isinstance(e, (NodePreempted, NodeNotice)):
+        if isinstance(e, (NodePreempted, NodeNotice)):
             self._preempted.add(e.instance_id)
             self._write({"world/preemptions": len(self._preempted)})
         elif isinstance(e, OuterStep):
@@ -102,18 +69,16 @@ class Metrics:
             self._write({"val/loss": e.loss, "val/perplexity": e.perplexity})
 
     def _write(self, scalars: dict) -> None:
-        self._tensorboard(wait=True)
-        if self._tb is not None:
-            for tag, value in scalars.items():
-                self._tb.add_scalar(tag, value, self._step)
+        if self._tensorboard:
+            if self._tb is None:
+                self._tb = EventFile(self._run_dir / "tensorboard")
+            self._tb.scalars(self._step, scalars)
         if self._wandb is not None:
             self._wandb.log(scalars, step=self._step)
 
     def close(self) -> None:
         if self.on_event in self._ledger.listeners:
             self._ledger.listeners.remove(self.on_event)
-        if self._tb_opener is not None and self._tb_opener.ident is not None:
-            self._tb_opener.join()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:

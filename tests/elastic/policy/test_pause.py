@@ -79,7 +79,9 @@ def test_a_price_spike_pauses_the_run_and_it_resumes_from_the_pause_checkpoint(l
             t.cancel()
     assert status == "completed" and market.moved == [SPIKE_S, CALM_S]
     kinds = [e["type"] for e in events]
-    assert kinds.count("world_paused") == kinds.count("world_unpaused") == 1
+    # (A failure shows every pause and unpause with its reading of the market: price, θ, need.)
+    assert kinds.count("world_paused") == kinds.count("world_unpaused") == 1, \
+        [e for e in events if e["type"] in ("world_paused", "world_unpaused")]
     paused = next(e for e in events if e["type"] == "world_paused")
     unpaused = next(e for e in events if e["type"] == "world_unpaused")
     assert paused["usd_per_mtok"] > 50 * paused["threshold_usd_per_mtok"] and paused["need"] < 0.1

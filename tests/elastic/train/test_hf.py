@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from elastic.record.ledger import read_events
-from tests.conftest import run_cli
+from tests.conftest import REPO, run_cli
 from tests.elastic.run.test_launch import interrupt, launch
 from tests.servers.object_stores import RecordingProxy
 
@@ -310,22 +310,39 @@ def test_a_hub_name_while_the_hub_is_unreachable_is_one_offline_line_at_once(tmp
         assert "Retrying" not in out.stdout + out.stderr and time.monotonic() - t0 < 25
 
 
-def test_a_missing_tensorboard_is_quiet_unless_the_recipe_asks_for_it(tmp_path, monkeypatch, caplog):
-    """A base install has no tensorboard: with `logging.tensorboard` at its default the first run
-    prints no warning (one info line for driver.log); set to true in the recipe, it warns."""
-    import logging
+def test_event_files_are_written_without_tensorboard_or_torch_and_tensorboard_reads_them(tmp_path):
+    """A base install has no tensorboard package: the driver writes the event files itself, without
+    importing torch or tensorboard, and TensorBoard reads them as its own; `logging.tensorboard:
+    false` writes none."""
+    import subprocess
     import sys
 
-    from elastic.record.ledger import Ledger
-    from elastic.train.metrics import Metrics
-    from tests.conftest import tiny_recipe
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    monkeypatch.setitem(sys.modules, "tensorboard", None)   # not installed
-    for logging_section, level in ({}, logging.INFO), ({"tensorboard": True}, logging.WARNING):
-        recipe = tiny_recipe().model_validate({**tiny_recipe().model_dump(exclude={"logging"}),
-                                               "logging": logging_section})
-        caplog.clear()
-        with caplog.at_level(logging.INFO, logger="elastic.train.metrics"):
-            Metrics(recipe, tmp_path, Ledger(tmp_path / "events.jsonl"))
-        [record] = [r for r in caplog.records if "tensorboard" in r.getMessage()]
-        assert record.levelno == level and not (tmp_path / "tensorboard").exists()
+    script = """
+import sys
+sys.modules["tensorboard"] = None   # not installed
+from pathlib import Path
+from elastic.record.events import NodeNotice
+from elastic.record.ledger import Ledger
+from elastic.recipe.model import validate_recipe
+from elastic.train.metrics import Metrics
+from tests.conftest import tiny_recipe
+for name, on in (("on", True), ("off", False)):
+    run = Path(sys.argv[1]) / name
+    run.mkdir()
+    ledger = Ledger(run / "events.jsonl")
+    recipe = validate_recipe({**tiny_recipe().model_dump(exclude={"logging"}), "logging": {"tensorboard": on}})
+    metrics = Metrics(recipe, run, ledger)
+    for i in range(3):
+        ledger.append(NodeNotice(instance_id=f"vm{i}", deadline=1.0, notice_s=30.0, replica=None))
+    metrics.close()
+print(sorted(m for m, mod in sys.modules.items() if mod is not None and m.split(".")[0] in ("torch", "tensorboard")))
+"""
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+                         cwd=REPO, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+    assert not (tmp_path / "off" / "tensorboard").exists()
+    tb = EventAccumulator(str(tmp_path / "on" / "tensorboard"))
+    tb.Reload()
+    assert [s.value for s in tb.Scalars("world/preemptions")] == [1.0, 2.0, 3.0]
