@@ -241,10 +241,12 @@ def test_sigterm_and_sighup_end_a_run_as_ctrl_c_does():
 def test_budget_stops_the_run_with_a_final_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     # Two nodes at $0.40/h: about 30 s of renting, enough for a first outer step on a busy 2-core
-    # machine (the suite runs two workers) before the budget stops the run.
+    # machine (the suite runs two workers) before the budget stops the run. Every inner step takes
+    # at least 20 ms (a slow VM): the ranks wait out most of those 30 s instead of spending two
+    # cores' worth of the suite's CPU on them.
     max_usd = 0.0067
     proc = launch(run_dir, *SMALL, "--allow-partial", "--set", "train.outer_steps=1000", "--set", f"budget.max_usd={max_usd}",
-                  "--set", "checkpoint.every_outer_steps=0")
+                  "--set", "checkpoint.every_outer_steps=0", env={"ELASTIC_FAULT_STEP_DELAY_S": "0.02"})
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 3, out
     report = json.loads((run_dir / "report.json").read_text())
@@ -394,7 +396,9 @@ def test_a_preemptible_run_tells_its_story_and_a_closed_session_releases_every_n
     proc = launch(run_dir, *SMALL, "--allow-partial", "--set", "train.outer_steps=1000", "--set", "train.inner_steps=5",
                   "--set", "checkpoint.every_outer_steps=3", "--set", "local.market.preempt_per_hour=3",
                   recipe="recipes/local-preemptible.yaml",
-                  env={"ELASTIC_CACHE": str(tmp_path / "cache"), "COLUMNS": "80"})
+                  # Every inner step takes at least 20 ms (slow VMs): the run waits for the market's
+                  # preemption mostly asleep rather than on the suite's CPU.
+                  env={"ELASTIC_CACHE": str(tmp_path / "cache"), "COLUMNS": "80", "ELASTIC_FAULT_STEP_DELAY_S": "0.02"})
     ledger = run_dir / "events.jsonl"
 
     def story_told() -> bool:
