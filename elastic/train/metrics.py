@@ -10,6 +10,7 @@ Scalars, all against the outer step: `train/loss` (mean over the step's inner st
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 from elastic.record.events import Event, NodeNotice, NodePreempted, OuterStep, Validation
@@ -28,6 +29,7 @@ class Metrics:
     def __init__(self, recipe, run_dir: Path, ledger):
         self._ledger = ledger
         self._tb = None
+        self._tb_lock = threading.Lock()   # the ledger's listeners run on the threads that append
         self._wandb = None
         self._step = 0
         self._preempted: set[str] = set()
@@ -69,17 +71,20 @@ class Metrics:
             self._write({"val/loss": e.loss, "val/perplexity": e.perplexity})
 
     def _write(self, scalars: dict) -> None:
-        if self._tensorboard:
-            if self._tb is None:
-                self._tb = EventFile(self._run_dir / "tensorboard")
-            self._tb.scalars(self._step, scalars)
+        with self._tb_lock:
+            if self._tensorboard:
+                if self._tb is None:
+                    self._tb = EventFile(self._run_dir / "tensorboard")
+                self._tb.scalars(self._step, scalars)
         if self._wandb is not None:
             self._wandb.log(scalars, step=self._step)
 
     def close(self) -> None:
         if self.on_event in self._ledger.listeners:
             self._ledger.listeners.remove(self.on_event)
-        if self._tb is not None:
-            self._tb.close()
+        with self._tb_lock:
+            self._tensorboard = False   # a late event writes nothing more
+            if self._tb is not None:
+                self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()

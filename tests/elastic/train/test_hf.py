@@ -337,6 +337,7 @@ for name, on in (("on", True), ("off", False)):
     for i in range(3):
         ledger.append(NodeNotice(instance_id=f"vm{i}", deadline=1.0, notice_s=30.0, replica=None))
     metrics.close()
+    metrics.on_event(NodeNotice(instance_id="late", deadline=1.0, notice_s=30.0, replica=None))   # writes nothing
 print(sorted(m for m, mod in sys.modules.items() if mod is not None and m.split(".")[0] in ("torch", "tensorboard")))
 """
     out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
