@@ -28,8 +28,8 @@ def _start_ticks(pid: str) -> int:
 
 
 def _kind(cmdline: str) -> str:
-    if "ray::" in cmdline:
-        return "ray::" + cmdline.split("ray::")[1].split()[0]
+    if "ray::" in cmdline:   # a Ray worker, titled by its actor class (and the method it runs)
+        return "ray::" + cmdline.split("ray::")[1].split()[0].split(".")[0]
     words = cmdline.split()
     return " ".join([os.path.basename(words[0])] + words[1:3])[:60] if words else "?"
 
