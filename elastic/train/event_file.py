@@ -16,26 +16,7 @@ import struct
 import time
 from pathlib import Path
 
-
-def _crc32c_table() -> list[int]:
-    table = []
-    for n in range(256):
-        c = n
-        for _ in range(8):
-            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
-        table.append(c)
-    return table
-
-
-_TABLE = _crc32c_table()
-
-
-def crc32c(data: bytes) -> int:
-    """CRC-32C (Castagnoli), the checksum of TFRecord files."""
-    c = 0xFFFFFFFF
-    for b in data:
-        c = _TABLE[(c ^ b) & 0xFF] ^ (c >> 8)
-    return c ^ 0xFFFFFFFF
+import google_crc32c
 
 
 def _masked(crc: int) -> int:
@@ -45,7 +26,8 @@ def _masked(crc: int) -> int:
 def record(data: bytes) -> bytes:
     """One TFRecord holding `data`."""
     length = struct.pack("<Q", len(data))
-    return length + struct.pack("<I", _masked(crc32c(length))) + data + struct.pack("<I", _masked(crc32c(data)))
+    return (length + struct.pack("<I", _masked(google_crc32c.value(length))) + data
+            + struct.pack("<I", _masked(google_crc32c.value(data))))
 
 
 def _varint(n: int) -> bytes:
