@@ -39,6 +39,16 @@ carried over from its last decisions (fed back by the executor). The `elastic` p
   (`_spare_on_demand`) once world.min_replicas spot replicas train, and when no spot replica is
   left to pair it with (the partner was preempted): it would bill on-demand hours for nothing, or
   for what spot trains alone (1.95× → 1.79× on that trace; no other trace's figure moves);
+- **spread** (with budget.max_hours): a replica that would spread the world to a site (`cloud/region`)
+  it is not in yet, so that every outer sync of every replica waits on the cross-site link
+  (`planner.sync_penalty_s`), is not rented while its tokens would cost more than `SPREAD_TOLERANCE`
+  times the world's (its price and the wait it adds to the others, over the tokens it adds) and
+  the world already held (at least world.min_replicas) trains the rest, one boot included, within
+  `SPREAD_PACE` of the time `hours_left` gives it (`_spreads_dear`; `launch_held_back` with reason
+  `spread`, once per spell). The slack left is the deadline rule's: it rents on-demand when the
+  world falls behind. On the real V100 traces, where zones hold one VM each, the fourth replica
+  of a world otherwise crosses regions: 1.09× → 1.05× the bound on aws-v100-3zones, 1.10× →
+  1.06× on aws-v100-9zones (docs/benchmarks.md);
 - **budget**: a launch must leave the spend within budget.max_usd for its cloud's billing minimum
   (or until the budget is next checked, when longer) of every held VM and the new one
   (`launch_fits_budget`, inside `decide`); an outer step (or a wait) must not carry the spend past
@@ -74,9 +84,9 @@ from enum import StrEnum
 from typing import ClassVar
 
 from elastic.policy.market import Key, Quote, offer_key
-from elastic.policy.planner import (Move, Progress, choose_launch, evaluate, hours_to_finish, launch_usd_per_mtok,
-                             leaves_at_once, plan, replan_all, run_tokens, speed_source, tokens_per_phase,
-                             usd_per_mtok)
+from elastic.policy.planner import (Move, Progress, choose_launch, evaluate, hours_left, hours_to_finish,
+                             launch_usd_per_mtok, leaves_at_once, plan, replan_all, run_tokens, site, speed_source,
+                             sync_penalty_s, tokens_per_phase, usd_per_mtok)
 from elastic.record import billing
 from providers.base import Offer
 
@@ -88,6 +98,8 @@ MIN_SHARE = 0.05         # θ is never below the price of the cheapest 5 % of th
 DEAR_SAVING = 0.25       # a replica dearer than HYSTERESIS θ leaves for a launch this much cheaper
 GO_ON_NEED = 0.95        # at this share of the time left needed, it trains whatever the price
 ON_DEMAND_MARGIN = 0.10  # slack kept, as a share of the on-demand world's hours to finish the rest
+SPREAD_TOLERANCE = 1.05  # a replica that spreads the world may cost this much more per token than the world
+SPREAD_PACE = 0.5        # ... or more, while the world held finishes within this share of the time left
 LOOK_PAST_S = 1e-3       # the deadline rule's wake-up lands this far past its margin (seconds), not on it
 
 
@@ -246,6 +258,7 @@ class HoldReason(StrEnum):
     CAPACITY = "capacity"   # every offer is at its known capacity
     RESTING = "resting"     # every offer rests after a refusal
     BUDGET = "budget"       # the launch would take the spend past budget.max_usd
+    SPREAD = "spread"       # the launch would spread the world over another site while the deadline allows (`_spreads_dear`)
 
 
 class CheckpointReason(StrEnum):
@@ -268,12 +281,14 @@ class HoldBack:
         usd_per_hour: for `budget`, the price of the launch refused.
         gives_up: for `budget`, too few nodes for world.min_replicas and none on its way: the run
             cannot go on.
+        message: for `spread`, why, in words.
     """
 
     reason: HoldReason
     held: int
     usd_per_hour: float = 0.0
     gives_up: bool = False
+    message: str = ""
 
 
 @dataclass(frozen=True)
@@ -824,6 +839,10 @@ def _top_up(s: Snapshot, quotes: list[Quote], held: list[Quote], wanted: int,
         if q is None:
             out.append(HoldBack(HoldReason.CAPACITY, held=len(held)))
             break
+        why = _spreads_dear(s, held, q) if need is None else None
+        if why:
+            out.append(HoldBack(HoldReason.SPREAD, held=len(held), message=why))
+            break
         if not launch_fits_budget(spent, rate, q.offer, s.recipe, horizon_s=s.budget_horizon_s):
             # It gives up only when nothing is on its way (launches under way, or rented just now).
             on_way = bool(s.pending) or any(isinstance(a, Rent) for a in out)
@@ -834,6 +853,33 @@ def _top_up(s: Snapshot, quotes: list[Quote], held: list[Quote], wanted: int,
         held.append(q)
         rate += q.offer.usd_per_hour
     return out
+
+
+def _spreads_dear(s: Snapshot, held: list[Quote], q: Quote) -> str | None:
+    """The spread rule: why renting `q` beside `held` (the world and its launches under way) waits,
+    or None where it does not. It waits with budget.max_hours set, at least world.min_replicas
+    held, `q` adding a site the sync then waits on (`sync_penalty_s` grows), its marginal USD per
+    useful token (the world's price and tokens with it, less without it) above `SPREAD_TOLERANCE`
+    × the world's, and the world held finishing the rest, one boot included, within `SPREAD_PACE`
+    of `hours_left` (budget.max_hours less planner.deadline_slack)."""
+    r = s.recipe
+    if r.budget.max_hours is None or len(held) < r.world.min_replicas:
+        return None
+    if sync_penalty_s(held + [q], r.planner) <= sync_penalty_s(held, r.planner) + 1e-9:
+        return None
+    now, spread = evaluate(held, r), evaluate(held + [q], r)
+    gained = spread.useful_tokens_per_s - now.useful_tokens_per_s
+    marginal = (spread.usd_per_hour - now.usd_per_hour) / (gained * 3600) * 1e6 if gained > 0 else math.inf
+    if marginal <= SPREAD_TOLERANCE * now.usd_per_mtok:
+        return None
+    finish_h = r.planner.recovery_s / 3600 + hours_to_finish(now, r, s.progress)
+    left_h = hours_left(r, s.progress)
+    if left_h is None or finish_h > SPREAD_PACE * left_h:
+        return None
+    return (f"a replica in {q.offer.zone} would spread the world to {site(q.offer)} (its outer syncs "
+            f"{spread.sync_penalty_s - now.sync_penalty_s:.0f} s longer): its tokens would cost "
+            f"{marginal / now.usd_per_mtok:.2f}x the world's, and the {len(held)} replica(s) held finish "
+            f"in {finish_h:.1f} h of the {left_h:.1f} h left")
 
 
 def _moves(s: Snapshot, quotes: list[Quote], in_world: list[Node]) -> list[Action]:

@@ -215,7 +215,9 @@ class WorldSection(_Section):
     """Fewest live replicas training continues with; below it, training pauses and waits for
     capacity (see `capacity_timeout_s`)."""
     replicas: int = Field(2, ge=1)
-    """Target number of replicas: rented at start, and rented again when preemptions take some."""
+    """Target number of replicas: rented at start, and rented again when preemptions take some.
+    With `budget.max_hours`, a replica that would spread the world over another region waits while
+    the world held finishes well within the deadline (docs/guide.md, "Deadlines on spot")."""
     max_replicas: int = Field(4, ge=1)
     """Never run more replicas than this (upper bound for growing back)."""
     ranks_per_replica: int | None = Field(None, ge=1, le=1024)

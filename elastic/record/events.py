@@ -47,6 +47,7 @@ class HeldBack(StrEnum):
 
     CAPACITY = "capacity"               # every offer at its known capacity
     BUDGET = "budget.max_usd"           # the next VM would take the spend past the budget
+    SPREAD = "spread"                   # the next VM would spread the world over another site while the deadline allows
 
 
 class LossRule(StrEnum):
@@ -458,9 +459,9 @@ class LaunchFailed(Event):
 
 @_event("launch_held_back")
 class LaunchHeldBack(Event):
-    """Launches are held back. Args: reason: `HeldBack.CAPACITY` (then held: VMs held or on their
-    way, message) or `HeldBack.BUDGET` (then spent_usd: USD spent, usd_per_hour: the next VM's
-    price)."""
+    """Launches are held back. Args: reason: `HeldBack.CAPACITY` or `HeldBack.SPREAD` (then held:
+    VMs held or on their way, message: why) or `HeldBack.BUDGET` (then spent_usd: USD spent,
+    usd_per_hour: the next VM's price)."""
 
     reason: HeldBack
     held: int | None = None
@@ -469,7 +470,8 @@ class LaunchHeldBack(Event):
     usd_per_hour: float | None = None
 
     def story(self) -> str:
-        return f"launches held back ({self.reason})"
+        why = f": {self.message}" if self.reason == HeldBack.SPREAD and self.message else ""
+        return f"launches held back ({self.reason}){why}"
 
 
 @_event("market_unavailable")

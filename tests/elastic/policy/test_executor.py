@@ -74,3 +74,11 @@ def test_each_action_lands_in_the_state_or_the_host_and_comes_back_in_the_snapsh
     ex.apply([HoldBack("budget", held=1, usd_per_hour=5.0), HoldBack("budget", held=1, gives_up=True)],
              Snapshot(r, 200.0))
     assert ex.state.budget_held_back and ex.state.gave_up and host.events.count("launch_held_back") == 2
+
+    # A spread held back: one line (with why) until the next launch, then again.
+    host.events.clear()
+    ex.apply([HoldBack("spread", held=3, message="why"), HoldBack("spread", held=3, message="why")], Snapshot(r, 300.0))
+    assert host.events == ["launch_held_back"]
+    host.refuse.clear()
+    ex.apply([Rent(old), HoldBack("spread", held=4, message="why")], Snapshot(r, 310.0))
+    assert host.events == ["launch_held_back", "launch_held_back"]

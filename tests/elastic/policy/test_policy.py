@@ -400,3 +400,42 @@ def test_a_paired_on_demand_replica_leaves_once_spot_holds_the_world_or_has_none
     # No spot replica left (the partner was preempted, none offered): it leaves.
     none = dataclasses.replace(base, nodes=(od_node,), quotes=(quote(offer("r1a", 8.0), capacity=0),))
     assert Release("od") in decide(none)
+
+
+def test_a_replica_that_would_spread_the_world_over_another_region_waits_while_the_deadline_allows():
+    """Three replicas in r1 (its capacity), one more wanted, and the only room in r2: the fourth
+    would make every outer sync wait on the cross-region link (planner.cross_region_sync_s), so its
+    tokens cost more than the world's. While the three finish within SPREAD_PACE of the time
+    budget.max_hours leaves, it is not rented (held back, why said); it is where the deadline needs
+    the pace, without budget.max_hours, with fewer than world.min_replicas held, and where the
+    room is in r1 itself."""
+    from elastic.policy.planner import evaluate, hours_to_finish
+    from elastic.policy.rules import SPREAD_PACE, HoldReason
+
+    base = recipe(**{"train.token_budget": 5_184_000_000, "train.outer_steps": "null", "world.min_replicas": 2})
+    three = held(3, "r1a", 8.0)
+    h3 = hours_to_finish(evaluate([n.quote for n in three], base), base) + base.planner.recovery_s / 3600
+    slack = 1 - base.planner.deadline_slack
+
+    def world(max_hours, nodes=three, r1_room=0, **kw):
+        r = recipe(**{"train.token_budget": 5_184_000_000, "train.outer_steps": "null", "world.min_replicas": 2,
+                      "budget.max_hours": max_hours, "budget.max_usd": 100_000, **kw})
+        quotes = [quote(offer("r1a", 8.0), capacity=len(nodes) + r1_room), quote(offer("r2a", 8.0), capacity=4)]
+        return decide(snap(r, nodes, quotes, target_replicas=4, time_s=0.0, last_replan_s=0.0,
+                           progress=Progress()))
+
+    far = h3 / SPREAD_PACE / slack * 1.2    # the three finish well within SPREAD_PACE of the time left
+    acts = world(far)
+    assert rents(acts) == []
+    spread = [a for a in acts if isinstance(a, HoldBack)]
+    assert [a.reason for a in spread] == [HoldReason.SPREAD] and "r2a" in spread[0].message, acts
+    # The deadline needs the pace: the fourth is rented in r2.
+    assert rents(world(h3 / SPREAD_PACE / slack * 0.8)) == ["r2a"]
+    # Room in r1 itself: no spread, rented there.
+    assert rents(world(far, r1_room=1)) == ["r1a"]
+    # Fewer than world.min_replicas held: the world needs it, wherever.
+    assert rents(world(far, nodes=held(1, "r1a", 8.0))) == ["r2a"] * 3
+    # Without a deadline the rule does not apply.
+    free = recipe(**{"train.token_budget": 5_184_000_000, "train.outer_steps": "null", "world.min_replicas": 2})
+    assert rents(decide(snap(free, three, [quote(offer("r1a", 8.0), capacity=3), quote(offer("r2a", 8.0), capacity=4)],
+                             target_replicas=4))) == ["r2a"]
