@@ -22,8 +22,10 @@ Mapping, per (zone, instance type), one trace tick k at a time (t_k = k x gap_se
   tick with probability n_k+1 / n_k when the count drops (n_k+1 < n_k), so a drop of availability
   takes its share of the held VMs in the tick it happened in: ln(n_k / n_k+1) / (gap_seconds / 3600),
   and, when it drops to 0 (or the hazard would exceed it), `providers.simmarket.TRACE_MAX`'s 60 per
-  node-hour (95 % of held VMs gone in a 3-minute tick, 99 % in 5 minutes). 0 when the count does not
-  drop: these traces record no preemption apart from a drop.
+  node-hour (95 % of held VMs gone in a 3-minute tick, 99 % in 5 minutes); the same 60 while the
+  count is 0 (n_k = 0: the zone gave the probe no VM, so none is held there: a VM the simulator
+  still holds, launched late in the tick of the drop or drawn a long life through it, goes too).
+  0 when the count does not drop: these traces record no preemption apart from a drop.
 - spot_usd_per_hour: constant. The only real price series reachable for p3 (the 2022-05-31 snapshot
   above) shows p3.2xlarge at $0.918/h in every AZ of the three regions that offers it below
   on-demand (one AZ of us-east-1 stands at the $3.06 on-demand price), i.e. 0.300 x on-demand;
@@ -140,10 +142,14 @@ def spot_usd_per_hour(prices_path: Path, instance_type: str) -> dict[str, float]
 
 def hazard_per_hour(n_now: int, n_next: int, gap_s: float) -> float:
     """Preemptions per node-hour over one tick in which the count goes from n_now to n_next: each
-    held VM survives the tick with probability n_next / n_now (0 when the count does not drop)."""
+    held VM survives the tick with probability n_next / n_now (0 when the count does not drop);
+    `TRACE_MAX`'s 60 when it drops to 0 and while it stays at 0 (no VM is held where the zone gives
+    the probe none)."""
+    cap = TRACE_MAX["preempt_per_hour"]
+    if n_now == 0:
+        return cap
     if n_next >= n_now:
         return 0.0
-    cap = TRACE_MAX["preempt_per_hour"]
     if n_next == 0:
         return cap
     return round(min(cap, math.log(n_now / n_next) / (gap_s / 3600)), 4)
@@ -196,7 +202,7 @@ def describe(path: Path, end_s: float) -> str:
         spans = [(b.t if b is not None else end_s) - a.t for a, b in zip(rs, rs[1:] + [None])]
         up = sum(s for s, r in zip(spans, rs) if r.state.capacity) / end_s
         mean_cap = sum(s * r.state.capacity for s, r in zip(spans, rs)) / end_s
-        drops = sum(1 for r in rs if r.state.preempt_per_hour > 0)
+        drops = sum(1 for r in rs if r.state.preempt_per_hour > 0 and r.state.capacity)
         parts.append(f"{zone} {up:.0%} (mean {mean_cap:.1f} VMs, {drops} drops)")
     return f"{path.name}: {len(by_zone)} zones, {end_s / 86400:.1f} days, {len(rows)} rows; " + ", ".join(parts)
 
