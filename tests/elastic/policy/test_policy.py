@@ -354,8 +354,9 @@ def test_on_demand_replicas_move_back_to_spot_when_it_returns():
 
 def test_a_lone_spot_replica_is_paired_with_an_on_demand_one_while_behind_the_deadlines_line():
     """Spot has room for one replica, world.min_replicas is 2, and the run is behind the straight
-    line to budget.max_hours: one spot replica and one on-demand one now (the deadline rule is not
-    late yet); ahead of the line, or with room for two spot replicas, no on-demand."""
+    line to budget.max_hours: one spot replica, and one on-demand one once the spot one trains (the
+    deadline rule is not late yet); ahead of the line, or with room for two spot replicas, no
+    on-demand."""
     r = recipe(**{"train.token_budget": 5_184_000_000, "train.outer_steps": "null", "budget.max_hours": 30,
                   "budget.max_usd": 100_000, "world.min_replicas": 2})
     one = [quote(offer("r1a", 8.0), capacity=1)]
@@ -367,8 +368,12 @@ def test_a_lone_spot_replica_is_paired_with_an_on_demand_one_while_behind_the_de
 
     assert not on_demand_need(behind).late
     acts = decide(behind)
-    assert [(a.quote.offer.zone, a.quote.offer.spot) for a in acts if isinstance(a, Rent)] == \
-        [("r1a", True), ("r1a", False)], acts
+    assert [(a.quote.offer.zone, a.quote.offer.spot) for a in acts if isinstance(a, Rent)] == [("r1a", True)], acts
+    # While the spot replica boots, nothing more; once it trains, its on-demand partner.
+    spot = Node("s0", one[0], launched_at_s=t - 60, ready=False)
+    assert rents(decide(dataclasses.replace(behind, nodes=(spot,)))) == []
+    acts = decide(dataclasses.replace(behind, nodes=(dataclasses.replace(spot, ready=True),)))
+    assert [(a.quote.offer.zone, a.quote.offer.spot) for a in acts if isinstance(a, Rent)] == [("r1a", False)], acts
     # Ahead of the line: the lone spot replica waits for a second one, no on-demand.
     ahead = dataclasses.replace(behind, progress=Progress(tokens=r.train.token_budget // 2, hours=1.0))
     assert [a.quote.offer.spot for a in decide(ahead) if isinstance(a, Rent)] == [True]
