@@ -108,7 +108,7 @@ class Executor:
         st.refusals = [r for r in st.refusals if time_s - r.at_s < cooldown_s]
         return {"refusals": tuple(st.refusals), "target_replicas": st.target_replicas, "planned": st.planned,
                 "last_replan_s": st.last_replan_s, "prices": st.prices, "priced_at_s": st.priced_at_s,
-                "paused": st.paused, "place": st.place}
+                "paused": st.paused, "place": st.place, "next_look_at_s": st.next_look_at_s}
 
     def refused(self, offer: Offer, at_s: float) -> None:
         """A launch of `offer` was refused at `at_s` (capacity, a VM that failed or never joined):

@@ -48,8 +48,8 @@ carried over from its last decisions (fed back by the executor). The `elastic` p
   `SPREAD_PACE` of the time `hours_left` gives it (`_spreads_dear`; `launch_held_back` with reason
   `spread`, once per spell). The slack left is the deadline rule's: it rents on-demand when the
   world falls behind. On the real V100 traces, where zones hold one VM each, the fourth replica
-  of a world otherwise crosses regions: 1.09× → 1.05× the bound on aws-v100-3zones, 1.10× →
-  1.06× on aws-v100-9zones (docs/benchmarks.md);
+  of a world otherwise crosses regions: 1.09× → 1.05× the bound on aws-v100-3zones, 1.08× →
+  1.05× on aws-v100-9zones (docs/benchmarks.md);
 - **budget**: a launch must leave the spend within budget.max_usd for its cloud's billing minimum
   (or until the budget is next checked, when longer) of every held VM and the new one
   (`launch_fits_budget`, inside `decide`); an outer step (or a wait) must not carry the spend past
@@ -172,6 +172,8 @@ class Snapshot:
         on_demand_quotes: on-demand offers, quoted by the market, for a spot recipe with
             budget.max_hours (the deadline rule's fallback) or a policy that falls back on them
             (`Policy.on_demand_fallback`); empty otherwise.
+        next_look_at_s: when the policy asked, at its last decision, to decide again though nothing
+            else changes (`Policy.next_look_s`; the deadline rule's margin): `due` says so then.
     """
 
     recipe: object
@@ -193,6 +195,7 @@ class Snapshot:
     paused: bool = False
     place: Offer | None = None
     on_demand_quotes: tuple[Quote, ...] = ()
+    next_look_at_s: float = float("inf")
 
 
 @dataclass(frozen=True)
@@ -689,14 +692,16 @@ def _replan_due(s: Snapshot) -> bool:
 
 def due(s: Snapshot) -> bool:
     """Whether `decide` may do anything now, judged without the offers (`s.quotes` unread): the
-    world was never sized, is below its target (and not paused), a re-plan is due, or (under the
+    world was never sized, is below its target (and not paused), a re-plan is due, the time the
+    last decision asked to look again has come (`next_look_at_s`: the deadline rule's margin,
+    which a world at its target would otherwise reach unseen until the next re-plan), or (under the
     pause rule) a price sample. Reading offers costs a cloud API call; the driver asks this first
     on every tick."""
     if pauses(s.recipe) and s.time_s - s.priced_at_s >= s.recipe.planner.price_sample_s:
         return True
     if s.paused:
         return False
-    return (not s.planned or _initial_target(s) > len(_in_world(s)) + len(s.pending)
+    return (not s.planned or s.time_s >= s.next_look_at_s or _initial_target(s) > len(_in_world(s)) + len(s.pending)
             or _replan_due(s))
 
 

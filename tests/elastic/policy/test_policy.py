@@ -444,3 +444,33 @@ def test_a_replica_that_would_spread_the_world_over_another_region_waits_while_t
     free = recipe(**{"train.token_budget": 5_184_000_000, "train.outer_steps": "null", "world.min_replicas": 2})
     assert rents(decide(snap(free, three, [quote(offer("r1a", 8.0), capacity=3), quote(offer("r2a", 8.0), capacity=4)],
                              target_replicas=4))) == ["r2a"]
+
+
+def test_due_when_the_last_decision_asked_to_look_again():
+    """A world at its target with no re-plan due has nothing to decide, until the time the last
+    decision asked to look again (the deadline rule's margin, `Policy.next_look_s`) comes: a spot
+    world training too slowly for the deadline is not left until the next re-plan."""
+    from elastic.policy.executor import Executor
+    from elastic.policy.rules import ElasticPolicy, on_demand_need
+
+    r = _deadline_recipe()
+    full = snap(r, held(4, "r2a"), target_replicas=4)
+    assert not due(full)
+    assert due(dataclasses.replace(full, next_look_at_s=T)) and not due(dataclasses.replace(full, next_look_at_s=T + 1))
+    # The executor feeds back what the policy asked at its decision: the deadline rule's margin.
+    gone = [quote(offer("r1a", 8.0), capacity=0)]
+    od = (quote(offer("r1a", 30.0, spot=False)),)
+    s = snap(r, quotes=gone, on_demand_quotes=od, target_replicas=4)
+
+    class Host:
+        def record(self, event):
+            pass
+
+    ex = Executor(ElasticPolicy(), Host(), r, started_s=0.0)
+    ex.act(s)
+    need = on_demand_need(s)
+    at = ex.fed(T)["next_look_at_s"]
+    assert at == pytest.approx(T + need.slack_s - need.margin_s, abs=1e-2)
+    fed = {**ex.fed(at), "planned": True, "target_replicas": 4, "last_replan_s": at - 1}   # no re-plan due
+    assert due(dataclasses.replace(full, **fed, time_s=at))
+    assert not due(dataclasses.replace(full, **fed, time_s=at - 1))
