@@ -489,6 +489,7 @@ def _plan(args, out) -> int:
     from rich.table import Table
 
     from elastic.errors import UserError
+    from elastic.policy.rules import spread_waits
     from elastic.recipe.model import load_recipe
     from elastic.run.fleet import on_demand_fallback, plan_now
     from elastic.train.quality import describe as describe_quality
@@ -505,6 +506,8 @@ def _plan(args, out) -> int:
     doc["on_demand_fallback"] = None if fallback is None else {
         "replicas": len(fallback.quotes), "usd_per_hour": round(fallback.usd_per_hour, 4),
         "expected_hours": round(fallback.expected_hours, 4), "expected_usd": round(fallback.expected_usd, 2)}
+    spread = spread_waits(recipe, placement.quotes)
+    doc["spread_waits"] = None if spread is None else {"replicas": spread[0], "why": spread[1]}
     if args.json:
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
     else:
@@ -531,6 +534,10 @@ def _plan(args, out) -> int:
             out.print(f"on-demand fallback (budget.max_hours): if spot stays out, the run waits while the deadline "
                       f"allows, then {fb['replicas']} on-demand replica(s) at ${fb['usd_per_hour']:.2f}/h train the "
                       f"whole run in about {_hours(fb['expected_hours'])} for ${fb['expected_usd']:,.2f}",
+                      highlight=False)
+        if (sw := doc["spread_waits"]) is not None:
+            out.print(f"spread rule (budget.max_hours): the run starts with {sw['replicas']} of these "
+                      f"{doc['replicas']} replicas and the rest wait while the deadline allows: {sw['why']}",
                       highlight=False)
         out.print(describe_quality(doc["quality"]), highlight=False)
         _print_warnings(out, doc["warnings"])

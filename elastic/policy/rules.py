@@ -894,6 +894,18 @@ def _spreads_dear(s: Snapshot, held: list[Quote], q: Quote) -> str | None:
             f"in {finish_h:.1f} h of the {left_h:.1f} h left")
 
 
+def spread_waits(recipe, quotes: list[Quote]) -> tuple[int, str] | None:
+    """For `elastic plan`: renting the placement's `quotes` in their order at the run's start, the
+    first the spread rule holds back (`_spreads_dear`): how many are rented before it, and why;
+    None where the rule holds none back."""
+    s = Snapshot(recipe, 0.0)
+    for k, q in enumerate(quotes):
+        why = _spreads_dear(s, list(quotes[:k]), q)
+        if why:
+            return k, why
+    return None
+
+
 def _moves(s: Snapshot, quotes: list[Quote], in_world: list[Node]) -> list[Action]:
     """Move the replicas a clearly cheaper offer beats (most expensive first), each within the
     budget. The old replica leaves at once when it trains dearer than its replacement will

@@ -248,6 +248,23 @@ def test_cli_plan_prints_a_valid_placement():
     assert doc["expected_hours"] > 0 and doc["expected_usd"] > 0 and doc["usd_per_mtok"] > 0
     table = run_cli("plan", "recipes/multi-cloud.yaml")
     assert table.returncode == 0 and "per 1M tokens" in table.stdout
+    assert doc["spread_waits"] is None and "spread rule" not in table.stdout   # one zone: nothing to spread
+
+
+def test_cli_plan_says_which_replicas_the_spread_rule_holds_back():
+    """Two VMs per zone (local.capacity): the world of 4 spans regions. With a deadline far enough
+    that two replicas finish within half of it, the plan says the run starts with the two in one
+    region and why; with the recipe's 48 h, that would not finish in time, and nothing waits."""
+    far = run_cli("plan", "recipes/multi-cloud.yaml", "--set", "local.capacity=2", "--set", "budget.max_hours=1000",
+                  "--json")
+    assert far.returncode == 0, far.stderr
+    doc = json.loads(far.stdout)
+    assert len(doc["regions"]) > 1 and doc["replicas"] == 4
+    assert doc["spread_waits"]["replicas"] == 2 and "would spread the world" in doc["spread_waits"]["why"]
+    table = run_cli("plan", "recipes/multi-cloud.yaml", "--set", "local.capacity=2", "--set", "budget.max_hours=1000")
+    assert table.returncode == 0 and "the run starts with 2 of these 4 replicas" in table.stdout, table.stdout
+    near = json.loads(run_cli("plan", "recipes/multi-cloud.yaml", "--set", "local.capacity=2", "--json").stdout)
+    assert len(near["regions"]) > 1 and near["spread_waits"] is None
 
 
 def test_a_price_spike_is_waited_out_paused_and_the_run_restarts_from_its_checkpoint(tmp_path):
