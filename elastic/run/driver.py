@@ -36,6 +36,7 @@ from elastic.record.events import (
     ReplicaJoined, ReplicaLost, Resumed, RunEnded, RunStarted, RunStatus, SyncFailed, SyncRetried, Validation,
     ValidationFailed, WorldFormed, WorldRestored)
 from elastic.record.ledger import Ledger
+from elastic.run import stop
 from elastic.run.pausing import Pauser
 from elastic.run.pricewatch import PriceWatch
 from elastic.storage import checkpoint as ckpt
@@ -248,7 +249,9 @@ class Driver:
 
     def tick(self) -> None:
         """Read the provider's notices and preemptions; collect finished launches. Called between
-        outer steps and while replicas train."""
+        outer steps and while replicas train. A stop signal whose KeyboardInterrupt was lost is
+        raised again here (`elastic.run.stop.check`)."""
+        stop.check()
         for ev in [ev for p in self.providers.values() for ev in p.events()]:
             rep = self.world.replica_on(ev.instance_id)
             if ev.kind == NodeEventKind.REBALANCE:   # elevated interruption risk, no deadline: recorded only

@@ -25,6 +25,7 @@ from elastic.recipe.model import Recipe, dump_recipe
 from elastic.record.events import (ControllerStarted, Error, Event, NodeLaunched, OuterStep, Role, RunEnded, RunPlanned,
                                    RunStarted, RunStatus)
 from elastic.record.ledger import Ledger
+from elastic.run import stop
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +55,6 @@ def prepare_run_dir(run_dir: Path) -> None:
         raise UserError(f"{run_dir}: cannot create run directory: {exc.strerror}") from None
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)   # besides Ctrl-C: end the run cleanly on these
-
-
 STACKS = "driver-stacks.txt"   # `kill -USR1 <driver pid>` appends every thread's stack here
 
 
@@ -78,27 +76,10 @@ def _stacks_on_sigusr1(path: Path):
         path.unlink()
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
-@contextmanager
-def _signals_raise_interrupt():
-    """SIGTERM and SIGHUP (a closed terminal or SSH session) behave like Ctrl-C inside the block
-    (KeyboardInterrupt in the main thread): the run releases every node and writes its report.
-    LocalCluster keeps Ray from replacing these handlers (see elastic.run.cluster)."""
-    old = {s: signal.signal(s, _raise_interrupt) for s in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
 @contextmanager
 def _signals_ignored():
     """Cleanup must finish: a second Ctrl-C must not leave nodes behind."""
-    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, *STOP_SIGNALS)}
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in stop.SIGNALS}
     try:
         yield
     finally:
@@ -418,7 +399,7 @@ def _launch_recorded(recipe: Recipe, run_dir: Path, address: str | None, console
         driver = None
         t_start = time.monotonic()
         try:
-            with _signals_raise_interrupt():
+            with stop.raise_interrupt():   # Ctrl-C, SIGTERM, SIGHUP: KeyboardInterrupt, never lost
                 console.print(f"[bold]elastic[/bold] run [cyan]{escape(run)}[/cyan] → {escape(str(run_dir))}",
                               highlight=False, soft_wrap=True)
                 from elastic.run.driver import Driver

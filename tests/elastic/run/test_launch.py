@@ -228,14 +228,44 @@ def test_sigterm_and_sighup_end_a_run_as_ctrl_c_does():
     """Inside a run, SIGTERM (docker stop, systemd) and SIGHUP (a closed SSH session) raise the
     KeyboardInterrupt that Ctrl-C raises, so the run releases its nodes (end to end below, with
     SIGHUP); outside, the handlers are as they were."""
-    from elastic.run.launch import _signals_raise_interrupt
+    from elastic.run import stop
 
-    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
-    with _signals_raise_interrupt():
+    before = {s: signal.getsignal(s) for s in stop.SIGNALS}
+    with stop.raise_interrupt():
         assert signal.getsignal(signal.SIGTERM) is signal.getsignal(signal.SIGHUP) is not signal.SIG_DFL
-        with pytest.raises(KeyboardInterrupt):
-            signal.raise_signal(signal.SIGTERM)
+        for s in stop.SIGNALS:
+            with pytest.raises(KeyboardInterrupt):
+                signal.raise_signal(s)
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")   # the lost interrupt, on purpose
+def test_a_stop_signal_whose_interrupt_a_finalizer_swallowed_still_stops_the_run():
+    """Python runs a signal handler wherever the main thread is; inside a finalizer (`__del__`, as
+    Ray's handles run) the KeyboardInterrupt is printed as ignored and lost. The driver's tick
+    (`stop.check`) raises it again; a handler something replaced is put back; outside a run
+    `check` does nothing."""
+    import gc
+
+    from elastic.run import stop
+
+    class Handle:
+        def __del__(self):
+            signal.raise_signal(signal.SIGINT)   # the handler runs here: its KeyboardInterrupt is lost
+
+    with stop.raise_interrupt():
+        stop.check()                             # nothing came: nothing raised
+        Handle()
+        gc.collect()                             # (CPython frees it at once; in case it did not)
+        with pytest.raises(KeyboardInterrupt):
+            stop.check()
+    stop.check()                                 # outside the run: nothing
+    with stop.raise_interrupt():
+        stop.check()                             # a new run starts with no stop pending
+        signal.signal(signal.SIGINT, signal.SIG_IGN)   # something replaced the handler
+        stop.check()
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
 
 
 def test_budget_stops_the_run_with_a_final_checkpoint(tmp_path):
