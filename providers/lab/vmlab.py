@@ -35,6 +35,7 @@ POLL_S = 0.3
 LIVE_EC2 = ("pending", "running")
 LIVE_GCE = ("PROVISIONING", "STAGING", "RUNNING")
 WORK_ROOT = Path("/run/elastic-lab")
+HOST_STAGING = Path("/tmp/elastic-staging")   # each machine's staging is mounted here (machine.py's boot script)
 AWS_NOTICE_S = 120.0   # EC2's spot interruption notice comes two minutes ahead
 GCE_NOTICE_S = 30.0    # Compute Engine's preemption notice, 30 s
 DRIVER_NETWORK = "driver"   # the lab's region where the driver's host sits (not a cloud's)
@@ -97,6 +98,9 @@ class VmLab:
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._node_actions = node_actions()
+        # Each machine mounts its own staging over this host's /tmp/elastic-staging, made (empty)
+        # where it was not: `down` removes it again then.
+        self._staging_made = not HOST_STAGING.exists()
         self.root.mkdir(parents=True, exist_ok=True)
         # The lab is the clouds' network: the addresses they name and the consoles they show are
         # the machines'.
@@ -367,6 +371,11 @@ class VmLab:
             self._power_off(iid, "lab down")
         self.net.down()
         shutil.rmtree(self.root, ignore_errors=True)
+        if self._staging_made:
+            try:
+                HOST_STAGING.rmdir()   # only empty: a run of this host's that stages there keeps it
+            except OSError:
+                pass
 
 
 def _wireguard_bytes(m: machines.Machine) -> tuple[int, int]:

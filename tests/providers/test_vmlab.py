@@ -44,6 +44,9 @@ def _install(wheel: str) -> str:
 def lab(aws_env, moto_server, gcp_fake):
     from providers.lab.vmlab import AwsCloud, VmLab
 
+    from providers.lab.vmlab import HOST_STAGING
+
+    staging_before = HOST_STAGING.exists()
     vmlab = VmLab(aws=AwsCloud(moto_server, ["us-west-2"]), gcp=gcp_fake, gcp_regions=["us-central1"])
     try:
         yield vmlab
@@ -51,6 +54,8 @@ def lab(aws_env, moto_server, gcp_fake):
         vmlab.down()
         assert not [n for n in _namespaces() if n.startswith(vmlab.tag)]
         assert not vmlab.root.exists()
+        # The machines' staging mount point on this host's /tmp goes with them (where it was not before).
+        assert HOST_STAGING.exists() == staging_before
 
 
 @pytest.fixture
