@@ -2,7 +2,7 @@
 what it paid, and its ratio to the clairvoyant bound.
 
     python bench/real_markets.py [--seeds 5] [--traces A.csv ...] [--recipe R.yaml] [--set FIELD=VALUE ...]
-                                 [--json FILE]
+                                 [--start-hours H ...] [--json FILE]
 
 Traces and recipes: `bench/traces/real/*.csv` (AWS p3.2xlarge markets measured for Can't Be Late,
 NSDI'24; `bench/traces/convert_real.py`) with `bench/recipes/real-v100.yaml` (3 B tokens within
@@ -10,6 +10,9 @@ NSDI'24; `bench/traces/convert_real.py`) with `bench/recipes/real-v100.yaml` (3 
 `bench/traces/make_traces.py`) with `recipes/multi-cloud.yaml`. `--traces` runs other traces, each
 with the recipe of its folder (real/ or not) unless `--recipe` names one for all; `--set` overrides
 recipe fields as `elastic simulate --set` does (e.g. world.capacity_timeout_s=259200).
+`--start-hours H` runs each trace from H hours in instead of its start (every zone as it stood
+then, time counted from there; several H: one window each, named `NAME@Hh`): windows of the real
+traces that no policy was tuned on.
 
 Per trace and policy, over seeds 0..N-1 (the preemption draws): how many runs completed (the whole
 token budget within budget.max_hours and budget.max_usd), how the others ended (status, at which
@@ -27,9 +30,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import csv
 import json
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,6 +69,32 @@ def run_trace(recipe_path: Path, trace: Path, seeds: int, overrides: list[str]) 
     return {"recipe": str(recipe_path.relative_to(ROOT)) if recipe_path.is_relative_to(ROOT) else str(recipe_path),
             "trace": str(trace), "bound_usd_per_mtok": bound_usd_per_mtok(recipe, str(trace)),
             "min_replicas_bound_usd_per_mtok": min_replicas_bound_usd_per_mtok(recipe, str(trace)), "runs": dict(runs)}
+
+
+def window(trace: Path, start_h: float, folder: Path) -> Path:
+    """The trace from `start_h` hours in, written into `folder/<the trace's folder name>/` (so
+    `recipe_for` still tells real from synthetic): each zone's row in effect then at 0, every later
+    row `start_h` hours earlier."""
+    with open(trace, newline="", encoding="utf-8") as f:
+        rows_in = list(csv.DictReader(f))
+    start_s = start_h * 3600
+    in_effect: dict[tuple[str, str], dict] = {}
+    later = []
+    for r in rows_in:
+        if float(r["timestamp_s"]) <= start_s:
+            in_effect[(r["zone"], r["instance_type"])] = r
+        else:
+            later.append(r)
+    out_rows = [{**r, "timestamp_s": "0"} for r in in_effect.values()] + \
+               [{**r, "timestamp_s": f"{float(r['timestamp_s']) - start_s:g}"} for r in later]
+    out_rows.sort(key=lambda r: (float(r["timestamp_s"]), r["zone"], r["instance_type"]))
+    out = folder / trace.resolve().parent.name / f"{trace.stem}@{start_h:g}h.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, list(rows_in[0]), lineterminator="\n")
+        w.writeheader()
+        w.writerows(out_rows)
+    return out
 
 
 def _median(xs: list[float]) -> float | None:
@@ -104,16 +135,22 @@ def main() -> None:
     ap.add_argument("--recipe", type=Path, help="one recipe for every trace (default: by the trace's folder)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD.PATH=VALUE",
                     help="override a recipe field (repeatable)")
+    ap.add_argument("--start-hours", type=float, nargs="+", default=[0.0], metavar="H",
+                    help="run each trace from H hours in (one window per H; default: its start)")
     ap.add_argument("--json", type=Path, help="also write every run's figures here")
     args = ap.parse_args()
+    windows = tempfile.TemporaryDirectory(prefix="real-markets-")
     print("| trace | policy | completed | other ends (median hour) | USD, median | USD / 1M tok (completed) "
           "| ratio to bound, median | worst | ratio to the min_replicas bound, median | hours (completed) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     results = []
     for trace in args.traces or default_traces():
-        result = run_trace((args.recipe or recipe_for(trace)).resolve(), trace, args.seeds, args.overrides)
-        results.append(result)
-        print("\n".join(rows(result)), flush=True)
+        for start_h in args.start_hours:
+            run = window(trace, start_h, Path(windows.name)) if start_h else trace
+            result = run_trace((args.recipe or recipe_for(trace)).resolve(), run, args.seeds, args.overrides)
+            results.append(result)
+            print("\n".join(rows(result)), flush=True)
+    windows.cleanup()
     for result in results:
         bound = result["bound_usd_per_mtok"]
         floor = result["min_replicas_bound_usd_per_mtok"]
