@@ -170,16 +170,26 @@ def _is_dtensor(x) -> bool:
     return module is not None and isinstance(x, module.DTensor)
 
 
-def _warm_checkpoint_imports() -> None:
-    """Import what the first checkpoint save needs (torch.distributed.checkpoint, DTensor: ~2 s on
-    2 cores) on a thread beside training, instead of in the setup the first step waits for or in
-    the save's stall."""
-    def load() -> None:
+_CHECKPOINT_IMPORTS = threading.Lock()
+
+
+def _checkpoint_modules() -> None:
+    """Import torch.distributed.checkpoint's modules (the save's, the load's, the stager's), one
+    thread at a time. Two threads importing that graph at once (the warm-up below and a
+    `load_checkpoint` right after the setup) can each hold a module the other waits for: Python
+    then raises `_DeadlockError` in one of them (seen: a restore failed so). Once imported, later
+    imports of these modules take no lock."""
+    with _CHECKPOINT_IMPORTS:
         import torch.distributed.checkpoint  # noqa: F401
         import torch.distributed.checkpoint.staging  # noqa: F401
         import torch.distributed.checkpoint.state_dict  # noqa: F401
 
-    threading.Thread(target=load, name="checkpoint-imports", daemon=True).start()
+
+def _warm_checkpoint_imports() -> None:
+    """Import what the first checkpoint save needs (torch.distributed.checkpoint, DTensor: ~2 s on
+    2 cores) on a thread beside training, instead of in the setup the first step waits for or in
+    the save's stall (`_checkpoint_modules`: a save or load meanwhile waits for it)."""
+    threading.Thread(target=_checkpoint_modules, name="checkpoint-imports", daemon=True).start()
 
 
 class _Laps:
@@ -726,6 +736,7 @@ class RankWorker:
         previous write: its snapshot buffers are the ones reused. Call after an outer sync (θ_outer
         is saved too where streamed fragments leave θ_local ≠ θ_outer). Returns the seconds training was held (the snapshot)."""
         import torch
+        _checkpoint_modules()
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -798,6 +809,7 @@ class RankWorker:
         DCP checkpoint written by any world shape (DCP reshards to this replica's ranks). A
         collective over the replica's ranks."""
         import torch
+        _checkpoint_modules()
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         import pickle

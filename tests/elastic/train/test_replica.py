@@ -158,3 +158,22 @@ def test_a_rank_pins_by_registering_unless_the_user_said_how_to_pin(monkeypatch)
             monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", before)
         _pin_host_memory_by_registering()
         assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == after
+
+
+def test_checkpoint_modules_are_imported_one_thread_at_a_time():
+    """A save or load imports torch.distributed.checkpoint's modules through `_checkpoint_modules`,
+    which waits while the setup's warm-up imports them (two threads importing that graph at once
+    can meet Python's `_DeadlockError`: a restore failed so): while the lock is held, it does not
+    finish; once released, it does."""
+    import threading
+
+    from elastic.train import replica
+
+    replica._checkpoint_modules()           # imported already: only the lock can hold it up below
+    done = threading.Event()
+    with replica._CHECKPOINT_IMPORTS:      # the warm-up's imports under way
+        t = threading.Thread(target=lambda: (replica._checkpoint_modules(), done.set()), daemon=True)
+        t.start()
+        assert not done.wait(0.5)          # it waits its turn
+    assert done.wait(60)
+    t.join()
