@@ -139,18 +139,17 @@ def main() -> None:
                     help="run each trace from H hours in (one window per H; default: its start)")
     ap.add_argument("--json", type=Path, help="also write every run's figures here")
     args = ap.parse_args()
-    windows = tempfile.TemporaryDirectory(prefix="real-markets-")
     print("| trace | policy | completed | other ends (median hour) | USD, median | USD / 1M tok (completed) "
           "| ratio to bound, median | worst | ratio to the min_replicas bound, median | hours (completed) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     results = []
-    for trace in args.traces or default_traces():
-        for start_h in args.start_hours:
-            run = window(trace, start_h, Path(windows.name)) if start_h else trace
-            result = run_trace((args.recipe or recipe_for(trace)).resolve(), run, args.seeds, args.overrides)
-            results.append(result)
-            print("\n".join(rows(result)), flush=True)
-    windows.cleanup()
+    with tempfile.TemporaryDirectory(prefix="real-markets-") as windows:
+        for trace in args.traces or default_traces():
+            for start_h in args.start_hours:
+                run = window(trace, start_h, Path(windows)) if start_h else trace
+                result = run_trace((args.recipe or recipe_for(trace)).resolve(), run, args.seeds, args.overrides)
+                results.append(result)
+                print("\n".join(rows(result)), flush=True)
     for result in results:
         bound = result["bound_usd_per_mtok"]
         floor = result["min_replicas_bound_usd_per_mtok"]

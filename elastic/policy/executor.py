@@ -188,7 +188,7 @@ class Executor:
         if a.reason == HoldReason.SPREAD and not st.spread_logged:
             st.spread_logged = True
             self.host.record(LaunchHeldBack(reason=HeldBack.SPREAD, held=a.held, message=a.message))
-        if a.reason == HoldReason.CAPACITY and not st.capacity_logged:   # every offer is at its known capacity
+        elif a.reason == HoldReason.CAPACITY and not st.capacity_logged:   # every offer is at its known capacity
             st.capacity_logged = True
             self.host.record(LaunchHeldBack(reason=HeldBack.CAPACITY, held=a.held,
                                             message="every offer the recipe allows is at its known capacity"))

@@ -87,7 +87,7 @@ from typing import ClassVar
 from elastic.policy.market import Key, Quote, offer_key
 from elastic.policy.planner import (Move, Progress, choose_launch, evaluate, hours_left, hours_to_finish,
                              launch_usd_per_mtok, leaves_at_once, plan, replan_all, run_tokens, site, speed_source,
-                             sync_penalty_s, tokens_per_phase, usd_per_mtok)
+                             tokens_per_phase, usd_per_mtok)
 from elastic.record import billing
 from providers.base import Offer
 
@@ -877,9 +877,9 @@ def _spreads_dear(s: Snapshot, held: list[Quote], q: Quote) -> str | None:
     r = s.recipe
     if r.budget.max_hours is None or len(held) < r.world.min_replicas:
         return None
-    if sync_penalty_s(held + [q], r.planner) <= sync_penalty_s(held, r.planner) + 1e-9:
-        return None
     now, spread = evaluate(held, r), evaluate(held + [q], r)
+    if spread.sync_penalty_s <= now.sync_penalty_s + 1e-9:
+        return None
     gained = spread.useful_tokens_per_s - now.useful_tokens_per_s
     marginal = (spread.usd_per_hour - now.usd_per_hour) / (gained * 3600) * 1e6 if gained > 0 else math.inf
     if marginal <= SPREAD_TOLERANCE * now.usd_per_mtok:
