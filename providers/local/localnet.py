@@ -324,11 +324,12 @@ table ip nat {{
         self.root = host
         return host
 
-    def relay(self, a: Host, b: Host) -> tuple[str, str]:
+    def relay(self, a: Host, b: Host) -> str:
         """Put the pair's traffic through a delay relay (`delay_by` "relay"): a process in the
         internet namespace that holds what each side sends for its region's `delay_ms`. Returns
-        (the endpoint `a` sends to for `b`, the endpoint `b` sends to for `a`); both sides' overlay
-        ports are their public addresses' OVERLAY_PORT. Stopped by `remove_host` of either, or `down`."""
+        the endpoint `a` sends to for `b`; `b` sees `a` at the relay's other port, which it learns
+        from `a`'s first datagram. Both sides' overlay ports are their public addresses'
+        OVERLAY_PORT. Stopped by `remove_host` of either, or `down`."""
         if self.delay_by != "relay":
             raise LabError("relay: no region of this lab has a delay to add in userspace")
         if a.region == b.region:
@@ -359,7 +360,7 @@ table ip lab {{
         if proc.stdout.readline().strip() != "ready":
             self._stop_relays(lambda key: key == (a.public_ip, b.public_ip))
             raise LabError(f"relay between {a.public_ip} and {b.public_ip} did not start")
-        return f"{RELAY_IP}:{a_port}", f"{RELAY_IP}:{b_port}"
+        return f"{RELAY_IP}:{a_port}"
 
     def _stop_relays(self, which: Callable[[tuple[str, str]], bool]) -> None:
         """Stop the relays whose (a, b) public-address pair `which` selects (SIGTERM, then SIGKILL)."""
@@ -492,7 +493,8 @@ class Member:
 
 class LocalNetwork:
     """A run's overlay over a network lab: the driver's host and every local node, as WireGuard
-    peers of each other (a full mesh; every lab host has a public endpoint).
+    peers of each other (a full mesh; every lab host has a public endpoint, which the newer member
+    of each pair is given and the older one learns from its first handshake).
 
     Args:
         links: region name -> its uplink.
@@ -525,21 +527,24 @@ class LocalNetwork:
         self._next_ip += 1
         iface.up(member.overlay_ip, overlay.keypair(host.netns)[0], listen_port=port)
         for other in self._members.values():
-            to_other, to_member = self._endpoints(member, other)
-            other.iface.set_peer(overlay.Peer(member.iface.public_key, member.overlay_ip, to_member))
-            iface.set_peer(overlay.Peer(other.iface.public_key, other.overlay_ip, to_other))
+            # Only the newcomer starts the handshake: `other` accepts its key with no endpoint and
+            # learns it from the newcomer's first message. Two peers that both know each other's
+            # endpoint each start a handshake at once; each answers the other's, which drops its
+            # own, both answers are refused, and WireGuard tries again 5 s later, as often in step.
+            other.iface.set_peer(overlay.Peer(member.iface.public_key, member.overlay_ip))
+            iface.set_peer(overlay.Peer(other.iface.public_key, other.overlay_ip, self._endpoint(member, other)))
         self._members[member.overlay_ip] = member
         return member
 
-    def _endpoints(self, a: Member, b: Member) -> tuple[str, str]:
-        """Where `a` sends to reach `b`, and where `b` sends to reach `a`: the private address inside
-        one region (as within a VPC); across regions the public one, or the pair's delay relay
-        where the lab adds uplink delays in userspace."""
+    def _endpoint(self, a: Member, b: Member) -> str:
+        """Where `a` sends to reach `b`: the private address inside one region (as within a VPC);
+        across regions the public one, or the pair's delay relay where the lab adds uplink delays
+        in userspace."""
         if a.host.region == b.host.region:
-            return f"{b.host.private_ip}:{b.listen_port}", f"{a.host.private_ip}:{a.listen_port}"
+            return f"{b.host.private_ip}:{b.listen_port}"
         if self.lab.delay_by == "relay":
             return self.lab.relay(a.host, b.host)
-        return f"{b.host.public_ip}:{OVERLAY_PORT}", f"{a.host.public_ip}:{OVERLAY_PORT}"
+        return f"{b.host.public_ip}:{OVERLAY_PORT}"
 
     def add_host(self, region: str) -> Member:
         """A new host ("VM") in `region`, on the overlay and peered with every member."""
