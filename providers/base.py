@@ -285,7 +285,8 @@ class BaseProvider:
 
 
 class JoinTimeout(CapacityError):
-    """A launched VM did not join the Ray cluster within `resources.join_timeout_s`; the provider
+    """A launched VM did not join the Ray cluster within `resources.join_timeout_s` (or its boot
+    script failed first); the provider
     has terminated it. The caller cools the offer down and bills the seconds it ran.
 
     Args:
@@ -295,12 +296,14 @@ class JoinTimeout(CapacityError):
         timeout_s: the join timeout it ran into, seconds.
         waited_s: how long it was waited for (less than `timeout_s` when the run stopped first).
         console_tail: the last lines of its serial console (its boot log), "" when none was read.
+        boot_failed: its boot script said it failed, which ended the wait before `timeout_s`.
     """
 
     def __init__(self, message: str, instance: Instance, released_at: float, timeout_s: float,
-                 waited_s: float | None = None, console_tail: str = ""):
+                 waited_s: float | None = None, console_tail: str = "", boot_failed: bool = False):
         super().__init__(message)
         self.console_tail = console_tail
+        self.boot_failed = boot_failed
         self.instance = instance
         self.released_at = released_at
         self.timeout_s = timeout_s

@@ -421,16 +421,19 @@ class NodeReleased(Event):
 class NodeJoinTimeout(Event):
     """A rented VM never joined the cluster. Args: instance_id: the VM. timeout_s:
     `resources.join_timeout_s`. boot_log: the last lines of its serial console (its boot script's
-    output) as the cloud kept it, "" when none was read."""
+    output) as the cloud kept it, "" when none was read. boot_failed: its boot script said it
+    failed (the wait ended then, before the timeout)."""
 
     instance_id: str
     timeout_s: float
     boot_log: str = ""
+    boot_failed: bool = False
 
     def story(self) -> str:
+        head = f"never joined: {self.instance_id}" + (" (its boot script failed)" if self.boot_failed else "")
         if not self.boot_log:
-            return f"never joined: {self.instance_id}"
-        return f"never joined: {self.instance_id}; its boot log ends:\n" + "\n".join(
+            return head
+        return f"{head}; its boot log ends:\n" + "\n".join(
             f"    {line}" for line in self.boot_log.splitlines())
 
 

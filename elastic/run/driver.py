@@ -799,9 +799,11 @@ class Driver:
         timeouts = [e for e in events if e["type"] == NodeJoinTimeout.TYPE]
         refused = [e for e in events if e["type"] == CapacityRefused.TYPE]
         if timeouts:
+            failed = sum(1 for e in timeouts if e.get("boot_failed"))
             return (f"no node joined within {self.recipe.resources.join_timeout_s:g} s "
-                    f"({len(timeouts)} VM(s) launched, none joined the Ray cluster, all terminated; "
-                    f"{len(refused)} launch(es) refused for capacity)")
+                    f"({len(timeouts)} VM(s) launched, none joined the Ray cluster"
+                    + (f", {failed} of them because their boot script failed" if failed else "")
+                    + f", all terminated; {len(refused)} launch(es) refused for capacity)")
         if refused:
             return (f"no capacity: {len(refused)} launch(es) refused within world.capacity_timeout_s "
                     f"({self.recipe.world.capacity_timeout_s:g} s); last: {refused[-1].get('message')}")

@@ -4,10 +4,11 @@ capacity error, a VM that failed or never joined: the offer rests). A move's lau
 VM it replaces, which drains once the new replica trains.
 
 A VM whose replica fails its setup is released (the world's loss) and the policy rents another. When
-`SETUP_FAILURES_TO_STOP` replicas in a row fail their setup with none joining the world between
-(a recipe this hardware cannot run: a GPU node where torch sees no CUDA device, a model that does
-not fit), renting more would repeat the failure until the budget runs out: `failing` says so in one
-line and the driver ends the run `failed`. Any replica that joins starts the count again."""
+`SETUP_FAILURES_TO_STOP` nodes in a row fail, their boot script (an install that fails: the provider
+ends the wait on it at once) or their replica's setup (a recipe this hardware cannot run: a GPU node
+where torch sees no CUDA device, a model that does not fit), with none joining the world between,
+renting more would repeat the failure until the budget runs out: `failing` says so in one line and
+the driver ends the run `failed`. Any replica that joins starts the count again."""
 
 from __future__ import annotations
 
@@ -22,7 +23,18 @@ from elastic.record.events import (CapacityRefused, LaunchFailed, LinkMeasured, 
 
 log = logging.getLogger(__name__)
 
-SETUP_FAILURES_TO_STOP = 3   # replicas in a row that failed their setup, none joining between: the run ends
+SETUP_FAILURES_TO_STOP = 3   # nodes in a row that failed their boot or setup, none joining between: the run ends
+
+
+def _cause(boot_log: str) -> str:
+    """The line of a failed boot's log that says why: the last one before the boot script's own
+    failure line (`providers.cloud.BOOT_FAILED_MARK`)."""
+    from providers.cloud import BOOT_FAILED_MARK
+
+    lines = boot_log.splitlines()
+    mark = next((i for i, line in enumerate(lines) if BOOT_FAILED_MARK in line), len(lines))
+    said = [line.strip() for line in lines[:mark] if line.strip()]
+    return said[-1] if said else "(its boot log says no more)"
 
 
 class Rentals:
@@ -43,7 +55,7 @@ class Rentals:
         self._move_of: dict[Future, str] = {}             # launch of a move -> instance id it replaces
         self._moves: dict[str, str] = {}                  # new instance id -> instance id it replaces
         self._joined_at: dict[str, tuple[str, str]] = {}  # instance id -> (site, Ray node) of nodes that joined
-        self._setup_failures: list[str] = []              # reasons of the setup failures since the last join
+        self._setup_failures: list[str] = []              # boot or setup failures since the last join
         ledger.listeners.append(self._count_setup_failures)
 
     @property
@@ -53,20 +65,24 @@ class Rentals:
 
     @property
     def failing(self) -> str | None:
-        """Why the run must stop renting, in one line: `SETUP_FAILURES_TO_STOP` replicas in a row
-        failed their setup, none joined between (the last one's reason); None otherwise."""
+        """Why the run must stop renting, in one line: `SETUP_FAILURES_TO_STOP` nodes in a row
+        failed their boot or their replica's setup, none joined between (the last one's reason);
+        None otherwise."""
         if len(self._setup_failures) < SETUP_FAILURES_TO_STOP:
             return None
-        return (f"{len(self._setup_failures)} replicas in a row failed their setup and none joined, so no more "
-                f"nodes are rented; last: {self._setup_failures[-1]}")
+        return (f"{len(self._setup_failures)} nodes in a row failed their boot or setup and none joined, so no "
+                f"more nodes are rented; last: {self._setup_failures[-1]}")
 
     def _count_setup_failures(self, event) -> None:
-        """A ledger listener: a setup failure (`replica_lost`, rule `setup_failed`) counts, a join
-        (`replica_joined`) starts the count again."""
+        """A ledger listener: a setup failure (`replica_lost`, rule `setup_failed`) or a failed boot
+        (`node_join_timeout` with boot_failed) counts, a join (`replica_joined`) starts the count
+        again. A node that merely never joined (a slow boot, an unreachable head) does not count."""
         if isinstance(event, ReplicaJoined):
             self._setup_failures.clear()
         elif isinstance(event, ReplicaLost) and event.rule == LossRule.SETUP_FAILED:
             self._setup_failures.append(event.reason)
+        elif isinstance(event, NodeJoinTimeout) and event.boot_failed:
+            self._setup_failures.append(f"the boot script of {event.instance_id} failed: {_cause(event.boot_log)}")
 
     def moving(self) -> set[str]:
         """Instance ids a move's replacement is on its way for (launching, or joined and not yet
@@ -146,9 +162,10 @@ class Rentals:
     def _record_join_timeout(self, exc, offer) -> None:
         """A VM that was rented but never joined: launched, timed out, released (billed between)."""
         self._record_launch(exc.instance, offer, joined=False)
-        if exc.waited_s >= exc.timeout_s:   # not when the run stopped while it was still booting
+        # Not when the run stopped while it was still booting.
+        if exc.boot_failed or exc.waited_s >= exc.timeout_s:
             self._ledger.append(NodeJoinTimeout(instance_id=exc.instance.instance_id, timeout_s=exc.timeout_s,
-                                                boot_log=exc.console_tail))
+                                                boot_log=exc.console_tail, boot_failed=exc.boot_failed))
         self._ledger.append(NodeReleased(instance_id=exc.instance.instance_id, released_at=exc.released_at))
 
     def _link_peer(self, offer) -> tuple[str, str, str] | None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.record.events import ReplicaJoined, ReplicaLost
+from elastic.record.events import NodeJoinTimeout, ReplicaJoined, ReplicaLost
 from elastic.record.ledger import Ledger
 from elastic.run.rentals import SETUP_FAILURES_TO_STOP, Rentals
+from providers.cloud import BOOT_FAILED_MARK
 from tests.conftest import run_cli, tiny_recipe
 
 
@@ -27,8 +28,29 @@ def test_setup_failures_in_a_row_stop_the_renting_and_a_join_starts_the_count_ag
     assert rentals.failing is None   # a replica joined between: not the same failure again and again
     for n in range(11, 11 + SETUP_FAILURES_TO_STOP - 1):
         ledger.append(lost(n))
-    assert rentals.failing.startswith(f"{SETUP_FAILURES_TO_STOP} replicas in a row failed their setup")
+    assert rentals.failing.startswith(f"{SETUP_FAILURES_TO_STOP} nodes in a row failed their boot or setup")
     assert rentals.failing.endswith("last: setup failed: no CUDA device")
+    ledger.close()
+
+
+def test_failed_boots_count_with_failed_setups_and_a_vm_that_only_never_joined_does_not(tmp_path):
+    """A VM whose boot script failed (`node_join_timeout` with boot_failed) counts toward the stop
+    and is named by its log's failing line; one that merely did not join in time does not count."""
+    log = ("+ pip install /nonexistent/elastic.whl\n"
+           "ERROR: Could not find /nonexistent/elastic.whl\n"
+           f"{BOOT_FAILED_MARK} (status 1): this VM shuts down in 10 minutes\n"
+           "user data exited with status 1")
+    ledger = Ledger(tmp_path / "events.jsonl")
+    rentals = Rentals({}, "run", ledger, None, None, lambda *a: None)
+    ledger.append(lost(0))
+    for n in range(1, 4):
+        ledger.append(NodeJoinTimeout(instance_id=f"i-{n}", timeout_s=600, boot_log=log, boot_failed=False))
+    assert rentals.failing is None   # slow boots, an unreachable head: not the same failure again
+    for n in range(4, 4 + SETUP_FAILURES_TO_STOP - 1):
+        ledger.append(NodeJoinTimeout(instance_id=f"i-{n}", timeout_s=600, boot_log=log, boot_failed=True))
+    assert rentals.failing == (f"{SETUP_FAILURES_TO_STOP} nodes in a row failed their boot or setup and none "
+                               f"joined, so no more nodes are rented; last: the boot script of "
+                               f"i-{4 + SETUP_FAILURES_TO_STOP - 2} failed: ERROR: Could not find /nonexistent/elastic.whl")
     ledger.close()
 
 
