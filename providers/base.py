@@ -286,8 +286,8 @@ class BaseProvider:
 
 class JoinTimeout(CapacityError):
     """A launched VM did not join the Ray cluster within `resources.join_timeout_s` (or its boot
-    script failed first); the provider
-    has terminated it. The caller cools the offer down and bills the seconds it ran.
+    script failed first); the provider has terminated it. The caller cools the offer down and bills
+    the seconds it ran.
 
     Args:
         message: what happened, one line.

@@ -349,10 +349,10 @@ class CloudProvider(BaseProvider):
     def launch(self, offer: Offer, run: str, role: str) -> Instance:
         """Rent a VM and wait until its Ray node joins (labelled with its instance id). One that has
         not joined after `resources.join_timeout_s`, whose boot script said it failed (its console,
-        read every BOOT_CHECK_S), or when the run stops, is terminated and JoinTimeout is raised:
-        a broken boot costs seconds of a VM, not the whole join timeout. In a run with an overlay, the VM's key is admitted on the roster once
-        the cloud names its addresses (before its node can join) and deleted from the secret
-        store once it joined."""
+        read every BOOT_CHECK_S: a broken boot costs seconds of a VM, not the whole join timeout),
+        or when the run stops, is terminated and JoinTimeout is raised. In a run with an overlay,
+        the VM's key is admitted on the roster once the cloud names its addresses (before its node
+        can join) and deleted from the secret store once it joined."""
         net, join = self._network(), None
         if net is not None:
             ip = net.roster.allocate_ip()
@@ -375,7 +375,7 @@ class CloudProvider(BaseProvider):
         start = time.monotonic()
         deadline = start + timeout_s
         admitted = join is None
-        failed_tail, console_at = None, start + BOOT_CHECK_S
+        boot_failed, console_at = False, start + BOOT_CHECK_S
         while not self._stop.is_set() and time.monotonic() < deadline:
             if not admitted:
                 public_ip, private_ip = self._addresses(inst)
@@ -392,36 +392,33 @@ class CloudProvider(BaseProvider):
                 return inst
             if time.monotonic() >= console_at:
                 console_at = time.monotonic() + BOOT_CHECK_S
-                failed_tail = self._failed_boot(inst)
-                if failed_tail is not None:
+                tail = self._read_console(inst)
+                boot_failed = BOOT_FAILED_MARK in tail
+                if boot_failed:
                     break
             if self._stop.wait(JOIN_POLL_S):
                 break
-        if failed_tail is not None:
-            why, tail = f"its boot script failed ({time.monotonic() - start:.0f} s after the launch)", failed_tail
+        if boot_failed:
+            why = f"its boot script failed ({time.monotonic() - start:.0f} s after the launch)"
         else:
             why = "the run stopped" if self._stop.is_set() else f"no Ray node joined within {timeout_s:g} s"
-            try:   # what the VM's boot script said, read before the VM (and its console) goes
-                tail = self.console_tail(inst) if not self._stop.is_set() else ""
-            except Exception as exc:   # noqa: BLE001 -- the release matters more than the log
-                tail = f"(its console could not be read: {exc})"
+            # What the VM's boot script said, read before the VM (and its console) goes.
+            tail = self._read_console(inst) if not self._stop.is_set() else ""
         self.terminate(inst.instance_id)
         if not admitted:
             net.roster.release_ip(join.overlay_ip)
         raise JoinTimeout(f"{inst.instance_id} ({offer.instance_type} in {offer.zone}): {why}; terminated",
                           instance=inst, released_at=time.time(), timeout_s=timeout_s,
                           waited_s=round(time.monotonic() - start, 3), console_tail=tail,
-                          boot_failed=failed_tail is not None)
+                          boot_failed=boot_failed)
 
-    def _failed_boot(self, instance: Instance) -> str | None:
-        """The tail of a booting VM's console when its boot script said it failed, else None (a
-        console that cannot be read now says nothing: the join timeout still ends the wait)."""
+    def _read_console(self, instance: Instance) -> str:
+        """`console_tail`, or one line saying why it could not be read (never an exception: the
+        release matters more than the log, and an unread console never ends a wait)."""
         try:
-            tail = self.console_tail(instance)
-        except Exception as exc:   # noqa: BLE001 -- one unread console is no reason to stop waiting
-            log.debug("%s: the console of %s could not be read: %s", self.name, instance.instance_id, exc)
-            return None
-        return tail if BOOT_FAILED_MARK in tail else None
+            return self.console_tail(instance)
+        except Exception as exc:   # noqa: BLE001
+            return f"(its console could not be read: {exc})"
 
     def terminate(self, instance_id: str) -> None:
         """Release one VM: its overlay key is revoked first, then the VM is deleted."""

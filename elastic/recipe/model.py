@@ -322,7 +322,8 @@ class ResourcesSection(_Section):
     always run here."""
     join_timeout_s: float = Field(600.0, gt=0)
     """Longest a rented VM may take to boot and join the Ray cluster, in seconds; after that it is
-    terminated (billed for the seconds it ran) and its offer cools down."""
+    terminated (billed for the seconds it ran) and its offer cools down. A VM whose boot script
+    fails is terminated as soon as its console says so (read every 10 s), not after this."""
     autodown_after_s: float = Field(600.0, gt=0, le=7 * 86400)
     """Every cloud VM of the run (nodes and the controller) shuts itself down when the driver's
     heartbeat has not changed for this many seconds (the driver was killed, its machine went

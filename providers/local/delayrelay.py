@@ -4,11 +4,12 @@ Two members of a network lab in different regions exchange WireGuard datagrams t
 process between them (it runs in the lab's internet namespace; `localnet.Lab.relay` starts it):
 what member a sends to the relay's port `a_port` leaves from `b_port` to b's overlay endpoint
 `a_delay_ms` later, and what b sends to `b_port` leaves from `a_port` to a's `b_delay_ms` later.
-A side that is told the relay port to send to starts the handshake; the other learns where
-to answer from that first datagram (the relay's other port, or the port its router's NAT maps it
-to), as WireGuard's endpoint roaming does. The delay is constant per direction, so a FIFO per direction keeps the order; nothing is
-dropped silently: a datagram the kernel refuses to send is counted and said on stderr. TCP inside
-the tunnel (gloo, Ray) sees the added round-trip time end to end, as over a long link.
+A side that is told the relay port to send to starts the handshake; the other learns where to
+answer from that first datagram (the relay's other port, or the port its router's NAT maps it to),
+as WireGuard's endpoint roaming does. The delay is constant per direction, so a FIFO per direction
+keeps the order; nothing is dropped silently: a datagram the kernel refuses to send is counted and
+said on stderr. TCP inside the tunnel (gloo, Ray) sees the added round-trip time end to end, as
+over a long link.
 
 Standard library only, run as a script inside a namespace:
 
