@@ -18,12 +18,14 @@ policy can dodge, and drops the rest in the policy's favour:
 Method. Each of the `world.max_replicas` slots is a small Markov decision process over the trace's
 rows: at each row start it is off or holds one VM of one offer; moving to another offer boots a new
 VM; a VM present in a row is preempted with the row's probability and the slot is then off. The
-run's token count and the offers' capacities couple the slots; both are priced instead (Lagrangian
-relaxation): λ per token, μ per VM of an offer in a row. For any λ, μ ≥ 0 the slots' best expected
-cost less λ·tokens less μ·(capacity not used), plus λ·tokens needed, is at most what any policy
-pays (weak duality): the bound is the best of these over a subgradient search, valid whether or not
-the search converged. With no boot (`recovery_s` 0) and no preemption it is the relaxation of
-choosing the cheapest world at every row with free moves.
+run's token count and the offers' capacities couple the slots. In expectation all of it is linear:
+the bound is the least expected cost of a linear program over the slots' expected VMs per row and
+offer (`_slots_lp`, solved exactly by scipy's HiGHS), which every policy's expected schedule
+satisfies, so it is at most what any policy pays. It is the optimum of the Lagrangian relaxation
+that `_slot` prices (λ per token, μ per VM of an offer in a row; `bench/foresight.py` and
+`bench/online_bound.py` use `_slot` so). With no boot (`recovery_s` 0) and no preemption it is the
+relaxation of choosing the cheapest world at every row with free moves. A spot recipe with
+budget.max_hours also has the on-demand offers its deadline rule falls back on.
 
 `min_replicas_floor_usd_per_mtok` is the other yardstick: it keeps world.min_replicas (every credited
 step has that many members) and drops boots and preemptions instead; each is a lower bound, so the
@@ -146,62 +148,81 @@ def _slot(usd, rate, row_s, tps, lam, mu, boot_s, short_usd):
     return value, presence, tokens
 
 
-def _most_tokens(usd, cap, row_s, tps, slots: int) -> float:
-    """Tokens the fastest VMs the recipe allows train by the end, within capacity and `slots` VMs,
-    nothing lost: more than any policy trains."""
-    order = np.argsort(-tps)
-    total = 0.0
-    for t in range(len(row_s)):
-        left = slots
-        for o in order:
-            if left <= 0:
-                break
-            if np.isfinite(usd[t, o]):
-                n = min(left, cap[t, o])
-                total += n * tps[o] * row_s[t]
-                left -= n
-    return total
-
-
-def lower_bound_usd_per_mtok(recipe, market, finish_h: float | None = None, iterations: int = 30) -> float:
+def lower_bound_usd_per_mtok(recipe, market, finish_h: float | None = None) -> float:
     """USD per 1M tokens below which no policy's expected cost can go on this market (a
     `simulate.TraceMarket`), training the run's tokens by `finish_h` (default budget.max_hours,
-    else the trace's end). inf: not even every slot on its fastest offer trains them in time."""
+    else the trace's end). inf: no schedule of the offers trains them in time.
+
+    Offers: the trace's offers of the recipe's kind that it allows, and for a spot recipe with
+    budget.max_hours the on-demand ones too (the deadline rule's fallback: a policy may rent them,
+    so a bound without them is none where spot alone cannot finish in time)."""
     usd, cap, rate, row_s, tps, terms = _arrays(recipe, market, finish_h)
     short_usd = _short_usd(usd, rate, row_s, terms)
-    slots, boot_s, needed = recipe.world.max_replicas, recipe.planner.recovery_s, run_tokens(recipe)
-    if _most_tokens(usd, cap, row_s, tps, slots) < needed:
+    n = len(row_s)
+    if recipe.resources.spot and recipe.budget.max_hours is not None and n:
+        od_usd = _on_demand_usd(recipe, market, n)
+        od_tps = [recipe_tokens_per_s(o, recipe.planner) for o in market.offers(0.0, False) if allowed(o, recipe.resources)]
+        usd = np.concatenate([usd, od_usd], axis=1)
+        cap = np.concatenate([cap, np.full(od_usd.shape, UNLIMITED)], axis=1)
+        rate = np.concatenate([rate, np.zeros(od_usd.shape)], axis=1)
+        short_usd = np.concatenate([short_usd, np.zeros(od_usd.shape)], axis=1)
+        tps = np.concatenate([tps, np.array(od_tps, float)])
+    value = _slots_lp(usd, cap, rate, row_s, tps, short_usd, recipe.world.max_replicas,
+                      recipe.planner.recovery_s, run_tokens(recipe))
+    return value / run_tokens(recipe) * 1e6
+
+
+def _slots_lp(usd, cap, rate, row_s, tps, short_usd, slots: int, boot_s: float, needed: float) -> float:
+    """The least expected USD of `slots` slots that train `needed` tokens (inf: none does), each
+    slot the Markov decision process of `_slot`, coupled by the offers' capacities and the token
+    count: the linear program over their expected occupation, solved exactly (HiGHS).
+
+    Per row t and offer o: k[t,o] VMs kept from the row before, b[t,o] booted at the row start;
+    present p = k + b. Kept VMs are at most the survivors of the row before, k[t,o] ≤ (1 −
+    gone[t−1,o])·p[t−1,o] (none at the first row); Σ_o p[t,o] ≤ slots; p[t,o] ≤ capacity. A VM
+    present bills its price over the seconds it stays in the row, E[min(τ, row)], a booted one also
+    what it bills short of its cloud's minimum (`_short_usd`); it trains its tokens/s over those
+    seconds, a booted one less the tokens of its boot, E[min(τ, boot)]. Any policy's expected VMs
+    present per row and offer meet these constraints with at least its expected cost and at most
+    its expected tokens, so the program's least cost is at most its expected bill."""
+    from scipy import sparse
+    from scipy.optimize import linprog
+
+    n, m = usd.shape
+    if n == 0:
         return math.inf
-    capped = cap < UNLIMITED
-    mu = np.zeros_like(usd)
-    best, lam = -math.inf, 1e-7
-
-    def tokens_at(price):
-        return slots * _slot(usd, rate, row_s, tps, price, mu, boot_s, short_usd)[2]
-
-    for k in range(iterations):
-        # λ: the least token price at which the slots train what the run needs.
-        lo, hi = lam / 4, lam * 4
-        while tokens_at(hi) < needed:
-            lo, hi = hi, hi * 4
-            if hi > 1:                     # $1M per 1M tokens and still short: it cannot be done
-                return math.inf
-        while lo > 0 and tokens_at(lo) >= needed:
-            hi, lo = lo, lo / 4 if lo > 1e-15 else 0.0
-        for _ in range(25):
-            mid = (lo + hi) / 2
-            lo, hi = (lo, mid) if tokens_at(mid) >= needed else (mid, hi)
-        lam = hi
-        value, presence, _ = _slot(usd, rate, row_s, tps, lam, mu, boot_s, short_usd)
-        unused = np.where(capped, cap, 0.0) * row_s[:, None] / 3600
-        best = max(best, slots * value + lam * needed - (mu * unused).sum())
-        # Capacity prices: up where the slots crowd an offer, down where they leave room.
-        excess = np.where(capped, (slots * presence - cap) * row_s[:, None] / 3600, 0.0)
-        if not (excess > 0).any() and not mu.any():
-            break                          # no capacity binds, none is priced: this λ is the optimum
-        # Steps of up to 2 $/h per VM, shrinking as 1/√k (the most any row can exceed is every slot).
-        mu = np.maximum(0.0, mu + excess / (slots * row_s.max() / 3600) * (2.0 / math.sqrt(k + 1)))
-    return best / needed * 1e6
+    ok = np.isfinite(usd)
+    price = np.where(ok, usd, 0.0)
+    there = _expected_min(rate, row_s[:, None])                  # seconds a VM present at row start stays
+    stays = np.exp(-rate * row_s[:, None] / 3600)                  # P(not preempted within the row)
+    run_usd = price * there / 3600
+    cost = np.concatenate([run_usd.ravel(), (run_usd + np.where(ok, short_usd, 0.0)).ravel()])
+    kept_tokens = tps * there
+    boot_tokens = kept_tokens - tps * _expected_min(rate, boot_s)
+    # Variables: k (n·m), then b (n·m), row-major by (t, o).
+    nm = n * m
+    idx = np.arange(nm).reshape(n, m)
+    t1 = idx[1:].ravel()                                           # rows t ≥ 1
+    t0 = idx[:-1].ravel()
+    g = stays[:-1].ravel()
+    survive = sparse.csr_matrix(
+        (np.concatenate([np.ones(len(t1)), -g, -g]),
+         (np.concatenate([np.arange(len(t1))] * 3), np.concatenate([t1, t0, nm + t0]))), shape=(len(t1), 2 * nm))
+    present = sparse.hstack([sparse.identity(nm, format="csr"), sparse.identity(nm, format="csr")], format="csr")
+    per_row = sparse.csr_matrix((np.ones(2 * nm), (np.concatenate([idx.ravel() // m] * 2), np.arange(2 * nm))),
+                                shape=(n, 2 * nm))
+    capped = (cap < UNLIMITED).ravel()
+    tokens = sparse.csr_matrix(-np.concatenate([kept_tokens.ravel(), boot_tokens.ravel()]) / needed)
+    a_ub = sparse.vstack([survive, per_row, present[capped], tokens], format="csr")
+    b_ub = np.concatenate([np.zeros(len(t1)), np.full(n, float(slots)), np.minimum(cap.ravel()[capped], slots), [-1.0]])
+    upper = np.where(ok, float(slots), 0.0).ravel()
+    bounds = np.stack([np.zeros(2 * nm), np.concatenate([np.where(np.arange(nm) < m, 0.0, upper), upper])], axis=1)
+    res = linprog(cost, A_ub=a_ub, b_ub=b_ub, bounds=bounds, method="highs")
+    if res.status == 2:                                            # infeasible: no schedule trains them in time
+        return math.inf
+    if res.status != 0:
+        raise RuntimeError(f"the bound's linear program did not solve: {res.message}")
+    return float(res.fun)
 
 
 def min_replicas_floor_usd_per_mtok(recipe, market, finish_h: float | None = None) -> float:

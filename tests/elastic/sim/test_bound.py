@@ -73,7 +73,25 @@ def test_capacity_sends_the_rest_to_the_dearer_offer(tmp_path):
     cheap_tokens = TPS * hours * 3600
     best = (9.0 * hours + 15.0 * (N - cheap_tokens) / TPS / 3600) / N * 1e6
     assert raw(9.0) < bound(r, trace) <= best * (1 + 1e-9)
-    assert bound(r, trace) == pytest.approx(best, rel=0.02)
+    assert bound(r, trace) == pytest.approx(best, rel=1e-6)
+
+
+def test_a_deadline_spot_alone_cannot_meet_prices_the_on_demand_rest(tmp_path):
+    # One spot VM at 9 $/h (capacity 1), on-demand at 30 $/h: within a 10 h deadline spot alone
+    # trains too little, so a spot recipe with that deadline trains the rest on on-demand (its
+    # deadline rule's fallback). Known optimum (no boots): the spot VM all the time, the rest on
+    # demand. Without the deadline the bound has only spot, and spot cannot do it in 10 h.
+    trace = hourly(tmp_path, "t.csv", [("r1a", 9.0, {"cap": 1, "od": 30.0})], hours=20)
+    hours = 10
+    r = recipe(**{"planner.recovery_s": 0, "budget.max_hours": hours})
+    spot_tokens = TPS * hours * 3600
+    best = (9.0 * hours + 30.0 * (N - spot_tokens) / TPS / 3600) / N * 1e6
+    assert bound(r, trace) == pytest.approx(best, rel=1e-6)
+    assert bound(recipe(**{"planner.recovery_s": 0}), trace, finish_h=hours) == float("inf")
+    # No policy of the simulator pays less.
+    for res in simulate(r, trace, None, seed=0):
+        if res["status"] == "completed":
+            assert res["usd_per_mtok"] >= bound(r, trace) * (1 - 1e-6), res
 
 
 def test_too_little_time_is_infinite(tmp_path):
