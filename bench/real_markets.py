@@ -4,9 +4,10 @@ what it paid, and its ratio to the clairvoyant bound.
     python bench/real_markets.py [--seeds 5] [--traces A.csv ...] [--recipe R.yaml] [--set FIELD=VALUE ...]
                                  [--start-hours H ...] [--json FILE]
 
-Traces and recipes: `bench/traces/real/*.csv` (AWS p3.2xlarge markets measured for Can't Be Late,
-NSDI'24; `bench/traces/convert_real.py`) with `bench/recipes/real-v100.yaml` (3 B tokens within
-72 h on 2-8 one-V100 replicas), and `bench/traces/*.csv` (the synthetic 8-GPU markets of
+Traces and recipes: `bench/traces/real/*.csv` (AWS p3.2xlarge and p3.16xlarge markets measured for
+Can't Be Late, NSDI'24; `bench/traces/convert_real.py`) with `bench/recipes/real-v100.yaml` (3 B
+tokens within 72 h on 2-8 one-V100 replicas) or, for the 8-GPU VMs, `bench/recipes/real-v100x8.yaml`
+(12 B tokens within 72 h on 1-4 replicas of 8 V100s), and `bench/traces/*.csv` (the synthetic 8-GPU markets of
 `bench/traces/make_traces.py`) with `recipes/multi-cloud.yaml`. `--traces` runs other traces, each
 with the recipe of its folder (real/ or not) unless `--recipe` names one for all; `--set` overrides
 recipe fields as `elastic simulate --set` does (e.g. world.capacity_timeout_s=259200).
@@ -45,6 +46,7 @@ from elastic.recipe.model import load_recipe  # noqa: E402
 from elastic.sim.simulate import bound_usd_per_mtok, min_replicas_bound_usd_per_mtok, simulate  # noqa: E402
 
 REAL_RECIPE = ROOT / "bench" / "recipes" / "real-v100.yaml"
+REAL_RECIPE_8 = ROOT / "bench" / "recipes" / "real-v100x8.yaml"
 SYNTHETIC_RECIPE = ROOT / "recipes" / "multi-cloud.yaml"
 
 
@@ -55,8 +57,13 @@ def default_traces() -> list[Path]:
 
 
 def recipe_for(trace: Path) -> Path:
-    """The recipe a trace is run with: the V100 one for real/, the 8-GPU multi-cloud one otherwise."""
-    return REAL_RECIPE if trace.resolve().parent.name == "real" else SYNTHETIC_RECIPE
+    """The recipe a trace is run with: for real/, the one-V100 recipe, or the 8 x V100 one where the
+    trace's VMs have 8 GPUs; the 8-GPU multi-cloud one otherwise."""
+    if trace.resolve().parent.name != "real":
+        return SYNTHETIC_RECIPE
+    with open(trace, newline="", encoding="utf-8") as f:
+        first = next(csv.DictReader(f), None)
+    return REAL_RECIPE_8 if first is not None and int(first["gpus"]) == 8 else REAL_RECIPE
 
 
 def run_trace(recipe_path: Path, trace: Path, seeds: int, overrides: list[str]) -> dict:

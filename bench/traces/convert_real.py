@@ -30,22 +30,27 @@ Mapping, per (zone, instance type), one trace tick k at a time (t_k = k x gap_se
   above) shows p3.2xlarge at $0.918/h in every AZ of the three regions that offers it below
   on-demand (one AZ of us-east-1 stands at the $3.06 on-demand price), i.e. 0.300 x on-demand;
   AWS prices spot "gradually" (about 5 % a week, Can't Be Late): the trace takes each region's
-  median of the snapshot's p3.2xlarge prices ($0.918/h in all three). Zone names (us-east-1a) are
-  mapped to AZ ids (use1-az2) per AWS account, so a zone's own price cannot be told.
-- on_demand_usd_per_hour: $3.06/h for p3.2xlarge in us-east-1, us-east-2 and us-west-2 (AWS EC2
-  On-Demand pricing, Linux; the same in SkyPilot's public catalog, skypilot-org/skypilot-catalog).
+  median of the snapshot's p3.2xlarge prices ($0.918/h in all three); p3.16xlarge (8 x V100) in
+  us-west-2, the median of its three AZs ($8.12, $9.79, $10.15): $9.79/h = 0.400 x on-demand.
+  Zone names (us-east-1a) are mapped to AZ ids (use1-az2) per AWS account, so a zone's own price
+  cannot be told.
+- on_demand_usd_per_hour: $3.06/h for p3.2xlarge and $24.48/h for p3.16xlarge in us-east-1,
+  us-east-2 and us-west-2 (AWS EC2 On-Demand pricing, Linux; the same in SkyPilot's public
+  catalog, skypilot-org/skypilot-catalog).
 - Time: 0 is the start of the collection; every zone of one trace is cut at the shortest zone's end
   (past the last row the simulator holds it for ever). A row is written at 0 and whenever the
   capacity or the hazard changes (a row holds until the next, so this is the same market as a row
   every tick, at a fraction of the size).
 
-Traces written (all p3.2xlarge, 1 x V100, AWS):
+Traces written (AWS; p3.2xlarge, 1 x V100, but for the one named v100x8):
 - `aws-v100-3zones.csv`: availability/16-node/aws-08-27-2023 (us-east-2b, us-west-2a, us-west-2c;
   up to 16 VMs each, 5-minute ticks, 11.3 days from 2023-08-27).
 - `aws-v100-9zones.csv`: availability/1-node/aws-02-15-2023 (all 9 zones of us-east-1, us-east-2
   and us-west-2 it probed; 1 VM each, 195-second ticks, 45.5 days from 2023-02-15).
 - `aws-v100-2zones-2022.csv`: availability/1-node/aws-10-26-2022, the p3.2xlarge files (us-west-2a,
   us-west-2b; 1 VM each, 10-minute ticks, 27 days from 2022-10-26).
+- `aws-v100x8-2zones-2022.csv`: availability/1-node/aws-10-26-2022, the p3.16xlarge (8 x V100)
+  files (us-west-2a, us-west-2b; 1 VM each, 10-minute ticks, 27 days from 2022-10-26).
 - `aws-v100-3zones-4node.csv`: preemption/4-node/aws-08-03-2023 (us-east-1f, us-east-2a,
   us-west-2c; a probe holding 4 VMs per zone and relaunching the lost ones: the count running is
   read as the capacity, as above; 5-minute ticks, 12.7 days from 2023-08-03).
@@ -70,8 +75,8 @@ from providers.simmarket import TRACE_COLUMNS, TRACE_MAX, read_trace_rows  # noq
 HERE = Path(__file__).resolve().parent
 SPOT_TRACES_COMMIT = "221da1ab9bdfe7966da296265d7694d52dc0c5a6"
 PRICES_FILE = "aws-spot-prices-2022-05-31-p3.tsv"
-ON_DEMAND_USD_PER_HOUR = {"p3.2xlarge": 3.06}
-GPUS = {"p3.2xlarge": ("V100", 1)}
+ON_DEMAND_USD_PER_HOUR = {"p3.2xlarge": 3.06, "p3.16xlarge": 24.48}
+GPUS = {"p3.2xlarge": ("V100", 1), "p3.16xlarge": ("V100", 8)}
 
 # Output file -> (instance type, [(zone, source path, git blob id at SPOT_TRACES_COMMIT)]).
 TRACES = {
@@ -100,6 +105,12 @@ TRACES = {
          "2fd913237e2591aac2a84582cc90f0b18c29a935"),
         ("us-west-2b", "availability/1-node/aws-10-26-2022/us-west-2b_v100_1.json",
          "ba17906d1d53a41f6b545f75dae0144064c13443"),
+    ]),
+    "aws-v100x8-2zones-2022.csv": ("p3.16xlarge", [
+        ("us-west-2a", "availability/1-node/aws-10-26-2022/us-west-2a_v100_8.json",
+         "22d42b3a8ad65ab4e7d6664e61d809edc38da77f"),
+        ("us-west-2b", "availability/1-node/aws-10-26-2022/us-west-2b_v100_8.json",
+         "437f1dc50e20dd12fbdee57d6665b18c6c94a875"),
     ]),
     "aws-v100-3zones-4node.csv": ("p3.2xlarge", [
         ("us-east-1f", "preemption/4-node/aws-08-03-2023/us-east-1f_v100_1.json",
