@@ -7,9 +7,10 @@ what it paid, and its ratio to the clairvoyant bound.
 Traces and recipes: `bench/traces/real/*.csv` (AWS p3.2xlarge and p3.16xlarge markets measured for
 Can't Be Late, NSDI'24; `bench/traces/convert_real.py`) with `bench/recipes/real-v100.yaml` (3 B
 tokens within 72 h on 2-8 one-V100 replicas) or, for the 8-GPU VMs, `bench/recipes/real-v100x8.yaml`
-(12 B tokens within 72 h on 1-4 replicas of 8 V100s), and `bench/traces/*.csv` (the synthetic 8-GPU markets of
-`bench/traces/make_traces.py`) with `recipes/multi-cloud.yaml`. `--traces` runs other traces, each
-with the recipe of its folder (real/ or not) unless `--recipe` names one for all; `--set` overrides
+(12 B tokens within 72 h on 1-4 replicas of 8 V100s), and `bench/traces/*.csv` (the synthetic
+8-GPU markets of `bench/traces/make_traces.py`) with `recipes/multi-cloud.yaml`. `--traces` runs
+other traces, each with the recipe of its folder (real/ or not; in real/, by the trace's GPUs per
+VM) unless `--recipe` names one for all; `--set` overrides
 recipe fields as `elastic simulate --set` does (e.g. world.capacity_timeout_s=259200).
 `--start-hours H` runs each trace from H hours in instead of its start (every zone as it stood
 then, time counted from there; several H: one window each, named `NAME@Hh`): windows of the real

@@ -6,10 +6,9 @@ prior blended with what was observed: preemptions over node-hours held in this r
 earlier runs through a small history file. Regions whose preemptions spike cool down for a while;
 an offer whose spot VM was reclaimed within `RECLAIMED_EARLY_S` of its launch rests
 `planner.capacity_cooldown_s`, as one that refused a launch does. Throughput per instance type is
-what the run's replicas measured (each
-outer step's `inner_s_by_replica`), else the recipe's figure. The market reads ledger-shaped events
-only, so the driver (real ledger) and the simulator (events it writes in simulated time) share this
-code.
+what the run's replicas measured (each outer step's `inner_s_by_replica`), else the recipe's
+figure. The market reads ledger-shaped events only, so the driver (real ledger) and the simulator
+(events it writes in simulated time) share this code.
 """
 
 from __future__ import annotations

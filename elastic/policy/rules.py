@@ -37,11 +37,11 @@ carried over from its last decisions (fed back by the executor). The `elastic` p
   start to budget.max_hours, the spot replicas are paired with on-demand ones up to
   world.min_replicas (`_pairs`), each once a spot replica trains (not while it boots): the world
   trains at a mix of spot and on-demand prices while it would stand still, and less is left for
-  the all on-demand world at the margin (on the real two-zone V100 trace, 2.44× → 1.95× the
-  bound). Before the margin, an on-demand replica leaves
+  the all on-demand world at the margin (on the real two-zone V100 trace, $157 → $125 a run).
+  Before the margin, an on-demand replica leaves
   (`_spare_on_demand`) once world.min_replicas spot replicas train, and when no spot replica is
   left to pair it with (the partner was preempted): it would bill on-demand hours for nothing, or
-  for what spot trains alone (1.95× → 1.79× on that trace; no other trace's figure moves);
+  for what spot trains alone ($125 → $115 on that trace; no other trace's figure moves);
 - **spread** (with budget.max_hours): a replica that would spread the world to a site (`cloud/region`)
   it is not in yet, so that every outer sync of every replica waits on the cross-site link
   (`planner.sync_penalty_s`), is not rented while its tokens would cost more than `SPREAD_TOLERANCE`
