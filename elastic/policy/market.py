@@ -4,8 +4,9 @@ Offers come from the enabled providers (or, in `elastic simulate`, from a trace)
 preemption rate per node-hour, estimated per (cloud, region, zone, instance type) from the recipe's
 prior blended with what was observed: preemptions over node-hours held in this run's ledger, and in
 earlier runs through a small history file. Regions whose preemptions spike cool down for a while;
-an offer whose spot VM was reclaimed within `RECLAIMED_EARLY_S` of its launch rests
-`planner.capacity_cooldown_s`, as one that refused a launch does. Throughput per instance type is
+for a run that can fall back on on-demand, an offer whose spot VM was reclaimed within
+`RECLAIMED_EARLY_S` of its launch rests `planner.capacity_cooldown_s`, as one that refused a
+launch does. Throughput per instance type is
 what the run's replicas measured (each outer step's `inner_s_by_replica`), else the recipe's
 figure. The market reads ledger-shaped events only, so the driver (real ledger) and the simulator
 (events it writes in simulated time) share this code.
@@ -29,7 +30,8 @@ Key = tuple[str, str, str, str]   # cloud, region, zone, instance type
 
 RECLAIMED_EARLY_S = 120.0
 """A spot VM reclaimed (or noticed) this soon after its launch was granted as its zone ran out:
-its offer rests `planner.capacity_cooldown_s` (`Market.quotes` leaves it out). On the real V100
+its offer rests `planner.capacity_cooldown_s` (`Market.quotes` leaves it out for a run whose
+deadline rule can fall back on on-demand). On the real V100
 traces four of five such reclaims come in the tick of a drop, and renting again at once buys
 another VM that lives a minute and bills its minimum (docs/benchmarks.md, "Real spot markets",
 session 22). Two minutes is AWS's interruption notice; a preemption rate that reclaims a VM this
@@ -259,13 +261,16 @@ class Market:
         return Quote(offer, rate, source, offer.capacity, self.tokens_per_s(offer), self.speed_source(offer),
                      self._links_cost)
 
-    def quotes(self, offers: list[Offer], now: float) -> list[Quote]:
-        """Every offer with its risk, speed and capacity (when known). An offer resting after an
-        early reclaim is left out (`resting_after_reclaim`). Regions whose preemptions spiked are
-        left out while any other region has an offer (the next region first; a cooled region is
-        still better than none). An offer resting after a capacity error is the policy's to leave
-        out (`elastic.policy.rules.resting`)."""
-        offers = [o for o in offers if not self.resting_after_reclaim(o, now)]
+    def quotes(self, offers: list[Offer], now: float, rest_reclaimed: bool = False) -> list[Quote]:
+        """Every offer with its risk, speed and capacity (when known). With `rest_reclaimed` (a run
+        whose deadline rule can fall back on on-demand, so it can wait out a zone that is running
+        out), an offer resting after an early reclaim (`resting_after_reclaim`) is left out; a run
+        without that fallback keeps renting where it can (waiting, it could end for capacity).
+        Regions whose preemptions spiked are left out while any other region has an offer (the
+        next region first; a cooled region is still better than none). An offer resting after a
+        capacity error is the policy's to leave out (`elastic.policy.rules.resting`)."""
+        if rest_reclaimed:
+            offers = [o for o in offers if not self.resting_after_reclaim(o, now)]
         cooled = self.cooled_regions(now)
         elsewhere = [o for o in offers if o.region not in cooled]
         return [self.quote(o, now) for o in (elsewhere or offers)]

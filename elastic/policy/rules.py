@@ -10,9 +10,9 @@ carried over from its last decisions (fed back by the executor). The `elastic` p
 (`ElasticPolicy`; the baselines are in `elastic.policy.baselines`), each written once:
 
 - **cooldown**: an offer that refused capacity (or whose VM failed to come up) rests
-  `planner.capacity_cooldown_s` from the refusal (a spot offer whose VM was reclaimed within two
-  minutes of its launch rests as long: the market leaves it out of the quotes,
-  `elastic.policy.market.RECLAIMED_EARLY_S`);
+  `planner.capacity_cooldown_s` from the refusal (with an on-demand fallback for the deadline, a
+  spot offer whose VM was reclaimed within two minutes of its launch rests as long: the market
+  leaves it out of the quotes, `elastic.policy.market.RECLAIMED_EARLY_S`);
 - **renting**: up to the world's target size (world.replicas, grown when budget.max_hours needs a
   bigger world; world.max_replicas under the pause rule), counting nodes held, booting and on their way, not those leaving; each launch where
   the planner says (`planner.choose_launch`);

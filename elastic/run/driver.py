@@ -227,7 +227,8 @@ class Driver:
         self.market.observe(self.ledger.events)
         now, spot = time.time(), self.recipe.resources.spot
         on_demand = [self.market.quote(o, now) for o in every if spot and not o.spot]
-        self.executor.act(self._snapshot(self.market.quotes([o for o in every if o.spot == spot], now), on_demand))
+        quotes = self.market.quotes([o for o in every if o.spot == spot], now, rest_reclaimed=bool(on_demand))
+        self.executor.act(self._snapshot(quotes, on_demand))
 
     # -- the executor's host (elastic.policy.executor.Host) ---------------------------------------------
 

@@ -403,7 +403,8 @@ def _elastic_world(run: _Run) -> None:
                                ready=n.ready_at <= run.t, leaving=n.iid in run.leaving, moving=n.iid in moving)
                           for n in run.nodes.values())
             snap = run.snapshot(nodes=nodes,
-                                quotes=tuple(market.quotes(run.market.offers(run.t, recipe.resources.spot), run.t)),
+                                quotes=tuple(market.quotes(run.market.offers(run.t, recipe.resources.spot), run.t,
+                                                           rest_reclaimed=on_demand)),
                                 budget_horizon_s=horizon_s,
                                 on_demand_quotes=tuple(market.quote(o, run.t) for o in run.market.offers(run.t, False))
                                 if on_demand else (), **ex.fed(run.t))

@@ -168,9 +168,9 @@ def _launched(iid, zone, t, spot=True):
 
 
 def test_a_spot_vm_reclaimed_within_two_minutes_of_its_launch_rests_its_offer():
-    """A zone that takes back a VM it granted a minute ago is running out: the offer rests
-    planner.capacity_cooldown_s (left out of the quotes), as after a refused launch; a VM that lived
-    past two minutes, and on-demand, rest nothing."""
+    """A zone that takes back a VM it granted a minute ago is running out: for a run that can fall
+    back on on-demand the offer rests planner.capacity_cooldown_s (left out of the quotes), as after
+    a refused launch; a VM that lived past two minutes, and on-demand, rest nothing."""
     p = recipe(**{"planner.capacity_cooldown_s": 300}).planner
     m = Market(p)
     a, b, a_od = offer("r1a", 8.0), offer("r1b", 9.0), offer("r1a", 8.0, spot=False)
@@ -178,10 +178,13 @@ def test_a_spot_vm_reclaimed_within_two_minutes_of_its_launch_rests_its_offer():
                _launched("x2", "r1b", 1000), {"t": 1130, "type": "node_preempted", "instance_id": "x2"}])
     assert m.resting_after_reclaim(a, 1061) and not m.resting_after_reclaim(b, 1131)
     assert not m.resting_after_reclaim(a_od, 1061)
-    assert [q.offer.zone for q in m.quotes([a, b], 1100)] == ["r1b"]
-    assert [q.offer.zone for q in m.quotes([a], 1100)] == []          # no fallback: it is running out
-    assert [q.offer.zone for q in m.quotes([a, b], 1359)] == ["r1b"]
-    assert [q.offer.zone for q in m.quotes([a, b], 1360)] == ["r1a", "r1b"]
+    # A run that can fall back on on-demand (a deadline) waits the zone out, even when it is the
+    # only one; a run without that fallback keeps renting where it can.
+    assert [q.offer.zone for q in m.quotes([a, b], 1100, rest_reclaimed=True)] == ["r1b"]
+    assert [q.offer.zone for q in m.quotes([a], 1100, rest_reclaimed=True)] == []
+    assert [q.offer.zone for q in m.quotes([a, b], 1100)] == ["r1a", "r1b"]
+    assert [q.offer.zone for q in m.quotes([a, b], 1359, rest_reclaimed=True)] == ["r1b"]
+    assert [q.offer.zone for q in m.quotes([a, b], 1360, rest_reclaimed=True)] == ["r1a", "r1b"]
     # A notice within the two minutes counts the same (the driver's AWS VMs: notice, then the loss).
     m.observe([_launched("x1", "r1a", 1000), {"t": 1060, "type": "node_preempted", "instance_id": "x1"},
                _launched("x2", "r1b", 1000), {"t": 1130, "type": "node_preempted", "instance_id": "x2"},

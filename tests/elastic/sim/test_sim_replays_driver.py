@@ -114,17 +114,19 @@ def test_the_simulator_takes_the_drivers_actions_and_bills_as_the_report(local_c
     assert cost_so_far(events, events[-1]["t"]) == pytest.approx(build_report(events)["cost_usd"], abs=1e-6)
 
 
-def test_with_a_preemption_the_same_actions_checkpoint_and_bill_rates(local_cluster, tmp_path):
+@pytest.mark.parametrize("deadline", [False, True], ids=["no-deadline", "deadline"])
+def test_with_a_preemption_the_same_actions_checkpoint_and_bill_rates(local_cluster, tmp_path, deadline):
     """A preemption drawn by the simulator (seeded) is replayed in the driver at the same outer
     step: a notice comes to the world's only replica during its first step. Both executors rent
     the replacement at once, checkpoint the first step before the noticed replica leaves (the
     policy's `Checkpoint("leaving")`: the world would otherwise restart from nothing), and bill
-    the same VMs at the same prices. The lost VM lived under two minutes, so its zone rests and the
-    replacement goes to the next cheapest (elastic.policy.market.RECLAIMED_EARLY_S)."""
+    the same VMs at the same prices. The VM was lost within two minutes of its launch: with a
+    deadline (an on-demand fallback) its zone rests on both sides and the replacement is the next
+    zone's (`elastic.policy.market.RECLAIMED_EARLY_S`); without one it is rented in the same zone."""
     trace = tmp_path / "trace.csv"
-    # r1a is cheapest by far and, for its first 20 s, preempted 60 times an hour; with seed 8 the
-    # simulator draws one preemption, 1.8 s into the first phase: r1a then rests, and the
-    # replacement is r1b's.
+    # r1a is cheapest by far (the risk either executor learns from one preemption does not move the
+    # world) and, for its first 20 s, preempted 60 times an hour; with seed 8 the simulator draws
+    # one preemption, 1.8 s into the first phase.
     trace.write_text(TRACE_HEADER
                      + "0,local,r1,r1a,cpu,,0,40,120,60,4\n"
                      "0,local,r1,r1b,cpu,,0,90,120,0,4\n"
@@ -137,6 +139,8 @@ def test_with_a_preemption_the_same_actions_checkpoint_and_bill_rates(local_clus
         "planner.recovery_s": 1, "planner.cross_region_sync_s": 0,
         "local.instance_types": "[{name: cpu, region: r1, zone: r1a}, {name: cpu, region: r1, zone: r1b}, "
                                 "{name: cpu, region: r2, zone: r2a}]"}
+    if deadline:
+        fields["budget.max_hours"] = 100   # far off: nothing else of the deadline rule acts
     recipe = tiny_recipe(**fields)
     # The driver's market replays the trace without its hazard: the notice is the test's, at the
     # step the simulator drew (its own draw would be the same VM's, but at a compression no test
@@ -144,7 +148,8 @@ def test_with_a_preemption_the_same_actions_checkpoint_and_bill_rates(local_clus
     calm = tmp_path / "calm.csv"
     calm.write_text(trace.read_text().replace(",60,4\n", ",0,4\n"))
     driver_recipe = tiny_recipe(**{**fields, "local.market.trace": str(calm)})
-    expected = [("launch", "r1a"), ("launch", "r1b")]
+    replacement = "r1b" if deadline else "r1a"
+    expected = [("launch", "r1a"), ("launch", replacement)]
 
     ledgers: dict[str, list[dict]] = {}
     sim = simulate(recipe, str(trace), ["elastic"], seed=8, ledgers=ledgers)[0]
@@ -185,6 +190,10 @@ def test_with_a_preemption_the_same_actions_checkpoint_and_bill_rates(local_clus
     def bill(report):
         return [(i["zone"], i["mean_usd_per_hour"]) for i in report["instances"]]
 
-    # Per VM, USD per billed hour (`mean_usd_per_hour`): the same VMs at the same prices. (A rate
-    # over all VMs together would weigh them by how long each lived, which the clocks set.)
-    assert bill(sim_report) == bill(driver_report) == [("r1a", 40.0), ("r1b", 90.0)]
+    assert bill(sim_report) == bill(driver_report) == [("r1a", 40.0), (replacement, 90.0 if deadline else 40.0)]
+
+    def usd_per_billed_hour(report):
+        return report["cost_usd"] / sum(i["billed_seconds"] for i in report["instances"]) * 3600
+
+    if not deadline:   # (at two prices the rate over both VMs weighs them by the clocks' lifetimes)
+        assert usd_per_billed_hour(sim_report) == pytest.approx(usd_per_billed_hour(driver_report), abs=1e-3)
