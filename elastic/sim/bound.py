@@ -158,15 +158,12 @@ def lower_bound_usd_per_mtok(recipe, market, finish_h: float | None = None) -> f
     so a bound without them is none where spot alone cannot finish in time)."""
     usd, cap, rate, row_s, tps, terms = _arrays(recipe, market, finish_h)
     short_usd = _short_usd(usd, rate, row_s, terms)
-    n = len(row_s)
-    if recipe.resources.spot and recipe.budget.max_hours is not None and n:
-        od_usd = _on_demand_usd(recipe, market, n)
-        od_tps = [recipe_tokens_per_s(o, recipe.planner) for o in market.offers(0.0, False) if allowed(o, recipe.resources)]
-        usd = np.concatenate([usd, od_usd], axis=1)
-        cap = np.concatenate([cap, np.full(od_usd.shape, UNLIMITED)], axis=1)
-        rate = np.concatenate([rate, np.zeros(od_usd.shape)], axis=1)
-        short_usd = np.concatenate([short_usd, np.zeros(od_usd.shape)], axis=1)
-        tps = np.concatenate([tps, np.array(od_tps, float)])
+    od_usd, od_tps = _fallback_on_demand(recipe, market, len(row_s))
+    usd = np.concatenate([usd, od_usd], axis=1)
+    cap = np.concatenate([cap, np.full(od_usd.shape, UNLIMITED)], axis=1)
+    rate = np.concatenate([rate, np.zeros(od_usd.shape)], axis=1)
+    short_usd = np.concatenate([short_usd, np.zeros(od_usd.shape)], axis=1)
+    tps = np.concatenate([tps, od_tps])
     value = _slots_lp(usd, cap, rate, row_s, tps, short_usd, recipe.world.max_replicas,
                       recipe.planner.recovery_s, run_tokens(recipe))
     return value / run_tokens(recipe) * 1e6
@@ -257,12 +254,8 @@ def min_replicas_floor_usd_per_mtok(recipe, market, finish_h: float | None = Non
     (the simulator's path for a cloud whose notice is at most twice the sync; AWS's 120 s notice
     takes the notice path)."""
     usd, cap, _, row_s, tps, _ = _arrays(recipe, market, finish_h)
-    od_usd = np.zeros((len(row_s), 0))
-    if not recipe.resources.spot or recipe.budget.max_hours is not None:
-        od_usd = _on_demand_usd(recipe, market, len(row_s)) if recipe.resources.spot else od_usd
+    od_usd, od_tps = _fallback_on_demand(recipe, market, len(row_s))
     m, most, needed = recipe.world.min_replicas, recipe.world.max_replicas, run_tokens(recipe)
-    first_od = [o for o in market.offers(0.0, False) if allowed(o, recipe.resources)]
-    od_tps = np.array([recipe_tokens_per_s(o, recipe.planner) for o in first_od]) if od_usd.shape[1] else np.zeros(0)
 
     # Each offer's VMs that could be held in a row: spot up to its capacity, on-demand unlimited
     # (world.max_replicas at most, either way); their USD/h and tokens/h.
@@ -303,8 +296,13 @@ def min_replicas_floor_usd_per_mtok(recipe, market, finish_h: float | None = Non
     return max(0.0, hi * needed - rows_gain(hi)[0]) / needed * 1e6
 
 
-def _on_demand_usd(recipe, market, rows: int):
-    """USD/h of each on-demand offer the recipe allows, per row (the first `rows` of the trace)."""
-    times = market.times()[:rows]
-    keys = [(o.zone, o.instance_type) for o in market.offers(0.0, False) if allowed(o, recipe.resources)]
-    return np.array([[market.state(z, it, t).on_demand_usd_per_hour for z, it in keys] for t in times]).reshape(rows, len(keys))
+def _fallback_on_demand(recipe, market, rows: int):
+    """The on-demand offers a spot recipe with budget.max_hours falls back on (its deadline rule's),
+    that the recipe allows: USD/h per row (the first `rows` of the trace) and offer, and tokens/s per
+    offer; none for any other recipe (an on-demand recipe's offers are `_arrays`' already)."""
+    if not (recipe.resources.spot and recipe.budget.max_hours is not None):
+        return np.zeros((rows, 0)), np.zeros(0)
+    offers = [o for o in market.offers(0.0, False) if allowed(o, recipe.resources)]
+    usd = np.array([[market.state(o.zone, o.instance_type, t).on_demand_usd_per_hour for o in offers]
+                    for t in market.times()[:rows]]).reshape(rows, len(offers))
+    return usd, np.array([recipe_tokens_per_s(o, recipe.planner) for o in offers], float)
