@@ -355,10 +355,17 @@ def _dispatch(args, err) -> int:
         from elastic.run.fleet import prices
         return prices(args, out)
     if args.command == "down":
+        import shutil
+
         from elastic.run.fleet import down
+        made = None
         if args.run:
-            args.run = _run_for_down(args.run)
-        return down(args, out, err)
+            args.run, made = _run_for_down(args.run)
+        try:
+            return down(args, out, err)
+        finally:
+            if made is not None:   # the recipe copied out of storage: down has read it
+                shutil.rmtree(made, ignore_errors=True)
     if args.command == "prepare-data":
         return _prepare_data(args, out)
     if args.command == "export":
@@ -377,28 +384,28 @@ def _dispatch(args, err) -> int:
     raise AssertionError(args.command)
 
 
-def _run_for_down(arg: str) -> str:
+def _run_for_down(arg: str) -> tuple[str, Path | None]:
     """What `elastic down` terminates by: a run directory or name as given, or, for a run known only
     by its record in storage (a URI, or a name not under ./runs), a directory holding its recipe
-    (its clouds and regions), named as the run."""
+    (its clouds and regions), named as the run; with the temporary directory made for it, if any."""
     import tempfile
 
     if "://" not in arg and (Path(arg) / "recipe.yaml").is_file() or (Path("runs") / arg / "recipe.yaml").is_file():
-        return arg
+        return arg, None
     from elastic.views.runs import RemoteRun, resolve
     try:
         src = resolve(arg)
     except Exception:
         if "://" in arg:
             raise
-        return arg   # a name only: down looks for its VMs in every configured cloud
+        return arg, None   # a name only: down looks for its VMs in every configured cloud
     text = src.recipe_text() if isinstance(src, RemoteRun) else None
     if text is None:
-        return arg if "://" not in arg else src.name
-    d = Path(tempfile.mkdtemp(prefix="elastic-down-")) / src.name
-    d.mkdir()
-    (d / "recipe.yaml").write_text(text, encoding="utf-8")
-    return str(d)
+        return (arg if "://" not in arg else src.name), None
+    made = Path(tempfile.mkdtemp(prefix="elastic-down-"))
+    (made / src.name).mkdir()
+    (made / src.name / "recipe.yaml").write_text(text, encoding="utf-8")
+    return str(made / src.name), made
 
 
 def _cache_clear(args, out) -> int:

@@ -504,9 +504,12 @@ def test_head_controller_starts_an_on_demand_controller_vm_that_down_stops(aws_e
     assert len(instances("us-east-1", "ctl-run")) == 2
     assert [n for n, _ in record.parts("events")] == [1, 2, 3, 4]
     # `down` from anywhere, by the record's URI: every VM of the run, both controllers.
-    down = aws_cli("down", "s3://ckpt-ctl/run/record/ctl-run", "--yes", env=aws_env.env)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    down = aws_cli("down", "s3://ckpt-ctl/run/record/ctl-run", "--yes", env={**aws_env.env, "TMPDIR": str(scratch)})
     assert down.returncode == 0, down.stderr
     assert all(vm["State"]["Name"] in ("shutting-down", "terminated") for vm in instances("us-east-1", "ctl-run"))
+    assert list(scratch.iterdir()) == []   # the recipe it copied out of the record is gone with it
 
 
 # -- infra/aws ---------------------------------------------------------------------------------------
