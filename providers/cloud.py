@@ -44,6 +44,10 @@ ADDRESS_WAIT_S = 30.0       # how long a launch waits for the cloud to name a VM
 CONSOLE_TAIL_LINES = 10     # lines of a VM's boot log shown when it never joined
 BOOT_CHECK_S = 10.0         # how often a launch reads a booting VM's console for a failed boot
 BOOT_FAILED_MARK = "elastic bootstrap: failed"   # what infra/bootstrap.sh.tmpl's ERR trap prints
+# Lines a console holds from the machine's boot rather than from the script (the VM lab's
+# `providers.lab.machine` says "lab: ... user data exited"): the script's output reaches the console
+# through its tee, so such a line may land between the script's last words and its failure line.
+BOOT_OWN_PREFIXES = ("lab: ",)
 STATE_POLL_S = 15.0          # how often events() asks the cloud whether held VMs still run
 NOTICE_KV_PREFIX = "elastic/notice/"   # Ray internal KV key the node's watcher writes, + instance id
 BOOTSTRAP_TEMPLATE = Path(__file__).resolve().parents[1] / "infra" / "bootstrap.sh.tmpl"

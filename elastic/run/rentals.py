@@ -27,13 +27,13 @@ SETUP_FAILURES_TO_STOP = 3   # nodes in a row that failed their boot or setup, n
 
 
 def _cause(boot_log: str) -> str:
-    """The line of a failed boot's log that says why: the last one before the boot script's own
-    failure line (`providers.cloud.BOOT_FAILED_MARK`)."""
-    from providers.cloud import BOOT_FAILED_MARK
+    """The line of a failed boot's log that says why: the script's last one before its own failure
+    line (`providers.cloud.BOOT_FAILED_MARK`), passing over the machine's (`BOOT_OWN_PREFIXES`)."""
+    from providers.cloud import BOOT_FAILED_MARK, BOOT_OWN_PREFIXES
 
     lines = boot_log.splitlines()
     mark = next((i for i, line in enumerate(lines) if BOOT_FAILED_MARK in line), len(lines))
-    said = [line.strip() for line in lines[:mark] if line.strip()]
+    said = [line.strip() for line in lines[:mark] if line.strip() and not line.startswith(BOOT_OWN_PREFIXES)]
     return said[-1] if said else "(its boot log says no more)"
 
 

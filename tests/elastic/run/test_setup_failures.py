@@ -35,11 +35,13 @@ def test_setup_failures_in_a_row_stop_the_renting_and_a_join_starts_the_count_ag
 
 def test_failed_boots_count_with_failed_setups_and_a_vm_that_only_never_joined_does_not(tmp_path):
     """A VM whose boot script failed (`node_join_timeout` with boot_failed) counts toward the stop
-    and is named by its log's failing line; one that merely did not join in time does not count."""
+    and is named by its log's failing line; one that merely did not join in time does not count.
+    (The machine's own line may come before the script's last ones: they pass through its tee.)"""
     log = ("+ pip install /nonexistent/elastic.whl\n"
            "ERROR: Could not find /nonexistent/elastic.whl\n"
-           f"{BOOT_FAILED_MARK} (status 1): this VM shuts down in 10 minutes\n"
-           "user data exited with status 1")
+           "\n"
+           "lab: user data exited with status 1\n"
+           f"{BOOT_FAILED_MARK} (status 1): this VM shuts down in 10 minutes\n")
     ledger = Ledger(tmp_path / "events.jsonl")
     rentals = Rentals({}, "run", ledger, None, None, lambda *a: None)
     ledger.append(lost(0))
