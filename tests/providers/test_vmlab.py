@@ -214,7 +214,7 @@ def test_a_vm_whose_install_fails_is_released_and_named_with_the_tail_of_its_boo
         with ThreadPoolExecutor(2) as pool:
             aws_f = pool.submit(launch, aws_p, aws_p.offers(aws_p.recipe.resources)[0], "run-broken")
             gcp_f = pool.submit(launch, gcp_p, _offer(gcp_p, gcp_recipe), "run-gbroken")
-            vm = lab.wait_for(lambda: next(iter(lab.machines), None), 60, "the AWS VM booting")
+            vm = lab.wait_for(lambda: next((m for m in list(lab.machines) if m.startswith("i-")), None), 60, "the AWS VM booting")
             host = lab.hosts[vm]
             described = boto3.client("ec2", region_name="us-west-2").describe_instances(
                 InstanceIds=[vm])["Reservations"][0]["Instances"][0]
