@@ -177,3 +177,23 @@ def test_checkpoint_modules_are_imported_one_thread_at_a_time():
         assert not done.wait(0.5)          # it waits its turn
     assert done.wait(60)
     t.join()
+
+
+def test_a_rank_reads_the_resolved_recipe_as_the_recipe_it_was_dumped_from():
+    """Ranks read the driver's dump (`Resolved`) without the pydantic model: every field of the
+    sections they read is the recipe's own value, a model section dumps as the recipe's does (its
+    digest, which checkpoints compare), and a field the recipe lacks is an AttributeError."""
+    from elastic.storage.checkpoint import model_digest
+    from elastic.train.replica import Resolved
+
+    recipe = tiny_recipe(**{"model.options": {"attn_implementation": "eager"}, "data.corpus_bytes": 12345})
+    view = Resolved(recipe.model_dump(mode="json"))
+    for name in ("train", "world", "data", "eval", "model", "checkpoint"):
+        section = getattr(recipe, name)
+        for field in type(section).model_fields:
+            assert getattr(getattr(view, name), field) == getattr(section, field), (name, field)
+    assert view.model.options == {"attn_implementation": "eager"} and view.train.inner_betas == (0.9, 0.95)
+    assert view.model.model_dump() == recipe.model.model_dump(mode="json")
+    assert model_digest(view) == model_digest(recipe)
+    with pytest.raises(AttributeError, match="no field 'nope'"):
+        view.train.nope
