@@ -58,14 +58,6 @@ class AwsCloud:
     server: object | None = None
 
 
-def _ec2(endpoint: str, region: str):
-    import boto3
-
-    # The lab is EC2 itself here: moto takes any key.
-    return boto3.client("ec2", region_name=region, endpoint_url=endpoint, aws_access_key_id="lab",
-                        aws_secret_access_key="lab")
-
-
 class VmLab:
     """Every instance of the given clouds, booted as a machine of this host.
 
@@ -97,6 +89,8 @@ class VmLab:
         self._on_end = on_end or (lambda line: log.info("lab: %s", line))
         self._lock = threading.RLock()
         self._stop = threading.Event()
+        self._clients: dict[tuple[str, str], object] = {}
+        self._clients_lock = threading.Lock()
         self._node_actions = node_actions()
         # Each machine mounts its own staging over this host's /tmp/elastic-staging, made (empty)
         # where it was not: `down` removes it again then.
@@ -113,6 +107,20 @@ class VmLab:
         self._thread = threading.Thread(target=self._loop, name=f"vmlab-{self.tag}", daemon=True)
         self._thread.start()
 
+    def _aws(self, service: str, region: str):
+        """The lab's client of moto's `service` in `region`, made once: the loop asks EC2 every
+        POLL_S, and making a boto3 client costs ~25 ms of CPU (made every round, it was 40 % of
+        the lab's CPU). A session of its own: boto3's default session is not safe across threads."""
+        with self._clients_lock:
+            if (service, region) not in self._clients:
+                import boto3
+
+                # The lab is EC2 itself here: moto takes any key.
+                self._clients[service, region] = boto3.session.Session().client(
+                    service, region_name=region, endpoint_url=self.aws.endpoint, aws_access_key_id="lab",
+                    aws_secret_access_key="lab")
+            return self._clients[service, region]
+
     # -- the loop ---------------------------------------------------------------------------------
 
     def _loop(self) -> None:
@@ -126,7 +134,7 @@ class VmLab:
         live: dict[str, tuple] = {}
         if self.aws is not None:
             for region in self.aws.regions:
-                ec2 = _ec2(self.aws.endpoint, region)
+                ec2 = self._aws("ec2", region)
                 for r in ec2.describe_instances()["Reservations"]:
                     for vm in r["Instances"]:
                         if vm["State"]["Name"] in LIVE_EC2:
@@ -218,7 +226,7 @@ class VmLab:
         log.info("lab: %s (%s %s) booted at %s / %s", iid, cloud, region, host.private_ip, host.public_ip)
 
     def _aws_boot(self, iid: str, region: str, vm: dict, host, closers: list):
-        ec2 = _ec2(self.aws.endpoint, region)
+        ec2 = self._aws("ec2", region)
         raw = ec2.describe_instance_attribute(InstanceId=iid, Attribute="userData")["UserData"].get("Value", "")
         script = base64.b64decode(raw).decode() if raw else ""
         gw = Gateway(host.netns, self.aws.endpoint, allowed=self._node_actions)
@@ -237,10 +245,7 @@ class VmLab:
         name = profile.get("Arn", "").rsplit("/", 1)[-1]
         if not name:
             return None
-        import boto3
-
-        iam = boto3.client("iam", region_name="us-east-1", endpoint_url=self.aws.endpoint,
-                           aws_access_key_id="lab", aws_secret_access_key="lab")
+        iam = self._aws("iam", "us-east-1")
         roles = iam.get_instance_profile(InstanceProfileName=name)["InstanceProfile"]["Roles"]
         return roles[0]["RoleName"] if roles else None
 
@@ -269,7 +274,7 @@ class VmLab:
         m, region = self.machines[iid], self.hosts[iid].region
         self._power_off(iid, "halt")
         if m.cloud == "aws":
-            ec2 = _ec2(self.aws.endpoint, region)
+            ec2 = self._aws("ec2", region)
             behaviour = ec2.describe_instance_attribute(InstanceId=iid, Attribute="instanceInitiatedShutdownBehavior")[
                 "InstanceInitiatedShutdownBehavior"]["Value"]
             if behaviour == "terminate":
@@ -343,7 +348,7 @@ class VmLab:
         self._reclaim_at.pop(iid, None)
         m = self.machines[iid]
         if m.cloud == "aws":
-            _ec2(self.aws.endpoint, self.hosts[iid].region).terminate_instances(InstanceIds=[iid])
+            self._aws("ec2", self.hosts[iid].region).terminate_instances(InstanceIds=[iid])
         else:
             self.gcp.preempt(iid)
         self._power_off(iid, "reclaimed by its cloud after an interruption notice")
@@ -370,6 +375,10 @@ class VmLab:
         for iid in list(self.machines):
             self._power_off(iid, "lab down")
         self.net.down()
+        with self._clients_lock:
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()
         shutil.rmtree(self.root, ignore_errors=True)
         if self._staging_made:
             try:
