@@ -272,24 +272,23 @@ class VmLab:
     def _halted(self, iid: str) -> None:
         """The machine ran `shutdown`: off, and its cloud acts by the instance's shutdown behaviour."""
         m, region = self.machines[iid], self.hosts[iid].region
-        self._power_off(iid, "halt")
         if m.cloud == "aws":
             ec2 = self._aws("ec2", region)
             behaviour = ec2.describe_instance_attribute(InstanceId=iid, Attribute="instanceInitiatedShutdownBehavior")[
                 "InstanceInitiatedShutdownBehavior"]["Value"]
-            if behaviour == "terminate":
-                ec2.terminate_instances(InstanceIds=[iid])
-            else:
-                ec2.stop_instances(InstanceIds=[iid])
-            self.ended[iid] = "terminated" if behaviour == "terminate" else "stopped"
+            ended = "terminated" if behaviour == "terminate" else "stopped"
         else:
-            self.gcp.guest_shutdown(iid)   # a guest OS shutdown stops a Compute Engine VM
-            self.ended[iid] = "stopped"
-        self._say_end(iid, m, f"{self.ended[iid]} by its own shutdown")
+            ended = "stopped"   # a guest OS shutdown stops a Compute Engine VM
+        self._power_off(iid, ended, f"{ended} by its own shutdown")
+        if m.cloud == "aws":
+            (ec2.terminate_instances if ended == "terminated" else ec2.stop_instances)(InstanceIds=[iid])
+        else:
+            self.gcp.guest_shutdown(iid)
 
-    def _power_off(self, iid: str, why: str) -> None:
-        """Every process of the machine ends, its network host goes; only then is it no longer
-        listed (a caller waiting for it to go finds nothing of it left)."""
+    def _power_off(self, iid: str, why: str, how: str | None = None) -> None:
+        """Every process of the machine ends, its network host goes, its end is told (`how`, by
+        default what `why` says); only then is it no longer listed, and `ended[iid]` is `why`: a
+        caller waiting for it to go finds nothing of it left, and its end told."""
         with self._lock:
             m, host = self.machines.get(iid), self.hosts.get(iid)
         if m is None:
@@ -298,12 +297,11 @@ class VmLab:
         m.power_off()
         if host is not None:
             self.net.remove_host(host)
+        self._say_end(iid, m, how or {"api": "released through its cloud's API"}.get(why, why))
         with self._lock:
             self.ended.setdefault(iid, why)
             for held in (self.machines, self.hosts, self.metadata, self.gateways):
                 held.pop(iid, None)
-        if why != "halt":
-            self._say_end(iid, m, {"api": "released through its cloud's API"}.get(why, why))
 
     def _say_end(self, iid: str, m: machines.Machine, how: str) -> None:
         received, sent = self.overlay_bytes.get(iid, (0, 0))

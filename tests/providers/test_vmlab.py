@@ -77,8 +77,17 @@ def owned_lab(monkeypatch, tmp_path, gcp_fake):
     vmlab = None
     try:
         told: list[str] = []
+        told_unlisted: list[str] = []
+
+        def tell(line: str) -> None:
+            # A machine's end is told before the lab unlists it: whoever waits for it to go then
+            # finds its end told too.
+            if vmlab.machine(line.split()[0]) is None:
+                told_unlisted.append(line)
+            told.append(line)
+
         vmlab = VmLab(aws=AwsCloud(ec2.url, ["us-west-2"], server=ec2), gcp=gcp_fake, gcp_regions=["us-central1"],
-                      on_end=told.append)
+                      on_end=tell)
         vmlab.told = told   # what it said as each machine ended (`elastic rehearse` prints these lines)
         yield vmlab
     finally:
@@ -87,6 +96,7 @@ def owned_lab(monkeypatch, tmp_path, gcp_fake):
         proxy.close()
         ec2.stop()
     assert not [n for n in _namespaces() if n.startswith(vmlab.tag)]
+    assert not told_unlisted, told_unlisted
 
 
 def _namespaces() -> list[str]:
