@@ -54,6 +54,28 @@ def _keep_signal_handlers():
 
 
 @contextmanager
+def _users_ray_address_kept():
+    """Ray's `Cluster` points this machine's "current cluster" file (`<ray temp dir>/ray_current_cluster`,
+    what `ray.init()` and `ray status` without an address connect to) at the head it starts, saying
+    so on the console when the file named another, and deletes the file when it shuts down: a
+    cluster the user started with `ray start` would lose its pointer to a run. The cluster elastic
+    starts serves only its run (the driver passes its address everywhere): the file is left alone."""
+    try:
+        from ray._common import utils as common_utils
+        from ray._private import utils as private_utils
+        write, reset = private_utils.write_ray_address, common_utils.reset_ray_address
+    except (ImportError, AttributeError):   # another Ray: its own behaviour
+        yield
+        return
+    private_utils.write_ray_address = lambda *args, **kwargs: None
+    common_utils.reset_ray_address = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        private_utils.write_ray_address, common_utils.reset_ray_address = write, reset
+
+
+@contextmanager
 def light_nodes():
     """Nodes started inside this block run no dashboard and no node agents.
 
@@ -270,7 +292,7 @@ class LocalCluster:
         if address is not None and ":" not in address and address != "auto":
             raise ValueError(f"--address {address!r}: expected HOST:PORT of a Ray head")
         if address is None:
-            with light_nodes():
+            with light_nodes(), _users_ray_address_kept():
                 self._start_head(Cluster, head_cpus)
             self.address = self._cluster.address
         else:
@@ -403,7 +425,8 @@ class LocalCluster:
             self.remove_node(node_id)
         self._ray.shutdown()
         if self._cluster is not None:
-            self._cluster.shutdown()
+            with _users_ray_address_kept():
+                self._cluster.shutdown()
             self._cluster = None
             # A process of this session can outlive its raylet for a moment: one the raylet was
             # starting as its node was removed, an agent that dies with it only once the kernel

@@ -72,3 +72,28 @@ def test_the_idle_agent_reports_its_ports_as_not_served_and_follows_its_parent(t
         assert time.monotonic() < deadline, "the stand-in outlived its parent"
         time.sleep(0.05)   # polling for the stand-in's exit with a deadline
 
+
+
+@pytest.mark.slow
+def test_a_cluster_elastic_starts_leaves_the_users_current_ray_cluster_alone():
+    """A user's own cluster (`ray start`) is what `ray.init()` without an address connects to,
+    through Ray's "current cluster" file. A run's cluster starts and stops beside it without
+    pointing that file at itself (Ray's `Cluster` would, saying so on the console) or deleting it."""
+    import shutil
+    import tempfile
+
+    temp = Path(tempfile.mkdtemp(prefix="elr", dir="/tmp"))   # short: Ray's socket paths live under it
+    try:
+        pointer = temp / "ray" / "ray_current_cluster"
+        pointer.parent.mkdir()
+        pointer.write_text("127.0.0.1:6379")
+        started = subprocess.run(
+            [sys.executable, "-c", "from elastic.run.cluster import LocalCluster\n"
+             "c = LocalCluster()\nprint('head at', c.address, flush=True)\nc.shutdown()"],
+            env={**os.environ, "RAY_TMPDIR": str(temp)}, capture_output=True, text=True, timeout=120)
+        assert started.returncode == 0 and "head at 127.0.0.1:" in started.stdout, started.stderr[-2000:]
+        assert pointer.read_text() == "127.0.0.1:6379"
+        assert "Overwriting previous Ray address" not in started.stdout + started.stderr
+        assert list((temp / "ray").glob("session_*")), "the run's cluster kept its files elsewhere"
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
