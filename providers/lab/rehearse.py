@@ -94,7 +94,10 @@ class Rehearsal:
                 gcp = GCPFake().start()
                 self._closers.append(gcp.stop)
                 self.env.update(gcp.env())
-            self.lab = VmLab(aws=aws, gcp=gcp, gcp_regions=gcp_regions, on_end=say)
+            # The fault-injection variables (`ELASTIC_FAULT_*`: a slow VM, a stuck disk) reach every
+            # machine's OS, as they reach a local run's ranks: the lab's "GPUs" are this host's CPU.
+            faults = {k: v for k, v in os.environ.items() if k.startswith("ELASTIC_FAULT_")}
+            self.lab = VmLab(aws=aws, gcp=gcp, gcp_regions=gcp_regions, env=faults, on_end=say)
             self._closers.append(self.lab.down)
             self.env.update(self.lab.attach_driver())
         except BaseException:

@@ -178,7 +178,7 @@ def test_launch_request_spot_imdsv2_tags_user_data_then_join_timeout_terminates(
     ec2 = boto3.client("ec2", region_name="us-west-2")
     raw = ec2.describe_instance_attribute(InstanceId=vm["InstanceId"], Attribute="userData")["UserData"]["Value"]
     script = base64.b64decode(raw).decode()
-    assert script.startswith("#!/bin/bash") and "ray start --address=" in script
+    assert script.startswith("#!/bin/bash") and "python3 -m elastic.run.cluster start --address=" in script
     assert "elastic.run=run-launch" in script and "python3 -m providers.watcher --cloud aws" in script
     assert "/elastic/run-launch/ray-token" in script          # fetched on the node with its role ...
     for secret in ("s3cret-cluster-token", "testing", "AWS_SECRET"):  # ... never written into user data
@@ -205,9 +205,10 @@ def _join(p, offer, run: str):
 
 @pytest.mark.skipif(not __import__("shutil").which("wg"), reason="needs wireguard-tools (wg) for key pairs")
 def test_bootstrap_joins_the_overlay_before_ray_with_its_key_from_ssm_never_in_user_data(aws_env):
-    """The node's user data brings up the overlay (head as first peer) before `ray start`, which
-    binds the node's overlay address; the private key is an SSM SecureString under the run's own
-    path (which only the run's node role reads), never in user data, and goes at release."""
+    """The node's user data brings up the overlay (head as first peer) before it joins Ray
+    (`elastic.run.cluster start`), which binds the node's overlay address; the private key is an
+    SSM SecureString under the run's own path (which only the run's node role reads), never in
+    user data, and goes at release."""
     import subprocess
 
     aws_env.rules.append(price_rule)
@@ -220,7 +221,7 @@ def test_bootstrap_joins_the_overlay_before_ray_with_its_key_from_ssm_never_in_u
     script = base64.b64decode(raw).decode()
     assert private not in script and "PrivateKey" not in script
     up = script.index("python3 -m elastic.net.overlay up --address \"$OVERLAY_IP\"")
-    assert script.index("OVERLAY_IP=100.80.0.2") < up < script.index("ray start --address=")
+    assert script.index("OVERLAY_IP=100.80.0.2") < up < script.index("python3 -m elastic.run.cluster start --address=")
     # wireguard-go is installed where the kernel has no WireGuard module, before the overlay comes up.
     assert script.index("modprobe wireguard 2>/dev/null || command -v wireguard-go") \
         < script.index("apt-get install -y wireguard-go") < up

@@ -137,7 +137,7 @@ def test_launch_request_spot_delete_labels_accelerators_no_secrets(gcp_fake, mon
     assert meta["elastic-run"] == "My.Run_1"
     assert json.loads(meta["elastic-offer"])["usd_per_hour"] == offer.usd_per_hour
     script = meta["startup-script"]
-    assert "ray start --address=" in script and "--cloud gcp" in script and "--num-gpus=2" in script
+    assert "python3 -m elastic.run.cluster start --address=" in script and "--cloud gcp" in script and "--num-gpus=2" in script
     assert "elastic.run=My.Run_1" in script
     blob = json.dumps(body)
     assert "tok-secret-123" not in blob and "aws-secret-456" not in blob and "private_key" not in blob
@@ -409,8 +409,8 @@ def _node_call(gcp_fake, token: str, method: str, path: str) -> int:
 
 @pytest.mark.skipif(not __import__("shutil").which("wg"), reason="needs wireguard-tools (wg) for key pairs")
 def test_startup_script_joins_the_overlay_with_its_key_from_secret_manager_never_in_metadata(gcp_fake):
-    """The startup script brings up the overlay (head as first peer) before `ray start` at the
-    node's overlay address; the private key is a Secret Manager secret of the run, never in the
+    """The startup script brings up the overlay (head as first peer) before it joins Ray
+    (`elastic.run.cluster start`) at the node's overlay address; the private key is a Secret Manager secret of the run, never in the
     instance's metadata, and goes at release."""
     from tests.providers.test_aws import _join
 
@@ -435,7 +435,7 @@ def test_startup_script_joins_the_overlay_with_its_key_from_secret_manager_never
     assert _node_call(gcp_fake, stranger, "GET", access) == 403
     up = script.index(f"gcloud secrets versions access latest --secret={secret} --project=elastic-test | "
                       "python3 -m elastic.net.overlay up")
-    assert script.index("OVERLAY_IP=100.80.0.2") < up < script.index("ray start --address=")
+    assert script.index("OVERLAY_IP=100.80.0.2") < up < script.index("python3 -m elastic.run.cluster start --address=")
     assert f"--peer {join.head.public_key},100.80.0.1,198.51.100.7:51820 " in script
     assert '--node-ip-address="$OVERLAY_IP"' in script and '--overlay-ip "$OVERLAY_IP"' in script
     nic = body["networkInterfaces"][0]

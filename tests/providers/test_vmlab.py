@@ -405,9 +405,13 @@ def test_rehearse_three_regions_two_clouds_a_spot_notice_drains_and_a_killed_dri
 
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(MULTI_RECIPE)
+    # Every inner step takes at least 100 ms (a slow VM, on every machine of the lab): the replicas
+    # train from their join to the driver's kill, and would otherwise spend two cores' worth of the
+    # suite's CPU on it while the lab waits on boots, the notice and the autodown.
     proc = subprocess.Popen([sys.executable, "-m", "elastic", "rehearse", str(recipe), "--run-dir", str(tmp_path / "run")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"})
+                            env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200",
+                                 "ELASTIC_FAULT_STEP_DELAY_S": "0.1"})
     out = _Lines(proc)
     try:
         tag, driver = out.wait(r"rehearse: lab (el[0-9a-f]{4}) at \S+; driver pid (\d+)", 600)[0].groups()
