@@ -272,11 +272,11 @@ def test_budget_stops_the_run_with_a_final_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     # Two nodes at $0.40/h: about 30 s of renting, enough for a first outer step on a busy 2-core
     # machine (the suite runs two workers) before the budget stops the run. Every inner step takes
-    # at least 20 ms (a slow VM): the ranks wait out most of those 30 s instead of spending two
-    # cores' worth of the suite's CPU on them.
+    # at least 100 ms (a slow VM): the ranks wait out most of those 30 s instead of spending two
+    # cores' worth of the suite's CPU on them (36 CPU-s with 20 ms, 20 with 100 ms).
     max_usd = 0.0067
     proc = launch(run_dir, *SMALL, "--allow-partial", "--set", "train.outer_steps=1000", "--set", f"budget.max_usd={max_usd}",
-                  "--set", "checkpoint.every_outer_steps=0", env={"ELASTIC_FAULT_STEP_DELAY_S": "0.02"})
+                  "--set", "checkpoint.every_outer_steps=0", env={"ELASTIC_FAULT_STEP_DELAY_S": "0.1"})
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 3, out
     report = json.loads((run_dir / "report.json").read_text())
@@ -426,9 +426,9 @@ def test_a_preemptible_run_tells_its_story_and_a_closed_session_releases_every_n
     proc = launch(run_dir, *SMALL, "--allow-partial", "--set", "train.outer_steps=1000", "--set", "train.inner_steps=5",
                   "--set", "checkpoint.every_outer_steps=3", "--set", "local.market.preempt_per_hour=3",
                   recipe="recipes/local-preemptible.yaml",
-                  # Every inner step takes at least 20 ms (slow VMs): the run waits for the market's
+                  # Every inner step takes at least 100 ms (slow VMs): the run waits for the market's
                   # preemption mostly asleep rather than on the suite's CPU.
-                  env={"ELASTIC_CACHE": str(tmp_path / "cache"), "COLUMNS": "80", "ELASTIC_FAULT_STEP_DELAY_S": "0.02"})
+                  env={"ELASTIC_CACHE": str(tmp_path / "cache"), "COLUMNS": "80", "ELASTIC_FAULT_STEP_DELAY_S": "0.1"})
     ledger = run_dir / "events.jsonl"
 
     def story_told() -> bool:
