@@ -499,9 +499,14 @@ def test_head_controller_starts_an_on_demand_controller_vm_that_down_stops(aws_e
     record = remote.open_record("s3://ckpt-ctl/run", "ctl-run")
     assert record.read("events")[0] == (run_dir / "events.jsonl").read_bytes()
     assert b"dont-leak-this-secret" not in record.whole("recipe.yaml")
-    # `--resume RUN`: a new controller for the same run, recorded after the first.
-    again = aws_cli(*args, "--resume", "ctl-run", "--detach", env=aws_env.env)
+    # `--resume RUN`: a new controller for the same run, recorded after the first; without
+    # --run-dir, its local directory is runs/RUN-resumed-<time> where the command runs.
+    here = tmp_path / "here"
+    here.mkdir()
+    again = run_cli("launch", str(REPO / args[1]), *args[2:], "--resume", "ctl-run", "--detach", env=aws_env.env,
+                    cwd=here)
     assert again.returncode == 0, again.stdout + again.stderr
+    assert [p.name.startswith("ctl-run-resumed-") for p in (here / "runs").iterdir()] == [True]
     assert len(instances("us-east-1", "ctl-run")) == 2
     assert [n for n, _ in record.parts("events")] == [1, 2, 3, 4]
     # `down` from anywhere, by the record's URI: every VM of the run, both controllers.
