@@ -44,10 +44,22 @@ BUCKET = "elastic-rehearse"
 log = logging.getLogger(__name__)
 
 
+WHEEL_SOURCES = ("pyproject.toml", "README.md", "elastic", "providers")   # what the wheel is built from
+
+
 def _wheel(out: Path) -> Path:
-    """A wheel of this checkout (what the lab's VMs install)."""
+    """A wheel of this checkout (what the lab's VMs install), built from a copy of its sources in
+    `out`: a build in the checkout itself leaves `build/` there, and setuptools packs what that
+    directory holds from earlier builds (a module deleted since would ride along)."""
+    src = out / "src"
+    for name in WHEEL_SOURCES:
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        else:
+            src.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, src / name)
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                           "-w", str(out), str(REPO)], capture_output=True, text=True, timeout=600)
+                           "-w", str(out), str(src)], capture_output=True, text=True, timeout=600)
     wheels = list(out.glob("elastic-*.whl"))
     if proc.returncode != 0 or not wheels:
         raise UserError(f"rehearse: could not build a wheel of {REPO}: {proc.stderr.strip()[-300:]}")

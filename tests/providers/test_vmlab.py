@@ -312,6 +312,9 @@ def test_rehearse_runs_an_aws_recipe_to_completed_over_the_overlay(tmp_path):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(REHEARSE_RECIPE)
     run_dir = tmp_path / "run"
+    def checkout() -> set[str]:   # (pytest's own .pytest_cache may come meanwhile)
+        return {p.name for p in REPO.iterdir() if not p.name.startswith(".")}
+    before = checkout()   # the rehearsal builds its wheel elsewhere
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "elastic", "rehearse", str(recipe), "--run-dir", str(run_dir)],
                           capture_output=True, text=True, timeout=1200,
@@ -332,6 +335,7 @@ def test_rehearse_runs_an_aws_recipe_to_completed_over_the_overlay(tmp_path):
         assert int(received) > 2 * _model_bytes(recipe) and int(sent) > 2 * _model_bytes(recipe), (vm, received, sent)
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert not _leftovers(tag, int(driver), run_dir)
+    assert checkout() <= before, f"the rehearsal left {checkout() - before} in the checkout"
     print(f"rehearsal completed in {took_s:.0f} s; overlay bytes (VM, in, out): {[(e[0], e[2], e[3]) for e in ends]}")
 
 
