@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 WHEEL_SOURCES = ("pyproject.toml", "README.md", "elastic", "providers")   # what the wheel is built from
 
 
-def _wheel(out: Path) -> Path:
+def checkout_wheel(out: Path) -> Path:
     """A wheel of this checkout (what the lab's VMs install), built from a copy of its sources in
     `out`: a build in the checkout itself leaves `build/` there, and setuptools packs what that
     directory holds from earlier builds (a module deleted since would ride along)."""
@@ -90,7 +90,7 @@ class Rehearsal:
         self.tmp = Path(tempfile.mkdtemp(prefix="elastic-rehearse-"))
         self._closers.append(lambda: shutil.rmtree(self.tmp, ignore_errors=True))
         try:
-            self.wheel = _wheel(self.tmp)
+            self.wheel = checkout_wheel(self.tmp)
             aws_regions = [r for r in recipe.resources.regions if not _gcp_region(r)] if "aws" in self.clouds else []
             gcp_regions = [r for r in recipe.resources.regions if _gcp_region(r)] if "gcp" in self.clouds else []
             aws = gcp = None

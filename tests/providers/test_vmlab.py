@@ -28,12 +28,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("root_tools")]
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> str:
-    """A wheel of this checkout (what the lab machines install: no index, no internet)."""
-    out = tmp_path_factory.mktemp("wheels")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
-                    str(REPO)], check=True, timeout=300)
-    [whl] = out.glob("elastic-*.whl")
-    return str(whl)
+    """A wheel of this checkout (what the lab machines install: no index, no internet), built as
+    `elastic rehearse` builds it."""
+    from providers.lab.rehearse import checkout_wheel
+
+    return str(checkout_wheel(tmp_path_factory.mktemp("wheels")))
 
 
 def _install(wheel: str) -> str:
