@@ -52,11 +52,11 @@ def checkout_wheel(out: Path) -> Path:
     `out`: a build in the checkout itself leaves `build/` there, and setuptools packs what that
     directory holds from earlier builds (a module deleted since would ride along)."""
     src = out / "src"
+    src.mkdir(parents=True)
     for name in WHEEL_SOURCES:
         if (REPO / name).is_dir():
             shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
         else:
-            src.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / name, src / name)
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
                            "-w", str(out), str(src)], capture_output=True, text=True, timeout=600)

@@ -73,7 +73,6 @@ def test_the_idle_agent_reports_its_ports_as_not_served_and_follows_its_parent(t
         time.sleep(0.05)   # polling for the stand-in's exit with a deadline
 
 
-
 @pytest.mark.slow
 def test_a_cluster_elastic_starts_leaves_the_users_current_ray_cluster_alone():
     """A user's own cluster (`ray start`) is what `ray.init()` without an address connects to,
