@@ -31,10 +31,10 @@ def store_host() -> str:
 
 
 def store_listener(host: str) -> tuple[int, int]:
-    """A listening TCP socket on `host` (a free port) for the TCPStore server: (its file
-    descriptor, whose ownership passes to the store with `TCPStore(master_listen_fd=...)`, and its
-    port). Left to itself the store listens on every interface of the machine, not only on the
-    overlay's."""
+    """A listening TCP socket on `host` (a free port) for the store's server: (its file
+    descriptor, whose ownership passes to `elastic.train.store.StoreServer`, and its port). The
+    store listens there only, not on every interface of the machine: on a run with an overlay,
+    on the node's overlay address."""
     import socket
 
     sock = socket.create_server((host, 0), backlog=512)

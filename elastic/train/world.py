@@ -12,8 +12,8 @@ outer sync over the replicas that finished it. Failure is the normal path:
   keeps stepping, replays the outer steps taken meanwhile, and joins at the next outer-step
   boundary with a fresh inner optimizer (or loads a checkpoint when no peer is left).
 
-The driver owns the TCPStore every process group rendezvouses through, so a new epoch is just a
-new key prefix.
+The driver serves the store every process group rendezvouses through (torch's TCPStore protocol,
+`elastic.train.store`), so a new epoch is just a new key prefix.
 
 The world never calls its driver: `World.step()` advances the outer step under way to its next
 pause (a phase starting, an all-reduce attempt failing, or about every 0.1 s while it waits on the
@@ -25,19 +25,16 @@ step (a joiner's copy failing, a drop) is returned by `take_events`.
 
 from __future__ import annotations
 
-import datetime
 import itertools
 import json
 import logging
-import os
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Generator
 
 from elastic.recipe.model import Recipe
 from elastic.record.events import LossPhase, LossRule
-from elastic.train.imports import import_beside
+from elastic.train.store import StoreServer
 
 log = logging.getLogger(__name__)
 
@@ -220,17 +217,11 @@ class World:
         self._ray = ray
         self._recipe = recipe
         self._identical = identical_data
-        # The store's socket listens from here on (ranks that dial it wait in its backlog); the
-        # TCPStore serving it needs torch.distributed, ~1 s of the driver's CPU: it is built beside
-        # the first replicas' start (`_open_store_beside`), where the driver only waits, rather than
-        # on the way to them. Imported beside Ray's start instead, it took the GIL from the
-        # start and delayed it as long.
+        # The store every process group rendezvouses through, served from here in Python
+        # (`elastic.train.store`: the driver never imports torch); ranks dial it on this address.
         self._store_host = store_host
-        self._store_fd, self._store_port = store_listener(store_host)
-        self._store_server = None
-        self._store_error: str | None = None
-        self._store_lock = threading.Lock()
-        self._store_opener: threading.Thread | None = None
+        listen_fd, self._store_port = store_listener(store_host)
+        self._store = StoreServer(listen_fd, timeout_s=recipe.world.step_timeout_s)
         self.replicas: dict[int, Replica] = {}    # live and training
         self.joining: dict[int, Replica] = {}     # started, not yet admitted
         self._ids = itertools.count(0)
@@ -296,39 +287,7 @@ class World:
             rep.actors.append(self._actor_cls.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=strategy,
                                                       max_concurrency=4).remote(rs))
         rep.setup_refs = [a.setup.remote() for a in rep.actors]
-        self._open_store_beside()
         return rep
-
-    @property
-    def _store(self):
-        """The TCPStore every process group rendezvouses through, served from this process."""
-        with self._store_lock:
-            if self._store_server is None:
-                if self._store_error is not None:
-                    raise RuntimeError(f"the driver's store did not start: {self._store_error}")
-                try:
-                    dist = import_beside("torch.distributed")
-                    self._store_server = dist.TCPStore(
-                        self._store_host, self._store_port, is_master=True, wait_for_workers=False,
-                        master_listen_fd=self._store_fd,
-                        timeout=datetime.timedelta(seconds=self._recipe.world.step_timeout_s))
-                except Exception as exc:
-                    self._store_error = _short(exc)
-                    raise
-            return self._store_server
-
-    def _open_store_beside(self) -> None:
-        """Build the store on a thread of its own (once), while the replicas it serves start. If
-        it cannot start, every replica waiting for it fails its setup with why (`ready_joiners`)."""
-        def build() -> None:
-            try:
-                self._store
-            except Exception:
-                log.exception("the driver's store did not start")
-
-        if self._store_opener is None:
-            self._store_opener = threading.Thread(target=build, name="world-store", daemon=True)
-            self._store_opener.start()
 
     def node_gpus(self, node_id: str) -> float:
         """GPUs the Ray node offers (0 for a CPU node, or a node no longer alive)."""
@@ -341,7 +300,6 @@ class World:
         new = [self.start_replica(i, n) for i, n in placements]
         if errors := [rep.error for rep in new if rep.error]:
             raise RuntimeError("; ".join(errors))
-        self._store   # served (or why not) before the ranks are waited for
         self._setup_done(self._ray.get([r for rep in new for r in rep.setup_refs],
                                        timeout=self._recipe.world.step_timeout_s))
         for rep in new:
@@ -352,8 +310,6 @@ class World:
         """Joining replicas whose setup has finished (failed ones are dropped as losses)."""
         ready = []
         for rep in list(self.joining.values()):
-            if self._store_error is not None and rep.copy is None:
-                rep.error = rep.error or f"the driver's store did not start: {self._store_error}"
             if rep.error:
                 self._lose(rep, f"setup failed: {rep.error}", 0, LossPhase.SETUP, LossRule.SETUP_FAILED)
                 continue
@@ -761,10 +717,7 @@ class World:
             self._kill(rep)
         self.replicas.clear()
         self.joining.clear()
-        with self._store_lock:
-            if self._store_server is None and self._store_fd >= 0:   # no replica ever started
-                os.close(self._store_fd)
-                self._store_fd = -1
+        self._store.close()
 
 
 def stalled(heartbeats: dict[tuple[int, int], str], clocks: dict, now_s: float, stall_timeout_s: float,

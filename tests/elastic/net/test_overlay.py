@@ -156,32 +156,28 @@ def test_a_wireguard_go_that_cannot_start_says_why(netns):
         iface.up("100.80.0.9", key, listen_port=0)
 
 
-def test_the_drivers_store_listens_on_its_node_address_only_and_takes_ranks_that_dialled_early():
-    """The TCPStore every process group rendezvouses through listens where `netaddr.store_listener`
-    bound it (the node's overlay address on a run with an overlay), not on every interface: here
-    this process listens on the store's port at 127.0.0.2 only (/proc/net/tcp{,6}: another process
-    of the machine may hold the same port on 127.0.0.1, which says nothing of the store). The World builds
-    the store only once its first replicas start (`World._open_store_beside`): the socket takes
-    connections before then, and a rank that dials it meanwhile is answered once the store serves."""
+def test_the_drivers_store_listens_on_its_node_address_only():
+    """The store every process group rendezvouses through (`elastic.train.store.StoreServer`)
+    listens where `netaddr.store_listener` bound it (the node's overlay address on a run with an
+    overlay), not on every interface: here this process listens on the store's port at 127.0.0.2
+    only (/proc/net/tcp{,6}: another process of the machine may hold the same port on 127.0.0.1,
+    which says nothing of the store), and torch's clients reach it there."""
     import datetime
-    import socket
-    from concurrent.futures import ThreadPoolExecutor
 
     import torch.distributed as dist
 
     from elastic.net.netaddr import store_listener
+    from elastic.train.store import StoreServer
 
-    timeout = datetime.timedelta(seconds=10)
     fd, port = store_listener("127.0.0.2")
-    with ThreadPoolExecutor(1) as pool:
-        early = pool.submit(lambda: dist.TCPStore("127.0.0.2", port, is_master=False, timeout=timeout))
-        with socket.create_connection(("127.0.0.2", port), timeout=5):
-            pass   # the socket takes connections before any store serves it
-        store = dist.TCPStore("127.0.0.2", port, is_master=True, wait_for_workers=False,
-                              master_listen_fd=fd, timeout=timeout)
-        early.result(timeout=15).set("k", "v")
-    assert store.port == port and store.get("k") == b"v"
-    assert _listening_here(port) == {"127.0.0.2"}
+    store = StoreServer(fd, timeout_s=10)
+    try:
+        client = dist.TCPStore("127.0.0.2", port, is_master=False, timeout=datetime.timedelta(seconds=10))
+        client.set("k", "v")
+        assert store.multi_get(["k"]) == [b"v"]
+        assert _listening_here(port) == {"127.0.0.2"}
+    finally:
+        store.close()
 
 
 def _listening_here(port: int) -> set[str]:

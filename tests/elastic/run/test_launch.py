@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -118,8 +119,12 @@ def test_launch_trains_and_reports(tmp_path):
     args = [*SMALL, "--set", "train.outer_steps=8", "--set", "checkpoint.every_outer_steps=4"]
     before = run_cli("plan", "recipes/local-tiny.yaml", *args, "--json", **cache)
     proc = launch(run_dir, *args, env=cache)
+    torch_in_driver = driver_maps_torch(proc)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
+    # The driver serves the world's store without torch (elastic.train.store): torch's library
+    # was never mapped into it, in any look at its memory map while it ran.
+    assert not torch_in_driver.result(timeout=30)
     report = json.loads((run_dir / "report.json").read_text())
     assert report["status"] == "completed"
     assert report["outer_steps"] == 8
@@ -157,6 +162,25 @@ def test_launch_trains_and_reports(tmp_path):
     check_driver_log(run_dir, events)
     check_plans_learn(report, json.loads(before.stdout), args, cache)
     check_checkpoint_cli(run_dir / "checkpoints")
+
+
+def driver_maps_torch(proc: Launched) -> Future:
+    """Whether torch's library is ever mapped into the driver `proc` while it runs: its memory map
+    read every 0.1 s until it exits (a library, once loaded, stays mapped to the end)."""
+    def watch() -> bool:
+        while proc.poll() is None:
+            try:
+                if "libtorch" in Path(f"/proc/{proc.pid}/maps").read_text():
+                    return True
+            except OSError:
+                pass
+            time.sleep(0.1)   # sampling the map, not waiting for an event
+        return False
+
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(watch)
+    pool.shutdown(wait=False)
+    return future
 
 
 def check_driver_log(run_dir: Path, events: list[dict]) -> None:

@@ -205,27 +205,3 @@ def test_int8_and_sparse_worlds_train_like_float32_with_far_fewer_bytes(nodes):
     assert res32.bytes_sent / res8.bytes_sent > 3.5        # the tiny model's ragged last chunk costs a little
     assert res32.bytes_sent / res_sp.bytes_sent > 20
     assert sparse < math.log(256) - 0.3, (sparse, loss32)   # it trains (from uniform over bytes: ln 256)
-
-
-def test_a_store_that_cannot_start_fails_every_waiting_replica_at_once_with_why(nodes, monkeypatch):
-    """The world's TCPStore is built beside its first replicas' start (`World._open_store_beside`).
-    If it cannot be built, a replica waiting for it does not wait out its setup timeout: `add_replicas`
-    raises why, and the driver's path (`ready_joiners`) drops every joiner with why."""
-    import elastic.train.world as world_module
-
-    def broken_build(name):
-        raise ImportError(f"cannot import {name} (this test's torch build)")
-
-    monkeypatch.setattr(world_module, "import_beside", broken_build)
-    world = World(tiny_recipe())
-    try:
-        [node] = nodes(1)
-        with pytest.raises(RuntimeError, match=r"the driver's store did not start: ImportError: cannot import torch"):
-            world.add_replicas([("vm0", node)])
-        world.start_replica("vm1", node)
-        assert world.ready_joiners() == [] and not world.joining
-        losses = world.take_events()
-        assert [x.instance_id for x in losses] == ["vm0", "vm1"]
-        assert all(x.reason.startswith("setup failed: the driver's store did not start: ImportError") for x in losses)
-    finally:
-        world.shutdown()
