@@ -21,8 +21,9 @@ token budget within budget.max_hours and budget.max_usd), how the others ended (
 simulated hour), and medians of USD, USD per 1M tokens and the ratio to the bound
 (`elastic.sim.simulate.bound_usd_per_mtok`: the least any policy could pay on the trace, every price
 known in advance; "none" when no policy can finish in time), and the ratio to the bound that holds
-to world.min_replicas (`min_replicas_bound_usd_per_mtok`: the higher of that bound and the least a
-policy pays that trains only in worlds of world.min_replicas replicas; `elastic.sim.bound`). USD per 1M tokens and the ratio are
+to world.min_replicas (`min_replicas_bound_usd_per_mtok`: the least a policy pays that trains only
+in worlds of world.min_replicas replicas, boots and preemptions priced, or the floor of whole worlds
+without boots if higher; `elastic.sim.bound`). USD per 1M tokens and the ratio are
 of the completed runs only: a run that stopped early paid for fewer tokens, and its ratio would say
 nothing about the deadline it missed. Uses `elastic.sim.simulate`'s public `simulate` and
 `bound_usd_per_mtok` only.

@@ -148,10 +148,13 @@ def _slot(usd, rate, row_s, tps, lam, mu, boot_s, short_usd):
     return value, presence, tokens
 
 
-def lower_bound_usd_per_mtok(recipe, market, finish_h: float | None = None) -> float:
+def lower_bound_usd_per_mtok(recipe, market, finish_h: float | None = None,
+                             keep_min_replicas: bool = False) -> float:
     """USD per 1M tokens below which no policy's expected cost can go on this market (a
     `simulate.TraceMarket`), training the run's tokens by `finish_h` (default budget.max_hours,
-    else the trace's end). inf: no schedule of the offers trains them in time.
+    else the trace's end). inf: no schedule of the offers trains them in time. With
+    `keep_min_replicas`, below which no policy that trains only in worlds of world.min_replicas
+    members can go (`_slots_lp`'s world constraints).
 
     Offers: the trace's offers of the recipe's kind that it allows, and for a spot recipe with
     budget.max_hours the on-demand ones too (the deadline rule's fallback: a policy may rent them,
@@ -165,11 +168,13 @@ def lower_bound_usd_per_mtok(recipe, market, finish_h: float | None = None) -> f
     short_usd = np.concatenate([short_usd, np.zeros(od_usd.shape)], axis=1)
     tps = np.concatenate([tps, od_tps])
     value = _slots_lp(usd, cap, rate, row_s, tps, short_usd, recipe.world.max_replicas,
-                      recipe.planner.recovery_s, run_tokens(recipe))
+                      recipe.planner.recovery_s, run_tokens(recipe),
+                      recipe.world.min_replicas if keep_min_replicas else 1)
     return value / run_tokens(recipe) * 1e6
 
 
-def _slots_lp(usd, cap, rate, row_s, tps, short_usd, slots: int, boot_s: float, needed: float) -> float:
+def _slots_lp(usd, cap, rate, row_s, tps, short_usd, slots: int, boot_s: float, needed: float,
+              min_replicas: int = 1) -> float:
     """The least expected USD of `slots` slots that train `needed` tokens (inf: none does), each
     slot the Markov decision process of `_slot`, coupled by the offers' capacities and the token
     count: the linear program over their expected occupation, solved exactly (HiGHS).
@@ -181,7 +186,18 @@ def _slots_lp(usd, cap, rate, row_s, tps, short_usd, slots: int, boot_s: float, 
     what it bills short of its cloud's minimum (`_short_usd`); it trains its tokens/s over those
     seconds, a booted one less the tokens of its boot, E[min(τ, boot)]. Any policy's expected VMs
     present per row and offer meet these constraints with at least its expected cost and at most
-    its expected tokens, so the program's least cost is at most its expected bill."""
+    its expected tokens, so the program's least cost is at most its expected bill.
+
+    With `min_replicas` > 1 only worlds of that many members earn tokens (as the simulator
+    credits only outer steps of at least world.min_replicas members). Per row t: y[t], the
+    probability that a world trains in the row; W[t,o], the expected members of offer o; c[t,o],
+    the tokens they are credited (as shares of `needed`). In every outcome a world that trains has
+    at least min_replicas members, each a VM present in the row, at most its offer's capacity, and
+    none trains without one: Σ_o W[t,o] ≥ min_replicas·y[t], W[t,o] ≤ p[t,o], W[t,o] ≤
+    capacity·y[t]; a member is credited at most what a VM present trains in the row, c[t,o] ≤ the
+    tokens of W[t,o] VMs kept through it and ≤ the tokens of its present VMs (k kept, b booted).
+    Taking expectations keeps every inequality, so the program is still a relaxation of any policy
+    that trains only in such worlds."""
     from scipy import sparse
     from scipy.optimize import linprog
 
@@ -209,11 +225,37 @@ def _slots_lp(usd, cap, rate, row_s, tps, short_usd, slots: int, boot_s: float, 
     per_row = sparse.csr_matrix((np.ones(2 * nm), (np.concatenate([idx.ravel() // m] * 2), np.arange(2 * nm))),
                                 shape=(n, 2 * nm))
     capped = (cap < UNLIMITED).ravel()
-    tokens = sparse.csr_matrix(-np.concatenate([kept_tokens.ravel(), boot_tokens.ravel()]) / needed)
-    a_ub = sparse.vstack([survive, per_row, present[capped], tokens], format="csr")
-    b_ub = np.concatenate([np.zeros(len(t1)), np.full(n, float(slots)), np.minimum(cap.ravel()[capped], slots), [-1.0]])
     upper = np.where(ok, float(slots), 0.0).ravel()
     bounds = np.stack([np.zeros(2 * nm), np.concatenate([np.where(np.arange(nm) < m, 0.0, upper), upper])], axis=1)
+    b_ub = np.concatenate([np.zeros(len(t1)), np.full(n, float(slots)), np.minimum(cap.ravel()[capped], slots)])
+    if min_replicas <= 1:
+        tokens = sparse.csr_matrix(-np.concatenate([kept_tokens.ravel(), boot_tokens.ravel()]) / needed)
+        a_ub = sparse.vstack([survive, per_row, present[capped], tokens], format="csr")
+        b_ub = np.append(b_ub, -1.0)
+    else:
+        # Variables W (n·m), c (n·m), y (n) after k and b; c in shares of `needed` (HiGHS drops
+        # coefficients under 1e-9, and 1/needed is one).
+        kept_share, boot_share = (kept_tokens / needed).ravel(), (boot_tokens / needed).ravel()
+        eye, rows = sparse.identity(nm, format="csr"), idx.ravel() // m
+        zero = sparse.csr_matrix((nm, nm))
+        row_of = sparse.csr_matrix((np.ones(nm), (np.arange(nm), rows)), shape=(nm, n))
+        world = sparse.vstack([
+            sparse.hstack([-eye, -eye, eye, zero, sparse.csr_matrix((nm, n))]),                     # W ≤ k + b
+            sparse.hstack([zero, zero, eye, zero, -row_of.multiply(np.minimum(cap, slots).ravel()[:, None])]),  # W ≤ cap·y
+            sparse.hstack([sparse.csr_matrix((n, 2 * nm)), -row_of.T, sparse.csr_matrix((n, nm)),
+                           sparse.identity(n, format="csr") * float(min_replicas)]),                 # m·y ≤ Σ W
+            sparse.hstack([-sparse.diags(kept_share), -sparse.diags(boot_share), zero, eye, sparse.csr_matrix((nm, n))]),
+            sparse.hstack([zero, zero, -sparse.diags(kept_share), eye, sparse.csr_matrix((nm, n))]),  # c ≤ W's tokens
+            sparse.hstack([sparse.csr_matrix((1, 3 * nm)), sparse.csr_matrix(-np.ones((1, nm))),
+                           sparse.csr_matrix((1, n))]),                                               # Σ c ≥ 1
+        ], format="csr")
+        pad = sparse.csr_matrix((len(t1) + n + int(capped.sum()), 2 * nm + n))
+        a_ub = sparse.vstack([sparse.hstack([sparse.vstack([survive, per_row, present[capped]]), pad]), world],
+                             format="csr")
+        b_ub = np.concatenate([b_ub, np.zeros(4 * nm + n), [-1.0]])
+        cost = np.concatenate([cost, np.zeros(2 * nm + n)])
+        bounds = np.vstack([bounds, np.stack([np.zeros(2 * nm + n),
+                                              np.concatenate([upper, np.full(nm, np.inf), np.ones(n)])], axis=1)])
     res = linprog(cost, A_ub=a_ub, b_ub=b_ub, bounds=bounds, method="highs")
     if res.status == 2:                                            # infeasible: no schedule trains them in time
         return math.inf

@@ -592,13 +592,15 @@ def bound_usd_per_mtok(recipe, trace_path: str) -> float | None:
 
 def min_replicas_bound_usd_per_mtok(recipe, trace_path: str) -> float | None:
     """The least USD per 1M tokens any policy that trains only in worlds of at least
-    world.min_replicas replicas could pay on the trace: the higher of `bound_usd_per_mtok` and
-    `elastic.sim.bound.min_replicas_floor_usd_per_mtok` (each a lower bound, so their maximum is
-    one); None when no policy can train the run's tokens in time."""
+    world.min_replicas replicas could pay on the trace: the higher of
+    `elastic.sim.bound.lower_bound_usd_per_mtok` keeping world.min_replicas (boots and preemptions
+    priced) and `min_replicas_floor_usd_per_mtok` (whole worlds per row, no boots): each a lower
+    bound, so their maximum is one; None when no policy can train the run's tokens in time."""
     from elastic.sim.bound import lower_bound_usd_per_mtok, min_replicas_floor_usd_per_mtok
 
     market = _market(recipe, trace_path)
-    bound = max(lower_bound_usd_per_mtok(recipe, market), min_replicas_floor_usd_per_mtok(recipe, market))
+    bound = max(lower_bound_usd_per_mtok(recipe, market, keep_min_replicas=True),
+                min_replicas_floor_usd_per_mtok(recipe, market))
     return bound if math.isfinite(bound) else None
 
 
