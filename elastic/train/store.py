@@ -33,7 +33,7 @@ a value is a uint64 length and its bytes. A request is one command byte and its 
 Requests without an answer (SET, APPEND, MULTI_SET, QUEUE_PUSH) are not acknowledged: a client's
 next request on the same connection is read after them. Limits are torch's: a request over them
 closes its connection, as torch's server does. torch's `TCPStore` puts "/" before every key it
-sends; the driver's calls here (`set`, `compare_set`, `check`, `multi_get`) do the same, so both name a key
+sends; the driver's calls here (`compare_set`, `check`, `multi_get`) do the same, so both name a key
 alike.
 """
 
@@ -154,11 +154,6 @@ class StoreServer:
         self._thread.start()
 
     # -- in-process use (the driver) -------------------------------------------------------------
-
-    def set(self, key: str, value: bytes | str) -> None:
-        with self._lock:
-            self._set(_key(key), _bytes(value))
-        self._poke()
 
     def compare_set(self, key: str, expected: bytes | str, new: bytes | str) -> bytes:
         """Set `key` to `new` if it holds `expected` (or is missing and `expected` is empty);

@@ -311,6 +311,7 @@ def test_rehearse_runs_an_aws_recipe_to_completed_over_the_overlay(tmp_path):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(REHEARSE_RECIPE)
     run_dir = tmp_path / "run"
+
     def checkout() -> set[str]:   # (pytest's own .pytest_cache may come meanwhile)
         return {p.name for p in REPO.iterdir() if not p.name.startswith(".")}
     before = checkout()   # the rehearsal builds its wheel elsewhere
