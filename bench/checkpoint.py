@@ -61,7 +61,7 @@ def main() -> None:
     ledger = Ledger(tmp / "events.jsonl")
     staging = ckpt.staging_root(args.local_dir, tmp.name, uri)
     saver = ckpt.Checkpointer(uri, staging, keep_last=args.checkpoints + 1, threads=args.threads, ledger=ledger,
-                              run="bench")
+                              run="bench", run_dir=tmp)
     world = World(recipe)
     try:
         node = cluster.add_node(cpus=1, gpus=0, labels={}, resources={}, object_store_bytes=200 * 1024 * 1024)

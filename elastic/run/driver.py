@@ -594,6 +594,8 @@ class Driver:
                     ledger.append(WorldFormed(epoch=world.epoch, replicas=members, outer_step=world.outer_step,
                                               params=world.params))
                     self._members = members
+                # The saver's ranks load what a save imports beside this step.
+                self.world.saver = self._saver() if world.replicas else None
                 res = self._step_world()
                 if res is None:
                     continue   # every replica was lost during the step; capacity wait next
@@ -692,14 +694,17 @@ class Driver:
         if self.ckpt.uploading is not None:
             view.phase(f"waiting for checkpoint {self.ckpt.uploading} to upload")
         view.phase(f"checkpoint at outer step {self.world.outer_step}")
-        # Save from a replica that is not about to leave, so its upload can finish.
-        steady = [r for r in sorted(self.world.replicas) if r not in self._draining]
-        lead = self.world.replicas[steady[0] if steady else min(self.world.replicas)]
         try:
-            self.ckpt.save(self.world, lead, self.recipe)
+            self.ckpt.save(self.world, self.world.replicas[self._saver()], self.recipe)
             self._checkpointed_step = self.world.outer_step
         except Exception as exc:  # the saving replica was lost mid-save: the partial one is ignored
             self.ledger.append(CheckpointFailed(step=self.world.outer_step, message=first_line(exc)))
+
+    def _saver(self) -> int:
+        """The replica checkpoints are saved from: one that is not about to leave, so its upload
+        can finish (the lowest such id, so the choice holds while the world does)."""
+        steady = [r for r in sorted(self.world.replicas) if r not in self._draining]
+        return steady[0] if steady else min(self.world.replicas)
 
     def finish_checkpoints(self, view) -> None:
         """Wait until the last checkpoint is durable (phase 2 done) before the run lets its nodes go."""

@@ -212,11 +212,18 @@ def _checkpoint_modules() -> None:
         import torch.distributed.checkpoint.state_dict  # noqa: F401
 
 
+_CHECKPOINT_WARM = threading.Event()   # set once this process started `_checkpoint_modules` on a thread
+
+
 def _warm_checkpoint_imports() -> None:
-    """Import what the first checkpoint save needs (torch.distributed.checkpoint, DTensor: ~2 s on
-    2 cores) on a thread beside training, instead of in the setup the first step waits for or in
-    the save's stall (`_checkpoint_modules`: a save or load meanwhile waits for it)."""
-    threading.Thread(target=_checkpoint_modules, name="checkpoint-imports", daemon=True).start()
+    """Import what a checkpoint save needs (torch.distributed.checkpoint, DTensor and, through
+    torch.fx's symbolic shapes, sympy: ~1.6 CPU-s, on 2 cores as many seconds) on a thread beside
+    training, instead of in the save's stall (`_checkpoint_modules`: a save or load meanwhile
+    waits for it). Only the replica the driver saves from asks (`inner_phase(warm_checkpoint=True)`):
+    the others never save, and a world of R replicas would pay it R times. Once per process."""
+    if not _CHECKPOINT_WARM.is_set():
+        _CHECKPOINT_WARM.set()
+        threading.Thread(target=_checkpoint_modules, name="checkpoint-imports", daemon=True).start()
 
 
 class _Laps:
@@ -448,9 +455,9 @@ class RankWorker:
         self._prefetch = BatchPrefetcher(self._data, self._per_rank, self._device)
         # Phase 1 of a checkpoint copies the state into these host buffers (pinned on CUDA), kept
         # from one save to the next; the write runs beside training (`_saving`). Made at the
-        # first save; what it imports loads meanwhile, beside training.
+        # first save; what it imports loads beside training once the driver names this replica
+        # its saver (`inner_phase`'s `warm_checkpoint`).
         self._stager = None
-        _warm_checkpoint_imports()
         self._saving = None
         self._losses = torch.zeros(t.inner_steps, dtype=torch.float32, device=self._device)
         self._stop_flag = torch.zeros(1)
@@ -466,7 +473,8 @@ class RankWorker:
     # -- training --------------------------------------------------------------------------------
 
     def inner_phase(self, lease_start: int, inner_step: int, world_tokens: int, step_tokens: int,
-                    next_lease: int | None = None, group: tuple[int, int, int] | None = None) -> dict:
+                    next_lease: int | None = None, group: tuple[int, int, int] | None = None,
+                    warm_checkpoint: bool = False) -> dict:
         """H inner AdamW steps on samples `lease_start ..` (this rank takes its slice of each batch).
 
         `inner_step` is the global inner step count at the start (names the phase for
@@ -475,12 +483,15 @@ class RankWorker:
         driver's guess of this replica's next lease, whose data is fetched in the background
         meanwhile; `group`, (epoch, index, size) of the phase's members: with `world.fragments` > 1
         the fragments' syncs run over it in the background while the phase trains (None: every
-        fragment waits for the blocking `outer_sync`). Ends by forming the pseudo-gradient of every
-        fragment not yet applied. Returns per-step losses and rates of this rank, tokens, seconds
+        fragment waits for the blocking `outer_sync`); `warm_checkpoint`, this replica is the one the
+        driver saves checkpoints from: what a save imports loads beside this phase. Ends by forming
+        the pseudo-gradient of every fragment not yet applied. Returns per-step losses and rates of this rank, tokens, seconds
         and `sync` (`Fragments.end_phase`'s report).
         """
         import torch
 
+        if warm_checkpoint:
+            _warm_checkpoint_imports()
         t0 = time.monotonic()
         self._state = "run"   # until the phase ends, this rank must make progress of its own
         self._phase_step = inner_step

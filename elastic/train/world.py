@@ -235,6 +235,9 @@ class World:
         self._phase_members: list[int] = []   # the replicas of the inner phase under way
         self._phase_epoch = 0   # the membership epoch that phase began in (its fragments' group)
         self._stop_at: dict[int, float] = {}  # noticed replica -> unix time it must contribute by
+        # The replica checkpoints are saved from (the driver's pick; None, or not a member: the
+        # lowest member): it loads what a save imports beside its inner phases, the others never do.
+        self.saver: int | None = None
         self._happened: list = []   # what happened since `step` or `take_events` last returned it
         self._under_way: Generator | None = None   # the outer step `step` advances
         self._actor_cls = ray.remote(_rank_worker_cls())
@@ -626,8 +629,9 @@ class World:
         step_tokens = len(members) * t.batch_size * t.seq_len
         # Streamed fragments sync during the phase over the outer group of its members.
         group = (lambda i: (self.epoch, i, len(members))) if self._recipe.world.fragments > 1 else (lambda i: None)
+        saver = self.saver if self.saver in members else members[0]
         calls = {(rid, r): a.inner_phase.remote(leases[rid], self.inner_step, self.tokens, step_tokens, nexts[rid],
-                                                group(i))
+                                                group(i), warm_checkpoint=rid == saver)
                  for i, rid in enumerate(members) for r, a in enumerate(self.replicas[rid].actors)}
         self._end_phase_by(members)   # a notice came between steps: this phase ends by its deadline
         self._happened.append(PhaseStarted(LossPhase.INNER, members))
