@@ -118,10 +118,11 @@ class AWSProvider(CloudProvider):
 
     def __init__(self, recipe, cluster, run_name: str):
         super().__init__(recipe, cluster, run_name)
-        import boto3
         from botocore.config import Config
 
-        self._session = boto3.session.Session()
+        from providers.aws.sdk import session
+
+        self._session = session()
         self._config = Config(retries={"mode": "adaptive", "max_attempts": MAX_ATTEMPTS},
                               connect_timeout=10, read_timeout=30)
         self._clients: dict[tuple[str, str], object] = {}
@@ -156,9 +157,9 @@ class AWSProvider(CloudProvider):
 
     @classmethod
     def configured(cls) -> str | None:
-        import boto3
+        from providers.aws.sdk import session
 
-        return None if boto3.session.Session().get_credentials() is not None else _MISSING_CREDENTIALS
+        return None if session().get_credentials() is not None else _MISSING_CREDENTIALS
 
     def cache_origin(self) -> str:
         """Where this provider's answers come from, for the price cache's key: the endpoint and

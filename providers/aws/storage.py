@@ -18,13 +18,14 @@ class S3Storage(Storage):
     """An S3 bucket (or any S3-compatible server through AWS_ENDPOINT_URL)."""
 
     def __init__(self, uri: str, bucket: str, prefix: str, create: bool, threads: int = 8):
-        import boto3
         from boto3.s3.transfer import TransferConfig
         from botocore.config import Config
 
+        from providers.aws.sdk import session
+
         self.uri, self.bucket, self.prefix = uri, bucket, prefix
-        self._client = boto3.session.Session().client("s3", config=Config(retries={"mode": "adaptive", "max_attempts": 8},
-                                                        max_pool_connections=max(10, threads * 2)))
+        self._client = session().client("s3", config=Config(retries={"mode": "adaptive", "max_attempts": 8},
+                                                             max_pool_connections=max(10, threads * 2)))
         self._transfer = TransferConfig(multipart_threshold=CHUNK_BYTES, multipart_chunksize=CHUNK_BYTES,
                                         max_concurrency=threads)
         self.errors = _s3_errors()
@@ -97,9 +98,9 @@ class SSMKeys(KeyStore):
 
     def __init__(self, uri: str, bucket: str):
         super().__init__()
-        import boto3
+        from providers.aws.sdk import session as new_session
 
-        session = boto3.session.Session()
+        session = new_session()
         s3 = session.client("s3")
         try:   # the bucket's own region: the same parameters wherever the driver runs
             head = s3.head_bucket(Bucket=bucket)

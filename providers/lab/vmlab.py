@@ -113,10 +113,10 @@ class VmLab:
         the lab's CPU). A session of its own: boto3's default session is not safe across threads."""
         with self._clients_lock:
             if (service, region) not in self._clients:
-                import boto3
+                from providers.aws.sdk import session
 
                 # The lab is EC2 itself here: moto takes any key.
-                self._clients[service, region] = boto3.session.Session().client(
+                self._clients[service, region] = session().client(
                     service, region_name=region, endpoint_url=self.aws.endpoint, aws_access_key_id="lab",
                     aws_secret_access_key="lab")
             return self._clients[service, region]
