@@ -485,8 +485,8 @@ class RankWorker:
         the fragments' syncs run over it in the background while the phase trains (None: every
         fragment waits for the blocking `outer_sync`); `warm_checkpoint`, this replica is the one the
         driver saves checkpoints from: what a save imports loads beside this phase. Ends by forming
-        the pseudo-gradient of every fragment not yet applied. Returns per-step losses and rates of this rank, tokens, seconds
-        and `sync` (`Fragments.end_phase`'s report).
+        the pseudo-gradient of every fragment not yet applied. Returns per-step losses and rates of
+        this rank, tokens, seconds and `sync` (`Fragments.end_phase`'s report).
         """
         import torch
 
