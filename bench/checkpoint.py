@@ -14,6 +14,7 @@ stream, no parallel parts). Goal: stall <= 10% of time-to-durable.
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 import tempfile
@@ -104,8 +105,10 @@ def main() -> None:
         baseline_s = time.monotonic() - t0
     finally:
         world.shutdown()
+        saver.close()   # the run's staging directory, as a run's end removes it
         cluster.shutdown()
         server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
 
     print(f"training state per checkpoint: {state_bytes / 1e6:.1f} MB (width {args.width}, layers {args.layers}), "
           f"phase 1 to {staging}")
