@@ -20,7 +20,7 @@ rows: at each row start it is off or holds one VM of one offer; moving to anothe
 VM; a VM present in a row is preempted with the row's probability and the slot is then off. The
 run's token count and the offers' capacities couple the slots. In expectation all of it is linear:
 the bound is the least expected cost of a linear program over the slots' expected VMs per row and
-offer (`_slots_lp`, solved exactly by scipy's HiGHS), which every policy's expected schedule
+offer (`_slots_program`, solved exactly by scipy's HiGHS), which every policy's expected schedule
 satisfies, so it is at most what any policy pays. It is the optimum of the Lagrangian relaxation
 that `_slot` prices (λ per token, μ per VM of an offer in a row; `bench/foresight.py` and
 `bench/online_bound.py` use `_slot` so). With no boot (`recovery_s` 0) and no preemption it is the
@@ -34,6 +34,7 @@ higher of the two is one (`elastic.sim.simulate.min_replicas_bound_usd_per_mtok`
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -154,11 +155,19 @@ def lower_bound_usd_per_mtok(recipe, market, finish_h: float | None = None,
     `simulate.TraceMarket`), training the run's tokens by `finish_h` (default budget.max_hours,
     else the trace's end). inf: no schedule of the offers trains them in time. With
     `keep_min_replicas`, below which no policy that trains only in worlds of world.min_replicas
-    members can go (`_slots_lp`'s world constraints).
+    members can go (`_slots_program`'s world constraints).
 
     Offers: the trace's offers of the recipe's kind that it allows, and for a spot recipe with
     budget.max_hours the on-demand ones too (the deadline rule's fallback: a policy may rent them,
     so a bound without them is none where spot alone cannot finish in time)."""
+    program = bound_program(recipe, market, finish_h, keep_min_replicas)
+    return solve(program) / run_tokens(recipe) * 1e6 if program is not None else math.inf
+
+
+def bound_program(recipe, market, finish_h: float | None = None,
+                  keep_min_replicas: bool = False) -> SlotsProgram | None:
+    """`lower_bound_usd_per_mtok`'s linear program (its least cost in USD; None: the market has
+    no row before `finish_h`)."""
     usd, cap, rate, row_s, tps, terms = _arrays(recipe, market, finish_h)
     short_usd = _short_usd(usd, rate, row_s, terms)
     od_usd, od_tps = _fallback_on_demand(recipe, market, len(row_s))
@@ -167,17 +176,44 @@ def lower_bound_usd_per_mtok(recipe, market, finish_h: float | None = None,
     rate = np.concatenate([rate, np.zeros(od_usd.shape)], axis=1)
     short_usd = np.concatenate([short_usd, np.zeros(od_usd.shape)], axis=1)
     tps = np.concatenate([tps, od_tps])
-    value = _slots_lp(usd, cap, rate, row_s, tps, short_usd, recipe.world.max_replicas,
-                      recipe.planner.recovery_s, run_tokens(recipe),
-                      recipe.world.min_replicas if keep_min_replicas else 1)
-    return value / run_tokens(recipe) * 1e6
+    return _slots_program(usd, cap, rate, row_s, tps, short_usd, recipe.world.max_replicas,
+                          recipe.planner.recovery_s, run_tokens(recipe),
+                          recipe.world.min_replicas if keep_min_replicas else 1)
 
 
-def _slots_lp(usd, cap, rate, row_s, tps, short_usd, slots: int, boot_s: float, needed: float,
-              min_replicas: int = 1) -> float:
-    """The least expected USD of `slots` slots that train `needed` tokens (inf: none does), each
-    slot the Markov decision process of `_slot`, coupled by the offers' capacities and the token
-    count: the linear program over their expected occupation, solved exactly (HiGHS).
+def solve(program: SlotsProgram) -> float:
+    """The least cost of `program` (inf: infeasible, no schedule trains the tokens in time),
+    solved exactly by scipy's HiGHS."""
+    from scipy.optimize import linprog
+
+    res = linprog(program.cost, A_ub=program.a_ub, b_ub=program.b_ub, bounds=program.bounds, method="highs")
+    if res.status == 2:
+        return math.inf
+    if res.status != 0:
+        raise RuntimeError(f"the bound's linear program did not solve: {res.message}")
+    return float(res.fun)
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotsProgram:
+    """`_slots_program`'s linear program: minimise cost·x subject to a_ub·x ≤ b_ub within
+    `bounds`. Variable i is of the trace's row `row[i]` and of kind `kind[i]`: "k" (VMs kept from
+    the row before), "b" (booted), "W" (a world's members), "y" (the chance a world trains), all
+    chosen at the row's start, or "c" (tokens credited, an outcome of the row)."""
+
+    cost: np.ndarray
+    a_ub: object
+    b_ub: np.ndarray
+    bounds: np.ndarray
+    row: np.ndarray
+    kind: np.ndarray
+
+
+def _slots_program(usd, cap, rate, row_s, tps, short_usd, slots: int, boot_s: float, needed: float,
+                   min_replicas: int = 1) -> SlotsProgram | None:
+    """The linear program whose least cost is the least expected USD of `slots` slots that train
+    `needed` tokens, each slot the Markov decision process of `_slot`, coupled by the offers'
+    capacities and the token count: a program over their expected occupation (None: no rows).
 
     Per row t and offer o: k[t,o] VMs kept from the row before, b[t,o] booted at the row start;
     present p = k + b. Kept VMs are at most the survivors of the row before, k[t,o] ≤ (1 −
@@ -199,11 +235,10 @@ def _slots_lp(usd, cap, rate, row_s, tps, short_usd, slots: int, boot_s: float, 
     Taking expectations keeps every inequality, so the program is still a relaxation of any policy
     that trains only in such worlds."""
     from scipy import sparse
-    from scipy.optimize import linprog
 
     n, m = usd.shape
     if n == 0:
-        return math.inf
+        return None
     ok = np.isfinite(usd)
     price = np.where(ok, usd, 0.0)
     there = _expected_min(rate, row_s[:, None])                  # seconds a VM present at row start stays
@@ -256,12 +291,11 @@ def _slots_lp(usd, cap, rate, row_s, tps, short_usd, slots: int, boot_s: float, 
         cost = np.concatenate([cost, np.zeros(2 * nm + n)])
         bounds = np.vstack([bounds, np.stack([np.zeros(2 * nm + n),
                                               np.concatenate([upper, np.full(nm, np.inf), np.ones(n)])], axis=1)])
-    res = linprog(cost, A_ub=a_ub, b_ub=b_ub, bounds=bounds, method="highs")
-    if res.status == 2:                                            # infeasible: no schedule trains them in time
-        return math.inf
-    if res.status != 0:
-        raise RuntimeError(f"the bound's linear program did not solve: {res.message}")
-    return float(res.fun)
+    rows = idx.ravel() // m
+    kinds = "kbWcy" if min_replicas > 1 else "kb"
+    row = np.concatenate([rows, rows] + ([rows, rows, np.arange(n)] if min_replicas > 1 else []))
+    kind = np.concatenate([np.full(n if k == "y" else nm, k) for k in kinds])
+    return SlotsProgram(cost, a_ub, b_ub, bounds, row, kind)
 
 
 def min_replicas_floor_usd_per_mtok(recipe, market, finish_h: float | None = None) -> float:
