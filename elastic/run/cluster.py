@@ -11,9 +11,11 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from contextlib import contextmanager, nullcontext
@@ -76,8 +78,10 @@ def _users_ray_address_kept():
 
 
 @contextmanager
-def light_nodes():
-    """Nodes started inside this block run no dashboard and no node agents.
+def light_nodes(zygote: str | None = None):
+    """Nodes started inside this block run no dashboard and no node agents, and start their Python
+    workers through `start_worker.py` (an exec, not Ray's `setup_worker.py`); with `zygote` (the
+    socket of a `Zygote` on this machine), forked from it.
 
     A cluster elastic starts serves only its run: no runtime_env, no dashboard (`elastic status`
     reads the ledger), no metrics. Ray still starts, per node, a dashboard agent and a runtime env
@@ -108,6 +112,7 @@ def light_nodes():
                     f"--node-id={flags['--node_id']}"]
             command = [next((f"{flag}{subprocess.list2cmdline([*idle, '--ports=' + ','.join(ports)])}"
                              for flag, ports in agents.items() if a.startswith(flag)), a) for a in command]
+            command = [_light_worker_command(a, zygote) for a in command]
         return start_process(command, process_type, *args, **kwargs)
 
     services.start_ray_process = start_ray_process
@@ -119,6 +124,54 @@ def light_nodes():
 
 
 _IDLE_AGENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "idle_agent.py")
+_START_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "start_worker.py")
+_WORKER_FLAG = "--python_worker_command="
+
+
+def _light_worker_command(arg: str, zygote: str | None) -> str:
+    """The raylet's `--python_worker_command=` with `start_worker.py` in place of Ray's
+    `setup_worker.py` (which it runs where the worker needs more than an exec), told the `zygote`
+    socket if any; any other argument, or a command of another shape, as it is."""
+    if not arg.startswith(_WORKER_FLAG):
+        return arg
+    parts = arg[len(_WORKER_FLAG):].split(" ", 2)
+    if len(parts) < 3 or parts[0] != sys.executable or not parts[1].endswith(os.sep + "setup_worker.py"):
+        return arg
+    light = subprocess.list2cmdline([sys.executable, "-S", _START_WORKER, f"--setup-worker={parts[1]}",
+                                     *([f"--zygote={zygote}"] if zygote else [])])
+    return f"{_WORKER_FLAG}{light} {parts[2]}"
+
+
+class Zygote:
+    """`zygote.py` beside a cluster of nodes on this machine's own network: started before the
+    head (its imports overlap the cluster's start), stopped with the cluster."""
+
+    def __init__(self) -> None:
+        self._dir = tempfile.mkdtemp(prefix="elastic-zygote-")
+        self.socket = os.path.join(self._dir, "socket")
+        self._workers = os.path.join(self._dir, "workers")
+        os.mkdir(self._workers)
+        self._log = open(os.path.join(self._dir, "zygote.log"), "ab")
+        self._proc = subprocess.Popen([sys.executable, _ZYGOTE, f"--socket={self.socket}", f"--workers={self._workers}",
+                                       f"--parent={os.getpid()}"],
+                                      stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log)
+
+    def workers_of(self, pids: list[int]) -> list[int]:
+        """The workers it forked for those of `pids` that are `start_worker.py` stand-ins."""
+        from elastic.run.zygote import workers_of
+
+        return workers_of(self._workers, pids)
+
+    def stop(self) -> None:
+        """Kill it (the workers it forked are the raylets' to stop) and remove its socket."""
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.wait()
+        self._log.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+_ZYGOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote.py")
 
 
 def _descendants(pid: int) -> list[int]:
@@ -142,13 +195,14 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def _kill_children(node) -> list[int]:
-    """SIGKILL every process the node's raylet started (its worker processes and agents); returns
-    pidfds of those it killed (`_wait_gone`)."""
+def _kill_children(node, zygote: Zygote | None) -> list[int]:
+    """SIGKILL every process the node's raylet started (its worker processes and agents), and the
+    workers `zygote` forked for them; returns pidfds of those it killed (`_wait_gone`)."""
     from ray._private import ray_constants
 
-    return _kill_all([child for info in node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, [])
-                      for child in _descendants(info.process.pid)])
+    below = [child for info in node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, [])
+             for child in _descendants(info.process.pid)]
+    return _kill_all((zygote.workers_of(below) if zygote is not None else []) + below)
 
 
 def _session_processes(session_dir: str) -> list[int]:
@@ -282,8 +336,16 @@ class LocalCluster:
         self._light = address is None
         self._lock = threading.Lock()
         self._start_lock = threading.Lock()
-        with _keep_signal_handlers():
-            self._start(address, head_cpus, Cluster)
+        # Nodes on this machine's own network fork their workers from one process that imported
+        # torch once (`Zygote`); a network lab's hosts are other namespaces, started as VMs are.
+        self._zygote = Zygote() if address is None and node_ip == LOOPBACK else None
+        try:
+            with _keep_signal_handlers():
+                self._start(address, head_cpus, Cluster)
+        except BaseException:
+            if self._zygote is not None:
+                self._zygote.stop()
+            raise
         atexit.register(self._kill_nodes)
 
     def _start(self, address, head_cpus, Cluster) -> None:
@@ -340,7 +402,8 @@ class LocalCluster:
         # shutdown_at_exit=False: Ray would install a SIGTERM handler (main thread only, and it
         # exits without our cleanup); this object stops its nodes itself (shutdown, atexit).
         # One raylet starts at a time: Ray's node startup is not thread-safe within a process.
-        with self._start_lock, _keep_signal_handlers(), light_nodes() if self._light else nullcontext():
+        with (self._start_lock, _keep_signal_handlers(),
+              light_nodes(self._zygote and self._zygote.socket) if self._light else nullcontext()):
             node = Node(params, head=False, shutdown_at_exit=False, spawn_reaper=True)
         node_id = node.node_id
         with self._lock:
@@ -409,13 +472,15 @@ class LocalCluster:
         if isinstance(node, subprocess.Popen):
             _kill_group(node)   # `ray start` in a namespace: its session holds every process
             return
-        children = _kill_children(node)
+        children = _kill_children(node, self._zygote)
         node.kill_all_processes(check_alive=False, allow_graceful=graceful, wait=True)
         _wait_gone(children)
 
     def _kill_nodes(self) -> None:
         for node_id in list(self._nodes):
             self.remove_node(node_id, graceful=False)
+        if self._zygote is not None:
+            self._zygote.stop()
         if self.network is not None:
             self.network.down()
 
@@ -432,6 +497,8 @@ class LocalCluster:
             # starting as its node was removed, an agent that dies with it only once the kernel
             # says so. The cluster is ours: none of its processes is left when this returns.
             _wait_gone(_kill_all(_session_processes(self.session_dir)))
+        if self._zygote is not None:
+            self._zygote.stop()
         if self.network is not None:
             self.network.down()
 

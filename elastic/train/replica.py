@@ -383,6 +383,10 @@ class RankWorker:
         cuda = self._device.type == "cuda"
         if not cuda:
             torch.set_num_threads(recipe.world.cpu_threads_per_rank)
+        elif os.environ.get("OMP_NUM_THREADS", "").isdigit():
+            # What OpenMP would have read had torch been imported here, not in the zygote this
+            # worker may be forked from (`elastic/run/zygote.py`): Ray sets it for the actor.
+            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
         from elastic.net.netaddr import gloo_device, node_ip
 

@@ -96,3 +96,145 @@ def test_a_cluster_elastic_starts_leaves_the_users_current_ray_cluster_alone():
         assert list((temp / "ray").glob("session_*")), "the run's cluster kept its files elsewhere"
     finally:
         shutil.rmtree(temp, ignore_errors=True)
+
+
+ZYGOTE = Path(elastic.__file__).parent / "run" / "zygote.py"
+START_WORKER = Path(elastic.__file__).parent / "run" / "start_worker.py"
+# A worker as Ray's raylet would start it, reduced to what the zygote must carry over: it says
+# where it runs, then exits as told (a code, a signal, or waiting for one).
+WORKER = """
+import json, os, signal, sys, time
+print(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "cwd": os.getcwd(), "argv": sys.argv,
+                  "env": os.environ.get("ZYGOTE_TEST"), "torch_before": "torch" in sys.modules,
+                  "pgid": os.getpgid(0)}), flush=True)
+print("to stderr", file=sys.stderr, flush=True)
+how = sys.argv[1]
+if how == "exit":
+    sys.exit(int(sys.argv[2]))
+if how == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(43))
+while True:
+    time.sleep(60)
+"""
+
+
+@pytest.fixture
+def zygote():
+    """`zygote.py` on a socket of its own, stopped afterwards."""
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="zyg", dir="/tmp"))   # short: a Unix socket's path is at most 107 bytes
+    (folder / "w").mkdir()
+    proc = subprocess.Popen([sys.executable, str(ZYGOTE), f"--socket={folder / 's'}", f"--workers={folder / 'w'}",
+                             f"--parent={os.getpid()}"])
+    deadline = time.monotonic() + 120
+    while not (folder / "s").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the zygote did not start listening"
+        time.sleep(0.05)   # polling for its socket with a deadline
+    yield folder / "s"
+    proc.kill()
+    proc.wait()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _start(socket_path, worker: Path, *args: str, cwd: Path, **popen) -> subprocess.Popen:
+    """`start_worker.py` as a raylet runs it: Ray's setup script named, the worker's command line,
+    the runtime env context Ray gives a worker with none."""
+    return subprocess.Popen([sys.executable, "-S", str(START_WORKER), "--setup-worker=/nonexistent/setup_worker.py",
+                             *([f"--zygote={socket_path}"] if socket_path else []), str(worker), *args,
+                             "--serialized-runtime-env-context={}", "--language=PYTHON"],
+                            cwd=cwd, env={**os.environ, "ZYGOTE_TEST": "carried"}, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
+
+
+def test_the_zygote_forks_a_worker_with_the_raylets_command_environment_and_streams(zygote, tmp_path):
+    import json
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    started = _start(zygote, worker, "exit", "7", cwd=tmp_path)
+    out, err = started.communicate(timeout=60)
+    seen = json.loads(out.splitlines()[0])
+    # Forked from the zygote (torch already imported), with the stand-in's command line, working
+    # directory, environment and streams, in a process group of its own; its exit code is the stand-in's.
+    assert started.returncode == 7, err
+    assert seen["ppid"] != started.pid and seen["torch_before"] and seen["pgid"] == seen["pid"]
+    assert seen["argv"] == [str(worker), "exit", "7"] and seen["cwd"] == str(tmp_path) and seen["env"] == "carried"
+    assert "to stderr" in err
+    # A worker killed by a signal: the stand-in ends by the same signal.
+    killed = _start(zygote, worker, "kill", cwd=tmp_path)
+    killed.communicate(timeout=60)
+    assert killed.returncode == -signal.SIGKILL
+    # Without a zygote (none listening there) the stand-in execs the worker itself, as Ray would.
+    alone = _start(zygote.parent / "none", worker, "exit", "5", cwd=tmp_path)
+    out, _ = alone.communicate(timeout=60)
+    seen = json.loads(out.splitlines()[0])
+    assert alone.returncode == 5 and seen["pid"] == alone.pid and not seen["torch_before"]
+
+
+def test_a_forked_worker_takes_the_raylets_signals_and_dies_with_its_stand_in(zygote, tmp_path):
+    import json
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    # SIGTERM to the stand-in (how a raylet stops a worker it started) reaches the worker.
+    from elastic.run.zygote import workers_of
+
+    first = _start(zygote, worker, "wait", cwd=tmp_path)
+    child = json.loads(first.stdout.readline())["pid"]
+    # While it runs, the zygote names it for its stand-in (how a node's removal finds it).
+    assert workers_of(str(zygote.parent / "w"), [first.pid, os.getpid()]) == [child]
+    first.send_signal(signal.SIGTERM)
+    first.communicate(timeout=60)
+    assert first.returncode == 43 and not process_alive(child)
+    assert workers_of(str(zygote.parent / "w"), [first.pid]) == []
+    # SIGKILL of the stand-in, which nothing can pass on: the worker follows it.
+    second = _start(zygote, worker, "wait", cwd=tmp_path)
+    child = json.loads(second.stdout.readline())["pid"]
+    second.kill()
+    second.communicate(timeout=60)
+    deadline = time.monotonic() + 10
+    while process_alive(child):
+        assert time.monotonic() < deadline, "the forked worker outlived its stand-in"
+        time.sleep(0.05)   # polling for its exit with a deadline
+
+
+@pytest.mark.slow
+def test_a_local_nodes_actors_run_in_workers_forked_from_the_clusters_zygote(local_cluster, nodes):
+    import psutil
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    [node_id] = nodes(1)
+
+    @ray.remote(num_cpus=1)
+    class Probe:
+        def __init__(self):
+            import sys
+
+            self.torch_before = "torch" in sys.modules
+
+        def where(self):
+            import os
+
+            return os.getpid(), os.getppid(), self.torch_before, ray.get_runtime_context().get_node_id()
+
+    probe = Probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+    pid, ppid, torch_before, on = ray.get(probe.where.remote(), timeout=60)
+    assert on == node_id and torch_before
+    assert ppid == local_cluster._zygote._proc.pid, psutil.Process(ppid).cmdline()
+    # The raylet's own child stands for it: Ray's kill reaches the worker, and the stand-in ends.
+    stand_in = next(c for c in _raylet_of(node_id).children() if str(START_WORKER) in " ".join(c.cmdline()))
+    ray.kill(probe)
+    deadline = time.monotonic() + 30
+    while process_alive(pid) or stand_in.is_running() and stand_in.status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the worker or its stand-in outlived ray.kill"
+        time.sleep(0.05)   # polling for both exits with a deadline
+    # A node removed outright (a preemption) takes its forked workers with it, by the time it returns.
+    again = Probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+    pid, ppid, _, _ = ray.get(again.where.remote(), timeout=60)
+    assert ppid == local_cluster._zygote._proc.pid
+    local_cluster.remove_node(node_id, graceful=False)
+    assert not process_alive(pid)
