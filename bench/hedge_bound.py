@@ -154,6 +154,19 @@ def print_schedule(program, x: np.ndarray, grid: list[float], offers: list[str])
         print(f"{int(h):4d}  " + "  ".join(f"{v:22.2f}" for v in present[sel].mean(0)) + f"  {y[sel].mean():8.2f}")
 
 
+def scenarios(recipe, rows, extend_h: float, min_outage_h: float, drops: bool):
+    """(variants, programs of the trace and each variant, their ties to the trace, the common grid)."""
+    market = TraceMarket(rows, recipe)
+    varied = variants(market, market.times(), recipe.budget.max_hours * 3600, min_outage_h * 3600, extend_h * 3600,
+                      drops)
+    grid = sorted(set(market.times()) | {v.parts_s + v.extend_s for v in varied})
+    programs = [bound_program(recipe, scenario_market(market, rows, grid, recipe, v), keep_min_replicas=True)
+                for v in [None, *varied]]
+    ties = [np.zeros(len(programs[0].cost), bool)] + [tied(p, grid.index(v.parts_s), v.unforeseen)
+                                                      for p, v in zip(programs[1:], varied)]
+    return varied, programs, ties, grid
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", type=Path, default=ROOT / "bench" / "traces" / "real" / "aws-v100-2zones-2022.csv")
@@ -172,13 +185,7 @@ def main() -> None:
         trace = window(args.trace, args.start_hours, Path(tmp)) if args.start_hours else args.trace
         rows = read_trace_rows(trace)
     market = TraceMarket(rows, recipe)
-    limit_s = recipe.budget.max_hours * 3600
-    varied = variants(market, market.times(), limit_s, args.min_outage_h * 3600, args.extend_h * 3600, args.drops)
-    grid = sorted(set(market.times()) | {v.parts_s + v.extend_s for v in varied})
-    programs = [bound_program(recipe, scenario_market(market, rows, grid, recipe, v), keep_min_replicas=True)
-                for v in [None, *varied]]
-    ties = [np.zeros(len(programs[0].cost), bool)] + [tied(p, grid.index(v.parts_s), v.unforeseen)
-                                                      for p, v in zip(programs[1:], varied)]
+    varied, programs, ties, grid = scenarios(recipe, rows, args.extend_h, args.min_outage_h, args.drops)
     t, bounds_usd, ratios, x = minimax(programs, ties)
     per_mtok = 1e6 / run_tokens(recipe)
     name = f"{args.trace.stem}" + (f"@{args.start_hours:g}h" if args.start_hours else "")
