@@ -152,8 +152,7 @@ class Zygote:
         self._workers = os.path.join(self._dir, "workers")
         os.mkdir(self._workers)
         self._log = open(os.path.join(self._dir, "zygote.log"), "ab")
-        self._proc = subprocess.Popen([sys.executable, _ZYGOTE, f"--socket={self.socket}", f"--workers={self._workers}",
-                                       f"--parent={os.getpid()}"],
+        self._proc = subprocess.Popen([sys.executable, _ZYGOTE, f"--dir={self._dir}", f"--parent={os.getpid()}"],
                                       stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log)
 
     def workers_of(self, pids: list[int]) -> list[int]:
@@ -163,9 +162,14 @@ class Zygote:
         return workers_of(self._workers, pids)
 
     def stop(self) -> None:
-        """Kill it (the workers it forked are the raylets' to stop) and remove its socket."""
+        """End it (the workers it forked are the raylets' to stop) and remove its directory (it
+        removes it itself when it ends on SIGTERM, as when this process dies)."""
         if self._proc.poll() is None:
-            self._proc.kill()
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
         self._proc.wait()
         self._log.close()
         shutil.rmtree(self._dir, ignore_errors=True)

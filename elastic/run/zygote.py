@@ -10,15 +10,16 @@ all of it applied, runs Ray's `default_worker.py` as `python` would have. Forkin
 those modules has started a thread of its own is what a DataLoader's workers do too; the zygote
 never imports Ray (its gRPC core is not fork-safe once started).
 
-    python zygote.py --socket=PATH --workers=DIR --parent=PID
+    python zygote.py --dir=DIR --parent=PID
 
 The raylet keeps the process it started (`start_worker.py`) as its handle on the worker: it lives
 exactly as long as the child, passes SIGTERM, SIGINT and SIGHUP on, and exits with the child's
 status; the child dies with it if it is killed (a pidfd it watches), and registers with the raylet
-under its own pid (Ray's registration names the process, and kills go there). While a worker runs,
-`DIR/<the stand-in's pid>` holds its pid: a node's removal kills the workers of the stand-ins below
-its raylet with them (`LocalCluster.remove_node`). The zygote dies with the process that started it
-(PR_SET_PDEATHSIG, `--parent` its pid).
+under its own pid (Ray's registration names the process, and kills go there). DIR is the zygote's
+own: it listens on `DIR/socket`, and while a worker runs `DIR/workers/<the stand-in's pid>` holds
+its pid, so that a node's removal kills the workers of the stand-ins below its raylet with them
+(`LocalCluster.remove_node`). It ends on SIGTERM, removing DIR, and is sent one when the process
+that started it (`--parent`) dies, however it dies (PR_SET_PDEATHSIG).
 
 Protocol (one connection per worker): the client sends one JSON object {"argv", "env", "cwd",
 "pid"} (4-byte length first) with its stdin, stdout and stderr attached (SCM_RIGHTS); the zygote
@@ -208,16 +209,25 @@ def main(argv: list[str]) -> None:
     args = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
     import ctypes
 
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    folder = args["dir"]
+
+    def end(*_):
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, end)
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != int(args.get("parent", os.getppid())):
-        return   # the process that started us died before we could follow it
+        end()   # the process that started us died before we could follow it
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-    listener = listen(args["socket"])
+    listener = listen(os.path.join(folder, "socket"))
     import importlib
 
     for name in PRELOAD:
         importlib.import_module(name)
-    serve(listener, args["workers"])
+    serve(listener, os.path.join(folder, "workers"))
 
 
 if __name__ == "__main__":

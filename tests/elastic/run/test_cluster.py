@@ -126,16 +126,16 @@ def zygote():
     import tempfile
 
     folder = Path(tempfile.mkdtemp(prefix="zyg", dir="/tmp"))   # short: a Unix socket's path is at most 107 bytes
-    (folder / "w").mkdir()
-    proc = subprocess.Popen([sys.executable, str(ZYGOTE), f"--socket={folder / 's'}", f"--workers={folder / 'w'}",
-                             f"--parent={os.getpid()}"])
+    (folder / "workers").mkdir()
+    proc = subprocess.Popen([sys.executable, str(ZYGOTE), f"--dir={folder}", f"--parent={os.getpid()}"])
     deadline = time.monotonic() + 120
-    while not (folder / "s").exists():
+    while not (folder / "socket").exists():
         assert proc.poll() is None and time.monotonic() < deadline, "the zygote did not start listening"
         time.sleep(0.05)   # polling for its socket with a deadline
-    yield folder / "s"
-    proc.kill()
-    proc.wait()
+    yield folder / "socket"
+    proc.terminate()
+    proc.wait(timeout=30)
+    assert not folder.exists(), "the zygote left its directory"
     shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -185,11 +185,11 @@ def test_a_forked_worker_takes_the_raylets_signals_and_dies_with_its_stand_in(zy
     first = _start(zygote, worker, "wait", cwd=tmp_path)
     child = json.loads(first.stdout.readline())["pid"]
     # While it runs, the zygote names it for its stand-in (how a node's removal finds it).
-    assert workers_of(str(zygote.parent / "w"), [first.pid, os.getpid()]) == [child]
+    assert workers_of(str(zygote.parent / "workers"), [first.pid, os.getpid()]) == [child]
     first.send_signal(signal.SIGTERM)
     first.communicate(timeout=60)
     assert first.returncode == 43 and not process_alive(child)
-    assert workers_of(str(zygote.parent / "w"), [first.pid]) == []
+    assert workers_of(str(zygote.parent / "workers"), [first.pid]) == []
     # SIGKILL of the stand-in, which nothing can pass on: the worker follows it.
     second = _start(zygote, worker, "wait", cwd=tmp_path)
     child = json.loads(second.stdout.readline())["pid"]
@@ -238,3 +238,17 @@ def test_a_local_nodes_actors_run_in_workers_forked_from_the_clusters_zygote(loc
     assert ppid == local_cluster._zygote._proc.pid
     local_cluster.remove_node(node_id, graceful=False)
     assert not process_alive(pid)
+
+
+def test_a_zygote_whose_driver_is_killed_ends_and_leaves_no_directory():
+    driver = subprocess.Popen([sys.executable, "-c", "import time\nfrom elastic.run.cluster import Zygote\n"
+                               "z = Zygote()\nprint(z._dir, z._proc.pid, flush=True)\ntime.sleep(600)"],
+                              stdout=subprocess.PIPE, text=True)
+    folder, pid = driver.stdout.readline().split()
+    assert Path(folder, "workers").is_dir() and process_alive(int(pid))
+    driver.kill()   # SIGKILL: nothing of the driver's own runs
+    driver.wait()
+    deadline = time.monotonic() + 30
+    while process_alive(int(pid)) or Path(folder).exists():
+        assert time.monotonic() < deadline, "the zygote or its directory outlived the driver"
+        time.sleep(0.05)   # polling for its exit with a deadline
