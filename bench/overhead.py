@@ -127,7 +127,9 @@ def _kind(pid: int, root: int, cmdline: str) -> str:
                          ("dashboard/agent.py", "dashboard agents"), ("RuntimeEnvAgent", "runtime env agents"),
                          ("runtime_env/agent", "runtime env agents"), ("dashboard/dashboard.py", "API server (dashboard)"),
                          ("idle_agent.py", "idle agents (stand-ins)"), ("ray::", "workers (ranks)"),
-                         ("default_worker.py", "workers (ranks)")):
+                         ("default_worker.py", "workers (ranks)"), ("start_worker.py", "workers' stand-ins"),
+                         # a worker forked from the zygote carries its command line until Ray retitles it
+                         ("zygote.py", "zygote (and workers forked from it, until retitled)")):
         if needle in cmdline:
             return kind
     return "driver" if pid == root else "other"

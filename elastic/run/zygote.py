@@ -87,6 +87,7 @@ def _child(conn: socket.socket, listener: socket.socket, request: dict, streams:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        sys.dont_write_bytecode = bool(os.environ.get("PYTHONDONTWRITEBYTECODE"))   # as `python` reads it at start
         _follow(request["pid"])
         argv = request["argv"]
         sys.argv = argv[:]
