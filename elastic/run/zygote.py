@@ -70,12 +70,18 @@ def recv_message(sock: socket.socket, fds: int = 0) -> tuple[dict | None, list[i
     return json.loads(buf[4:]), got
 
 
-def _child(conn: socket.socket, listener: socket.socket, request: dict, streams: list[int]) -> None:
-    """In the forked child: become the worker the raylet asked for, and never return."""
+def _child(conn: socket.socket, listener: socket.socket, request: dict, streams: list[int], children: dict) -> None:
+    """In the forked child: become the worker the raylet asked for, and never return. The
+    zygote's own descriptors go first (its socket, the other workers' pidfds and connections: a
+    sibling's connection held here would keep its stand-in waiting on this worker's life once
+    the zygote is gone)."""
     code = 1
     try:
         listener.close()
         conn.close()
+        for pidfd, (_, _, other) in children.items():
+            os.close(pidfd)
+            other.close()
         for target, fd in enumerate(streams):
             os.dup2(fd, target)
         for fd in streams:
@@ -185,7 +191,7 @@ def serve(listener: socket.socket, workers: str) -> None:
                     continue
                 pid = os.fork()
                 if pid == 0:
-                    _child(conn, listener, request, streams)
+                    _child(conn, listener, request, streams, children)
                 for fd in streams:
                     os.close(fd)
                 _note(workers, request["pid"], pid)

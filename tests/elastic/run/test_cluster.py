@@ -104,6 +104,7 @@ START_WORKER = Path(elastic.__file__).parent / "run" / "start_worker.py"
 # where it runs, then exits as told (a code, a signal, or waiting for one).
 WORKER = """
 import json, os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(43))
 print(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "cwd": os.getcwd(), "argv": sys.argv,
                   "env": os.environ.get("ZYGOTE_TEST"), "torch_before": "torch" in sys.modules,
                   "pgid": os.getpgid(0)}), flush=True)
@@ -113,7 +114,6 @@ if how == "exit":
     sys.exit(int(sys.argv[2]))
 if how == "kill":
     os.kill(os.getpid(), signal.SIGKILL)
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(43))
 while True:
     time.sleep(60)
 """
@@ -133,9 +133,10 @@ def zygote():
         assert proc.poll() is None and time.monotonic() < deadline, "the zygote did not start listening"
         time.sleep(0.05)   # polling for its socket with a deadline
     yield folder / "socket"
+    ending = proc.poll() is None   # a test may have killed it outright
     proc.terminate()
     proc.wait(timeout=30)
-    assert not folder.exists(), "the zygote left its directory"
+    assert not (ending and folder.exists()), "the zygote left its directory"
     shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -252,3 +253,22 @@ def test_a_zygote_whose_driver_is_killed_ends_and_leaves_no_directory():
     while process_alive(int(pid)) or Path(folder).exists():
         assert time.monotonic() < deadline, "the zygote or its directory outlived the driver"
         time.sleep(0.05)   # polling for its exit with a deadline
+
+
+def test_stand_ins_end_with_their_workers_when_the_zygote_is_killed(zygote, tmp_path):
+    import json
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    started = [_start(zygote, worker, "wait", cwd=tmp_path) for _ in range(2)]
+    children = [json.loads(s.stdout.readline())["pid"] for s in started]
+    zygote_pid = int(subprocess.check_output(["pgrep", "-f", "--", f"--dir={zygote.parent}"], text=True).split()[0])
+    os.kill(zygote_pid, signal.SIGKILL)
+    # Each stand-in sees its connection end and exits; its worker follows it.
+    for s in started:
+        s.communicate(timeout=30)
+        assert s.returncode == 1
+    deadline = time.monotonic() + 10
+    while any(process_alive(c) for c in children):
+        assert time.monotonic() < deadline, "a forked worker outlived its stand-in"
+        time.sleep(0.05)   # polling for their exits with a deadline
