@@ -125,6 +125,7 @@ def light_nodes(zygote: str | None = None):
 
 _IDLE_AGENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "idle_agent.py")
 _START_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "start_worker.py")
+_ZYGOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote.py")
 _WORKER_FLAG = "--python_worker_command="
 
 
@@ -173,9 +174,6 @@ class Zygote:
         self._proc.wait()
         self._log.close()
         shutil.rmtree(self._dir, ignore_errors=True)
-
-
-_ZYGOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote.py")
 
 
 def _descendants(pid: int) -> list[int]:
