@@ -141,12 +141,11 @@ def minimax(programs, ties: list[np.ndarray]) -> tuple[float, list[float], list[
 
 
 def print_schedule(program, x: np.ndarray, grid: list[float], offers: list[str]) -> None:
-    """The trace's schedule at the optimum, hour by hour: expected VMs per offer (variables k and
-    b of `_slots_program`, then W, c and y), chance that a world trains."""
+    """The trace's schedule at the optimum, hour by hour: expected VMs per offer (kept and booted),
+    chance that a world trains."""
     n = int(program.row.max()) + 1
-    m = (len(x) - n) // 4
-    present = (x[:n * m] + x[n * m:2 * n * m]).reshape(n, m)
-    y = x[4 * n * m:]
+    present = (x[program.kind == "k"] + x[program.kind == "b"]).reshape(n, -1)
+    y = x[program.kind == "y"]
     hours = np.array(grid[:n]) // 3600
     print("hour  " + "  ".join(f"{o:>22}" for o in offers) + "  P(world)")
     for h in np.unique(hours):
