@@ -110,8 +110,11 @@ def test_the_simulator_and_the_driver_take_the_same_actions_and_bill_alike(local
     assert result["status"] == "completed" and result["preemptions"] == 0
     simulated, seq[:] = list(seq), []
 
-    # Each inner step takes at least 40 ms (a slow VM), so the run outlasts DROP_S on any machine.
-    monkeypatch.setenv("ELASTIC_FAULT_STEP_DELAY_S", "0.04")
+    # The market's clock is the wall clock: the run must still train at DROP_S and for the two moves
+    # after it (each a VM to start and join). Its 160 inner steps take at least 120 ms each (a slow
+    # VM): 19 s of training however fast the workers start (a zygote's fork joins in about a
+    # second; 40 ms a step, which relied on slow starts, ended the run before DROP_S).
+    monkeypatch.setenv("ELASTIC_FAULT_STEP_DELAY_S", "0.12")
     status, events = run_attached(recipe, local_cluster, tmp_path / "run", run_name="equivalence")
     assert status == "completed"
     driven = list(seq)
