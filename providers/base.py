@@ -202,10 +202,10 @@ class Provider(Protocol):
         """Every live VM the cloud says belongs to `run` (any elastic run when None), whoever
         launched it: the run's controller and VMs of another process included."""
 
-    def heartbeat(self, run: str, now_s: float) -> None:
+    def heartbeat(self, run: str, now_s: float) -> int:
         """Record `now_s` (unix time) as the driver's heartbeat on every VM of `run` this provider
         holds and on the run's controller, in the cloud itself (`elastic down --orphans` reads it
-        from `Instance.heartbeat_at`)."""
+        from `Instance.heartbeat_at`); the number of VMs it was written on."""
 
     def events(self) -> list[NodeEvent]:
         """Preemption notices and preemptions seen since the last call."""

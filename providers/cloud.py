@@ -473,15 +473,16 @@ class CloudProvider(BaseProvider):
         with self._lock:
             return {iid: self._held[iid].offer.usd_per_hour for iid in instance_ids if iid in self._held}
 
-    def heartbeat(self, run: str, now_s: float) -> None:
+    def heartbeat(self, run: str, now_s: float) -> int:
         """Tag the VMs held for `run`, and the run's controller when the driver runs on one (found
-        in the cloud on the first beat), with the heartbeat `now_s`."""
+        in the cloud on the first beat), with the heartbeat `now_s`; how many were tagged."""
         if self._controllers is None:
             self._controllers = [i for i in self._find_vms(run) if i.role == "controller"]
         with self._lock:
             held = [i for i in self._held.values() if i.run == run]
         if held or self._controllers:
             self._tag_heartbeat(held + self._controllers, now_s)
+        return len(held) + len(self._controllers)
 
     def events(self) -> list[NodeEvent]:
         """Notices the nodes' watchers forwarded (Ray KV), and, as a fallback every STATE_POLL_S,

@@ -149,30 +149,34 @@ class Driver:
     def _heartbeat(self) -> None:
         """The heartbeat every cloud VM's watcher reads (`resources.autodown_after_s`), from its own
         thread: a long blocking call of the main loop (a restore, a slow step) must not look like a
-        dead driver; a killed process stops it at once. Every HEARTBEAT_TAG_S it is also written on
-        the run's VMs in the cloud, where `elastic down --orphans` reads it from any machine."""
+        dead driver; a killed process stops it at once. It is also written on the run's VMs in the
+        cloud, where `elastic down --orphans` reads it from any machine: at the first beat that
+        finds VMs there, then every HEARTBEAT_TAG_S (a beat that tagged nothing, before the first
+        VM joined, does not start that wait)."""
         from elastic.run.fleet import HEARTBEAT_TAG_S
         from providers.watcher import beat
 
-        tagged_at = -HEARTBEAT_TAG_S
+        tagged_at = None
         while not self._beat_stop.wait(HEARTBEAT_S):
             try:
                 beat()
             except Exception as exc:   # the head is gone: the VMs' watchers will notice too
                 log.warning("heartbeat: %s", exc)
-            if time.monotonic() - tagged_at >= HEARTBEAT_TAG_S:
-                tagged_at = time.monotonic()
-                self.beat_in_clouds()
+            if tagged_at is None or time.monotonic() - tagged_at >= HEARTBEAT_TAG_S:
+                if self.beat_in_clouds():
+                    tagged_at = time.monotonic()
 
-    def beat_in_clouds(self) -> None:
+    def beat_in_clouds(self) -> int:
         """Write the heartbeat (now) on every VM of the run in every cloud; a cloud that fails is
-        tried again at the next beat."""
+        tried again at the next beat. The number of VMs tagged."""
         now_s = time.time()
+        tagged = 0
         for name, p in self.providers.items():
             try:
-                p.heartbeat(self.run_name, now_s)
+                tagged += p.heartbeat(self.run_name, now_s)
             except Exception as exc:
                 log.warning("heartbeat tag on %s: %s", name, exc)
+        return tagged
 
     _owns_cluster = False
 

@@ -236,8 +236,9 @@ class LocalProvider(BaseProvider):
         with self._lock:
             return [i for i in self._instances.values() if run is None or i.run == run]
 
-    def heartbeat(self, run: str, now_s: float) -> None:
+    def heartbeat(self, run: str, now_s: float) -> int:
         """Nothing to record: local nodes end with the process that holds them."""
+        return 0
 
     def prices(self, instance_ids) -> dict[str, float]:
         """USD per hour in effect now for each held VM: the market's spot price (on-demand VMs keep theirs)."""

@@ -628,6 +628,9 @@ def test_driver_trains_on_gcp_vms_and_drains_one_on_its_notice(gcp_fake, local_c
                             "resources.regions": "[us-central1]", "resources.join_timeout_s": 60,
                             "world.replicas": 2, "world.max_replicas": 2, "world.capacity_timeout_s": 120,
                             "train.outer_steps": 4})
+    # Every inner step takes at least 0.4 s (a slow VM): the 16 steps hold a VM for longer than the
+    # driver's HEARTBEAT_S, so one of its beats finds the VMs and labels them, however fast they join.
+    monkeypatch.setenv("ELASTIC_FAULT_STEP_DELAY_S", "0.4")
     try:
         status, events = run_attached(recipe, local_cluster, tmp_path / "run", on_phase=notice, run_name="gcp-e2e")
     finally:
