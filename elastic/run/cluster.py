@@ -147,13 +147,14 @@ class Zygote:
     """`zygote.py` beside a cluster of nodes on this machine's own network: started before the
     head (its imports overlap the cluster's start), stopped with the cluster."""
 
-    def __init__(self) -> None:
+    def __init__(self, preload: tuple[str, ...] = ()) -> None:
         self._dir = tempfile.mkdtemp(prefix="elastic-zygote-")
         self.socket = os.path.join(self._dir, "socket")
         self._workers = os.path.join(self._dir, "workers")
         os.mkdir(self._workers)
         self._log = open(os.path.join(self._dir, "zygote.log"), "ab")
-        self._proc = subprocess.Popen([sys.executable, _ZYGOTE, f"--dir={self._dir}", f"--parent={os.getpid()}"],
+        self._proc = subprocess.Popen([sys.executable, _ZYGOTE, f"--dir={self._dir}", f"--parent={os.getpid()}",
+                                       *([f"--preload={','.join(preload)}"] if preload else [])],
                                       stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log)
 
     def workers_of(self, pids: list[int]) -> list[int]:
@@ -310,10 +311,11 @@ class LocalCluster:
         head_cpus: CPUs the head offers (0: the head runs only the driver).
         node_ip: the head's address (loopback, or its overlay address in a network lab).
         network: the run's network lab (`Provider.start_network`: `local.network`), if any: stopped with the cluster.
+        preload: modules the zygote imports besides torch's and elastic's own (`zygote.recipe_modules`).
     """
 
     def __init__(self, address: str | None = None, head_cpus: int = 0, node_ip: str = LOOPBACK,
-                 network=None):
+                 network=None, preload: tuple[str, ...] = ()):
         quiet_ray_env()
         self.network = network
         if address is None and node_ip == LOOPBACK:
@@ -340,7 +342,7 @@ class LocalCluster:
         self._start_lock = threading.Lock()
         # Nodes on this machine's own network fork their workers from one process that imported
         # torch once (`Zygote`); a network lab's hosts are other namespaces, started as VMs are.
-        self._zygote = Zygote() if address is None and node_ip == LOOPBACK else None
+        self._zygote = Zygote(preload) if address is None and node_ip == LOOPBACK else None
         try:
             with _keep_signal_handlers():
                 self._start(address, head_cpus, Cluster)

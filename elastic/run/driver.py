@@ -105,6 +105,7 @@ class Driver:
     def start_cluster(self, address: str | None) -> None:
         """Start (or join) the Ray cluster, then attach to it."""
         from elastic.run.cluster import LOOPBACK, LocalCluster
+        from elastic.run.zygote import recipe_modules
         from providers import provider_class
 
         # A provider with a network of its own (local.network's lab) puts the driver's host on it.
@@ -114,7 +115,7 @@ class Driver:
             self.ledger.append(NetworkStarted(tag=network.tag, head_ip=network.head_ip))
         try:
             cluster = LocalCluster(address=address, node_ip=network.head_ip if network else LOOPBACK,
-                                   network=network)
+                                   network=network, preload=recipe_modules(self.recipe.model))
         except BaseException:
             if network is not None:
                 network.down()

@@ -10,7 +10,11 @@ all of it applied, runs Ray's `default_worker.py` as `python` would have. Forkin
 those modules has started a thread of its own is what a DataLoader's workers do too; the zygote
 never imports Ray (its gRPC core is not fork-safe once started).
 
-    python zygote.py --dir=DIR --parent=PID
+    python zygote.py --dir=DIR --parent=PID [--preload=MODULE,...]
+
+A recipe's model can name more (`recipe_modules`: a Hugging Face model's `transformers`, about 3.5
+CPU-seconds per rank beyond torch); a module that fails to import here is left to the rank, which
+reports it as it would have.
 
 The raylet keeps the process it started (`start_worker.py`) as its handle on the worker: it lives
 exactly as long as the child, passes SIGTERM, SIGINT and SIGHUP on, and exits with the child's
@@ -41,6 +45,24 @@ _PR_SET_PDEATHSIG = 1
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.device_mesh", "elastic.models", "elastic.train.data",
            "elastic.train.diloco", "elastic.train.outer_sync", "torch.distributed.checkpoint",
            "torch.distributed.checkpoint.staging", "torch.distributed.checkpoint.state_dict")
+
+
+def recipe_modules(model) -> tuple[str, ...]:
+    """What a rank of a recipe's `model` section imports beyond PRELOAD: for `model.hf`,
+    transformers' model classes and, for a local directory, its architecture's module (from its
+    config.json). Nothing for our GPT (in PRELOAD) nor for a user's `model.factory` (a user's module
+    may start threads or read its environment when imported)."""
+    if not getattr(model, "hf", None):
+        return ()
+    out = ["elastic.models.hf", "transformers.modeling_utils", "transformers.models.auto.modeling_auto"]
+    try:
+        with open(os.path.join(os.path.expanduser(model.hf), "config.json")) as f:
+            kind = str(json.load(f)["model_type"]).replace("-", "_")
+        if kind.isidentifier():
+            out.append(f"transformers.models.{kind}.modeling_{kind}")
+    except (OSError, ValueError, KeyError, TypeError):
+        pass   # a hub name or object storage: the classes above are most of it
+    return tuple(out)
 
 
 def send_message(sock: socket.socket, obj: dict, fds: list[int] = ()) -> None:
@@ -230,10 +252,18 @@ def main(argv: list[str]) -> None:
         end()   # the process that started us died before we could follow it
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     listener = listen(os.path.join(folder, "socket"))
+    # numpy (which torch imports) loads OpenBLAS, which starts a pool of threads unless told not to:
+    # the workers fork from one thread (their numpy does no heavy algebra; torch has its own).
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     import importlib
 
     for name in PRELOAD:
         importlib.import_module(name)
+    for name in filter(None, args.get("preload", "").split(",")):
+        try:
+            importlib.import_module(name)
+        except Exception:   # noqa: BLE001 - a missing extra: the rank that needs it says so
+            pass
     serve(listener, os.path.join(folder, "workers"))
 
 

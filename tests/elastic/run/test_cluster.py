@@ -107,6 +107,7 @@ import json, os, signal, sys, time
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(43))
 print(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "cwd": os.getcwd(), "argv": sys.argv,
                   "env": os.environ.get("ZYGOTE_TEST"), "torch_before": "torch" in sys.modules,
+                  "minidom_before": "xml.dom.minidom" in sys.modules,
                   "pgid": os.getpgid(0)}), flush=True)
 print("to stderr", file=sys.stderr, flush=True)
 how = sys.argv[1]
@@ -120,14 +121,17 @@ while True:
 
 
 @pytest.fixture
-def zygote():
-    """`zygote.py` on a socket of its own, stopped afterwards."""
+def zygote(request):
+    """`zygote.py` on a socket of its own (preloading the modules a test parametrizes it with),
+    stopped afterwards."""
     import shutil
     import tempfile
 
     folder = Path(tempfile.mkdtemp(prefix="zyg", dir="/tmp"))   # short: a Unix socket's path is at most 107 bytes
     (folder / "workers").mkdir()
-    proc = subprocess.Popen([sys.executable, str(ZYGOTE), f"--dir={folder}", f"--parent={os.getpid()}"])
+    preload = getattr(request, "param", ())
+    proc = subprocess.Popen([sys.executable, str(ZYGOTE), f"--dir={folder}", f"--parent={os.getpid()}",
+                             *([f"--preload={','.join(preload)}"] if preload else [])])
     deadline = time.monotonic() + 120
     while not (folder / "socket").exists():
         assert proc.poll() is None and time.monotonic() < deadline, "the zygote did not start listening"
@@ -173,6 +177,39 @@ def test_the_zygote_forks_a_worker_with_the_raylets_command_environment_and_stre
     out, _ = alone.communicate(timeout=60)
     seen = json.loads(out.splitlines()[0])
     assert alone.returncode == 5 and seen["pid"] == alone.pid and not seen["torch_before"]
+
+
+@pytest.mark.parametrize("zygote", [("xml.dom.minidom", "no_such_module_here")], indirect=True)
+def test_a_zygote_preloads_what_the_recipe_names_and_forks_from_a_single_thread(zygote, tmp_path):
+    import json
+
+    from elastic.run.zygote import recipe_modules
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    started = _start(zygote, worker, "exit", "0", cwd=tmp_path)
+    out, err = started.communicate(timeout=60)
+    seen = json.loads(out.splitlines()[0])
+    # The module asked for was imported before the fork; one that is not there did not stop the
+    # zygote (the rank that needs it reports it); and the zygote forks from its only thread
+    # (numpy's BLAS pool not started), as a DataLoader forks its workers.
+    assert started.returncode == 0 and seen["torch_before"] and seen["minidom_before"], err
+    assert len(os.listdir(f"/proc/{seen['ppid']}/task")) == 1
+
+    # What a recipe's model names: a Hugging Face model's classes and, from a local directory's
+    # config.json, its architecture's module; nothing for our GPT or a user's factory.
+    class Model:
+        hf, factory = None, None
+    assert recipe_modules(Model()) == ()
+    Model.factory = "mymodels:build"
+    assert recipe_modules(Model()) == ()
+    Model.hf = "Qwen/Qwen2-0.5B"
+    assert recipe_modules(Model()) == ("elastic.models.hf", "transformers.modeling_utils",
+                                       "transformers.models.auto.modeling_auto")
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    Model.hf = str(tmp_path / "llama")
+    assert recipe_modules(Model())[-1] == "transformers.models.llama.modeling_llama"
 
 
 def test_a_forked_worker_takes_the_raylets_signals_and_dies_with_its_stand_in(zygote, tmp_path):
