@@ -90,8 +90,12 @@ def light_nodes(zygote: str | None = None):
     run `elastic/run/idle_agent.py` as both agents (it reports their ports as not served and lives as
     long as the raylet), and the head's API server is not started. Ray offers no switch for
     either, so its process launcher is wrapped for the duration (callers hold the start lock).
-    A Ray whose raylets do not take their agents' ports from port files gets its full nodes."""
+    Nor does it ask whether the dashboard's dependencies import (`get_dashboard_dependency_error`,
+    which imports aiohttp and more, ~0.4 CPU-s per node started, only to add `--minimal` to the
+    agent command replaced here). A Ray whose raylets do not take their agents' ports from port
+    files gets its full nodes."""
     from ray._private import ray_constants, services
+    from ray._private import utils as ray_utils
 
     try:
         from ray._raylet import (DASHBOARD_AGENT_LISTEN_PORT_NAME, METRICS_AGENT_PORT_NAME,
@@ -104,6 +108,7 @@ def light_nodes(zygote: str | None = None):
                                              DASHBOARD_AGENT_LISTEN_PORT_NAME),
               "--runtime_env_agent_command=": (RUNTIME_ENV_AGENT_PORT_NAME,)}
     start_process, start_api_server = services.start_ray_process, services.start_api_server
+    dashboard_deps = ray_utils.get_dashboard_dependency_error
 
     def start_ray_process(command, process_type, *args, **kwargs):
         if process_type == ray_constants.PROCESS_TYPE_RAYLET:
@@ -117,10 +122,12 @@ def light_nodes(zygote: str | None = None):
 
     services.start_ray_process = start_ray_process
     services.start_api_server = lambda *args, **kwargs: ("", None)   # what Ray returns for "no dashboard"
+    ray_utils.get_dashboard_dependency_error = lambda: None   # no dashboard, nor its agent, to start
     try:
         yield
     finally:
         services.start_ray_process, services.start_api_server = start_process, start_api_server
+        ray_utils.get_dashboard_dependency_error = dashboard_deps
 
 
 _IDLE_AGENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "idle_agent.py")

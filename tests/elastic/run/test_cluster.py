@@ -87,12 +87,15 @@ def test_a_cluster_elastic_starts_leaves_the_users_current_ray_cluster_alone():
         pointer.parent.mkdir()
         pointer.write_text("127.0.0.1:6379")
         started = subprocess.run(
-            [sys.executable, "-c", "from elastic.run.cluster import LocalCluster\n"
-             "c = LocalCluster()\nprint('head at', c.address, flush=True)\nc.shutdown()"],
+            [sys.executable, "-c", "import sys\nfrom elastic.run.cluster import LocalCluster\n"
+             "c = LocalCluster()\nprint('head at', c.address, flush=True)\n"
+             "print('dashboard deps imported:', 'ray.dashboard.optional_deps' in sys.modules)\nc.shutdown()"],
             env={**os.environ, "RAY_TMPDIR": str(temp)}, capture_output=True, text=True, timeout=120)
         assert started.returncode == 0 and "head at 127.0.0.1:" in started.stdout, started.stderr[-2000:]
         assert pointer.read_text() == "127.0.0.1:6379"
         assert "Overwriting previous Ray address" not in started.stdout + started.stderr
+        # A light head starts no dashboard nor its agent: nothing asks whether their imports work.
+        assert "dashboard deps imported: False" in started.stdout, started.stdout
         assert list((temp / "ray").glob("session_*")), "the run's cluster kept its files elsewhere"
     finally:
         shutil.rmtree(temp, ignore_errors=True)
