@@ -157,14 +157,21 @@ def _start(socket_path, worker: Path, *args: str, cwd: Path, **popen) -> subproc
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
 
 
-def test_the_zygote_forks_a_worker_with_the_raylets_command_environment_and_streams(zygote, tmp_path):
+def _worker_run(socket_path, tmp_path: Path, *args: str) -> tuple[subprocess.Popen, dict, str]:
+    """WORKER started through `start_worker.py` and run to its end: the stand-in, what the worker
+    said about itself, and its stderr."""
     import json
 
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
-    started = _start(zygote, worker, "exit", "7", cwd=tmp_path)
+    started = _start(socket_path, worker, *args, cwd=tmp_path)
     out, err = started.communicate(timeout=60)
-    seen = json.loads(out.splitlines()[0])
+    return started, json.loads(out.splitlines()[0]), err
+
+
+def test_the_zygote_forks_a_worker_with_the_raylets_command_environment_and_streams(zygote, tmp_path):
+    started, seen, err = _worker_run(zygote, tmp_path, "exit", "7")
+    worker = tmp_path / "worker.py"
     # Forked from the zygote (torch already imported), with the stand-in's command line, working
     # directory, environment and streams, in a process group of its own; its exit code is the stand-in's.
     assert started.returncode == 7, err
@@ -176,9 +183,7 @@ def test_the_zygote_forks_a_worker_with_the_raylets_command_environment_and_stre
     killed.communicate(timeout=60)
     assert killed.returncode == -signal.SIGKILL
     # Without a zygote (none listening there) the stand-in execs the worker itself, as Ray would.
-    alone = _start(zygote.parent / "none", worker, "exit", "5", cwd=tmp_path)
-    out, _ = alone.communicate(timeout=60)
-    seen = json.loads(out.splitlines()[0])
+    alone, seen, _ = _worker_run(zygote.parent / "none", tmp_path, "exit", "5")
     assert alone.returncode == 5 and seen["pid"] == alone.pid and not seen["torch_before"]
 
 
@@ -188,11 +193,7 @@ def test_a_zygote_preloads_what_the_recipe_names_and_forks_from_a_single_thread(
 
     from elastic.run.zygote import recipe_modules
 
-    worker = tmp_path / "worker.py"
-    worker.write_text(WORKER)
-    started = _start(zygote, worker, "exit", "0", cwd=tmp_path)
-    out, err = started.communicate(timeout=60)
-    seen = json.loads(out.splitlines()[0])
+    started, seen, err = _worker_run(zygote, tmp_path, "exit", "0")
     # The module asked for was imported before the fork; one that is not there did not stop the
     # zygote (the rank that needs it reports it); and the zygote forks from its only thread
     # (numpy's BLAS pool not started), as a DataLoader forks its workers.
