@@ -7,8 +7,10 @@ driver starts one zygote beside the head; it imports them once and waits on a Un
 raylet starts its workers through `start_worker.py`, which hands the zygote the worker's command
 line, environment, working directory and standard streams; the zygote forks, and the child, with
 all of it applied, runs Ray's `default_worker.py` as `python` would have. Forking before any of
-those modules has started a thread of its own is what a DataLoader's workers do too; the zygote
-never imports Ray (its gRPC core is not fork-safe once started).
+those modules has started a thread of its own is what a DataLoader's workers do too. The zygote
+never imports Ray: its C++ configuration reads the `RAY_*` environment once, when imported, and a
+worker's job id is one of those variables (the raylet sets it per worker; a worker forked with
+Ray imported dies at once in its core worker: docs/benchmarks.md, session 29).
 
     python zygote.py --dir=DIR --parent=PID [--preload=MODULE,...]
 
