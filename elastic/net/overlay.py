@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -51,6 +52,8 @@ KEEPALIVE_S = 25
 UP_TIMEOUT_S = 10.0
 PEERS_KV_KEY = "elastic/overlay/peers"
 """Ray internal KV key of the run's peers document (the driver writes it, the nodes' watchers read it)."""
+UAPI_DIR = Path("/var/run/wireguard")
+"""Where wireguard-go listens for `wg` (<name>.sock), one directory for every network namespace."""
 HEAD_IP = "100.80.0.1"
 OWNERS = Path("/run/elastic/owners")
 """One file per live network lab or `head: local` overlay interface a run made on this machine,
@@ -189,10 +192,9 @@ class Interface:
             while time.monotonic() < deadline:
                 if self._proc.poll() is not None:
                     raise OverlayError(f"wireguard-go exited with {self._proc.returncode}: {_tail(output)}")
-                if subprocess.run(_cmd(self.netns, "wg", "show", self.ifname),
-                                  capture_output=True).returncode == 0:
+                if _uapi_listening(self.ifname):
                     return
-                time.sleep(0.05)   # polling for the tun device; bounded by UP_TIMEOUT_S
+                time.sleep(0.05)   # polling for its control socket; bounded by UP_TIMEOUT_S
             said = _tail(output)
         self.down()
         raise OverlayError(f"wireguard-go did not create {self.ifname} within {UP_TIMEOUT_S:.0f} s: {said}")
@@ -258,6 +260,19 @@ class Interface:
             if self._proc.stderr:
                 self._proc.stderr.close()
             self._proc = None
+
+
+def _uapi_listening(ifname: str) -> bool:
+    """Whether wireguard-go accepts `wg` on `ifname`'s control socket yet. Asked by connecting here,
+    not with `wg show`: `wg` deletes a socket that refuses it (a dead daemon's, it assumes), and
+    wireguard-go's socket refuses between its bind and its listen; deleted there, wireguard-go
+    exits ("Failed to listen on uapi socket: no such file or directory", seen in the suite)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(str(UAPI_DIR / f"{ifname}.sock"))
+        except OSError:
+            return False
+    return True
 
 
 def claim(tag: str) -> None:

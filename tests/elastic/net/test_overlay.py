@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 import subprocess
 from pathlib import Path
 
@@ -154,6 +155,20 @@ def test_a_wireguard_go_that_cannot_start_says_why(netns):
     key = subprocess.run(["wg", "genkey"], capture_output=True, text=True, check=True).stdout.strip()
     with pytest.raises(overlay.OverlayError, match=r"wireguard-go exited with 1: .*Failed to create TUN device"):
         iface.up("100.80.0.9", key, listen_port=0)
+
+
+def test_waiting_for_wireguard_go_leaves_a_socket_that_is_not_listening_yet(monkeypatch, tmp_path):
+    # wireguard-go binds its control socket, then listens; `wg` deletes a socket that refuses it,
+    # and wireguard-go then exits. The wait asks by connecting, which refuses and deletes nothing.
+    monkeypatch.setattr(overlay, "UAPI_DIR", tmp_path)
+    path = tmp_path / "elwtest.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as daemon:
+        daemon.bind(str(path))
+        assert not overlay._uapi_listening("elwtest")
+        assert path.exists()
+        daemon.listen()
+        assert overlay._uapi_listening("elwtest")
+    assert not overlay._uapi_listening("elwnone")
 
 
 def test_the_drivers_store_listens_on_its_node_address_only():
