@@ -323,6 +323,20 @@ class LocalCluster:
 
     def __init__(self, address: str | None = None, head_cpus: int = 0, node_ip: str = LOOPBACK,
                  network=None, preload: tuple[str, ...] = ()):
+        # Nodes on this machine's own network fork their workers from one process that imported
+        # torch once (`Zygote`); a network lab's hosts are other namespaces, started as VMs are.
+        # It starts first: its imports are the longest part of a local launch's way to its first
+        # step, and overlap Ray's import and the cluster's start.
+        self._zygote = Zygote(preload) if address is None and node_ip == LOOPBACK else None
+        try:
+            self._init(address, head_cpus, node_ip, network)
+        except BaseException:
+            if self._zygote is not None:
+                self._zygote.stop()
+            raise
+        atexit.register(self._kill_nodes)
+
+    def _init(self, address: str | None, head_cpus: int, node_ip: str, network) -> None:
         quiet_ray_env()
         self.network = network
         if address is None and node_ip == LOOPBACK:
@@ -347,16 +361,8 @@ class LocalCluster:
         self._light = address is None
         self._lock = threading.Lock()
         self._start_lock = threading.Lock()
-        # Nodes on this machine's own network fork their workers from one process that imported
-        # torch once (`Zygote`); a network lab's hosts are other namespaces, started as VMs are.
-        self._zygote = Zygote(preload) if address is None and node_ip == LOOPBACK else None
-        try:
-            with _keep_signal_handlers():
-                self._start(address, head_cpus, Cluster)
-        except BaseException:
-            if self._zygote is not None:
-                self._zygote.stop()
-            raise
+        with _keep_signal_handlers():
+            self._start(address, head_cpus, Cluster)
         atexit.register(self._kill_nodes)
 
     def _start(self, address, head_cpus, Cluster) -> None:
