@@ -9,9 +9,9 @@
    (read from the ledger: the first outer step's start), and the process's total wall time.
 Prints figures; passes or fails nothing.
 
-    python bench/overhead.py --profile [--runs 2]
+    python bench/overhead.py --profile [--runs 2] [--recipe recipes/local-tiny.yaml]
 
-only times the launch (item 2), `--runs` times, and breaks each run down phase by phase from its
+only times the launch (item 2; of `--recipe`, a local one, with train.outer_steps=2), `--runs` times, and breaks each run down phase by phase from its
 ledger, its driver log (each rank's setup phases) and the Ray session's logs (when each raylet
 started and joined): see `profile_phases`.
 """
@@ -95,15 +95,16 @@ def elastic_world(r, cluster) -> float:
         cluster.remove_node(node)
 
 
-def launch_to_first_step(profile: bool = False) -> tuple[float, float, list[tuple[str, float]]]:
-    """(seconds to the first training step, the run's wall seconds, and with `profile` the
-    launch's phases as `profile_phases` gives them)."""
+def launch_to_first_step(profile: bool = False, recipe_path: Path = REPO / "recipes/local-tiny.yaml"
+                         ) -> tuple[float, float, list[tuple[str, float]]]:
+    """(seconds to the first training step of `recipe_path` with train.outer_steps=2, the run's
+    wall seconds, and with `profile` the launch's phases as `profile_phases` gives them)."""
     from elastic.record.events import OuterStep
 
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         t0 = time.time()
-        proc = subprocess.Popen([sys.executable, "-m", "elastic", "launch", str(REPO / "recipes/local-tiny.yaml"),
+        proc = subprocess.Popen([sys.executable, "-m", "elastic", "launch", str(recipe_path),
                                  "--run-dir", str(run_dir), "--set", "train.outer_steps=2"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
         samples = _cpu_samples(proc) if profile else []
@@ -247,10 +248,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="only the launch, broken down phase by phase")
     ap.add_argument("--runs", type=int, default=2, help="launches to profile (with --profile)")
+    ap.add_argument("--recipe", type=Path, default=REPO / "recipes/local-tiny.yaml",
+                    help="the local recipe to launch (with --profile; default recipes/local-tiny.yaml)")
     args = ap.parse_args()
     if args.profile:
         for i in range(args.runs):
-            first_step_s, wall_s, phases = launch_to_first_step(profile=True)
+            first_step_s, wall_s, phases = launch_to_first_step(profile=True, recipe_path=args.recipe.resolve())
             print(f"run {i + 1}: launch → first step {first_step_s:.1f} s, whole 2-step run {wall_s:.1f} s")
             for name, seconds in phases:
                 print(f"  {name:<66} {seconds:6.2f} s")
