@@ -310,6 +310,19 @@ def _route_ray_messages() -> None:
     ray_worker.print_to_stdstream = to_log
 
 
+def _joined_node_ip(address: str) -> str | None:
+    """The address this driver joins a head at `address` from: the head's own where it is a
+    loopback one (a head started with `--node-ip-address=127.0.0.1`: a driver that took this
+    machine's outward address would wait forever for a raylet there), else the one Ray picks."""
+    import ipaddress
+
+    host = address.rsplit(":", 1)[0].strip("[]")
+    try:
+        return host if ipaddress.ip_address(host).is_loopback else None
+    except ValueError:   # a name, or "auto"
+        return "127.0.0.1" if host == "localhost" else None
+
+
 class LocalCluster:
     """A Ray cluster on this machine that local nodes can be added to and removed from.
 
@@ -339,17 +352,21 @@ class LocalCluster:
     def _init(self, address: str | None, head_cpus: int, node_ip: str, network) -> None:
         quiet_ray_env()
         self.network = network
-        if address is None and node_ip == LOOPBACK:
+        # A head of ours on loopback, or a user's head at a loopback address (`ray start --head
+        # --node-ip-address=127.0.0.1`).
+        loopback = node_ip == LOOPBACK if address is None else _joined_node_ip(address) is not None
+        if loopback:
             # Keep a local cluster on loopback: otherwise Ray rewrites 127.0.0.1 to the address
-            # this machine would use to reach the internet. Despite its name, this switch only
-            # changes how Ray picks the local IP (multi-node clusters on one machine still work);
-            # the constant is set too in case ray was imported before us.
+            # this machine would use to reach the internet (and a driver joining a loopback head
+            # dials a GCS that is not there). Despite its name, this switch only changes how Ray
+            # picks the local IP (multi-node clusters on one machine still work); the constant is
+            # set too in case ray was imported before us.
             os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         import ray
         from ray._private import ray_constants
         from ray.cluster_utils import Cluster
 
-        if address is None and node_ip == LOOPBACK:
+        if loopback:
             ray_constants.ENABLE_RAY_CLUSTER = False
 
         self._ray = ray
@@ -363,7 +380,6 @@ class LocalCluster:
         self._start_lock = threading.Lock()
         with _keep_signal_handlers():
             self._start(address, head_cpus, Cluster)
-        atexit.register(self._kill_nodes)
 
     def _start(self, address, head_cpus, Cluster) -> None:
         ray = self._ray
@@ -377,7 +393,7 @@ class LocalCluster:
         else:
             self.address = address
         ray.init(address=self.address, logging_level=logging.ERROR, log_to_driver=False,
-                 _node_ip_address=self.node_ip if address is None else None)
+                 _node_ip_address=self.node_ip if address is None else _joined_node_ip(address))
         self.gcs_address = ray.get_runtime_context().gcs_address
         # Every process of this cluster carries this directory on its command line.
         self.session_dir = ray._private.worker._global_node.get_session_dir_path()
