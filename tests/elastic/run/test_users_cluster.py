@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,7 +19,8 @@ from tests.conftest import REPO, cli_env, run_cli
 pytestmark = pytest.mark.slow
 
 # The user's head, as `ray start --head --node-ip-address=127.0.0.1 --include-dashboard=true` starts
-# it (on loopback: the test sends nothing elsewhere); it prints its address, and shuts down when its
+# it (on loopback: the test sends nothing elsewhere; the dashboard on the first free port from Ray's
+# 8265); it prints its address and the dashboard's, and shuts down when its
 # standard input closes (the test's end, the test's process killed included). It leaves this
 # machine's "current cluster" file (what `ray.init()` without an address joins) alone, as a run's
 # own clusters do.
@@ -31,38 +31,31 @@ HEAD = textwrap.dedent("""
     from ray.cluster_utils import Cluster
     from elastic.run.cluster import _users_ray_address_kept
     ray_constants.ENABLE_RAY_CLUSTER = False
-    temp_dir, dashboard_port = sys.argv[1], int(sys.argv[2])
+    temp_dir = sys.argv[1]
     with _users_ray_address_kept():
         cluster = Cluster(initialize_head=True, head_node_args={
             "num_cpus": 0, "num_gpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": True,
-            "dashboard_host": "127.0.0.1", "dashboard_port": dashboard_port, "temp_dir": temp_dir,
+            "dashboard_host": "127.0.0.1", "temp_dir": temp_dir,
             "object_store_memory": 80 * 1024 * 1024})
-        print(cluster.address, flush=True)
+        print(cluster.address, cluster.head_node.webui_url, flush=True)
         sys.stdin.read()
         cluster.shutdown()
 """)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def dashboard(port: int, path: str) -> dict:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as answer:
+def dashboard(url: str, path: str) -> dict:
+    with urllib.request.urlopen(f"http://{url}{path}", timeout=10) as answer:
         return json.loads(answer.read())
 
 
 def test_a_run_on_the_users_cluster_shows_in_its_dashboard_and_in_status(tmp_path):
     temp_dir = tempfile.mkdtemp(prefix="ray-user-")   # short: Ray's socket paths live under it
-    port = free_port()
-    head = subprocess.Popen([sys.executable, "-c", HEAD, temp_dir, str(port)], stdin=subprocess.PIPE,
+    head = subprocess.Popen([sys.executable, "-c", HEAD, temp_dir], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=cli_env())
     try:
-        address = head.stdout.readline().strip()
-        assert address, "the user's head did not start"
-        assert dashboard(port, "/api/version")["ray_version"]
+        address, url = (head.stdout.readline().split() + ["", ""])[:2]
+        assert address and url.startswith("127.0.0.1:"), "the user's head did not start with its dashboard"
+        assert dashboard(url, "/api/version")["ray_version"]
 
         run_dir = tmp_path / "run"
         launched = run_cli("launch", str(REPO / "recipes/local-tiny.yaml"), "--address", address,
@@ -76,10 +69,10 @@ def test_a_run_on_the_users_cluster_shows_in_its_dashboard_and_in_status(tmp_pat
             {e["instance_id"] for e in events if e["type"] == "node_released"}
 
         # The user's dashboard saw the run's nodes join its cluster (Ray's state API, as its pages use).
-        listed = dashboard(port, "/api/v0/nodes?limit=100&detail=false")["data"]["result"]["result"]
+        listed = dashboard(url, "/api/v0/nodes?limit=100&detail=false")["data"]["result"]["result"]
         assert nodes <= {n["node_id"] for n in listed}, listed
         # And the head is still the user's, serving after the run left it.
-        assert dashboard(port, "/api/version")["ray_version"]
+        assert dashboard(url, "/api/version")["ray_version"]
 
         status = run_cli("status", str(run_dir), "--once")
         assert status.returncode == 0, status.stderr
