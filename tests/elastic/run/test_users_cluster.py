@@ -50,8 +50,9 @@ def dashboard(url: str, path: str) -> dict:
 
 def test_a_run_on_the_users_cluster_shows_in_its_dashboard_and_in_status(tmp_path):
     temp_dir = tempfile.mkdtemp(prefix="ray-user-")   # short: Ray's socket paths live under it
+    # TMPDIR: the dashboard's forkserver leaves its socket's directory behind when the head ends.
     head = subprocess.Popen([sys.executable, "-c", HEAD, temp_dir], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=cli_env())
+                            stdout=subprocess.PIPE, text=True, env=cli_env(TMPDIR=temp_dir))
     try:
         address, url = (head.stdout.readline().split() + ["", ""])[:2]
         assert address and url.startswith("127.0.0.1:"), "the user's head did not start with its dashboard"
