@@ -329,7 +329,8 @@ class LocalCluster:
     Args:
         address: GCS address of an existing cluster to join; None starts a head here.
         head_cpus: CPUs the head offers (0: the head runs only the driver).
-        node_ip: the head's address (loopback, or its overlay address in a network lab).
+        node_ip: the head's address (loopback, or its overlay address in a network lab); with
+            `address`, taken from it (`_joined_node_ip`).
         network: the run's network lab (`Provider.start_network`: `local.network`), if any: stopped with the cluster.
         preload: modules the zygote imports besides torch's and elastic's own (`zygote.recipe_modules`).
     """
@@ -352,9 +353,11 @@ class LocalCluster:
     def _init(self, address: str | None, head_cpus: int, node_ip: str, network) -> None:
         quiet_ray_env()
         self.network = network
-        # A head of ours on loopback, or a user's head at a loopback address (`ray start --head
-        # --node-ip-address=127.0.0.1`).
-        loopback = node_ip == LOOPBACK if address is None else _joined_node_ip(address) is not None
+        if address is not None:
+            # A user's head: joined from its own address where that is a loopback one (`ray start
+            # --head --node-ip-address=127.0.0.1`), else from the one Ray picks (None).
+            node_ip = _joined_node_ip(address)
+        loopback = node_ip == LOOPBACK if address is None else node_ip is not None
         if loopback:
             # Keep a local cluster on loopback: otherwise Ray rewrites 127.0.0.1 to the address
             # this machine would use to reach the internet (and a driver joining a loopback head
@@ -393,7 +396,7 @@ class LocalCluster:
         else:
             self.address = address
         ray.init(address=self.address, logging_level=logging.ERROR, log_to_driver=False,
-                 _node_ip_address=self.node_ip if address is None else _joined_node_ip(address))
+                 _node_ip_address=self.node_ip)
         self.gcs_address = ray.get_runtime_context().gcs_address
         # Every process of this cluster carries this directory on its command line.
         self.session_dir = ray._private.worker._global_node.get_session_dir_path()
