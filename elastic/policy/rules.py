@@ -41,7 +41,15 @@ carried over from its last decisions (fed back by the executor). The `elastic` p
   Before the margin, an on-demand replica leaves
   (`_spare_on_demand`) once world.min_replicas spot replicas train, and when no spot replica is
   left to pair it with (the partner was preempted): it would bill on-demand hours for nothing, or
-  for what spot trains alone ($125 → $115 on that trace; no other trace's figure moves);
+  for what spot trains alone ($125 → $115 on that trace; no other trace's figure moves). And
+  where the known capacity cannot hold world.min_replicas spot replicas, none is held on-demand
+  and the run is not behind that line, no spot replica is kept waiting for a partner
+  (`_waits_for_world`): they are let go and none is rented (`launch_held_back`, reason
+  `no_world`, once per spell) until spot has room for a world, the run falls behind the line (the
+  pairing) or the margin comes. A replica alone bills and trains nothing, and waiting costs no
+  time: when a second zone comes back, both boot at once (on the real two-zone V100 trace 1.26×
+  → 1.25× the bound that keeps world.min_replicas, and 1.16-1.41× → 1.07-1.32× on its windows at
+  72-336 h; docs/benchmarks.md);
 - **spread** (with budget.max_hours): a replica that would spread the world to a site (`cloud/region`)
   it is not in yet, so that every outer sync of every replica waits on the cross-site link
   (`planner.sync_penalty_s`), is not rented while its tokens would cost more than `SPREAD_TOLERANCE`
@@ -265,6 +273,7 @@ class HoldReason(StrEnum):
     RESTING = "resting"     # every offer rests after a refusal
     BUDGET = "budget"       # the launch would take the spend past budget.max_usd
     SPREAD = "spread"       # the launch would spread the world over another site while the deadline allows (`_spreads_dear`)
+    NO_WORLD = "no_world"   # spot has no room for a world and the run is ahead of its line (`_waits_for_world`)
 
 
 class CheckpointReason(StrEnum):
@@ -282,12 +291,12 @@ class HoldBack:
 
     Args:
         reason: `capacity` (every offer is at its known capacity), `resting` (every offer rests
-            after a refusal) or `budget`.
+            after a refusal), `budget`, `spread` or `no_world`.
         held: nodes held or on their way.
         usd_per_hour: for `budget`, the price of the launch refused.
         gives_up: for `budget`, too few nodes for world.min_replicas and none on its way: the run
             cannot go on.
-        message: for `spread`, why, in words.
+        message: for `spread` and `no_world`, why, in words.
     """
 
     reason: HoldReason
@@ -756,7 +765,7 @@ def _steady_world(s: Snapshot, quotes: list[Quote]) -> list[Action]:
         spare = _spare_on_demand(s, in_world)
         if spare:
             return out + spare
-        room, pair = _pairs(s, quotes, held, need) or (0, 0)
+        room, pair = _pairs(s, quotes, held, need) or (None, 0)
         if pair:
             # Spot alone cannot make a world (world.min_replicas) and the run is behind the
             # straight line to its deadline: the spot replicas there are paired with on-demand
@@ -767,6 +776,10 @@ def _steady_world(s: Snapshot, quotes: list[Quote]) -> list[Action]:
             od_held = sum(1 for q in held if not q.offer.spot)
             od = [q for q in s.on_demand_quotes if not resting(s, q.offer)]
             return out + _top_up(s, od, held, max(0, pair - od_held), need)
+        why = _waits_for_world(s, held, room)
+        if why:
+            return out + [Release(n.instance_id) for n in in_world if n.quote.offer.spot] + \
+                [HoldBack(HoldReason.NO_WORLD, held=len(held), message=why)]
         need = None
     wanted = max(0, target - len(held))
     if wanted:
@@ -824,6 +837,24 @@ def _pairs(s: Snapshot, quotes: list[Quote], held: list[Quote], need: OnDemandNe
     if not any(n.quote.offer.spot and n.ready and not n.leaving for n in s.nodes):
         return room, 0   # no spot replica trains yet: it may not live through its boot
     return (room, r.world.min_replicas - spot) if 1 <= spot < r.world.min_replicas else (room, 0)
+
+
+def _waits_for_world(s: Snapshot, held: list[Quote], room: int | None) -> str | None:
+    """Why the world holds no spot replica and rents none now (None: it does not wait): the
+    pairing rule applies (`room`: the spot replicas the known capacity still has room for, None
+    where it does not apply), no on-demand replica is held or on its way, the spot replicas held
+    and that room are fewer than world.min_replicas (no world can train on spot), and the run is
+    not behind the straight line to its deadline (so nothing is paired with on-demand). A spot
+    replica held then bills while it trains nothing; when spot has room for a world again, every
+    replica boots at once, the ones let go beside the new one."""
+    m = s.recipe.world.min_replicas
+    if room is None or any(not q.offer.spot for q in held):
+        return None
+    spot = sum(1 for q in held if q.offer.spot)
+    if spot + room >= m or s.progress.tokens < _line_tokens(s, s.time_s):
+        return None
+    return (f"spot has room for {spot + room} replica(s), fewer than world.min_replicas ({m}), and the run is "
+            f"ahead of its deadline's straight line: no spot VM is held until spot has room for a world")
 
 
 def _line_tokens(s: Snapshot, at_s: float) -> float:

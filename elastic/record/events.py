@@ -48,6 +48,7 @@ class HeldBack(StrEnum):
     CAPACITY = "capacity"               # every offer at its known capacity
     BUDGET = "budget.max_usd"           # the next VM would take the spend past the budget
     SPREAD = "spread"                   # the next VM would spread the world over another site while the deadline allows
+    NO_WORLD = "no_world"               # spot has no room for a world and the run is ahead of its deadline's line
 
 
 class LossRule(StrEnum):
@@ -462,9 +463,9 @@ class LaunchFailed(Event):
 
 @_event("launch_held_back")
 class LaunchHeldBack(Event):
-    """Launches are held back. Args: reason: `HeldBack.CAPACITY` or `HeldBack.SPREAD` (then held:
-    VMs held or on their way, message: why) or `HeldBack.BUDGET` (then spent_usd: USD spent,
-    usd_per_hour: the next VM's price)."""
+    """Launches are held back. Args: reason: `HeldBack.CAPACITY`, `HeldBack.SPREAD` or
+    `HeldBack.NO_WORLD` (then held: VMs held or on their way, message: why) or `HeldBack.BUDGET`
+    (then spent_usd: USD spent, usd_per_hour: the next VM's price)."""
 
     reason: HeldBack
     held: int | None = None
@@ -473,7 +474,7 @@ class LaunchHeldBack(Event):
     usd_per_hour: float | None = None
 
     def story(self) -> str:
-        why = f": {self.message}" if self.reason == HeldBack.SPREAD and self.message else ""
+        why = f": {self.message}" if self.reason in (HeldBack.SPREAD, HeldBack.NO_WORLD) and self.message else ""
         return f"launches held back ({self.reason}){why}"
 
 

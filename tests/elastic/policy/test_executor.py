@@ -82,3 +82,11 @@ def test_each_action_lands_in_the_state_or_the_host_and_comes_back_in_the_snapsh
     host.refuse.clear()
     ex.apply([Rent(old), HoldBack("spread", held=4, message="why")], Snapshot(r, 310.0))
     assert host.events == ["launch_held_back", "launch_held_back"]
+
+    # A wait for a world (no_world): one line until the next launch, then again.
+    host.events.clear()
+    ex.apply([HoldBack("no_world", held=0, message="why"), HoldBack("no_world", held=0, message="why")],
+             Snapshot(r, 400.0))
+    assert host.events == ["launch_held_back"]
+    ex.apply([Rent(old), HoldBack("no_world", held=1, message="why")], Snapshot(r, 410.0))
+    assert host.events == ["launch_held_back", "launch_held_back"]

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from elastic.policy.planner import Progress
-from elastic.policy.rules import (Checkpoint, HoldBack, Node, Refusal, Release, Rent, Replan, Retarget, Snapshot,
+from elastic.policy.rules import (Checkpoint, HoldBack, HoldReason, Node, Refusal, Release, Rent, Replan, Retarget, Snapshot,
                             checkpoint_due, decide, due, launch_fits_budget, stop_for_budget)
 from tests.elastic.policy.test_planner import offer, quote, recipe
 
@@ -374,13 +374,45 @@ def test_a_lone_spot_replica_is_paired_with_an_on_demand_one_while_behind_the_de
     assert rents(decide(dataclasses.replace(behind, nodes=(spot,)))) == []
     acts = decide(dataclasses.replace(behind, nodes=(dataclasses.replace(spot, ready=True),)))
     assert [(a.quote.offer.zone, a.quote.offer.spot) for a in acts if isinstance(a, Rent)] == [("r1a", False)], acts
-    # Ahead of the line: the lone spot replica waits for a second one, no on-demand.
+    # Ahead of the line: no on-demand, and no spot replica to wait alone (`_waits_for_world`).
     ahead = dataclasses.replace(behind, progress=Progress(tokens=r.train.token_budget // 2, hours=1.0))
-    assert [a.quote.offer.spot for a in decide(ahead) if isinstance(a, Rent)] == [True]
+    assert rents(decide(ahead)) == []
     # Room for two spot replicas: spot alone makes the world.
     two = [quote(offer("r1a", 8.0), capacity=2)]
     assert all(a.quote.offer.spot for a in decide(dataclasses.replace(behind, quotes=tuple(two)))
                if isinstance(a, Rent))
+
+
+def test_a_spot_replica_that_cannot_make_a_world_is_let_go_while_the_run_is_ahead_of_its_line():
+    """Spot has room for one replica, world.min_replicas is 2 and the run is ahead of the straight
+    line to budget.max_hours: the spot replica held (ready or booting) leaves and none is rented,
+    held back with reason no_world and why; not behind the line (it is paired), not with room for
+    a world, not beside an on-demand replica, not where the capacity is unknown (a real cloud)."""
+    r = recipe(**{"train.token_budget": 5_184_000_000, "train.outer_steps": "null", "budget.max_hours": 30,
+                  "budget.max_usd": 100_000, "world.min_replicas": 2})
+    one = quote(offer("r1a", 8.0), capacity=1)
+    od = quote(offer("r1a", 30.0, spot=False))
+    t = T + 3600
+    ahead = snap(r, quotes=[one], on_demand_quotes=(od,), target_replicas=4, time_s=t, started_s=T,
+                 progress=Progress(tokens=r.train.token_budget // 2, hours=1.0))
+    for ready in (True, False):
+        acts = decide(dataclasses.replace(ahead, nodes=(Node("s0", one, launched_at_s=T, ready=ready),)))
+        assert Release("s0") in acts and rents(acts) == [], acts
+        held = [a for a in acts if isinstance(a, HoldBack)]
+        assert [h.reason for h in held] == [HoldReason.NO_WORLD] and "world.min_replicas (2)" in held[0].message
+    # Behind the line the same replica is paired instead.
+    behind = dataclasses.replace(ahead, progress=Progress(hours=1.0), nodes=(Node("s0", one, launched_at_s=T),))
+    acts = decide(behind)
+    assert Release("s0") not in acts and [a.quote.offer.spot for a in acts if isinstance(a, Rent)] == [False], acts
+    # Room for a world, an on-demand replica held, or capacity unknown: it stays.
+    kept = [dataclasses.replace(ahead, nodes=(Node("s0", one, launched_at_s=T),), quotes=(quote(offer("r1a", 8.0), capacity=2),)),
+            dataclasses.replace(ahead, nodes=(Node("s0", one, launched_at_s=T), Node("od", od, launched_at_s=T, ready=False))),
+            dataclasses.replace(ahead, nodes=(Node("s0", quote(offer("r1a", 8.0)), launched_at_s=T),),
+                                quotes=(quote(offer("r1a", 8.0)),))]
+    for s in kept:
+        acts = decide(s)
+        assert Release("s0") not in acts and not any(isinstance(a, HoldBack) and a.reason == HoldReason.NO_WORLD
+                                                     for a in acts), acts
 
 
 def test_a_paired_on_demand_replica_leaves_once_spot_holds_the_world_or_has_none_to_pair():

@@ -361,6 +361,44 @@ def test_spot_gone_for_longer_than_the_capacity_timeout_a_deadline_run_finishes_
     assert res["status"] == "insufficient_capacity" and res["wall_h"] < 4
 
 
+def test_a_lone_spot_replica_is_let_go_while_the_run_is_ahead_and_both_boot_when_a_world_fits_again(tmp_path):
+    # Two zones of one VM each, world.min_replicas 2: r1b goes at 2 h (its VM taken by a 60-per-hour
+    # hazard for 300 s) and comes back at 6 h. The run is ahead of its deadline's straight line all
+    # along (60 h for about 12 world-hours), so nothing is paired with on-demand: r1a's VM, which
+    # can train nothing alone, leaves (held back: no_world) and no spot VM is held until r1b is
+    # back, when both boot at once; the run completes. Before the rule, r1a's VM waited 4 h, billed.
+    trace = write_trace(tmp_path / "gap.csv", [row(0, "r1a", 10.0, cap=1), row(0, "r1b", 10.0, cap=1),
+                                               row(7200, "r1b", 10.0, rate=60.0, cap=1), row(7500, "r1b", 10.0, cap=0),
+                                               row(21600, "r1b", 10.0, cap=1)])
+    r = recipe(**{"world.min_replicas": 2, "world.replicas": 2, "budget.max_hours": 60, "budget.max_usd": 100_000})
+    for seed in range(3):
+        ledgers = {}
+        res = simulate(r, trace, ["elastic"], seed, ledgers=ledgers)[0]
+        assert res["status"] == "completed" and res["tokens"] == 2_000_000_000, res
+        events = ledgers["elastic"]
+        zone = {e["instance_id"]: e["zone"] for e in events if e["type"] == "node_launched"}
+        assert not [e for e in events if e["type"] == "node_launched" and not e["spot"]]
+        lost = next(e for e in events if e["type"] == "node_preempted" and zone[e["instance_id"]] == "r1b")
+        assert 7200 <= lost["t"] <= 7500
+        # It leaves at the first decision after r1b's second VM (rented in the hazard's tick, where
+        # r1b still shows room) is taken too: within its boot and one look at the market.
+        let_go = next(e for e in events if e["type"] == "node_released" and zone[e["instance_id"]] == "r1a")
+        assert let_go["t"] <= lost["t"] + r.planner.recovery_s + 300, (let_go, lost)
+        waits = [e for e in events if e["type"] == "launch_held_back" and e["reason"] == "no_world"]
+        assert waits and lost["t"] < waits[0]["t"] <= let_go["t"] and "world.min_replicas (2)" in waits[0]["message"]
+        held, gap = set(), []
+        for e in events:
+            if e["type"] == "node_launched":
+                held.add(e["instance_id"])
+            elif e["type"] in ("node_released", "node_preempted"):
+                held.discard(e["instance_id"])
+            if let_go["t"] <= e["t"] < 21600:
+                gap.append(set(held))
+        assert gap and all(not h for h in gap), gap
+        back = [zone[e["instance_id"]] for e in events if e["type"] == "node_launched" and e["t"] >= 21600]
+        assert sorted(back[:2]) == ["r1a", "r1b"], back
+
+
 def test_a_simulation_that_trains_nothing_says_why_in_one_line(tmp_path):
     """A table of zeros says nothing: `simulate` exits 2 with the reason (here local-tiny's $1
     budget against a market of 8-GPU VMs)."""
