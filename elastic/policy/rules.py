@@ -41,7 +41,12 @@ carried over from its last decisions (fed back by the executor). The `elastic` p
   Before the margin, an on-demand replica leaves
   (`_spare_on_demand`) once world.min_replicas spot replicas train, and when no spot replica is
   left to pair it with (the partner was preempted): it would bill on-demand hours for nothing, or
-  for what spot trains alone ($125 → $115 on that trace; no other trace's figure moves). And
+  for what spot trains alone ($125 → $115 on that trace; no other trace's figure moves); and
+  once the run is `PAIR_AHEAD_S` of the line's pace ahead of it: the pairing keeps the run on its
+  line, and ahead of it the run waits for spot as it would unpaired (a paired world trains at
+  twice the line's pace on that trace, and ran on until the run finished hours early, before the
+  trace's last spells of spot in both zones: 1.25× → 1.20× the bound that keeps
+  world.min_replicas there; no other trace or window moves). And
   where the known capacity cannot hold world.min_replicas spot replicas, none is held on-demand
   and the run is not behind that line, no spot replica is kept waiting for a partner
   (`_waits_for_world`): they are let go and none is rented (`launch_held_back`, reason
@@ -111,6 +116,7 @@ GO_ON_NEED = 0.95        # at this share of the time left needed, it trains what
 ON_DEMAND_MARGIN = 0.10  # slack kept, as a share of the on-demand world's hours to finish the rest
 SPREAD_TOLERANCE = 1.05  # a replica that spreads the world may cost this much more per token than the world
 SPREAD_PACE = 0.5        # ... or more, while the world held finishes within this share of the time left
+PAIR_AHEAD_S = 3600.0    # a pairing's on-demand replica leaves once the run is this far ahead of its line (s of its pace)
 LOOK_PAST_S = 1e-3       # the deadline rule's wake-up lands this far past its margin (seconds), not on it
 
 
@@ -797,13 +803,16 @@ def _steady_world(s: Snapshot, quotes: list[Quote]) -> list[Action]:
 def _spare_on_demand(s: Snapshot, in_world: list[Node]) -> list[Release]:
     """The pairing rule's on-demand replicas to let go before the deadline rule's margin (asked
     only then): every one, once world.min_replicas spot replicas train (spot alone holds the world),
-    or once no spot replica is held (none to pair with: fewer than world.min_replicas on-demand
-    ones train nothing). Fewer than world.min_replicas on-demand replicas only (a pairing's; an
-    on-demand world the deadline rule grew moves back to spot at re-plans, `_moves`), and none
-    while launches are under way."""
+    once no spot replica is held (none to pair with: fewer than world.min_replicas on-demand
+    ones train nothing), or once the run is `PAIR_AHEAD_S` ahead of the straight line to
+    budget.max_hours (the pairing has done its work). Fewer than world.min_replicas on-demand
+    replicas only (a pairing's; an on-demand world the deadline rule grew moves back to spot at
+    re-plans, `_moves`), and none while launches are under way."""
     od = [n for n in in_world if not n.quote.offer.spot]
     if not s.recipe.resources.spot or s.pending or not od or len(od) >= s.recipe.world.min_replicas:
         return []
+    if _ahead_s(s) >= PAIR_AHEAD_S:
+        return [Release(n.instance_id) for n in od]
     spot_ready = sum(1 for n in in_world if n.quote.offer.spot and n.ready)
     spot_held = sum(1 for n in in_world if n.quote.offer.spot)
     if 0 < spot_held and spot_ready < s.recipe.world.min_replicas:
@@ -855,6 +864,15 @@ def _waits_for_world(s: Snapshot, held: list[Quote], room: int | None) -> str | 
         return None
     return (f"spot has room for {spot + room} replica(s), fewer than world.min_replicas ({m}), and the run is "
             f"ahead of its deadline's straight line: no spot VM is held until spot has room for a world")
+
+
+def _ahead_s(s: Snapshot) -> float:
+    """How far the run is ahead of the straight line to budget.max_hours, in seconds of the line's
+    pace (negative: behind; -inf without budget.max_hours)."""
+    r = s.recipe
+    if r.budget.max_hours is None:
+        return -math.inf
+    return (s.progress.tokens - _line_tokens(s, s.time_s)) / run_tokens(r) * r.budget.max_hours * 3600
 
 
 def _line_tokens(s: Snapshot, at_s: float) -> float:

@@ -417,8 +417,9 @@ def test_a_spot_replica_that_cannot_make_a_world_is_let_go_while_the_run_is_ahea
 
 def test_a_paired_on_demand_replica_leaves_once_spot_holds_the_world_or_has_none_to_pair():
     """The pairing rule's on-demand replica goes (no move: nothing replaces it) once world.min_replicas
-    spot replicas train, and when no spot replica is left to pair with; it stays while its lone spot
-    partner trains or boots, and while the deadline rule is late."""
+    spot replicas train, when no spot replica is left to pair with, and once the run is an hour
+    (PAIR_AHEAD_S) ahead of its line; it stays while its lone spot partner trains or boots behind
+    or near the line, and while the deadline rule is late."""
     r = recipe(**{"train.token_budget": 5_184_000_000, "train.outer_steps": "null", "budget.max_hours": 30,
                   "budget.max_usd": 100_000, "world.min_replicas": 2})
     od_quote = quote(offer("r1a", 30.0, spot=False))
@@ -437,6 +438,12 @@ def test_a_paired_on_demand_replica_leaves_once_spot_holds_the_world_or_has_none
     # No spot replica left (the partner was preempted, none offered): it leaves.
     none = dataclasses.replace(base, nodes=(od_node,), quotes=(quote(offer("r1a", 8.0), capacity=0),))
     assert Release("od") in decide(none)
+    # Its lone spot partner trains, the run ahead of its line (5.184 B tokens in 30 h: 172.8 M an
+    # hour; an hour in): half an hour ahead it stays, an hour and a half ahead it leaves.
+    lone = dataclasses.replace(base, nodes=(od_node, spot[0]), quotes=(quote(offer("r1a", 8.0), capacity=1),))
+    hour = r.train.token_budget // 30
+    assert Release("od") not in decide(dataclasses.replace(lone, progress=Progress(tokens=int(1.5 * hour), hours=1.0)))
+    assert Release("od") in decide(dataclasses.replace(lone, progress=Progress(tokens=int(2.5 * hour), hours=1.0)))
 
 
 def test_a_replica_that_would_spread_the_world_over_another_region_waits_while_the_deadline_allows():
