@@ -15,6 +15,7 @@ every exit path of the caller; `cleanup_orphans()` removes what a killed process
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import shutil
 import subprocess
@@ -386,12 +387,19 @@ class VmLab:
 
 
 def _wireguard_bytes(m: machines.Machine) -> tuple[int, int]:
-    """(received, sent) bytes over every WireGuard interface of machine `m` (`wg show all transfer`)."""
+    """(received, sent) bytes over every WireGuard interface of machine `m`, since each came up:
+    the interfaces' own counters (`ip -s link`; wireguard-go's TUN device counts each packet
+    decrypted in as received and each one to encrypt as sent). Not `wg show transfer`: its counters
+    are per peer and go with the peer, and a node's watcher revokes the peer of a VM released
+    before this one (the run's other replica, whose syncs those were)."""
     received = sent = 0
-    for line in m.run("wg", "show", "all", "transfer").splitlines():   # interface, peer, received, sent
-        fields = line.split()
-        if len(fields) == 4:
-            received, sent = received + int(fields[2]), sent + int(fields[3])
+    for ifname in m.run("wg", "show", "interfaces").split():
+        try:
+            (link,) = json.loads(m.run("ip", "-s", "-j", "link", "show", "dev", ifname) or "[{}]")
+            stats = link["stats64"]
+        except (ValueError, KeyError):
+            continue   # gone meanwhile
+        received, sent = received + int(stats["rx"]["bytes"]), sent + int(stats["tx"]["bytes"])
     return received, sent
 
 
