@@ -2,7 +2,7 @@
 what it paid, and its ratio to the clairvoyant bound.
 
     python bench/real_markets.py [--seeds 5] [--traces A.csv ...] [--recipe R.yaml] [--set FIELD=VALUE ...]
-                                 [--start-hours H ...] [--json FILE]
+                                 [--start-hours H ...] [--zone-pairs] [--json FILE]
 
 Traces and recipes: `bench/traces/real/*.csv` (AWS p3.2xlarge and p3.16xlarge markets measured for
 Can't Be Late, NSDI'24; `bench/traces/convert_real.py`) with `bench/recipes/real-v100.yaml` (3 B
@@ -14,7 +14,10 @@ VM) unless `--recipe` names one for all; `--set` overrides
 recipe fields as `elastic simulate --set` does (e.g. world.capacity_timeout_s=259200).
 `--start-hours H` runs each trace from H hours in instead of its start (every zone as it stood
 then, time counted from there; several H: one window each, named `NAME@Hh`): windows of the real
-traces that no policy was tuned on.
+traces that no policy was tuned on. `--zone-pairs` runs, instead of each trace, every market of two of
+its zones in one region (each zone's rows as they are, the other zones left out): from
+aws-v100-9zones, ten two-zone markets of one V100 VM per zone, the shape of aws-v100-2zones-2022
+that no rule was tuned on.
 
 Per trace and policy, over seeds 0..N-1 (the preemption draws): how many runs completed (the whole
 token budget within budget.max_hours and budget.max_usd), how the others ended (status, at which
@@ -106,6 +109,27 @@ def window(trace: Path, start_h: float, folder: Path) -> Path:
     return out
 
 
+def zone_pairs(trace: Path, folder: Path) -> list[Path]:
+    """Every market of two zones of `trace` in one region, written into `folder/<the trace's folder
+    name>/` as `<trace>-<zone>+<zone>.csv`: the rows of those two zones, unchanged."""
+    with open(trace, newline="", encoding="utf-8") as f:
+        rows_in = list(csv.DictReader(f))
+    zones = sorted({(r["region"], r["zone"]) for r in rows_in})
+    out = []
+    for i, (region, a) in enumerate(zones):
+        for other_region, b in zones[i + 1:]:
+            if other_region != region:
+                continue
+            path = folder / trace.resolve().parent.name / f"{trace.stem}-{a}+{b}.csv"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "w", newline="", encoding="utf-8") as f:
+                w = csv.DictWriter(f, list(rows_in[0]), lineterminator="\n")
+                w.writeheader()
+                w.writerows(r for r in rows_in if r["zone"] in (a, b))
+            out.append(path)
+    return out
+
+
 def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
@@ -146,6 +170,8 @@ def main() -> None:
                     help="override a recipe field (repeatable)")
     ap.add_argument("--start-hours", type=float, nargs="+", default=[0.0], metavar="H",
                     help="run each trace from H hours in (one window per H; default: its start)")
+    ap.add_argument("--zone-pairs", action="store_true",
+                    help="run every two-zone market of each trace's zones in one region instead of the trace")
     ap.add_argument("--json", type=Path, help="also write every run's figures here")
     args = ap.parse_args()
     print("| trace | policy | completed | other ends (median hour) | USD, median | USD / 1M tok (completed) "
@@ -153,7 +179,10 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     results = []
     with tempfile.TemporaryDirectory(prefix="real-markets-") as windows:
-        for trace in args.traces or default_traces():
+        traces = args.traces or default_traces()
+        if args.zone_pairs:
+            traces = [pair for t in traces for pair in zone_pairs(t, Path(windows) / "pairs")]
+        for trace in traces:
             for start_h in args.start_hours:
                 run = window(trace, start_h, Path(windows)) if start_h else trace
                 result = run_trace((args.recipe or recipe_for(trace)).resolve(), run, args.seeds, args.overrides)
