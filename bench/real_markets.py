@@ -100,13 +100,7 @@ def window(trace: Path, start_h: float, folder: Path) -> Path:
     out_rows = [{**r, "timestamp_s": "0"} for r in in_effect.values()] + \
                [{**r, "timestamp_s": f"{float(r['timestamp_s']) - start_s:g}"} for r in later]
     out_rows.sort(key=lambda r: (float(r["timestamp_s"]), r["zone"], r["instance_type"]))
-    out = folder / trace.resolve().parent.name / f"{trace.stem}@{start_h:g}h.csv"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, list(rows_in[0]), lineterminator="\n")
-        w.writeheader()
-        w.writerows(out_rows)
-    return out
+    return _write(folder / trace.resolve().parent.name / f"{trace.stem}@{start_h:g}h.csv", out_rows)
 
 
 def zone_pairs(trace: Path, folder: Path) -> list[Path]:
@@ -120,14 +114,19 @@ def zone_pairs(trace: Path, folder: Path) -> list[Path]:
         for other_region, b in zones[i + 1:]:
             if other_region != region:
                 continue
-            path = folder / trace.resolve().parent.name / f"{trace.stem}-{a}+{b}.csv"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "w", newline="", encoding="utf-8") as f:
-                w = csv.DictWriter(f, list(rows_in[0]), lineterminator="\n")
-                w.writeheader()
-                w.writerows(r for r in rows_in if r["zone"] in (a, b))
-            out.append(path)
+            out.append(_write(folder / trace.resolve().parent.name / f"{trace.stem}-{a}+{b}.csv",
+                              [r for r in rows_in if r["zone"] in (a, b)]))
     return out
+
+
+def _write(path: Path, rows: list[dict]) -> Path:
+    """A trace CSV of `rows` (dicts of the trace's columns, in order) at `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, list(rows[0]), lineterminator="\n")
+        w.writeheader()
+        w.writerows(rows)
+    return path
 
 
 def _median(xs: list[float]) -> float | None:

@@ -840,7 +840,7 @@ def _pairs(s: Snapshot, quotes: list[Quote], held: list[Quote], need: OnDemandNe
         if q.capacity is None:
             return None   # unknown capacity (a real cloud): spot may well hold the world
         room += max(0, q.capacity - sum(1 for h in held if h.key == q.key and h.offer.spot))
-    if s.progress.tokens >= _line_tokens(s, s.time_s):
+    if _ahead_s(s) >= 0:
         return room, 0   # ahead of the line: wait for spot
     spot = spot_held + room
     if not any(n.quote.offer.spot and n.ready and not n.leaving for n in s.nodes):
@@ -860,7 +860,7 @@ def _waits_for_world(s: Snapshot, held: list[Quote], room: int | None) -> str | 
     if room is None or any(not q.offer.spot for q in held):
         return None
     spot = sum(1 for q in held if q.offer.spot)
-    if spot + room >= m or s.progress.tokens < _line_tokens(s, s.time_s):
+    if spot + room >= m or _ahead_s(s) < 0:
         return None
     return (f"spot has room for {spot + room} replica(s), fewer than world.min_replicas ({m}), and the run is "
             f"ahead of its deadline's straight line: no spot VM is held until spot has room for a world")

@@ -394,12 +394,9 @@ def _wireguard_bytes(m: machines.Machine) -> tuple[int, int]:
     before this one (the run's other replica, whose syncs those were)."""
     received = sent = 0
     for ifname in m.run("wg", "show", "interfaces").split():
-        try:
-            (link,) = json.loads(m.run("ip", "-s", "-j", "link", "show", "dev", ifname) or "[{}]")
-            stats = link["stats64"]
-        except (ValueError, KeyError):
-            continue   # gone meanwhile
-        received, sent = received + int(stats["rx"]["bytes"]), sent + int(stats["tx"]["bytes"])
+        shown = m.run("ip", "-s", "-j", "link", "show", "dev", ifname)   # "" once the interface is gone
+        for link in json.loads(shown) if shown else []:
+            received, sent = received + link["stats64"]["rx"]["bytes"], sent + link["stats64"]["tx"]["bytes"]
     return received, sent
 
 
