@@ -353,17 +353,17 @@ def test_on_demand_replicas_move_back_to_spot_when_it_returns():
 
 
 def test_a_lone_spot_replica_is_paired_with_an_on_demand_one_while_behind_the_deadlines_line():
-    """Spot has room for one replica, world.min_replicas is 2, and the run is behind the straight
-    line to budget.max_hours: one spot replica, and one on-demand one once the spot one trains (the
-    deadline rule is not late yet); ahead of the line, or with room for two spot replicas, no
-    on-demand."""
+    """Spot has room for one replica, world.min_replicas is 2, and the run is more than an hour
+    (PAIR_BEHIND_S) behind the straight line to budget.max_hours: one spot replica, and one
+    on-demand one once the spot one trains (the deadline rule is not late yet); an hour behind or
+    less, ahead of the line, or with room for two spot replicas, no on-demand."""
     r = recipe(**{"train.token_budget": 5_184_000_000, "train.outer_steps": "null", "budget.max_hours": 30,
                   "budget.max_usd": 100_000, "world.min_replicas": 2})
     one = [quote(offer("r1a", 8.0), capacity=1)]
     od = (quote(offer("r1a", 30.0, spot=False)),)
-    t = T + 3600   # an hour in, nothing trained: behind the line
+    t = T + 7200   # two hours in, nothing trained: two hours behind the line
     behind = snap(r, quotes=one, on_demand_quotes=od, target_replicas=4, time_s=t, started_s=T,
-                  progress=Progress(hours=1.0))
+                  progress=Progress(hours=2.0))
     from elastic.policy.rules import on_demand_need
 
     assert not on_demand_need(behind).late
@@ -374,9 +374,14 @@ def test_a_lone_spot_replica_is_paired_with_an_on_demand_one_while_behind_the_de
     assert rents(decide(dataclasses.replace(behind, nodes=(spot,)))) == []
     acts = decide(dataclasses.replace(behind, nodes=(dataclasses.replace(spot, ready=True),)))
     assert [(a.quote.offer.zone, a.quote.offer.spot) for a in acts if isinstance(a, Rent)] == [("r1a", False)], acts
-    # Ahead of the line: no on-demand, and no spot replica to wait alone (`_waits_for_world`).
-    ahead = dataclasses.replace(behind, progress=Progress(tokens=r.train.token_budget // 2, hours=1.0))
+    # Ahead of the line, or an hour behind it: no on-demand, and no spot replica to wait alone
+    # (`_waits_for_world`), while the spot replica in hand trains.
+    ahead = dataclasses.replace(behind, progress=Progress(tokens=r.train.token_budget // 2, hours=2.0))
     assert rents(decide(ahead)) == []
+    hour_behind = dataclasses.replace(behind, progress=Progress(tokens=r.train.token_budget // 30, hours=2.0))
+    assert rents(decide(hour_behind)) == []
+    acts = decide(dataclasses.replace(hour_behind, nodes=(dataclasses.replace(spot, ready=True),)))
+    assert rents(acts) == [] and Release("s0") in acts, acts
     # Room for two spot replicas: spot alone makes the world.
     two = [quote(offer("r1a", 8.0), capacity=2)]
     assert all(a.quote.offer.spot for a in decide(dataclasses.replace(behind, quotes=tuple(two)))
@@ -386,8 +391,9 @@ def test_a_lone_spot_replica_is_paired_with_an_on_demand_one_while_behind_the_de
 def test_a_spot_replica_that_cannot_make_a_world_is_let_go_while_the_run_is_ahead_of_its_line():
     """Spot has room for one replica, world.min_replicas is 2 and the run is ahead of the straight
     line to budget.max_hours: the spot replica held (ready or booting) leaves and none is rented,
-    held back with reason no_world and why; not behind the line (it is paired), not with room for
-    a world, not beside an on-demand replica, not where the capacity is unknown (a real cloud)."""
+    held back with reason no_world and why, as while the run is up to an hour (PAIR_BEHIND_S)
+    behind it; not further behind (it is paired), not with room for a world, not beside an
+    on-demand replica, not where the capacity is unknown (a real cloud)."""
     r = recipe(**{"train.token_budget": 5_184_000_000, "train.outer_steps": "null", "budget.max_hours": 30,
                   "budget.max_usd": 100_000, "world.min_replicas": 2})
     one = quote(offer("r1a", 8.0), capacity=1)
@@ -400,8 +406,14 @@ def test_a_spot_replica_that_cannot_make_a_world_is_let_go_while_the_run_is_ahea
         assert Release("s0") in acts and rents(acts) == [], acts
         held = [a for a in acts if isinstance(a, HoldBack)]
         assert [h.reason for h in held] == [HoldReason.NO_WORLD] and "world.min_replicas (2)" in held[0].message
-    # Behind the line the same replica is paired instead.
-    behind = dataclasses.replace(ahead, progress=Progress(hours=1.0), nodes=(Node("s0", one, launched_at_s=T),))
+    # Half an hour behind: let go the same.
+    hour = r.train.token_budget // 30   # the line's pace: 30 h to the deadline
+    near = dataclasses.replace(ahead, progress=Progress(tokens=hour // 2, hours=1.0), nodes=(Node("s0", one, launched_at_s=T),))
+    acts = decide(near)
+    assert Release("s0") in acts and [h.reason for h in acts if isinstance(h, HoldBack)] == [HoldReason.NO_WORLD], acts
+    # Two hours behind the line the same replica is paired instead.
+    behind = dataclasses.replace(ahead, time_s=T + 7200, progress=Progress(hours=2.0),
+                                 nodes=(Node("s0", one, launched_at_s=T),))
     acts = decide(behind)
     assert Release("s0") not in acts and [a.quote.offer.spot for a in acts if isinstance(a, Rent)] == [False], acts
     # Room for a world, an on-demand replica held, or capacity unknown: it stays.
