@@ -35,11 +35,10 @@ carried over from its last decisions (fed back by the executor). The `elastic` p
   does not apply). Before the margin, where the spot market's known capacity has room for at least
   one replica but fewer than world.min_replicas and the run is more than `PAIR_BEHIND_S` (an
   hour of its pace) behind the straight line from its start to budget.max_hours, the spot
-  replicas are paired with on-demand ones up to
-  world.min_replicas (`_pairs`), each once a spot replica trains (not while it boots): the world
-  trains at a mix of spot and on-demand prices while it would stand still, and less is left for
-  the all on-demand world at the margin (on the real two-zone V100 trace, $157 → $125 a run).
-  Before the margin, an on-demand replica leaves
+  replicas are paired with on-demand ones up to world.min_replicas (`_pairs`), each once a spot
+  replica trains (not while it boots): the world trains at a mix of spot and on-demand prices
+  while it would stand still, and less is left for the all on-demand world at the margin (on the
+  real two-zone V100 trace, $157 → $125 a run). Before the margin, an on-demand replica leaves
   (`_spare_on_demand`) once world.min_replicas spot replicas train, and when no spot replica is
   left to pair it with (the partner was preempted): it would bill on-demand hours for nothing, or
   for what spot trains alone ($125 → $115 on that trace; no other trace's figure moves); and
@@ -53,13 +52,13 @@ carried over from its last decisions (fed back by the executor). The `elastic` p
   1.19×, and $0.89 and $1.22 less at 72 and 168 h, $0.14 more at 144 h; on 30 two-zone markets
   no rule was tuned on, 11 cheaper and 2 dearer, $3,888.59 → $3,867.67 in all). And
   where the known capacity cannot hold world.min_replicas spot replicas, none is held on-demand
-  and the run is not `PAIR_BEHIND_S` behind that line, no spot replica is kept waiting for a partner
-  (`_waits_for_world`): they are let go and none is rented (`launch_held_back`, reason
+  and the run is not `PAIR_BEHIND_S` behind that line, no spot replica is kept waiting for a
+  partner (`_waits_for_world`): they are let go and none is rented (`launch_held_back`, reason
   `no_world`, once per spell) until spot has room for a world, the run falls `PAIR_BEHIND_S`
-  behind the line (the pairing) or the margin comes. A replica alone bills and trains nothing, and waiting costs no
-  time: when a second zone comes back, both boot at once (on the real two-zone V100 trace 1.26×
-  → 1.25× the bound that keeps world.min_replicas, and 1.16-1.41× → 1.07-1.32× on its windows at
-  72-336 h; docs/benchmarks.md);
+  behind the line (the pairing) or the margin comes. A replica alone bills and trains nothing, and
+  waiting costs no time: when a second zone comes back, both boot at once (on the real two-zone
+  V100 trace 1.26× → 1.25× the bound that keeps world.min_replicas, and 1.16-1.41× → 1.07-1.32×
+  on its windows at 72-336 h; docs/benchmarks.md);
 - **spread** (with budget.max_hours): a replica that would spread the world to a site (`cloud/region`)
   it is not in yet, so that every outer sync of every replica waits on the cross-site link
   (`planner.sync_penalty_s`), is not rented while its tokens would cost more than `SPREAD_TOLERANCE`
@@ -863,9 +862,8 @@ def _waits_for_world(s: Snapshot, held: list[Quote], room: int | None) -> str | 
     where it does not apply), no on-demand replica is held or on its way, the spot replicas held
     and that room are fewer than world.min_replicas (no world can train on spot), and the run is
     not `PAIR_BEHIND_S` behind the straight line to its deadline (so nothing is paired with
-    on-demand). A spot
-    replica held then bills while it trains nothing; when spot has room for a world again, every
-    replica boots at once, the ones let go beside the new one."""
+    on-demand). A spot replica held then bills while it trains nothing; when spot has room for a
+    world again, every replica boots at once, the ones let go beside the new one."""
     m = s.recipe.world.min_replicas
     if room is None or any(not q.offer.spot for q in held):
         return None
