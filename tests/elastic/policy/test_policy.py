@@ -374,13 +374,15 @@ def test_a_lone_spot_replica_is_paired_with_an_on_demand_one_while_behind_the_de
     assert rents(decide(dataclasses.replace(behind, nodes=(spot,)))) == []
     acts = decide(dataclasses.replace(behind, nodes=(dataclasses.replace(spot, ready=True),)))
     assert [(a.quote.offer.zone, a.quote.offer.spot) for a in acts if isinstance(a, Rent)] == [("r1a", False)], acts
-    # Ahead of the line, or an hour behind it: no on-demand, and no spot replica to wait alone
-    # (`_waits_for_world`), while the spot replica in hand trains.
+    # Ahead of the line, or less than an hour behind it (1.25 h of the line's tokens two hours in):
+    # no on-demand, and no spot replica to wait alone (`_waits_for_world`), while the spot replica in
+    # hand trains.
     ahead = dataclasses.replace(behind, progress=Progress(tokens=r.train.token_budget // 2, hours=2.0))
     assert rents(decide(ahead)) == []
-    hour_behind = dataclasses.replace(behind, progress=Progress(tokens=r.train.token_budget // 30, hours=2.0))
-    assert rents(decide(hour_behind)) == []
-    acts = decide(dataclasses.replace(hour_behind, nodes=(dataclasses.replace(spot, ready=True),)))
+    line_hour = r.train.token_budget // 30   # 30 h to the deadline
+    near = dataclasses.replace(behind, progress=Progress(tokens=line_hour + line_hour // 4, hours=2.0))
+    assert rents(decide(near)) == []
+    acts = decide(dataclasses.replace(near, nodes=(dataclasses.replace(spot, ready=True),)))
     assert rents(acts) == [] and Release("s0") in acts, acts
     # Room for two spot replicas: spot alone makes the world.
     two = [quote(offer("r1a", 8.0), capacity=2)]
