@@ -199,4 +199,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from elastic.errors import UserError, first_line
+
+    try:
+        main()
+    except (UserError, OSError) as exc:   # a trace or recipe that cannot be read: one line, as the CLI says it
+        print(f"error: {first_line(exc)}", file=sys.stderr)
+        sys.exit(2)

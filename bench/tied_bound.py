@@ -264,4 +264,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from elastic.errors import UserError, first_line
+
+    try:
+        sys.exit(main())
+    except (UserError, OSError) as exc:   # a trace or recipe that cannot be read: one line, as the CLI says it
+        print(f"error: {first_line(exc)}", file=sys.stderr)
+        sys.exit(2)

@@ -1,23 +1,22 @@
 """bench/tied_bound.py: a world's members tied within a row, the credit an upper bound on what they
-train, the program never below the bound it tightens and above it where members were credited apart."""
+train, the program never below the bound it tightens and above it where members were credited apart;
+and, with bench/real_markets.py, a trace that cannot be read said in one line."""
 
 from __future__ import annotations
 
 import math
+import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT / "bench"))
-
-import tied_bound  # noqa: E402
-
-from elastic.recipe.model import load_recipe  # noqa: E402
-from elastic.sim import bound as B  # noqa: E402
-from elastic.sim.simulate import _market, simulate  # noqa: E402
+from bench import tied_bound
+from elastic.recipe.model import load_recipe
+from elastic.sim import bound as B
+from elastic.sim.simulate import _market, simulate
+from tests.conftest import REPO as ROOT
 
 
 def test_a_composition_is_credited_at_least_what_its_vms_train_while_a_world_stands_and_little_more():
@@ -77,3 +76,11 @@ def test_the_tied_program_holds_members_together_and_no_run_comes_in_under_it(tm
     paid = [r["cost_usd"] for seed in range(3)
             for r in simulate(recipe, str(trace), ["elastic"], seed=seed, market=market)]
     assert min(paid) > tied, (paid, tied)
+
+
+@pytest.mark.parametrize("script", ["tied_bound.py", "real_markets.py"])
+def test_a_trace_that_cannot_be_read_is_one_line_and_exit_2(tmp_path, script):
+    missing = tmp_path / "none.csv"
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--traces", str(missing)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and out.stderr == f"error: {missing}: cannot read: No such file or directory\n", out.stderr
