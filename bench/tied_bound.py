@@ -23,8 +23,8 @@ Groups: offers of unlimited capacity alike in tokens/s, preemption rate and pric
 (any of them does what another does); an offer of limited capacity is a group of its own, at most
 its capacity of VMs in every composition. Where a row would have more than `LIMIT` compositions,
 offers of limited capacity alike in all three are merged (their capacities added), and failing
-that all of limited capacity make one group and all of unlimited another, each credited at its
-members' lowest rate and highest tokens/s. Every step only widens what a composition may be
+that all of limited capacity make one group and all of unlimited another, and failing that every
+offer one group, each credited at its members' lowest rate and highest tokens/s. Every step only widens what a composition may be
 credited, so the program stays a relaxation of any policy whose decisions it can express.
 
 Why it is a diagnostic and not the yardstick: its policies decide at row starts, as the bound's
@@ -97,14 +97,16 @@ def credit_s(rates_per_h: list[float], comp: list[tuple[int, int]], min_replicas
 
 
 def _groups(t: int, usd, cap, rate, tps, slots: int, how: str) -> tuple[list[list[int]], list]:
-    """Row t's groups of offers (see the module's doc; `how`: "own", "alike" or "two") and their
+    """Row t's groups of offers (see the module's doc; `how`: "own", "alike", "two" or "one") and their
     compositions, None where there would be more than LIMIT."""
     keys: dict = {}
     for o in range(usd.shape[1]):
         if not np.isfinite(usd[t, o]) or cap[t, o] < 1:
             continue
         unlimited = cap[t, o] >= B.UNLIMITED
-        if how == "two":
+        if how == "one":
+            key = 0
+        elif how == "two":
             key = unlimited
         elif unlimited or how == "alike":
             key = (tps[o], rate[t, o], usd[t, o], unlimited)
@@ -168,10 +170,13 @@ def tied_program(recipe, market, finish_h: float | None = None):
     n_eq = n_caps = nz = 0
     memo: dict = {}
     for t in range(n):
-        for how in ("own", "alike", "two"):
+        for how in ("own", "alike", "two", "one"):
             groups, comps = _groups(t, usd, cap, rate, tps, slots, how)
             if comps is not None:
                 break
+        else:
+            raise ValueError(f"world.max_replicas ({slots}) gives a row more than {LIMIT} compositions even "
+                             "with every offer in one group")
         g_rate = [min(rate[t, o] for o in members) for members in groups]
         g_tps = [max(tps[o] for o in members) for members in groups]
         for g, members in enumerate(groups):
