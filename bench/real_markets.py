@@ -198,11 +198,17 @@ def main() -> None:
         args.json.write_text(json.dumps(doc, indent=1))
 
 
-if __name__ == "__main__":
+def run_cli(main) -> None:
+    """Run a bench script's `main`: a trace or recipe it cannot read is said in one line on stderr
+    (exit 2), as the CLI says it, not as a traceback."""
     from elastic.errors import UserError, first_line
 
     try:
-        main()
-    except (UserError, OSError) as exc:   # a trace or recipe that cannot be read: one line, as the CLI says it
+        sys.exit(main())
+    except (UserError, OSError) as exc:
         print(f"error: {first_line(exc)}", file=sys.stderr)
         sys.exit(2)
+
+
+if __name__ == "__main__":
+    run_cli(main)

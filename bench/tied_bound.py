@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     import real_markets
 
     from elastic.recipe.model import load_recipe
-    from elastic.sim.simulate import _market, simulate
+    from elastic.sim.simulate import _market, min_replicas_bound_usd_per_mtok, simulate
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--traces", nargs="+", type=Path, default=sorted((ROOT / "bench" / "traces" / "real").glob("*.csv")))
@@ -255,8 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     for trace in traces:
         recipe = load_recipe(real_markets.recipe_for(trace))
         market = _market(recipe, str(trace))
-        kept = max(B.solve(B.bound_program(recipe, market, keep_min_replicas=True)),
-                   B.min_replicas_floor_usd_per_mtok(recipe, market) * run_tokens(recipe) / 1e6)
+        kept = min_replicas_bound_usd_per_mtok(recipe, str(trace)) * run_tokens(recipe) / 1e6
         tied = tied_bound_usd(recipe, market)
         paid = [r["cost_usd"] for seed in range(args.seeds)
                 for r in simulate(recipe, str(trace), ["elastic"], seed=seed, market=market) if r["status"] == "completed"]
@@ -269,10 +268,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from elastic.errors import UserError, first_line
+    import real_markets
 
-    try:
-        sys.exit(main())
-    except (UserError, OSError) as exc:   # a trace or recipe that cannot be read: one line, as the CLI says it
-        print(f"error: {first_line(exc)}", file=sys.stderr)
-        sys.exit(2)
+    real_markets.run_cli(main)

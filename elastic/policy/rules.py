@@ -848,7 +848,7 @@ def _pairs(s: Snapshot, quotes: list[Quote], held: list[Quote], need: OnDemandNe
         if q.capacity is None:
             return None   # unknown capacity (a real cloud): spot may well hold the world
         room += max(0, q.capacity - sum(1 for h in held if h.key == q.key and h.offer.spot))
-    if _ahead_s(s) >= -PAIR_BEHIND_S:
+    if not _pairing_behind(s):
         return room, 0   # not PAIR_BEHIND_S behind the line: wait for spot
     spot = spot_held + room
     if not any(n.quote.offer.spot and n.ready and not n.leaving for n in s.nodes):
@@ -868,11 +868,17 @@ def _waits_for_world(s: Snapshot, held: list[Quote], room: int | None) -> str | 
     if room is None or any(not q.offer.spot for q in held):
         return None
     spot = sum(1 for q in held if q.offer.spot)
-    if spot + room >= m or _ahead_s(s) < -PAIR_BEHIND_S:
+    if spot + room >= m or _pairing_behind(s):
         return None
     return (f"spot has room for {spot + room} replica(s), fewer than world.min_replicas ({m}), and the run is "
             f"not {PAIR_BEHIND_S / 3600:g} h behind its deadline's straight line: no spot VM is held until spot "
             f"has room for a world")
+
+
+def _pairing_behind(s: Snapshot) -> bool:
+    """The run is more than `PAIR_BEHIND_S` behind the straight line to budget.max_hours: the
+    pairing rule rents (`_pairs`) where otherwise a lone spot replica is let go (`_waits_for_world`)."""
+    return _ahead_s(s) < -PAIR_BEHIND_S
 
 
 def _ahead_s(s: Snapshot) -> float:
