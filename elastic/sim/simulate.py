@@ -19,6 +19,8 @@ Two models of the job, by the policy's `whole_job`:
   cool-downs). A replica lost without notice loses its inner phase; with a notice longer than twice
   the sync, the world ends that phase early and syncs, the noticed replica's partial phase included,
   as in the driver. A move's old replica leaves at the step boundary, or once its replacement trains.
+  Short of a world, the policy is asked at each boot's end, loss and row of the trace, and every
+  `WAIT_S` (the driver's ticks ask it as often as anything changes).
   Under the pause rule (budget.max_hours, `planner.pauses`) the policy is asked at each price sample
   (`planner.price_sample_s`), in a phase too, and a `Pause` takes effect at the next outer-step
   boundary: a checkpoint, every VM released, the wait not counted against world.capacity_timeout_s;
@@ -52,7 +54,7 @@ from providers import notice_s
 from providers.base import Offer
 from providers.simmarket import hazard_budget, preempted_at_s
 
-WAIT_S = 300.0                 # simulated seconds between looks at the market while nothing runs
+WAIT_S = 300.0                 # simulated seconds between looks at the market while nothing runs (and at each row)
 DEFAULT_HORIZON_S = 60 * 86400  # without budget.max_hours, a run gives up after 60 simulated days
 
 
@@ -81,10 +83,16 @@ class TraceMarket:
         # Each series' preemption hazard by row (rows come sorted by time: read_trace_rows).
         self._rates = {key: (times, [st.preempt_per_hour for st in states])
                        for key, (_, times, states) in self._series.items()}
+        self._times = self.times()
 
     def times(self) -> list[float]:
         """Every time a row of the trace starts, in order."""
         return sorted({t for _, times, _ in self._series.values() for t in times})
+
+    def next_row_s(self, t: float) -> float:
+        """When the next row of the trace after `t` starts (inf: none)."""
+        i = bisect.bisect_right(self._times, t + 1e-9)
+        return self._times[i] if i < len(self._times) else math.inf
 
     def state(self, zone: str, instance_type: str, t: float):
         _, times, states = self._series[(zone, instance_type)]
@@ -440,13 +448,16 @@ def _elastic_world(run: _Run) -> None:
                     and not ex.state.waits_for_capacity:   # on-demand can still finish it, or the wait is the policy's
                 run.status = "insufficient_capacity"
                 break
+            # Waiting for a world, the policy is asked again at a boot's end, a VM lost (a boot cut
+            # short), a row of the trace (capacity or a price changed) and every WAIT_S, as the
+            # driver's ticks would ask it at once.
             dt = (min(booting) - run.t) if booting else WAIT_S
-            dt = min(dt, to_next_sample())
+            dt = min(dt, to_next_sample(), run.market.next_row_s(run.t) - run.t)
             if ex.state.next_look_at_s > run.t + 1e-6:   # the policy's own clock (the deadline rule)
                 dt = min(dt, ex.state.next_look_at_s - run.t)
             if not run.affordable(dt):
                 break
-            run.advance(dt, stop_at_first_loss=False)
+            run.advance(dt, stop_at_first_loss=True)
             continue
         short_since = None
         world = run.phase_of(members)
