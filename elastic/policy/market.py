@@ -6,7 +6,7 @@ prior blended with what was observed: preemptions over node-hours held in this r
 earlier runs through a small history file. Regions whose preemptions spike cool down for a while;
 for a run that can fall back on on-demand, an offer whose spot VM was reclaimed within
 `RECLAIMED_EARLY_S` of its launch rests `planner.capacity_cooldown_s`, as one that refused a
-launch does. Throughput per instance type is
+launch does, and counts no preemption in its risk. Throughput per instance type is
 what the run's replicas measured (each outer step's `inner_s_by_replica`), else the recipe's
 figure. The market reads ledger-shaped events only, so the driver (real ledger) and the simulator
 (events it writes in simulated time) share this code.
@@ -35,7 +35,11 @@ deadline rule can fall back on on-demand). On the real V100
 traces four of five such reclaims come in the tick of a drop, and renting again at once buys
 another VM that lives a minute and bills its minimum (docs/benchmarks.md, "Real spot markets",
 session 22). Two minutes is AWS's interruption notice; a preemption rate that reclaims a VM this
-soon by chance (under 2 % of VMs below 0.5 per hour) is no reason to rest."""
+soon by chance (under 2 % of VMs below 0.5 per hour) is no reason to rest. Such a reclaim is the
+zone's refusal, not a hazard of the VMs that live there: it counts no preemption in the offer's
+risk (`Market.risk`); its minutes count as node time. Counted, a run that met a zone's drops saw
+5-8 preemptions per hour where VMs past their first minutes lived an hour, and its on-demand world
+never moved back to spot there (aws-v100x8-2zones-2022: $800.60 → $795.30)."""
 
 
 def offer_key(o) -> Key:
@@ -170,10 +174,11 @@ class Market:
                 if iid in self._open and iid not in self._counted:
                     self._counted.add(iid)
                     key, since = self._open[iid]
-                    self._preempted[key] += 1
                     self._hit_region(key[1], t)
                     if t - since < RECLAIMED_EARLY_S:
                         self._reclaimed_at[key] = t
+                    else:
+                        self._preempted[key] += 1
                 if isinstance(e, NodePreempted):
                     self._close(iid, t)
             elif isinstance(e, NodeReleased):

@@ -178,6 +178,11 @@ def test_a_spot_vm_reclaimed_within_two_minutes_of_its_launch_rests_its_offer():
                _launched("x2", "r1b", 1000), {"t": 1130, "type": "node_preempted", "instance_id": "x2"}])
     assert m.resting_after_reclaim(a, 1061) and not m.resting_after_reclaim(b, 1131)
     assert not m.resting_after_reclaim(a_od, 1061)
+    # The early reclaim is the zone's refusal, not a hazard of the VMs that live there: r1a's risk
+    # counts its minute but no preemption; r1b's VM, past the two minutes, counts one.
+    w, prior = p.prior_weight_hours, p.preempt_per_hour_prior
+    assert m.risk(a, 1200) == (pytest.approx(prior * w / (w + 60 / 3600)), "observed")
+    assert m.risk(b, 1200) == (pytest.approx((prior * w + 1) / (w + 130 / 3600)), "observed")
     # A run that can fall back on on-demand (a deadline) waits the zone out, even when it is the
     # only one; a run without that fallback keeps renting where it can.
     assert [q.offer.zone for q in m.quotes([a, b], 1100, rest_reclaimed=True)] == ["r1b"]
