@@ -34,7 +34,8 @@ carried over from its last decisions (fed back by the executor). The `elastic` p
   budget.max_usd, a shortage never ends the run (`waits_for_capacity`: world.capacity_timeout_s
   does not apply). Before the margin, where the spot market's known capacity has room for at least
   one replica but fewer than world.min_replicas and the run is more than `PAIR_BEHIND_S` (an
-  hour of its pace) behind the straight line from its start to budget.max_hours, the spot
+  hour of its pace) and `PAIR_BEHIND_SHARE` (a tenth) of the time left behind the straight line
+  from its start to budget.max_hours (`_pairing_threshold_s`), the spot
   replicas are paired with on-demand ones up to world.min_replicas (`_pairs`), each once a spot
   replica trains (not while it boots): the world trains at a mix of spot and on-demand prices
   while it would stand still, and less is left for the all on-demand world at the margin (on the
@@ -50,11 +51,15 @@ carried over from its last decisions (fed back by the executor). The `elastic` p
   behind, not at once, spares the on-demand hours of runs that fall minutes behind while their VMs
   boot and then run ahead on spot (on the real two-zone V100 trace $118.88 → $118.11, 1.20× →
   1.19×, and $0.89 and $1.22 less at 72 and 168 h, $0.14 more at 144 h; on 30 two-zone markets
-  no rule was tuned on, 11 cheaper and 2 dearer, $3,888.59 → $3,867.67 in all). And
+  no rule was tuned on, 11 cheaper and 2 dearer, $3,888.59 → $3,867.67 in all). The tenth of the
+  time left on top: far from the deadline, spot worlds that come back a share of the time catch
+  up on their own (they train faster than the line), so the run waits for them longer than near
+  it ($117.27 → $113.99, 1.18× → 1.15× on the real two-zone trace; on the 30 two-zone markets, 10
+  cheaper and 6 dearer, $3,838.59 → $3,819.94, median 1.11× → 1.09×). And
   where the known capacity cannot hold world.min_replicas spot replicas, none is held on-demand
-  and the run is not `PAIR_BEHIND_S` behind that line, no spot replica is kept waiting for a
+  and the run is not that far behind that line, no spot replica is kept waiting for a
   partner (`_waits_for_world`): they are let go and none is rented (`launch_held_back`, reason
-  `no_world`, once per spell) until spot has room for a world, the run falls `PAIR_BEHIND_S`
+  `no_world`, once per spell) until spot has room for a world, the run falls that far
   behind the line (the pairing) or the margin comes. A replica alone bills and trains nothing, and
   waiting costs no time: when a second zone comes back, both boot at once (on the real two-zone
   V100 trace 1.26× → 1.25× the bound that keeps world.min_replicas, and 1.16-1.41× → 1.07-1.32×
@@ -122,6 +127,7 @@ SPREAD_TOLERANCE = 1.05  # a replica that spreads the world may cost this much m
 SPREAD_PACE = 0.5        # ... or more, while the world held finishes within this share of the time left
 PAIR_AHEAD_S = 3600.0    # a pairing's on-demand replica leaves once the run is this far ahead of its line (s of its pace)
 PAIR_BEHIND_S = 3600.0   # ... and is rented only once the run is more than this far behind it
+PAIR_BEHIND_SHARE = 0.1  # ... plus this share of the time left to budget.max_hours (s of the line's pace)
 LOOK_PAST_S = 1e-3       # the deadline rule's wake-up lands this far past its margin (seconds), not on it
 
 
@@ -778,8 +784,8 @@ def _steady_world(s: Snapshot, quotes: list[Quote]) -> list[Action]:
             return out + spare
         room, pair = _pairs(s, quotes, held, need) or (None, 0)
         if pair:
-            # Spot alone cannot make a world (world.min_replicas) and the run is PAIR_BEHIND_S
-            # behind the straight line to its deadline: the spot replicas there are paired with
+            # Spot alone cannot make a world (world.min_replicas) and the run is far enough behind
+            # (`_pairing_threshold_s`) the straight line to its deadline: the spot replicas there are paired with
             # on-demand ones now, rather than the deadline's whole on-demand world later.
             if room:
                 out += _top_up(s, quotes, held, room, None)
@@ -828,10 +834,10 @@ def _spare_on_demand(s: Snapshot, in_world: list[Node]) -> list[Release]:
 def _pairs(s: Snapshot, quotes: list[Quote], held: list[Quote], need: OnDemandNeed | None) -> tuple[int, int] | None:
     """(spot replicas that can still be rented, on-demand replicas the world should hold) for the
     pairing rule; None where it does not apply. It applies with the deadline rule
-    in force (`need`), progress more than `PAIR_BEHIND_S` behind the straight line from the start
-    to budget.max_hours (a run minutes behind it, as every run is while its first VMs boot, waits
-    for spot: on markets where spot holds a world most of the time, pairings begun at once billed
-    on-demand for runs that finished hours early), and
+    in force (`need`), progress more than `_pairing_threshold_s` behind the straight line from the
+    start to budget.max_hours (a run minutes behind it, as every run is while its first VMs boot,
+    waits for spot: on markets where spot holds a world most of the time, pairings begun at once
+    billed on-demand for runs that finished hours early), and
     spot capacity (held, or offered with a known capacity) for at least one replica but fewer than
     world.min_replicas. The world then trains at a mix of spot and on-demand prices while it
     would otherwise stand still, and the deadline's all on-demand world later is smaller. The
@@ -849,7 +855,7 @@ def _pairs(s: Snapshot, quotes: list[Quote], held: list[Quote], need: OnDemandNe
             return None   # unknown capacity (a real cloud): spot may well hold the world
         room += max(0, q.capacity - sum(1 for h in held if h.key == q.key and h.offer.spot))
     if not _pairing_behind(s):
-        return room, 0   # not PAIR_BEHIND_S behind the line: wait for spot
+        return room, 0   # not far enough behind the line: wait for spot
     spot = spot_held + room
     if not any(n.quote.offer.spot and n.ready and not n.leaving for n in s.nodes):
         return room, 0   # no spot replica trains yet: it may not live through its boot
@@ -861,7 +867,7 @@ def _waits_for_world(s: Snapshot, held: list[Quote], room: int | None) -> str | 
     pairing rule applies (`room`: the spot replicas the known capacity still has room for, None
     where it does not apply), no on-demand replica is held or on its way, the spot replicas held
     and that room are fewer than world.min_replicas (no world can train on spot), and the run is
-    not `PAIR_BEHIND_S` behind the straight line to its deadline (so nothing is paired with
+    not `_pairing_threshold_s` behind the straight line to its deadline (so nothing is paired with
     on-demand). A spot replica held then bills while it trains nothing; when spot has room for a
     world again, every replica boots at once, the ones let go beside the new one."""
     m = s.recipe.world.min_replicas
@@ -871,14 +877,28 @@ def _waits_for_world(s: Snapshot, held: list[Quote], room: int | None) -> str | 
     if spot + room >= m or _pairing_behind(s):
         return None
     return (f"spot has room for {spot + room} replica(s), fewer than world.min_replicas ({m}), and the run is "
-            f"not {PAIR_BEHIND_S / 3600:g} h behind its deadline's straight line: no spot VM is held until spot "
-            f"has room for a world")
+            f"not {_pairing_threshold_s(s) / 3600:.1f} h behind its deadline's straight line: no spot VM is held "
+            f"until spot has room for a world")
 
 
 def _pairing_behind(s: Snapshot) -> bool:
-    """The run is more than `PAIR_BEHIND_S` behind the straight line to budget.max_hours: the
-    pairing rule rents (`_pairs`) where otherwise a lone spot replica is let go (`_waits_for_world`)."""
-    return _ahead_s(s) < -PAIR_BEHIND_S
+    """The run is more than `_pairing_threshold_s` behind the straight line to budget.max_hours:
+    the pairing rule rents (`_pairs`) where otherwise a lone spot replica is let go
+    (`_waits_for_world`)."""
+    return _ahead_s(s) < -_pairing_threshold_s(s)
+
+
+def _pairing_threshold_s(s: Snapshot) -> float:
+    """How far behind its line (seconds of the line's pace) the run must be for the pairing rule to
+    rent: `PAIR_BEHIND_S` plus `PAIR_BEHIND_SHARE` of the time left to budget.max_hours (8.2 h at
+    the start of a 72 h run, 2.2 h with 12 h left). A world of world.min_replicas spot replicas
+    trains faster than the line (twice its pace on the real V100 traces), so far from the deadline
+    spot that comes back a share of the time left catches up on its own; near it, little can."""
+    r = s.recipe
+    if r.budget.max_hours is None:
+        return PAIR_BEHIND_S
+    left_s = max(0.0, r.budget.max_hours * 3600 - (s.time_s - s.started_s))
+    return PAIR_BEHIND_S + PAIR_BEHIND_SHARE * left_s
 
 
 def _ahead_s(s: Snapshot) -> float:

@@ -314,7 +314,9 @@ def test_the_deadline_rule_waits_for_spot_while_the_slack_allows_then_rents_on_d
     need = on_demand_need(early)
     assert need.replicas == 6 and 10 * 3600 < need.need_s < 11 * 3600 and need.slack_s > 2 * need.margin_s
     acts = decide(early)
-    assert rents(acts) == [] and any(isinstance(a, HoldBack) and a.reason == "capacity" for a in acts)
+    # Nothing rented: spot has no room for a world and the run, 2.8 h in and nothing trained, is
+    # within the pairing rule's 3.7 h of its line (an hour and a tenth of the 27 h left).
+    assert rents(acts) == [] and any(isinstance(a, HoldBack) and a.reason == "no_world" for a in acts)
     assert ElasticPolicy().waits_for_capacity(early)   # the shortage does not end the run
     # At the margin: the world grows to the on-demand world's size, rented on-demand, the cheapest.
     t = T + need.slack_s - need.margin_s / 2
@@ -354,16 +356,17 @@ def test_on_demand_replicas_move_back_to_spot_when_it_returns():
 
 def test_a_lone_spot_replica_is_paired_with_an_on_demand_one_while_behind_the_deadlines_line():
     """Spot has room for one replica, world.min_replicas is 2, and the run is more than an hour
-    (PAIR_BEHIND_S) behind the straight line to budget.max_hours: one spot replica, and one
-    on-demand one once the spot one trains (the deadline rule is not late yet); an hour behind or
-    less, ahead of the line, or with room for two spot replicas, no on-demand."""
+    (PAIR_BEHIND_S) and a tenth of the time left (PAIR_BEHIND_SHARE) behind the straight line to
+    budget.max_hours: one spot replica, and one on-demand one once the spot one trains (the
+    deadline rule is not late yet); less far behind, ahead of the line, or with room for two spot
+    replicas, no on-demand."""
     r = recipe(**{"train.token_budget": 5_184_000_000, "train.outer_steps": "null", "budget.max_hours": 30,
                   "budget.max_usd": 100_000, "world.min_replicas": 2})
     one = [quote(offer("r1a", 8.0), capacity=1)]
     od = (quote(offer("r1a", 30.0, spot=False)),)
-    t = T + 7200   # two hours in, nothing trained: two hours behind the line
+    t = T + 5 * 3600   # five hours in, nothing trained: five hours behind the line, past 1 h + 2.5 h
     behind = snap(r, quotes=one, on_demand_quotes=od, target_replicas=4, time_s=t, started_s=T,
-                  progress=Progress(hours=2.0))
+                  progress=Progress(hours=5.0))
     from elastic.policy.rules import on_demand_need
 
     assert not on_demand_need(behind).late
@@ -374,13 +377,13 @@ def test_a_lone_spot_replica_is_paired_with_an_on_demand_one_while_behind_the_de
     assert rents(decide(dataclasses.replace(behind, nodes=(spot,)))) == []
     acts = decide(dataclasses.replace(behind, nodes=(dataclasses.replace(spot, ready=True),)))
     assert [(a.quote.offer.zone, a.quote.offer.spot) for a in acts if isinstance(a, Rent)] == [("r1a", False)], acts
-    # Ahead of the line, or less than an hour behind it (1.25 h of the line's tokens two hours in):
-    # no on-demand, and no spot replica to wait alone (`_waits_for_world`), while the spot replica in
-    # hand trains.
-    ahead = dataclasses.replace(behind, progress=Progress(tokens=r.train.token_budget // 2, hours=2.0))
+    # Ahead of the line, or three hours behind it (2 h of the line's tokens five hours in: more than
+    # an hour, less than an hour and 2.5 h): no on-demand, and no spot replica to wait alone
+    # (`_waits_for_world`), while the spot replica in hand trains.
+    ahead = dataclasses.replace(behind, progress=Progress(tokens=r.train.token_budget // 2, hours=5.0))
     assert rents(decide(ahead)) == []
     line_hour = r.train.token_budget // 30   # 30 h to the deadline
-    near = dataclasses.replace(behind, progress=Progress(tokens=line_hour + line_hour // 4, hours=2.0))
+    near = dataclasses.replace(behind, progress=Progress(tokens=2 * line_hour, hours=5.0))
     assert rents(decide(near)) == []
     acts = decide(dataclasses.replace(near, nodes=(dataclasses.replace(spot, ready=True),)))
     assert rents(acts) == [] and Release("s0") in acts, acts
@@ -393,8 +396,8 @@ def test_a_lone_spot_replica_is_paired_with_an_on_demand_one_while_behind_the_de
 def test_a_spot_replica_that_cannot_make_a_world_is_let_go_while_the_run_is_ahead_of_its_line():
     """Spot has room for one replica, world.min_replicas is 2 and the run is ahead of the straight
     line to budget.max_hours: the spot replica held (ready or booting) leaves and none is rented,
-    held back with reason no_world and why, as while the run is up to an hour (PAIR_BEHIND_S)
-    behind it; not further behind (it is paired), not with room for a world, not beside an
+    held back with reason no_world and why, as while the run is behind it by up to an hour
+    (PAIR_BEHIND_S) and a tenth of the time left (PAIR_BEHIND_SHARE); not further behind (it is paired), not with room for a world, not beside an
     on-demand replica, not where the capacity is unknown (a real cloud)."""
     r = recipe(**{"train.token_budget": 5_184_000_000, "train.outer_steps": "null", "budget.max_hours": 30,
                   "budget.max_usd": 100_000, "world.min_replicas": 2})
@@ -408,13 +411,17 @@ def test_a_spot_replica_that_cannot_make_a_world_is_let_go_while_the_run_is_ahea
         assert Release("s0") in acts and rents(acts) == [], acts
         held = [a for a in acts if isinstance(a, HoldBack)]
         assert [h.reason for h in held] == [HoldReason.NO_WORLD] and "world.min_replicas (2)" in held[0].message
+        assert "not 3.9 h behind" in held[0].message   # an hour and a tenth of the 29 h left
     # Half an hour behind: let go the same.
     hour = r.train.token_budget // 30   # the line's pace: 30 h to the deadline
     near = dataclasses.replace(ahead, progress=Progress(tokens=hour // 2, hours=1.0), nodes=(Node("s0", one, launched_at_s=T),))
     acts = decide(near)
     assert Release("s0") in acts and [h.reason for h in acts if isinstance(h, HoldBack)] == [HoldReason.NO_WORLD], acts
-    # Two hours behind the line the same replica is paired instead.
-    behind = dataclasses.replace(ahead, time_s=T + 7200, progress=Progress(hours=2.0),
+    # Three hours behind it five hours in (within an hour and 2.5 h): let go the same; five hours
+    # behind, the same replica is paired instead.
+    acts = decide(dataclasses.replace(near, time_s=T + 5 * 3600, progress=Progress(tokens=2 * hour, hours=5.0)))
+    assert Release("s0") in acts and [h.reason for h in acts if isinstance(h, HoldBack)] == [HoldReason.NO_WORLD], acts
+    behind = dataclasses.replace(ahead, time_s=T + 5 * 3600, progress=Progress(hours=5.0),
                                  nodes=(Node("s0", one, launched_at_s=T),))
     acts = decide(behind)
     assert Release("s0") not in acts and [a.quote.offer.spot for a in acts if isinstance(a, Rent)] == [False], acts
