@@ -198,6 +198,31 @@ def test_a_spot_vm_reclaimed_within_two_minutes_of_its_launch_rests_its_offer():
     assert m.resting_after_reclaim(b, 2221) and not m.resting_after_reclaim(b, 2400)
 
 
+def test_an_offer_reclaimed_early_twice_in_a_row_rests_longer():
+    """A second reclaim within two minutes of the launch, with no VM there living past two minutes
+    between, rests the offer EARLY_AGAIN_REST cooldowns from it; a VM that lives past two minutes
+    (preempted later or released) ends the run of early reclaims: the next rests one cooldown."""
+    from elastic.policy.market import EARLY_AGAIN_REST
+
+    p = recipe(**{"planner.capacity_cooldown_s": 300}).planner
+    a = offer("r1a", 8.0)
+    events = [_launched("x1", "r1a", 1000), {"t": 1060, "type": "node_preempted", "instance_id": "x1"}]
+    m = Market(p)
+    m.observe(events)
+    assert m.resting_after_reclaim(a, 1359) and not m.resting_after_reclaim(a, 1360)
+    events += [_launched("x2", "r1a", 1400), {"t": 1430, "type": "node_preempted", "instance_id": "x2"}]
+    m.observe(events)
+    until = 1430 + EARLY_AGAIN_REST * 300
+    assert EARLY_AGAIN_REST > 1 and m.resting_after_reclaim(a, until - 1) and not m.resting_after_reclaim(a, until)
+    for end in ({"t": 3000, "type": "node_released", "instance_id": "x3"},
+                {"t": 3000, "type": "node_preempted", "instance_id": "x3"}):
+        later = events + [_launched("x3", "r1a", 2000), end,
+                          _launched("x4", "r1a", 3100), {"t": 3150, "type": "node_preempted", "instance_id": "x4"}]
+        m = Market(p)
+        m.observe(later)
+        assert m.resting_after_reclaim(a, 3449) and not m.resting_after_reclaim(a, 3450), end
+
+
 def test_market_learns_risk_and_cools_regions_and_offers(tmp_path):
     p = recipe(**{"planner.preempt_per_hour_prior": 0.2, "planner.prior_weight_hours": 4,
                   "planner.region_cooldown_preemptions": 2, "planner.region_cooldown_s": 1000}).planner
