@@ -48,7 +48,7 @@ class HeldBack(StrEnum):
     CAPACITY = "capacity"               # every offer at its known capacity
     BUDGET = "budget.max_usd"           # the next VM would take the spend past the budget
     SPREAD = "spread"                   # the next VM would spread the world over another site while the deadline allows
-    NO_WORLD = "no_world"               # spot has no room for a world and the run is not an hour behind its deadline's line
+    NO_WORLD = "no_world"               # spot has no room for a world and the run is not far behind its deadline's line
 
 
 class LossRule(StrEnum):
