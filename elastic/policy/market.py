@@ -6,9 +6,9 @@ prior blended with what was observed: preemptions over node-hours held in this r
 earlier runs through a small history file. Regions whose preemptions spike cool down for a while;
 for a run that can fall back on on-demand, an offer whose spot VM was reclaimed within
 `RECLAIMED_EARLY_S` of its launch rests `planner.capacity_cooldown_s` (`EARLY_AGAIN_REST` times
-that after two in a row), as one that refused a launch does, and counts no preemption in its risk. Throughput per instance type is
-what the run's replicas measured (each outer step's `inner_s_by_replica`), else the recipe's
-figure. The market reads ledger-shaped events only, so the driver (real ledger) and the simulator
+that after two in a row), as one that refused a launch does, and counts no preemption in its
+risk. Throughput per instance type is what the run's replicas measured (each outer step's
+`inner_s_by_replica`), else the recipe's figure. The market reads ledger-shaped events only, so the driver (real ledger) and the simulator
 (events it writes in simulated time) share this code.
 """
 

@@ -785,8 +785,9 @@ def _steady_world(s: Snapshot, quotes: list[Quote]) -> list[Action]:
         room, pair = _pairs(s, quotes, held, need) or (None, 0)
         if pair:
             # Spot alone cannot make a world (world.min_replicas) and the run is far enough behind
-            # (`_pairing_threshold_s`) the straight line to its deadline: the spot replicas there are paired with
-            # on-demand ones now, rather than the deadline's whole on-demand world later.
+            # the straight line to its deadline (`_pairing_threshold_s`): the spot replicas there
+            # are paired with on-demand ones now, rather than the deadline's whole on-demand world
+            # later.
             if room:
                 out += _top_up(s, quotes, held, room, None)
                 held = held + [a.quote for a in out if isinstance(a, Rent)]
