@@ -2,7 +2,7 @@
 what it paid, and its ratio to the clairvoyant bound.
 
     python bench/real_markets.py [--seeds 5] [--traces A.csv ...] [--recipe R.yaml] [--set FIELD=VALUE ...]
-                                 [--start-hours H ...] [--zone-pairs] [--json FILE]
+                                 [--start-hours H ...] [--zone-pairs] [--policies NAME ...] [--json FILE]
 
 Traces and recipes: `bench/traces/real/*.csv` (AWS p3.2xlarge and p3.16xlarge markets measured for
 Can't Be Late, NSDI'24; `bench/traces/convert_real.py`) with `bench/recipes/real-v100.yaml` (3 B
@@ -17,7 +17,8 @@ then, time counted from there; several H: one window each, named `NAME@Hh`): win
 traces that no policy was tuned on. `--zone-pairs` runs, instead of each trace, every market of two of
 its zones in one region (each zone's rows as they are, the other zones left out): from
 aws-v100-9zones, ten two-zone markets of one V100 VM per zone, the shape of aws-v100-2zones-2022
-that no rule was tuned on.
+that no rule was tuned on. `--policies` runs only those of the registry (e.g. `elastic` alone, for
+a sweep: a fifth of the time).
 
 Per trace and policy, over seeds 0..N-1 (the preemption draws): how many runs completed (the whole
 token budget within budget.max_hours and budget.max_usd), how the others ended (status, at which
@@ -71,12 +72,14 @@ def recipe_for(trace: Path) -> Path:
     return REAL_RECIPE_8 if first is not None and int(first["gpus"]) == 8 else REAL_RECIPE
 
 
-def run_trace(recipe_path: Path, trace: Path, seeds: int, overrides: list[str]) -> dict:
-    """{"recipe", "trace", "bound_usd_per_mtok", "runs": {policy: [result per seed]}}."""
+def run_trace(recipe_path: Path, trace: Path, seeds: int, overrides: list[str],
+              policies: list[str] | None = None) -> dict:
+    """{"recipe", "trace", "bound_usd_per_mtok", "runs": {policy: [result per seed]}} (`policies`:
+    the registry's names to run; None: every one)."""
     recipe = load_recipe(recipe_path, overrides)
     runs: dict[str, list[dict]] = collections.defaultdict(list)
     for seed in range(seeds):
-        for r in simulate(recipe, str(trace), None, seed):
+        for r in simulate(recipe, str(trace), policies, seed):
             runs[r["policy"]].append(r)
     return {"recipe": str(recipe_path.relative_to(ROOT)) if recipe_path.is_relative_to(ROOT) else str(recipe_path),
             "trace": str(trace), "bound_usd_per_mtok": bound_usd_per_mtok(recipe, str(trace)),
@@ -137,7 +140,7 @@ def rows(result: dict) -> list[str]:
     """Markdown rows of one trace's table (one per policy)."""
     bound, floor = result["bound_usd_per_mtok"], result["min_replicas_bound_usd_per_mtok"]
     out = []
-    for policy in POLICIES:
+    for policy in [p for p in POLICIES if p in result["runs"]]:
         rs = result["runs"][policy]
         done = [r for r in rs if r["status"] == "completed"]
         ended = collections.Counter(r["status"] for r in rs if r["status"] != "completed")
@@ -171,6 +174,8 @@ def main() -> None:
                     help="run each trace from H hours in (one window per H; default: its start)")
     ap.add_argument("--zone-pairs", action="store_true",
                     help="run every two-zone market of each trace's zones in one region instead of the trace")
+    ap.add_argument("--policies", nargs="+", choices=list(POLICIES), metavar="NAME",
+                    help=f"run only these policies (of {', '.join(POLICIES)}; default: every one)")
     ap.add_argument("--json", type=Path, help="also write every run's figures here")
     args = ap.parse_args()
     print("| trace | policy | completed | other ends (median hour) | USD, median | USD / 1M tok (completed) "
@@ -184,7 +189,8 @@ def main() -> None:
         for trace in traces:
             for start_h in args.start_hours:
                 run = window(trace, start_h, Path(windows)) if start_h else trace
-                result = run_trace((args.recipe or recipe_for(trace)).resolve(), run, args.seeds, args.overrides)
+                result = run_trace((args.recipe or recipe_for(trace)).resolve(), run, args.seeds, args.overrides,
+                                   args.policies)
                 results.append(result)
                 print("\n".join(rows(result)), flush=True)
     for result in results:
