@@ -219,35 +219,34 @@ def tied_program(recipe, market, finish_h: float | None = None):
 
 def tied_bound_usd(recipe, market, finish_h: float | None = None) -> float:
     """The tied program's least cost in USD (inf: no schedule trains the run's tokens in time)."""
-    from scipy.optimize import linprog
-
     program = tied_program(recipe, market, finish_h)
     if program is None:
         return math.inf
     cost, a_ub, b_ub, a_eq, b_eq, bounds = program
-    res = linprog(cost, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=bounds, method="highs")
-    if res.status == 2:
-        return math.inf
-    if res.status != 0:
-        raise RuntimeError(f"the tied program did not solve: {res.message}")
-    return float(res.fun)
+    return B.least_cost(cost, a_ub, b_ub, bounds, a_eq, b_eq)
 
 
 def main(argv: list[str] | None = None) -> int:
     import real_markets
-
-    from elastic.recipe.model import load_recipe
-    from elastic.sim.simulate import _market, min_replicas_bound_usd_per_mtok, simulate
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--traces", nargs="+", type=Path, default=sorted((ROOT / "bench" / "traces" / "real").glob("*.csv")))
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--start-hours", nargs="+", type=float, default=None)
     args = ap.parse_args(argv)
-    traces = list(args.traces)
-    if args.start_hours:
-        folder = Path(tempfile.mkdtemp(prefix="tied-"))
-        traces = [real_markets.window(t, h, folder) for t in traces for h in args.start_hours]
+    with tempfile.TemporaryDirectory(prefix="tied-") as folder:
+        traces = [real_markets.window(t, h, Path(folder)) for t in args.traces for h in args.start_hours] \
+            if args.start_hours else list(args.traces)
+        return _table(traces, args.seeds)
+
+
+def _table(traces: list[Path], seeds: int) -> int:
+    """Print the table (see the module's doc) for `traces`, `elastic` over seeds 0..seeds-1."""
+    import real_markets
+
+    from elastic.recipe.model import load_recipe
+    from elastic.sim.simulate import _market, min_replicas_bound_usd_per_mtok, simulate
+
     print("| trace | bound keeping world.min_replicas | tied bound | tied / bound | elastic, median USD "
           "| elastic / bound | elastic / tied |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
@@ -257,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         market = _market(recipe, str(trace))
         kept = min_replicas_bound_usd_per_mtok(recipe, str(trace)) * run_tokens(recipe) / 1e6
         tied = tied_bound_usd(recipe, market)
-        paid = [r["cost_usd"] for seed in range(args.seeds)
+        paid = [r["cost_usd"] for seed in range(seeds)
                 for r in simulate(recipe, str(trace), ["elastic"], seed=seed, market=market) if r["status"] == "completed"]
         usd = statistics.median(paid) if paid else math.nan
         under += sum(p < tied for p in paid)

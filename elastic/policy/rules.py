@@ -593,7 +593,7 @@ def pace(s: Snapshot, usd_per_mtok: float, prices: tuple[tuple[float, float], ..
     at their own pace (the cheapest world's pace jumps with its GPUs: 8×H100 trains 2.5× faster
     than 8×A100). `need` is that many tokens over what every sample's hours would train."""
     r = s.recipe
-    left_h = max(r.budget.max_hours - (s.time_s - s.started_s) / 3600, 1e-9)
+    left_h = max(_left_s(s) / 3600, 1e-9)
     share_s = left_h * 3600 / len(prices)
     # The tokens left and one boot, with the slack; and two whole outer steps of the world, which
     # the slack of a nearly finished run would not cover (a step's tokens count only once synced).
@@ -683,7 +683,7 @@ def on_demand_need(s: Snapshot) -> OnDemandNeed | None:
         return None
     train_s = hours_to_finish(world, r, s.progress) * 3600
     need_s = train_s + r.planner.recovery_s
-    left_s = r.budget.max_hours * 3600 - (s.time_s - s.started_s)
+    left_s = _left_s(s)
     margin_s = max(ON_DEMAND_MARGIN * need_s, 2 * world.phase_s + r.planner.recovery_s)
     usd = world.usd_per_hour * need_s / 3600
     fits = r.budget.max_usd is None or s.spent_usd + usd <= r.budget.max_usd
@@ -895,11 +895,14 @@ def _pairing_threshold_s(s: Snapshot) -> float:
     the start of a 72 h run, 2.2 h with 12 h left). A world of world.min_replicas spot replicas
     trains faster than the line (twice its pace on the real V100 traces), so far from the deadline
     spot that comes back a share of the time left catches up on its own; near it, little can."""
-    r = s.recipe
-    if r.budget.max_hours is None:
+    if s.recipe.budget.max_hours is None:
         return PAIR_BEHIND_S
-    left_s = max(0.0, r.budget.max_hours * 3600 - (s.time_s - s.started_s))
-    return PAIR_BEHIND_S + PAIR_BEHIND_SHARE * left_s
+    return PAIR_BEHIND_S + PAIR_BEHIND_SHARE * max(0.0, _left_s(s))
+
+
+def _left_s(s: Snapshot) -> float:
+    """Seconds left to budget.max_hours from the run's start (negative past it; set by the caller)."""
+    return s.recipe.budget.max_hours * 3600 - (s.time_s - s.started_s)
 
 
 def _ahead_s(s: Snapshot) -> float:

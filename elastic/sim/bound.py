@@ -184,9 +184,15 @@ def bound_program(recipe, market, finish_h: float | None = None,
 def solve(program: SlotsProgram) -> float:
     """The least cost of `program` (inf: infeasible, no schedule trains the tokens in time),
     solved exactly by scipy's HiGHS."""
+    return least_cost(program.cost, program.a_ub, program.b_ub, program.bounds)
+
+
+def least_cost(cost, a_ub, b_ub, bounds, a_eq=None, b_eq=None) -> float:
+    """min cost·x subject to a_ub·x ≤ b_ub (and a_eq·x = b_eq) within `bounds`, by scipy's HiGHS
+    (inf: infeasible)."""
     from scipy.optimize import linprog
 
-    res = linprog(program.cost, A_ub=program.a_ub, b_ub=program.b_ub, bounds=program.bounds, method="highs")
+    res = linprog(cost, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=bounds, method="highs")
     if res.status == 2:
         return math.inf
     if res.status != 0:
