@@ -384,7 +384,8 @@ class PlannerSection(_Section):
     """Extra seconds an outer sync takes when the world spans regions (twice this across clouds):
     the guess for a pair of regions until the run has measured their link (`link_measured`)."""
     replan_every_s: float = Field(300.0, gt=0)
-    """How often a running world re-reads prices and risks and considers moving a replica."""
+    """How often a running world re-reads prices and risks and considers moving a replica (at the
+    first boundary between outer steps once that long has passed)."""
     min_saving: float = Field(0.25, ge=0, lt=1)
     """Move a replica only when the new offer's expected USD per useful token is at least this share
     below the held one's (hysteresis: price jitter never moves a replica)."""

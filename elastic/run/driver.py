@@ -218,7 +218,7 @@ class Driver:
                         quotes=tuple(quotes), on_demand_quotes=tuple(on_demand), progress=self._progress(),
                         spent_usd=self.prices.spent_usd(now),
                         budget_horizon_s=self._last_step_s, checkpointed_step=self._checkpointed_step,
-                        **self.executor.fed(now))
+                        between_steps=self._step_started_s is None, **self.executor.fed(now))
 
     def decide(self) -> None:
         """Gather a snapshot, ask the policy and have the executor do what it says (rent in the

@@ -19,8 +19,11 @@ Two models of the job, by the policy's `whole_job`:
   cool-downs). A replica lost without notice loses its inner phase; with a notice longer than twice
   the sync, the world ends that phase early and syncs, the noticed replica's partial phase included,
   as in the driver. A move's old replica leaves at the step boundary, or once its replacement trains.
-  Short of a world, the policy is asked at each boot's end, loss and row of the trace, and every
-  `WAIT_S` (the driver's ticks ask it as often as anything changes).
+  The policy is asked where the driver's ticks (every 0.1 s, in a phase and between phases) would
+  find it due (`Policy.due`): at each loss, row of the trace, boot's end, re-plan interval and
+  wake-up the policy asked for, in a phase too (a replica is rented the moment a row gives room,
+  not at the phase's end), and short of a world also every `WAIT_S`. A snapshot taken in a phase
+  says so (`Snapshot.between_steps`).
   Under the pause rule (budget.max_hours, `planner.pauses`) the policy is asked at each price sample
   (`planner.price_sample_s`), in a phase too, and a `Pause` takes effect at the next outer-step
   boundary: a checkpoint, every VM released, the wait not counted against world.capacity_timeout_s;
@@ -399,6 +402,22 @@ def _elastic_world(run: _Run) -> None:
         return due_at - run.t if due_at > run.t + 1e-6 else sample_s
     short_since = None
 
+    def due() -> bool:
+        """The driver's question on each tick (`Policy.due`, the offers unread), on what is held now:
+        the policy is asked only when it says it may act, in a phase and between phases alike."""
+        moving = {n.drain_for for n in run.nodes.values() if n.drain_for}
+        nodes = tuple(Node(n.iid, Quote(run.now_offer(n), 0.0, "trace"), n.launched_at, ready=n.ready_at <= run.t,
+                           leaving=n.iid in run.leaving, moving=n.iid in moving) for n in run.nodes.values())
+        return run.policy.due(run.snapshot(nodes=nodes, between_steps=not run.in_phase, **ex.fed(run.t)))
+
+    def next_ask_at() -> float:
+        """The next moment in a phase at which `due` may turn true though no VM is lost: a row of the
+        trace (capacity or a price changed), a boot's end, the re-plan's interval, the policy's own
+        clock (the driver's ticks ask at each)."""
+        at = [run.market.next_row_s(run.t), ex.state.last_replan_s + recipe.planner.replan_every_s,
+              ex.state.next_look_at_s] + [n.ready_at for n in run.nodes.values()]
+        return min([a for a in at if a > run.t + 1e-6], default=math.inf)
+
     def act(horizon_s: float) -> None:
         """Ask the policy and do what it says, again after each refused launch (the refusal rests
         that offer), as the driver does on its next tick. `horizon_s`: the rest of the phase under
@@ -415,7 +434,7 @@ def _elastic_world(run: _Run) -> None:
                                                            rest_reclaimed=on_demand)),
                                 budget_horizon_s=horizon_s,
                                 on_demand_quotes=tuple(market.quote(o, run.t) for o in run.market.offers(run.t, False))
-                                if on_demand else (), **ex.fed(run.t))
+                                if on_demand else (), between_steps=not run.in_phase, **ex.fed(run.t))
             if ex.act(snap):
                 break
         if ex.state.gave_up:
@@ -426,7 +445,9 @@ def _elastic_world(run: _Run) -> None:
             run.drop(iid)
         run.leaving.clear()
         run.hand_over()
-        act(0.0)
+        run.in_phase = False
+        if due():
+            act(0.0)
         run.hand_over()                     # a replacement ready at once (planner.recovery_s 0) takes over now
         if run.status is not None:
             break
@@ -465,6 +486,7 @@ def _elastic_world(run: _Run) -> None:
         if not run.affordable(dt):
             break
         start, end, lost, share = run.t, run.t + dt, set(), None
+        run.in_phase = True
         # As the driver does on a notice: the world's inner phase ends by the deadline less twice the
         # sync, everyone syncs, the noticed replica with its partial phase, then it leaves.
         margin_s = max(0.5, 2 * world.sync_penalty_s)
@@ -473,17 +495,20 @@ def _elastic_world(run: _Run) -> None:
             # Under the pause rule the policy samples the market every planner.price_sample_s, in
             # a phase too (as the driver's ticks do): a history sampled only at phase ends would
             # weigh a pause's prices (sampled while waiting) above a training spell's.
-            until = min(end, run.t + to_next_sample())
+            # The driver's ticks ask the policy whenever it is due (`due`): at each row of the trace,
+            # boot's end and interval the policy keeps, as well as at a loss.
+            until = min(end, run.t + to_next_sample(), next_ask_at())
             gone = run.advance(until - run.t, stop_at_first_loss=True, rest_until=end)
             if not gone:
-                if run.t < end - 1e-6 and run.status is None:
+                if run.t < end - 1e-6 and run.status is None and due():
                     act(end - run.t)
                 continue
             lost.update(gone)
             if any(iid in ids and notice_s(n.offer.cloud) > margin_s for iid, n in gone.items()):
                 share = min(1.0, max(0.0, run.t - margin_s - start) / max(dt - world.sync_penalty_s, 1e-9))
                 break
-            act(end - run.t)                  # the replacement is rented at once, not at the boundary
+            if due():
+                act(end - run.t)              # the replacement is rented at once, not at the boundary
         if run.status is not None:
             # A price rise made the rest of the phase unaffordable: as the driver does, the phase
             # ends now and the members still there sync what they trained; the run stops.

@@ -101,6 +101,13 @@ def test_price_spike_on_the_only_region_moves_nothing_but_a_cheaper_region_does(
     assert decide(snap(r, spiked, [quote(offer("r2a", 8.0))], last_replan_s=T - 299, target_replicas=2)) == []
     booting = [spiked[0], Node("i9", quote(offer("r1a", 40.0)), 0.0, ready=False)]
     assert decide(snap(r, booting, [quote(offer("r2a", 8.0))], **due_at)) == []
+    # Inside an outer step (the driver's ticks while replicas train): a re-plan waits for its end,
+    # and `due` does not ask for the offers; a replica lost there is still replaced at once.
+    cheaper = [quote(offer("r2a", 8.0))]
+    assert decide(snap(r, spiked, cheaper, between_steps=False, **due_at)) == []
+    assert not due(snap(r, spiked, between_steps=False, **due_at)) and due(snap(r, spiked, **due_at))
+    assert due(snap(r, spiked[:1], between_steps=False, **due_at))
+    assert rents(decide(snap(r, spiked[:1], cheaper, between_steps=False, **due_at))) == ["r2a"]
     # A region five times cheaper: both replicas move, most expensive first. The first leaves at
     # once (its tokens while r2a boots cost more than r2a's will); the last stays until its
     # replacement trains (world.min_replicas keep the state).

@@ -39,6 +39,11 @@ def test_driver_moves_a_replica_to_a_much_cheaper_region(local_cluster, tmp_path
     assert len(moves) == 1 and moves[0]["zone"] == "r2a"    # once, and never back
     assert moves[0]["drain_instance_id"] == launched[0]["instance_id"]
     assert [e["zone"] for e in launched] == ["r1a", "r2a"]
+    # Decided between outer steps, not at a tick inside one (the new replica could join only at the
+    # step's end, and the old one trains to it anyway): before the next step's phases began. (Before
+    # the rule, the move landed within the step's phases, 70-90 ms before its end.)
+    nxt = next(e for e in events[events.index(moves[0]):] if e["type"] == "outer_step")
+    assert moves[0]["t"] <= nxt["t"] - nxt["inner_s"] - nxt["sync_s"] + 1e-3   # (those figures are rounded)
     # The new replica joined before the old one drained; the old one was released.
     order = [(e["type"], e.get("instance_id")) for e in events]
     joined = order.index(("replica_joined", launched[1]["instance_id"]))

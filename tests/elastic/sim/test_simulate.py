@@ -414,3 +414,35 @@ def test_a_simulation_that_trains_nothing_says_why_in_one_line(tmp_path):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "budget.max_usd ($1.00) cannot pay for one outer step" in lines[0], r.stderr
     assert "a2-highgpu-8g (8xA100)" in lines[0] and "Traceback" not in r.stderr
+
+
+def test_room_that_comes_back_inside_a_step_is_rented_at_its_row_and_a_move_waits_for_the_boundary(tmp_path):
+    # r1a holds two VMs of the world of four; r1b has none until a row inside an outer step. The
+    # driver's ticks ask the policy on every tick while the world is short of its target: r1b's
+    # two VMs are rented at that row, not at the step's end. Later r2a's price falls to a third at
+    # a row inside a step: a re-plan is made only between steps (a replica joins at a boundary and
+    # the one it replaces trains to the step's end), so the move's VMs are rented at the next boundary.
+    r = recipe(**{"world.min_replicas": 2, "world.replicas": 4, "world.max_replicas": 4})
+    plain = write_trace(tmp_path / "plain.csv", [row(0, "r1a", 10.0, cap=2), row(0, "r1b", 10.0, cap=0),
+                                                 row(0, "r2a", 12.0, cap=0)])
+    kept: dict = {}
+    simulate(r, plain, ["elastic"], 0, kept=kept)
+    (s0, e0, _, _), (s1, e1, _, _) = kept["elastic"][:2]
+    back_s = round((s1 + e1) / 2)            # inside the second step
+    fall_s = back_s + 4 * round(e1 - s1)     # a few steps on, before the trace's end of the run
+    trace = write_trace(tmp_path / "back.csv", [row(0, "r1a", 10.0, cap=2), row(0, "r1b", 10.0, cap=0),
+                                                row(back_s, "r1b", 10.0, cap=2), row(0, "r2a", 12.0, cap=0),
+                                                row(fall_s, "r2a", 3.0, cap=4)])
+    for seed in range(3):
+        ledgers, kept = {}, {}
+        res = simulate(r, trace, ["elastic"], seed, ledgers=ledgers, kept=kept)[0]
+        assert res["status"] == "completed", res
+        events = ledgers["elastic"]
+        steps = [(s, e) for s, e, _, _ in kept["elastic"]]
+        assert any(s < back_s < e for s, e in steps), (back_s, steps[:4])
+        r1b = sorted(e["t"] for e in events if e["type"] == "node_launched" and e["zone"] == "r1b")
+        assert r1b[:2] == [back_s, back_s], r1b
+        moves = [e for e in events if e["type"] == "replica_move" and e["zone"] == "r2a"]
+        assert moves, events
+        inside = next((s, e) for s, e in steps if s < fall_s < e)
+        assert moves[0]["t"] == inside[1], (moves[0]["t"], fall_s, inside)
