@@ -14,12 +14,14 @@ carried over from its last decisions (fed back by the executor). The `elastic` p
   spot offer whose VM was reclaimed within two minutes of its launch rests as long: the market
   leaves it out of the quotes, `elastic.policy.market.RECLAIMED_EARLY_S`);
 - **renting**: up to the world's target size (world.replicas, grown when budget.max_hours needs a
-  bigger world; world.max_replicas under the pause rule), counting nodes held, booting and on their way, not those leaving; each launch where
-  the planner says (`planner.choose_launch`);
+  bigger world; world.max_replicas under the pause rule), counting nodes held, booting and on
+  their way, not those leaving; each launch where the planner says (`planner.choose_launch`), at
+  once, inside an outer step too;
 - **re-plan**: once `planner.replan_every_s` has passed since the last one, the world is steady
-  (nothing booting, renting, leaving or moving) and no outer step is under way, grow the target if the deadline needs it and move
-  the replicas a clearly cheaper offer beats (`planner.replan_all`; the whole world when its region
-  rests after a spike of preemptions). The new VM is rented; the old one leaves at once (`Release`)
+  (nothing booting, renting, leaving or moving) and no outer step is under way (a replica joins
+  only at a step boundary), grow the target if the deadline needs it and move the replicas a
+  clearly cheaper offer beats (`planner.replan_all`; the whole world when its region rests after a
+  spike of preemptions). The new VM is rented; the old one leaves at once (`Release`)
   when its tokens cost more than the new VM's, boot included (`planner.leaves_at_once`), else
   drains once the new one trains;
 - **deadline** (with budget.max_hours, a spot recipe and on-demand offers in the snapshot): the
@@ -721,8 +723,8 @@ def _replan_due(s: Snapshot) -> bool:
     no outer step under way. A replica joins the world only at a step boundary and one that leaves
     trains to the end of the step, so a move decided inside a step gains no training before its
     end; it only chases the price of that moment (the driver asks on every tick, at each row of a
-    price trace: on the spiky synthetic markets 3.6 % dearer on average over 20 seeds than deciding
-    at the boundary, docs/benchmarks.md). Renting to replace a lost replica or to reach the target is
+    price trace: on the synthetic spikes and waves markets 4.5 % and 3.2 % dearer on average over 20
+    seeds than deciding at the boundary, docs/benchmarks.md). Renting to replace a lost replica or to reach the target is
     not held to the boundary: its boot starts at once."""
     return s.between_steps and s.time_s - s.last_replan_s >= s.recipe.planner.replan_every_s and _steady(s)
 
