@@ -218,7 +218,9 @@ class Driver:
                         quotes=tuple(quotes), on_demand_quotes=tuple(on_demand), progress=self._progress(),
                         spent_usd=self.prices.spent_usd(now),
                         budget_horizon_s=self._last_step_s, checkpointed_step=self._checkpointed_step,
-                        between_steps=self._step_started_s is None, **self.executor.fed(now))
+                        between_steps=self._step_started_s is None, step_s=self._last_step_s,
+                        step_end_s=(self._step_started_s or now) + self._last_step_s if self._last_step_s else None,
+                        member_lost_at_s=self._member_lost_at_s, **self.executor.fed(now))
 
     def decide(self) -> None:
         """Gather a snapshot, ask the policy and have the executor do what it says (rent in the
@@ -276,6 +278,7 @@ class Driver:
                     self.terminate(ev.instance_id)
                     continue
                 # End the inner phase early enough to contribute before the node goes.
+                self._member_lost_at_s = time.time()   # a training replica is going (the timing rule)
                 margin_s = max(0.5, 2 * self._last_sync_s)
                 self.world.request_stop(rep.replica_id, ev.deadline - margin_s)
                 self._draining[rep.replica_id] = ev.deadline
@@ -285,6 +288,8 @@ class Driver:
                                                  replica=rep.replica_id if rep else None))
                 if rep is not None:
                     phase = self.world.phase if rep.replica_id in self.world.replicas else "setup"
+                    if rep.replica_id in self.world.replicas:
+                        self._member_lost_at_s = time.time()
                     lost = self.recipe.train.inner_steps if phase in ("inner", "sync") else 0
                     self.world.drop(rep.replica_id, "preempted" + (" after notice" if ev.with_notice else ""),
                                     phase=phase, lost_inner_steps=lost)
@@ -318,6 +323,7 @@ class Driver:
 
     _last_sync_s = 0.0
     _last_step_s = 0.0   # the budget is next checked about this long after a launch
+    _member_lost_at_s = float("-inf")   # unix time a training replica was last preempted or noticed
 
     def _step_world(self):
         """One outer step. The world runs it and returns what happened at each pause; the driver

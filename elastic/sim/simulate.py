@@ -22,8 +22,9 @@ Two models of the job, by the policy's `whole_job`:
   The policy is asked where the driver's ticks (every 0.1 s, in a phase and between phases) would
   find it due (`Policy.due`): at each loss, row of the trace, boot's end, re-plan interval and
   wake-up the policy asked for, in a phase too (a replica is rented the moment a row gives room,
-  not at the phase's end), and short of a world also every `WAIT_S`. A snapshot taken in a phase
-  says so (`Snapshot.between_steps`).
+  not at the phase's end, or when the timing rule asked, `Policy.next_look_s`), and short of a
+  world also every `WAIT_S`. A snapshot taken in a phase says so (`Snapshot.between_steps`), with
+  the phase's end and length and when a member was last lost (the timing rule's inputs).
   Under the pause rule (budget.max_hours, `planner.pauses`) the policy is asked at each price sample
   (`planner.price_sample_s`), in a phase too, and a `Pause` takes effect at the next outer-step
   boundary: a checkpoint, every VM released, the wait not counted against world.capacity_timeout_s;
@@ -380,6 +381,14 @@ class _Run:
 
 # -- the two models of a job ------------------------------------------------------------------------
 
+@dataclasses.dataclass
+class _Step:
+    """The outer step under way (or the last one, between steps), as the snapshot reports it."""
+    end: float = 0.0   # when it ends (simulated seconds)
+    s: float = 0.0     # its length; 0: no step yet
+    member_lost_at: float = -math.inf   # when a member of a step was last lost
+
+
 def _elastic_world(run: _Run) -> None:
     """A world whose DiLoCo survivors train through a preemption, run by the policy (the `elastic`
     one: the driver's) on the trace: its actions are carried out at once (a launch the trace's
@@ -401,6 +410,7 @@ def _elastic_world(run: _Run) -> None:
         due_at = ex.state.priced_at_s + sample_s
         return due_at - run.t if due_at > run.t + 1e-6 else sample_s
     short_since = None
+    step = _Step()
 
     def due() -> bool:
         """The driver's question on each tick (`Policy.due`, the offers unread), on what is held now:
@@ -434,7 +444,9 @@ def _elastic_world(run: _Run) -> None:
                                                            rest_reclaimed=on_demand)),
                                 budget_horizon_s=horizon_s,
                                 on_demand_quotes=tuple(market.quote(o, run.t) for o in run.market.offers(run.t, False))
-                                if on_demand else (), between_steps=not run.in_phase, **ex.fed(run.t))
+                                if on_demand else (), between_steps=not run.in_phase,
+                                step_end_s=(step.end if run.in_phase else run.t + step.s) if step.s else None,
+                                step_s=step.s, member_lost_at_s=step.member_lost_at, **ex.fed(run.t))
             if ex.act(snap):
                 break
         if ex.state.gave_up:
@@ -487,6 +499,7 @@ def _elastic_world(run: _Run) -> None:
             break
         start, end, lost, share = run.t, run.t + dt, set(), None
         run.in_phase = True
+        step.end, step.s = end, dt
         # As the driver does on a notice: the world's inner phase ends by the deadline less twice the
         # sync, everyone syncs, the noticed replica with its partial phase, then it leaves.
         margin_s = max(0.5, 2 * world.sync_penalty_s)
@@ -504,6 +517,8 @@ def _elastic_world(run: _Run) -> None:
                     act(end - run.t)
                 continue
             lost.update(gone)
+            if ids & set(gone):
+                step.member_lost_at = run.t
             if any(iid in ids and notice_s(n.offer.cloud) > margin_s for iid, n in gone.items()):
                 share = min(1.0, max(0.0, run.t - margin_s - start) / max(dt - world.sync_penalty_s, 1e-9))
                 break

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from elastic.policy.planner import Progress
-from elastic.policy.rules import (Checkpoint, HoldBack, HoldReason, Node, Refusal, Release, Rent, Replan, Retarget, Snapshot,
+from elastic.policy.rules import (Checkpoint, ElasticPolicy, HoldBack, HoldReason, Node, Refusal, Release, Rent, Replan, Retarget, Snapshot,
                             checkpoint_due, decide, due, launch_fits_budget, stop_for_budget)
 from tests.elastic.policy.test_planner import offer, quote, recipe
 
@@ -47,6 +47,32 @@ def test_every_node_noticed_at_once_is_replaced_at_once():
     # Launches already under way count: only the rest is rented.
     s = snap(r, noticed, [quote(offer("r1a", 8.0))], target_replicas=4, pending=(offer("r1a", 8.0),) * 3)
     assert rents(decide(s)) == ["r1a"]
+
+
+def test_a_replica_the_world_trains_without_is_rented_to_join_at_a_step_boundary():
+    # A world of 3 (world.min_replicas 2) trains steps of 1,000 s; the fourth replica boots 600 s
+    # (planner.recovery_s). Rented now, 200 s before the step ends, it could join only at the
+    # boundary after (1,200 s on): 600 s billed idle. It is rented 700 s before that boundary
+    # (its boot and a tenth of a step), and `next_look_s` wakes the host then.
+    r = recipe(**{"world.min_replicas": 2})
+    world = held(3)
+    q = [quote(offer("r1a", 8.0))]
+    timed = {"target_replicas": 4, "step_end_s": T + 200, "step_s": 1000.0, "between_steps": False}
+    acts = decide(snap(r, world, q, **timed))
+    assert acts == [HoldBack(HoldReason.TIMING, held=3)]
+    pol = ElasticPolicy()
+    assert pol.next_look_s(snap(r, world, q, **timed)) == pytest.approx(1200 - 700)
+    at = T + 500
+    assert rents(decide(snap(r, world, q, **{**timed, "time_s": at}))) == ["r1a"]
+    # With time for its boot before this step's end, it is rented for this boundary: 700 s before it.
+    assert decide(snap(r, world, q, **{**timed, "step_end_s": T + 900})) == [HoldBack(HoldReason.TIMING, held=3)]
+    assert pol.next_look_s(snap(r, world, q, **{**timed, "step_end_s": T + 900})) == pytest.approx(200)
+    # Within the quiet hour after a training replica was lost (losses come in storms): rented now.
+    assert rents(decide(snap(r, world, q, member_lost_at_s=T - 3599, **timed))) == ["r1a"]
+    assert decide(snap(r, world, q, member_lost_at_s=T - 3601, **timed)) == [HoldBack(HoldReason.TIMING, held=3)]
+    # No world training (fewer than world.min_replicas ready), or no step timing yet: rented now.
+    assert rents(decide(snap(r, held(1) + held(2, ready=False), q, **timed))) == ["r1a"]
+    assert rents(decide(snap(r, world, q, **{**timed, "step_end_s": None, "step_s": 0.0}))) == ["r1a"]
 
 
 def test_offers_refusing_capacity_rest_for_the_cooldown_then_count_again():

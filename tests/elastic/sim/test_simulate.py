@@ -11,6 +11,7 @@ import pytest
 
 from elastic.errors import UserError
 from elastic.recipe.model import load_recipe
+from elastic.policy.rules import JOIN_MARGIN
 from elastic.sim.simulate import simulate
 from tests.conftest import REPO, run_cli, tiny_recipe
 
@@ -416,12 +417,15 @@ def test_a_simulation_that_trains_nothing_says_why_in_one_line(tmp_path):
     assert "a2-highgpu-8g (8xA100)" in lines[0] and "Traceback" not in r.stderr
 
 
-def test_room_that_comes_back_inside_a_step_is_rented_at_its_row_and_a_move_waits_for_the_boundary(tmp_path):
+def test_room_that_comes_back_inside_a_step_is_rented_to_join_at_a_boundary_and_a_move_waits_for_one(tmp_path):
     # r1a holds two VMs of the world of four; r1b has none until a row inside an outer step. The
-    # driver's ticks ask the policy on every tick while the world is short of its target: r1b's
-    # two VMs are rented at that row, not at the step's end. Later r2a's price falls to a third at
-    # a row inside a step: a re-plan is made only between steps (a replica joins at a boundary and
-    # the one it replaces trains to the step's end), so the move's VMs are rented at the next boundary.
+    # driver's ticks ask the policy there (the world is short of its target), and the timing rule
+    # rents r1b's two VMs so that their boot ends just before the first step boundary they can
+    # join at (planner.recovery_s and JOIN_MARGIN of a step before it), not at the row (they would
+    # wait for that boundary, billed) nor at the step's end (they would join a step later). Later
+    # r2a's price falls to a third at a row inside a step: a re-plan is made only between steps (a
+    # replica joins at a boundary and the one it replaces trains to the step's end), so the move's
+    # VMs are rented at the next boundary.
     r = recipe(**{"world.min_replicas": 2, "world.replicas": 4, "world.max_replicas": 4})
     plain = write_trace(tmp_path / "plain.csv", [row(0, "r1a", 10.0, cap=2), row(0, "r1b", 10.0, cap=0),
                                                  row(0, "r2a", 12.0, cap=0)])
@@ -429,7 +433,8 @@ def test_room_that_comes_back_inside_a_step_is_rented_at_its_row_and_a_move_wait
     simulate(r, plain, ["elastic"], 0, kept=kept)
     (s0, e0, _, _), (s1, e1, _, _) = kept["elastic"][:2]
     back_s = round((s1 + e1) / 2)            # inside the second step
-    fall_s = back_s + 4 * round(e1 - s1)     # a few steps on, before the trace's end of the run
+    fall_s = back_s + 4 * round(e1 - s1)     # a few steps on, before the run's end
+    lead = r.planner.recovery_s + JOIN_MARGIN * (e1 - s1)
     trace = write_trace(tmp_path / "back.csv", [row(0, "r1a", 10.0, cap=2), row(0, "r1b", 10.0, cap=0),
                                                 row(back_s, "r1b", 10.0, cap=2), row(0, "r2a", 12.0, cap=0),
                                                 row(fall_s, "r2a", 3.0, cap=4)])
@@ -438,11 +443,42 @@ def test_room_that_comes_back_inside_a_step_is_rented_at_its_row_and_a_move_wait
         res = simulate(r, trace, ["elastic"], seed, ledgers=ledgers, kept=kept)[0]
         assert res["status"] == "completed", res
         events = ledgers["elastic"]
-        steps = [(s, e) for s, e, _, _ in kept["elastic"]]
-        assert any(s < back_s < e for s, e in steps), (back_s, steps[:4])
+        steps = [(s, e, {o.zone for o in m}) for s, e, m, _ in kept["elastic"]]
+        assert any(s < back_s < e for s, e, _ in steps), (back_s, steps[:4])
+        boundary = next(e for _, e, _ in steps if e >= back_s + lead - 1e-6)
         r1b = sorted(e["t"] for e in events if e["type"] == "node_launched" and e["zone"] == "r1b")
-        assert r1b[:2] == [back_s, back_s], r1b
+        assert r1b[:2] == pytest.approx([boundary - lead] * 2) and r1b[0] > back_s, (r1b, back_s, boundary)
+        assert next(s for s, _, zones in steps if "r1b" in zones) == pytest.approx(boundary)
         moves = [e for e in events if e["type"] == "replica_move" and e["zone"] == "r2a"]
         assert moves, events
-        inside = next((s, e) for s, e in steps if s < fall_s < e)
+        inside = next((s, e) for s, e, _ in steps if s < fall_s < e)
         assert moves[0]["t"] == inside[1], (moves[0]["t"], fall_s, inside)
+
+
+def test_a_training_replica_lost_is_replaced_at_once_not_timed_for_a_boundary(tmp_path):
+    # A world of three (world.min_replicas 2): one VM in r1a, two in r1b. Inside a step, r1a's VM is
+    # taken (a 60-per-hour hazard for 300 s). Two replicas still train, so the timing rule could hold
+    # the replacement for the boundary it joins at; within the quiet hour after a loss it does not
+    # (losses come in storms, and the replacement is what the world restarts on if the rest go).
+    r = recipe(**{"world.min_replicas": 2, "world.replicas": 3, "world.max_replicas": 3})
+    plain = write_trace(tmp_path / "plain.csv", [row(0, "r1a", 10.0, cap=1), row(0, "r1b", 10.0, cap=2)])
+    kept: dict = {}
+    simulate(r, plain, ["elastic"], 0, kept=kept)
+    s1, e1 = kept["elastic"][1][:2]
+    storm_s = round(s1 + (e1 - s1) / 4)
+    trace = write_trace(tmp_path / "storm.csv", [row(0, "r1a", 10.0, cap=1), row(storm_s, "r1a", 10.0, rate=60.0, cap=1),
+                                                 row(storm_s + 300, "r1a", 10.0, cap=1), row(0, "r1b", 10.0, cap=2)])
+    checked = 0
+    for seed in range(5):
+        ledgers, kept = {}, {}
+        res = simulate(r, trace, ["elastic"], seed, ledgers=ledgers, kept=kept)[0]
+        assert res["status"] == "completed", res
+        events = ledgers["elastic"]
+        zone = {e["instance_id"]: e["zone"] for e in events if e["type"] == "node_launched"}
+        lost = [e for e in events if e["type"] == "node_preempted" and zone[e["instance_id"]] == "r1a"]
+        if not lost or not any(s < lost[0]["t"] <= e + 1e-6 for s, e, _, _ in kept["elastic"]):
+            continue   # drawn outside a step (one chance in about 150; a GCP notice ends the step there)
+        checked += 1
+        after = [e["t"] for e in events if e["type"] == "node_launched" and e["t"] >= lost[0]["t"]]
+        assert after and after[0] == lost[0]["t"], (lost[0], after[:2])
+    assert checked >= 4
