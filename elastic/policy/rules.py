@@ -510,6 +510,8 @@ class ElasticPolicy(Policy):
         # margin: the clock alone gets it there.
         need = on_demand_need(s)
         look = need.slack_s - need.margin_s + LOOK_PAST_S if need is not None and not need.late else math.inf
+        if _initial_target(s) <= len(_in_world(s)) + len(s.pending):
+            return look
         at = _rent_at_s(s)   # a launch held for the step boundary it will join at
         return min(look, at - s.time_s) if at > s.time_s else look
 
@@ -998,8 +1000,8 @@ def _rent_at_s(s: Snapshot) -> float:
     timing is unknown, and within `QUIET_AFTER_LOSS_S` of a loss of a training replica: spot
     losses come in storms, and a replacement rented at once is what the world restarts on if the
     storm takes the rest (timing those too cost 4.6 % on the synthetic scarce markets and 5.8 % on
-    the spiky ones, 20 seeds; with the quiet hour every synthetic market is within 0.3 % or cheaper
-    and the 8-GPU V100 trace $787.04 → $780.64, docs/benchmarks.md)."""
+    the spiky ones, 20 seeds; with the quiet hour no synthetic market is dearer and the 8-GPU V100
+    trace $787.04 → $780.64, docs/benchmarks.md)."""
     if s.step_end_s is None or s.step_s <= 0 or s.time_s - s.member_lost_at_s < QUIET_AFTER_LOSS_S:
         return s.time_s
     if sum(1 for n in s.nodes if n.ready and not n.leaving) < s.recipe.world.min_replicas:
