@@ -63,7 +63,7 @@ def test_a_replica_the_world_trains_without_is_rented_to_join_at_a_step_boundary
     assert acts == [HoldBack(HoldReason.TIMING, held=3)]
     pol = ElasticPolicy()
     assert pol.next_look_s(snap(r, world, q, **timed)) == pytest.approx(1200 - 700)
-    assert pol.next_look_s(snap(r, world, q, **{**timed, "target_replicas": 3})) == math.inf   # nothing wanted
+    assert pol.next_look_s(snap(r, held(4), q, **timed)) == math.inf   # at its target: nothing to time
     at = T + 500
     assert rents(decide(snap(r, world, q, **{**timed, "time_s": at}))) == ["r1a"]
     # With time for its boot before this step's end, it is rented for this boundary: 700 s before it.
