@@ -412,12 +412,16 @@ def _elastic_world(run: _Run) -> None:
     short_since = None
     step = _Step()
 
+    def held(quote) -> tuple[Node, ...]:
+        """The VMs held, as the snapshot shows them (`quote`: a `_Node`'s `Quote`)."""
+        moving = {n.drain_for for n in run.nodes.values() if n.drain_for}
+        return tuple(Node(n.iid, quote(n), n.launched_at, ready=n.ready_at <= run.t, leaving=n.iid in run.leaving,
+                          moving=n.iid in moving) for n in run.nodes.values())
+
     def due() -> bool:
         """The driver's question on each tick (`Policy.due`, the offers unread), on what is held now:
         the policy is asked only when it says it may act, in a phase and between phases alike."""
-        moving = {n.drain_for for n in run.nodes.values() if n.drain_for}
-        nodes = tuple(Node(n.iid, Quote(run.now_offer(n), 0.0, "trace"), n.launched_at, ready=n.ready_at <= run.t,
-                           leaving=n.iid in run.leaving, moving=n.iid in moving) for n in run.nodes.values())
+        nodes = held(lambda n: Quote(run.now_offer(n), 0.0, "trace"))
         return run.policy.due(run.snapshot(nodes=nodes, between_steps=not run.in_phase, **ex.fed(run.t)))
 
     def next_ask_at() -> float:
@@ -435,11 +439,7 @@ def _elastic_world(run: _Run) -> None:
         run.in_phase = bool(horizon_s)
         for _ in range(len(run.market.offers(run.t, recipe.resources.spot)) + 1):
             market.observe(run.events)
-            moving = {n.drain_for for n in run.nodes.values() if n.drain_for}
-            nodes = tuple(Node(n.iid, market.quote(run.now_offer(n), run.t), n.launched_at,
-                               ready=n.ready_at <= run.t, leaving=n.iid in run.leaving, moving=n.iid in moving)
-                          for n in run.nodes.values())
-            snap = run.snapshot(nodes=nodes,
+            snap = run.snapshot(nodes=held(lambda n: market.quote(run.now_offer(n), run.t)),
                                 quotes=tuple(market.quotes(run.market.offers(run.t, recipe.resources.spot), run.t,
                                                            rest_reclaimed=on_demand)),
                                 budget_horizon_s=horizon_s,
