@@ -60,6 +60,7 @@ class PolicyState:
         capacity_logged, budget_logged: `launch_held_back` written for this shortage / this run.
         spread_logged: `launch_held_back` (spread) written since the last launch.
         no_world_logged: `launch_held_back` (no_world) written since the last launch.
+        timing_logged: `launch_held_back` (timing) written since the last launch.
         waits_for_capacity: the policy's `waits_for_capacity` on the last decision's snapshot: a
             shortage does not end the run after world.capacity_timeout_s.
         next_look_at_s: when the policy wants to decide again though nothing else changes
@@ -84,6 +85,7 @@ class PolicyState:
     capacity_logged: bool = False
     spread_logged: bool = False
     no_world_logged: bool = False
+    timing_logged: bool = False
     budget_logged: bool = False
     waits_for_capacity: bool = False
     next_look_at_s: float = math.inf
@@ -172,6 +174,7 @@ class Executor:
                     self.refused(a.quote.offer, now)
                     return False
                 st.capacity_logged = st.budget_held_back = st.spread_logged = st.no_world_logged = False
+                st.timing_logged = False
                 if a.deadline is not None and st.on_demand_since is None:
                     d = a.deadline
                     st.on_demand_since = now
@@ -185,8 +188,8 @@ class Executor:
 
     def _held_back(self, a: HoldBack, s: Snapshot) -> None:
         """A launch not made: `launch_held_back` once per capacity shortage, once per spread held
-        back and once per wait for a world (each until the next launch), and once per run for the
-        budget."""
+        back, once per wait for a world and once per launch timed for a step boundary (each until
+        the next launch), and once per run for the budget."""
         st = self.state
         if a.reason == HoldReason.SPREAD and not st.spread_logged:
             st.spread_logged = True
@@ -194,6 +197,9 @@ class Executor:
         elif a.reason == HoldReason.NO_WORLD and not st.no_world_logged:
             st.no_world_logged = True
             self.host.record(LaunchHeldBack(reason=HeldBack.NO_WORLD, held=a.held, message=a.message))
+        elif a.reason == HoldReason.TIMING and not st.timing_logged:
+            st.timing_logged = True
+            self.host.record(LaunchHeldBack(reason=HeldBack.TIMING, held=a.held, message=a.message))
         elif a.reason == HoldReason.CAPACITY and not st.capacity_logged:   # every offer is at its known capacity
             st.capacity_logged = True
             self.host.record(LaunchHeldBack(reason=HeldBack.CAPACITY, held=a.held,

@@ -332,7 +332,8 @@ class HoldBack:
         usd_per_hour: for `budget`, the price of the launch refused.
         gives_up: for `budget`, too few nodes for world.min_replicas and none on its way: the run
             cannot go on.
-        message: for `spread` and `no_world`, why, in words.
+        message: for `spread`, `no_world` and `timing`, why, in words.
+        rent_at_s: for `timing`, when the launch is made.
     """
 
     reason: HoldReason
@@ -340,6 +341,7 @@ class HoldBack:
     usd_per_hour: float = 0.0
     gives_up: bool = False
     message: str = ""
+    rent_at_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -831,7 +833,7 @@ def _steady_world(s: Snapshot, quotes: list[Quote]) -> list[Action]:
     wanted = max(0, target - len(held))
     if wanted:
         rents = _top_up(s, quotes, held, wanted, need)
-        if rents != [HoldBack(HoldReason.TIMING, held=len(held))]:
+        if not _timed(rents):
             return out + rents
         out += rents   # timed for a later boundary: the world held may still re-plan now
     if _replan_due(s) and s.quotes:
@@ -961,9 +963,9 @@ def _pending_quote(s: Snapshot, offer: Offer) -> Quote:
 def _top_up(s: Snapshot, quotes: list[Quote], held: list[Quote], wanted: int,
             need: OnDemandNeed | None = None) -> list[Action]:
     """Rent `wanted` more where the planner says, each within the budget (`need`: the deadline
-    rule's reading when it let on-demand offers in: an on-demand launch carries it)."""
-    if wanted and _rent_at_s(s) > s.time_s:
-        return [HoldBack(HoldReason.TIMING, held=len(held))]
+    rule's reading when it let on-demand offers in: an on-demand launch carries it). Launches it
+    would make are held instead, every one, when the timing rule (`_rent_at_s`) times them for a
+    later step boundary."""
     out: list[Action] = []
     held = list(held)
     spent, rate = s.spent_usd, usd_per_hour_held(s)
@@ -988,7 +990,20 @@ def _top_up(s: Snapshot, quotes: list[Quote], held: list[Quote], wanted: int,
         out.append(Rent(q, deadline=need if need is not None and not q.offer.spot else None))
         held.append(q)
         rate += q.offer.usd_per_hour
+    rents = sum(1 for a in out if isinstance(a, Rent))
+    at = _rent_at_s(s) if rents else s.time_s
+    if at > s.time_s:   # the timing rule: these launches are made later, for the boundary they join at
+        boundary = at + s.recipe.planner.recovery_s + JOIN_MARGIN * s.step_s
+        return [HoldBack(HoldReason.TIMING, held=len(held) - rents, rent_at_s=at,
+                         message=f"{rents} launch(es) held {at - s.time_s:.0f} s: a VM rented now would wait, "
+                                 f"billed, after its boot for the outer-step boundary it joins at "
+                                 f"({boundary - s.time_s:.0f} s away)")]
     return out
+
+
+def _timed(actions: list[Action]) -> bool:
+    """`_top_up` held its launches for a later step boundary (the timing rule) and did nothing else."""
+    return len(actions) == 1 and isinstance(actions[0], HoldBack) and actions[0].reason == HoldReason.TIMING
 
 
 def _rent_at_s(s: Snapshot) -> float:

@@ -49,6 +49,7 @@ class HeldBack(StrEnum):
     BUDGET = "budget.max_usd"           # the next VM would take the spend past the budget
     SPREAD = "spread"                   # the next VM would spread the world over another site while the deadline allows
     NO_WORLD = "no_world"               # spot has no room for a world and the run is not far behind its deadline's line
+    TIMING = "timing"                   # a VM rented now would wait, billed, for the step boundary it joins at: rented later
 
 
 class LossRule(StrEnum):
@@ -463,9 +464,10 @@ class LaunchFailed(Event):
 
 @_event("launch_held_back")
 class LaunchHeldBack(Event):
-    """Launches are held back. Args: reason: `HeldBack.CAPACITY`, `HeldBack.SPREAD` or
-    `HeldBack.NO_WORLD` (then held: VMs held or on their way, message: why) or `HeldBack.BUDGET`
-    (then spent_usd: USD spent, usd_per_hour: the next VM's price)."""
+    """Launches are held back. Args: reason: `HeldBack.CAPACITY`, `HeldBack.SPREAD`,
+    `HeldBack.NO_WORLD` or `HeldBack.TIMING` (then held: VMs held or on their way, message: why, and
+    for timing when the launch is made) or `HeldBack.BUDGET` (then spent_usd: USD spent,
+    usd_per_hour: the next VM's price)."""
 
     reason: HeldBack
     held: int | None = None
@@ -474,7 +476,7 @@ class LaunchHeldBack(Event):
     usd_per_hour: float | None = None
 
     def story(self) -> str:
-        why = f": {self.message}" if self.reason in (HeldBack.SPREAD, HeldBack.NO_WORLD) and self.message else ""
+        why = f": {self.message}" if self.reason in (HeldBack.SPREAD, HeldBack.NO_WORLD, HeldBack.TIMING) and self.message else ""
         return f"launches held back ({self.reason}){why}"
 
 

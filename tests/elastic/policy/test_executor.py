@@ -90,3 +90,10 @@ def test_each_action_lands_in_the_state_or_the_host_and_comes_back_in_the_snapsh
     assert host.events == ["launch_held_back"]
     ex.apply([Rent(old), HoldBack("no_world", held=1, message="why")], Snapshot(r, 410.0))
     assert host.events == ["launch_held_back", "launch_held_back"]
+
+    # A launch timed for a step boundary: one line (with when) until the next launch, then again.
+    host.events.clear()
+    ex.apply([HoldBack("timing", held=3, message="when", rent_at_s=600.0)] * 2, Snapshot(r, 500.0))
+    assert host.events == ["launch_held_back"]
+    ex.apply([Rent(old), HoldBack("timing", held=4, message="when", rent_at_s=700.0)], Snapshot(r, 610.0))
+    assert host.events == ["launch_held_back", "launch_held_back"]

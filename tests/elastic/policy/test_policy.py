@@ -50,6 +50,12 @@ def test_every_node_noticed_at_once_is_replaced_at_once():
     assert rents(decide(s)) == ["r1a"]
 
 
+def held_until(acts) -> float:
+    """When the timing rule's held launch is made (the only action, held for 3 VMs)."""
+    assert len(acts) == 1 and acts[0].reason == HoldReason.TIMING and acts[0].held == 3, acts
+    return acts[0].rent_at_s
+
+
 def test_a_replica_the_world_trains_without_is_rented_to_join_at_a_step_boundary():
     # A world of 3 (world.min_replicas 2) trains steps of 1,000 s; the fourth replica boots 600 s
     # (planner.recovery_s). Rented now, 200 s before the step ends, it could join only at the
@@ -60,18 +66,20 @@ def test_a_replica_the_world_trains_without_is_rented_to_join_at_a_step_boundary
     q = [quote(offer("r1a", 8.0))]
     timed = {"target_replicas": 4, "step_end_s": T + 200, "step_s": 1000.0, "between_steps": False}
     acts = decide(snap(r, world, q, **timed))
-    assert acts == [HoldBack(HoldReason.TIMING, held=3)]
+    assert held_until(acts) == pytest.approx(T + 500)
+    assert acts[0].message == "1 launch(es) held 500 s: a VM rented now would wait, billed, after its boot for the " \
+                              "outer-step boundary it joins at (1200 s away)"
     pol = ElasticPolicy()
     assert pol.next_look_s(snap(r, world, q, **timed)) == pytest.approx(1200 - 700)
     assert pol.next_look_s(snap(r, held(4), q, **timed)) == math.inf   # at its target: nothing to time
     at = T + 500
     assert rents(decide(snap(r, world, q, **{**timed, "time_s": at}))) == ["r1a"]
     # With time for its boot before this step's end, it is rented for this boundary: 700 s before it.
-    assert decide(snap(r, world, q, **{**timed, "step_end_s": T + 900})) == [HoldBack(HoldReason.TIMING, held=3)]
+    assert held_until(decide(snap(r, world, q, **{**timed, "step_end_s": T + 900}))) == pytest.approx(T + 200)
     assert pol.next_look_s(snap(r, world, q, **{**timed, "step_end_s": T + 900})) == pytest.approx(200)
     # Within the quiet hour after a training replica was lost (losses come in storms): rented now.
     assert rents(decide(snap(r, world, q, member_lost_at_s=T - 3599, **timed))) == ["r1a"]
-    assert decide(snap(r, world, q, member_lost_at_s=T - 3601, **timed)) == [HoldBack(HoldReason.TIMING, held=3)]
+    assert held_until(decide(snap(r, world, q, member_lost_at_s=T - 3601, **timed))) == pytest.approx(T + 500)
     # No world training (fewer than world.min_replicas ready), or no step timing yet: rented now.
     assert rents(decide(snap(r, held(1) + held(2, ready=False), q, **timed))) == ["r1a"]
     assert rents(decide(snap(r, world, q, **{**timed, "step_end_s": None, "step_s": 0.0}))) == ["r1a"]

@@ -449,6 +449,9 @@ def test_room_that_comes_back_inside_a_step_is_rented_to_join_at_a_boundary_and_
         r1b = sorted(e["t"] for e in events if e["type"] == "node_launched" and e["zone"] == "r1b")
         assert r1b[:2] == pytest.approx([boundary - lead] * 2) and r1b[0] > back_s, (r1b, back_s, boundary)
         assert next(s for s, _, zones in steps if "r1b" in zones) == pytest.approx(boundary)
+        timed = [e for e in events if e["type"] == "launch_held_back" and e["reason"] == "timing"]
+        assert [e["t"] for e in timed] == [back_s], timed   # the ledger says why, once, at the row
+        assert f"({round(boundary - back_s)} s away)" in timed[0]["message"], (timed[0], boundary)
         moves = [e for e in events if e["type"] == "replica_move" and e["zone"] == "r2a"]
         assert moves, events
         inside = next((s, e) for s, e, _ in steps if s < fall_s < e)
