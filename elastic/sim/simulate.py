@@ -387,6 +387,7 @@ class _Step:
     end: float = 0.0   # when it ends (simulated seconds)
     s: float = 0.0     # its length; 0: no step yet
     member_lost_at: float = -math.inf   # when a member of a step was last lost
+    members: frozenset[str] = frozenset()   # the VMs that train it (inside it, the only ones ready)
 
 
 def _elastic_world(run: _Run) -> None:
@@ -413,10 +414,13 @@ def _elastic_world(run: _Run) -> None:
     step = _Step()
 
     def held(quote) -> tuple[Node, ...]:
-        """The VMs held, as the snapshot shows them (`quote`: a `_Node`'s `Quote`)."""
+        """The VMs held, as the snapshot shows them (`quote`: a `_Node`'s `Quote`). Ready, as the
+        driver's (its replica is in the world): inside a step, the step's members only (a VM up
+        since joins at its end); between steps, every VM up (it joins now)."""
         moving = {n.drain_for for n in run.nodes.values() if n.drain_for}
-        return tuple(Node(n.iid, quote(n), n.launched_at, ready=n.ready_at <= run.t, leaving=n.iid in run.leaving,
-                          moving=n.iid in moving) for n in run.nodes.values())
+        return tuple(Node(n.iid, quote(n), n.launched_at, leaving=n.iid in run.leaving, moving=n.iid in moving,
+                          ready=n.ready_at <= run.t and (not run.in_phase or n.iid in step.members))
+                     for n in run.nodes.values())
 
     def due() -> bool:
         """The driver's question on each tick (`Policy.due`, the offers unread), on what is held now:
@@ -504,6 +508,7 @@ def _elastic_world(run: _Run) -> None:
         # sync, everyone syncs, the noticed replica with its partial phase, then it leaves.
         margin_s = max(0.5, 2 * world.sync_penalty_s)
         ids = {m.iid for m in members}
+        step.members = frozenset(ids)
         while run.t < end - 1e-6 and run.status is None:
             # Under the pause rule the policy samples the market every planner.price_sample_s, in
             # a phase too (as the driver's ticks do): a history sampled only at phase ends would

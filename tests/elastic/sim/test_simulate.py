@@ -458,6 +458,40 @@ def test_room_that_comes_back_inside_a_step_is_rented_to_join_at_a_boundary_and_
         assert moves[0]["t"] == inside[1], (moves[0]["t"], fall_s, inside)
 
 
+def test_a_vm_up_inside_a_step_is_not_counted_as_training_before_the_boundary_it_joins_at(tmp_path):
+    # As the driver's snapshot (`Node.ready`: its replica is in the world), the simulator's counts a
+    # replica as training once it joined, at a step boundary, not once its VM is up: the timing
+    # rule has r1b's two VMs up a tenth of a step before the boundary they join at, and the policy
+    # asked in that tenth (at their boot's end) sees them booted but not training.
+    from elastic.policy.rules import ElasticPolicy
+
+    class Seeing(ElasticPolicy):
+        seen: list = []
+
+        def due(self, s):
+            Seeing.seen.append((s.time_s, s.between_steps, {n.instance_id: n.ready for n in s.nodes}))
+            return super().due(s)
+
+    r = recipe(**{"world.min_replicas": 2, "world.replicas": 4, "world.max_replicas": 4})
+    plain = write_trace(tmp_path / "plain.csv", [row(0, "r1a", 10.0, cap=2), row(0, "r1b", 10.0, cap=0)])
+    kept: dict = {}
+    simulate(r, plain, ["elastic"], 0, kept=kept)
+    s1, e1 = kept["elastic"][1][:2]
+    back_s = round((s1 + e1) / 2)
+    trace = write_trace(tmp_path / "back.csv", [row(0, "r1a", 10.0, cap=2), row(0, "r1b", 10.0, cap=0),
+                                                row(back_s, "r1b", 10.0, cap=2)])
+    ledgers, kept = {}, {}
+    simulate(r, trace, [Seeing()], 0, ledgers=ledgers, kept=kept)
+    r1b = [e for e in ledgers["elastic"] if e["type"] == "node_launched" and e["zone"] == "r1b"]
+    up_s = r1b[0]["t"] + r.planner.recovery_s
+    boundary = next(e for s, e, _, _ in kept["elastic"] if s < up_s < e)
+    inside = [ready for t, between, ready in Seeing.seen if up_s <= t < boundary - 1e-6 and not between]
+    assert inside, (up_s, boundary)   # asked at their boot's end, inside the step
+    assert all(not ready[e["instance_id"]] for ready in inside for e in r1b), inside
+    after = [ready for t, _, ready in Seeing.seen if t >= boundary - 1e-6 and all(e["instance_id"] in ready for e in r1b)]
+    assert after and all(after[0][e["instance_id"]] for e in r1b), after[:1]   # joined at the boundary
+
+
 def test_a_training_replica_lost_is_replaced_at_once_not_timed_for_a_boundary(tmp_path):
     # A world of three (world.min_replicas 2): one VM in r1a, two in r1b. Inside a step, r1a's VM is
     # taken (a 60-per-hour hazard for 300 s). Two replicas still train, so the timing rule could hold
