@@ -466,10 +466,15 @@ def test_a_vm_up_inside_a_step_is_not_counted_as_training_before_the_boundary_it
     from elastic.policy.rules import ElasticPolicy
 
     class Seeing(ElasticPolicy):
-        seen: list = []
+        """The policy, and what each of the simulator's snapshots showed it: (time, between steps,
+        each VM's `ready`)."""
+
+        def __init__(self):
+            super().__init__()
+            self.seen = []
 
         def due(self, s):
-            Seeing.seen.append((s.time_s, s.between_steps, {n.instance_id: n.ready for n in s.nodes}))
+            self.seen.append((s.time_s, s.between_steps, {n.instance_id: n.ready for n in s.nodes}))
             return super().due(s)
 
     r = recipe(**{"world.min_replicas": 2, "world.replicas": 4, "world.max_replicas": 4})
@@ -480,15 +485,15 @@ def test_a_vm_up_inside_a_step_is_not_counted_as_training_before_the_boundary_it
     back_s = round((s1 + e1) / 2)
     trace = write_trace(tmp_path / "back.csv", [row(0, "r1a", 10.0, cap=2), row(0, "r1b", 10.0, cap=0),
                                                 row(back_s, "r1b", 10.0, cap=2)])
-    ledgers, kept = {}, {}
-    simulate(r, trace, [Seeing()], 0, ledgers=ledgers, kept=kept)
+    ledgers, kept, seeing = {}, {}, Seeing()
+    simulate(r, trace, [seeing], 0, ledgers=ledgers, kept=kept)
     r1b = [e for e in ledgers["elastic"] if e["type"] == "node_launched" and e["zone"] == "r1b"]
     up_s = r1b[0]["t"] + r.planner.recovery_s
     boundary = next(e for s, e, _, _ in kept["elastic"] if s < up_s < e)
-    inside = [ready for t, between, ready in Seeing.seen if up_s <= t < boundary - 1e-6 and not between]
+    inside = [ready for t, between, ready in seeing.seen if up_s <= t < boundary - 1e-6 and not between]
     assert inside, (up_s, boundary)   # asked at their boot's end, inside the step
     assert all(not ready[e["instance_id"]] for ready in inside for e in r1b), inside
-    after = [ready for t, _, ready in Seeing.seen if t >= boundary - 1e-6 and all(e["instance_id"] in ready for e in r1b)]
+    after = [ready for t, _, ready in seeing.seen if t >= boundary - 1e-6 and all(e["instance_id"] in ready for e in r1b)]
     assert after and all(after[0][e["instance_id"]] for e in r1b), after[:1]   # joined at the boundary
 
 
