@@ -189,7 +189,7 @@ class Executor:
     def _held_back(self, a: HoldBack, s: Snapshot) -> None:
         """A launch not made: `launch_held_back` once per capacity shortage, once per spread held
         back, once per wait for a world and once per launch timed for a step boundary (each until
-        the next launch), and once per run for the budget."""
+        the next launch; a timing hold with nothing to launch, none), and once per run for the budget."""
         st = self.state
         if a.reason == HoldReason.SPREAD and not st.spread_logged:
             st.spread_logged = True
@@ -197,7 +197,7 @@ class Executor:
         elif a.reason == HoldReason.NO_WORLD and not st.no_world_logged:
             st.no_world_logged = True
             self.host.record(LaunchHeldBack(reason=HeldBack.NO_WORLD, held=a.held, message=a.message))
-        elif a.reason == HoldReason.TIMING and not st.timing_logged:
+        elif a.reason == HoldReason.TIMING and a.rent_at_s is not None and not st.timing_logged:
             st.timing_logged = True
             self.host.record(LaunchHeldBack(reason=HeldBack.TIMING, held=a.held, message=a.message))
         elif a.reason == HoldReason.CAPACITY and not st.capacity_logged:   # every offer is at its known capacity

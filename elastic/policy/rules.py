@@ -333,7 +333,8 @@ class HoldBack:
         gives_up: for `budget`, too few nodes for world.min_replicas and none on its way: the run
             cannot go on.
         message: for `spread`, `no_world` and `timing`, why, in words.
-        rent_at_s: for `timing`, when the launch is made.
+        rent_at_s: for `timing`, when the launches held are made (None: none could be made now; the
+            executor records nothing then).
     """
 
     reason: HoldReason
@@ -963,9 +964,9 @@ def _pending_quote(s: Snapshot, offer: Offer) -> Quote:
 def _top_up(s: Snapshot, quotes: list[Quote], held: list[Quote], wanted: int,
             need: OnDemandNeed | None = None) -> list[Action]:
     """Rent `wanted` more where the planner says, each within the budget (`need`: the deadline
-    rule's reading when it let on-demand offers in: an on-demand launch carries it). Launches it
-    would make are held instead, every one, when the timing rule (`_rent_at_s`) times them for a
-    later step boundary."""
+    rule's reading when it let on-demand offers in: an on-demand launch carries it). When the timing
+    rule (`_rent_at_s`) times launches for a later step boundary, every one is held instead: one
+    `timing` hold, with `rent_at_s` when launches would be made, without when none could be now."""
     out: list[Action] = []
     held = list(held)
     spent, rate = s.spent_usd, usd_per_hour_held(s)
@@ -990,9 +991,11 @@ def _top_up(s: Snapshot, quotes: list[Quote], held: list[Quote], wanted: int,
         out.append(Rent(q, deadline=need if need is not None and not q.offer.spot else None))
         held.append(q)
         rate += q.offer.usd_per_hour
-    rents = sum(1 for a in out if isinstance(a, Rent))
-    at = _rent_at_s(s) if rents else s.time_s
+    at = _rent_at_s(s) if wanted else s.time_s
     if at > s.time_s:   # the timing rule: these launches are made later, for the boundary they join at
+        rents = sum(1 for a in out if isinstance(a, Rent))
+        if not rents:   # none could be made now anyway: held all the same, nothing to say of timing
+            return [HoldBack(HoldReason.TIMING, held=len(held))]
         boundary = at + s.recipe.planner.recovery_s + JOIN_MARGIN * s.step_s
         return [HoldBack(HoldReason.TIMING, held=len(held) - rents, rent_at_s=at,
                          message=f"{rents} launch(es) held {at - s.time_s:.0f} s: a VM rented now would wait, "

@@ -97,3 +97,5 @@ def test_each_action_lands_in_the_state_or_the_host_and_comes_back_in_the_snapsh
     assert host.events == ["launch_held_back"]
     ex.apply([Rent(old), HoldBack("timing", held=4, message="when", rent_at_s=700.0)], Snapshot(r, 610.0))
     assert host.events == ["launch_held_back", "launch_held_back"]
+    ex.apply([Rent(old), HoldBack("timing", held=5)], Snapshot(r, 620.0))   # nothing it could launch: no line
+    assert host.events == ["launch_held_back", "launch_held_back"]

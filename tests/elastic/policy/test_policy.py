@@ -77,6 +77,8 @@ def test_a_replica_the_world_trains_without_is_rented_to_join_at_a_step_boundary
     # With time for its boot before this step's end, it is rented for this boundary: 700 s before it.
     assert held_until(decide(snap(r, world, q, **{**timed, "step_end_s": T + 900}))) == pytest.approx(T + 200)
     assert pol.next_look_s(snap(r, world, q, **{**timed, "step_end_s": T + 900})) == pytest.approx(200)
+    # Nothing it could rent now: held all the same, with no time to say (the executor records nothing).
+    assert decide(snap(r, world, [], **timed)) == [HoldBack(HoldReason.TIMING, held=3)]
     # Within the quiet hour after a training replica was lost (losses come in storms): rented now.
     assert rents(decide(snap(r, world, q, member_lost_at_s=T - 3599, **timed))) == ["r1a"]
     assert held_until(decide(snap(r, world, q, member_lost_at_s=T - 3601, **timed))) == pytest.approx(T + 500)
