@@ -1,10 +1,13 @@
 """`bench/real_markets.py`: `--zone-pairs`, the two-zone markets of a trace that no rule was tuned
-on; `--policies`, a sweep's run of some policies only."""
+on; `--policies`, a sweep's run of some policies only. `bench/traces/convert_real.py`: the real
+traces are what it writes from the published files, and it refuses a file that is not one."""
 
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
+import shutil
 import subprocess
 import sys
 
@@ -47,3 +50,28 @@ def test_policies_runs_only_those_and_tables_them_in_the_registrys_order(tmp_pat
     bad = subprocess.run([sys.executable, str(REPO / "bench" / "real_markets.py"), "--policies", "cheapest"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "invalid choice: 'cheapest'" in bad.stderr
+
+
+def test_the_real_traces_are_what_the_converter_writes_from_the_published_files(tmp_path):
+    sources = tmp_path / "sources"
+    shutil.copytree(REPO / "bench" / "traces" / "sources", sources)
+    convert = [sys.executable, str(REPO / "bench" / "traces" / "convert_real.py"), "--sources", str(sources)]
+    out = subprocess.run(convert + ["--out", str(tmp_path / "real")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    kept = sorted(p.name for p in (REPO / "bench" / "traces" / "real").glob("*.csv"))
+    assert sorted(p.name for p in (tmp_path / "real").glob("*.csv")) == kept and "aws-v100-4zones.csv" in kept
+    for name in kept:
+        assert (tmp_path / "real" / name).read_bytes() == (REPO / "bench" / "traces" / "real" / name).read_bytes(), name
+    # One count changed in a published file: the converter names it and writes nothing from it.
+    changed = sources / "spot-traces" / "preemption" / "1-node" / "aws-04-22-2023" / "us-west-2b_v100_1.json"
+    changed.write_text(changed.read_text().replace("[0, ", "[1, ", 1))
+    bad = subprocess.run(convert + ["--out", str(tmp_path / "again")], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().endswith("not the file of skypilot-org/spot-traces@221da1a "
+                                       f"(blob {_blob(changed.read_bytes())}, expected 19ee46a13f02344091893c904062f935e350f6e8)")
+    assert not (tmp_path / "again" / "aws-v100-4zones.csv").exists()
+
+
+def _blob(data: bytes) -> str:
+    """The git blob id of a file of these bytes."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
