@@ -15,10 +15,16 @@ class BillingTerms:
     Args:
         minimum_s: seconds billed at least once the VM is gone.
         increment_s: billed time is rounded up to whole increments of this many seconds.
+        interrupted_free_s: a spot VM the cloud itself interrupts within this many seconds of its
+            launch is not billed at all, where one the user terminates bills its seconds (AWS: the
+            first hour, for Linux). 0: no such rule. `elastic.record.billing` does not count it
+            (its figures stay an upper bound); the driver leaves a noticed VM that young for its
+            cloud to reclaim rather than terminating it (`Driver.leaves_to_cloud`).
     """
 
     minimum_s: float
     increment_s: float
+    interrupted_free_s: float = 0.0
 
 
 @dataclass(frozen=True)

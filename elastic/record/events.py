@@ -410,6 +410,26 @@ class NodePreempted(Event):
                 f"{'after a notice' if self.with_notice else 'no notice'})")
 
 
+@_event("node_left_to_cloud")
+class NodeLeftToCloud(Event):
+    """A VM out of the run after a notice, left for its cloud to reclaim at the notice's deadline
+    rather than terminated: its cloud bills nothing for a spot VM it interrupts this young, and
+    the seconds of one the run terminates (`providers.base.BillingTerms.interrupted_free_s`; AWS:
+    the first hour). A `node_preempted` follows when the cloud takes it (the run terminates it
+    should it still be held a minute past the deadline). Args: instance_id: the VM. deadline: unix
+    seconds it goes at. age_s: its age then (seconds from its launch). free_s: the cloud's window."""
+
+    instance_id: str
+    deadline: float
+    age_s: float
+    free_s: float
+
+    def story(self) -> str:
+        return (f"left to its cloud: {self.instance_id} goes at its notice's deadline, {self.age_s / 60:.0f} min "
+                f"after its launch, which its cloud does not bill (within {self.free_s / 60:.0f} min); "
+                f"terminated now, it would bill")
+
+
 @_event("node_released")
 class NodeReleased(Event):
     """The run let a VM go. Args: instance_id: the VM. released_at: unix seconds it was released,

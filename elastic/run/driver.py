@@ -32,9 +32,9 @@ from elastic.record.billing import cost_so_far
 from elastic.record.events import (
     BudgetExhausted, CapacityRefused, CapacityWaitEnded, CapacityWaitStarted, CheckpointFailed, CheckpointSkipped,
     CheckpointUploadAbandoned, ClusterStarted, Error, LaunchHeldBack, LossPhase, LossRule, NetworkStarted,
-    NodeJoinTimeout, NodeNotice, NodePreempted, NodeRebalance, NodeReleased, OuterStep, ReplicaCopying, ReplicaDrained,
-    ReplicaJoined, ReplicaLost, Resumed, RunEnded, RunStarted, RunStatus, SyncFailed, SyncRetried, Validation,
-    ValidationFailed, WorldFormed, WorldRestored)
+    NodeJoinTimeout, NodeLeftToCloud, NodeNotice, NodePreempted, NodeRebalance, NodeReleased, OuterStep, ReplicaCopying,
+    ReplicaDrained, ReplicaJoined, ReplicaLost, Resumed, RunEnded, RunStarted, RunStatus, SyncFailed, SyncRetried,
+    Validation, ValidationFailed, WorldFormed, WorldRestored)
 from elastic.record.ledger import Ledger
 from elastic.run import stop
 from elastic.run.pausing import Pauser
@@ -45,6 +45,7 @@ from providers.base import NodeEventKind
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 5.0        # real seconds between two driver heartbeats (the VMs' autodown watchers read them)
+LEFT_TO_CLOUD_GRACE_S = 60.0   # a VM left to its cloud (`leaves_to_cloud`) this long past its deadline is terminated
 
 
 class Driver:
@@ -84,6 +85,8 @@ class Driver:
         self.offer_feed = None                           # elastic.run.offerfeed.OfferFeed, once attached
         self.rentals = None                              # elastic.run.rentals.Rentals, once attached
         self._draining: dict[int, float] = {}            # replica id -> notice deadline (unix)
+        self._noticed: dict[int, float] = {}             # replica id -> its interruption notice's deadline (unix)
+        self._left_to_cloud: dict[str, float] = {}       # instance id -> the deadline its cloud reclaims it by
         self.pauser = Pauser(self, self._draining)
         self._members: list[int] = []
         self._restored = False   # the world was restored after losing every replica
@@ -206,8 +209,8 @@ class Driver:
         moving = self.rentals.moving()
         nodes = []
         for inst in self.held():
-            if inst.ray_node_id is None:
-                continue
+            if inst.ray_node_id is None or inst.instance_id in self._left_to_cloud:
+                continue   # booting (a launch under way), or gone from the run: its cloud reclaims it
             rep = w.replica_on(inst.instance_id)
             rid = rep.replica_id if rep is not None else None
             offer = replace(inst.offer, usd_per_hour=self.prices.usd_per_hour(inst.instance_id, inst.offer.usd_per_hour))
@@ -272,18 +275,23 @@ class Driver:
                 if rep is None:
                     continue
                 if rep.replica_id in self.world.joining:
-                    # Not training yet: nothing to save, leave now and stop paying.
+                    # Not training yet: nothing to save, leave now and stop paying (or let its cloud
+                    # take it, where that costs nothing).
+                    left = self.leaves_to_cloud(ev.instance_id, ev.deadline)
                     self.world.drop(rep.replica_id, "notice while joining", phase=LossPhase.SETUP, rule=LossRule.NOTICE)
                     self.record_world(self.world.take_events())
-                    self.terminate(ev.instance_id)
+                    if not left:
+                        self.terminate(ev.instance_id)
                     continue
                 # End the inner phase early enough to contribute before the node goes.
                 self._member_lost_at_s = time.time()   # a training replica is going (the timing rule)
                 margin_s = max(0.5, 2 * self._last_sync_s)
                 self.world.request_stop(rep.replica_id, ev.deadline - margin_s)
                 self._draining[rep.replica_id] = ev.deadline
+                self._noticed[rep.replica_id] = ev.deadline
             elif ev.kind == NodeEventKind.PREEMPTED:
                 self.prices.gone(ev.instance_id)
+                self._left_to_cloud.pop(ev.instance_id, None)
                 self.ledger.append(NodePreempted(instance_id=ev.instance_id, with_notice=ev.with_notice,
                                                  replica=rep.replica_id if rep else None))
                 if rep is not None:
@@ -295,6 +303,8 @@ class Driver:
                                     phase=phase, lost_inner_steps=lost)
                     self.record_world(self.world.take_events())
                     self._draining.pop(rep.replica_id, None)
+                    self._noticed.pop(rep.replica_id, None)
+        self._end_overdue_left()
         self.rentals.collect()
         self.ckpt.poll()
         if self.prices.poll(self.providers.values()):
@@ -320,6 +330,11 @@ class Driver:
     def draining(self) -> set[int]:
         """Replicas with a preemption notice, finishing their last phase."""
         return set(self._draining)
+
+    @property
+    def left_to_cloud(self) -> set[str]:
+        """VMs out of the run that their cloud is about to reclaim (`leaves_to_cloud`)."""
+        return set(self._left_to_cloud)
 
     _last_sync_s = 0.0
     _last_step_s = 0.0   # the budget is next checked about this long after a launch
@@ -362,9 +377,13 @@ class Driver:
                                        reason=loss.reason, rule=loss.rule, phase=loss.phase,
                                        lost_inner_steps=loss.lost_inner_steps, outer_step=self.world.outer_step))
         self._draining.pop(loss.replica_id, None)
-        # A replica lost for any reason other than its node going: release the node too.
+        deadline = self._noticed.pop(loss.replica_id, None)
+        # A replica lost for any reason other than its node going: release the node too (unless
+        # its cloud is about to reclaim it, at no charge: `leaves_to_cloud`).
         inst = next((i for i in self.held() if i.instance_id == loss.instance_id), None)
-        if inst is not None and not loss.reason.startswith("preempted"):
+        if inst is None or loss.reason.startswith("preempted") or loss.instance_id in self._left_to_cloud:
+            return
+        if deadline is None or not self.leaves_to_cloud(loss.instance_id, deadline):
             self.terminate(loss.instance_id)
 
     def _record_sync_failed(self, fail) -> None:
@@ -384,8 +403,37 @@ class Driver:
         if self._view is not None:
             self._view.warn(text)
 
+    def leaves_to_cloud(self, instance_id: str, deadline: float) -> bool:
+        """Whether the VM `instance_id`, out of the world after an interruption notice that ends at
+        `deadline`, is left for its cloud to reclaim rather than terminated now; if so, it is
+        recorded as such (`node_left_to_cloud`; the policy no longer sees it; `tick` terminates it
+        should it outlive its deadline by `LEFT_TO_CLOUD_GRACE_S`). It is where its cloud bills
+        nothing for a spot VM it interrupts that young and bills the seconds of one the user
+        terminates (`BillingTerms.interrupted_free_s`; AWS: the first hour). Terminating such a VM
+        on its notice, as elsewhere, would turn a free VM into a billed one; waiting costs nothing."""
+        from elastic.record.billing import terms
+
+        inst = next((i for i in self.held() if i.instance_id == instance_id), None)
+        free_s = terms(inst.offer.cloud).interrupted_free_s if inst is not None and inst.offer.spot else 0.0
+        if deadline - (inst.launched_at if inst is not None else deadline) >= free_s:
+            return False
+        self._left_to_cloud[instance_id] = deadline
+        self.ledger.append(NodeLeftToCloud(instance_id=instance_id, deadline=deadline,
+                                           age_s=round(deadline - inst.launched_at, 3), free_s=free_s))
+        return True
+
+    def _end_overdue_left(self) -> None:
+        """Terminate the VMs left to their cloud (`leaves_to_cloud`) that are still held
+        `LEFT_TO_CLOUD_GRACE_S` past their notice's deadline: the interruption did not come."""
+        now = time.time()
+        for instance_id, deadline in list(self._left_to_cloud.items()):
+            if now > deadline + LEFT_TO_CLOUD_GRACE_S:
+                self._left_to_cloud.pop(instance_id)
+                self.terminate(instance_id)
+
     def terminate(self, instance_id: str) -> None:
         """Release the VM `instance_id` now (ledger: `node_released`)."""
+        self._left_to_cloud.pop(instance_id, None)
         self.prices.gone(instance_id)
         for p in self.providers.values():
             if any(i.instance_id == instance_id for i in p.list_instances(self.run_name)):
@@ -656,7 +704,9 @@ class Driver:
                 self._draining.pop(rid)
                 self.ledger.append(ReplicaDrained(replica=rid, instance_id=rep.instance_id,
                                                   outer_step=res.outer_step, steps_done=res.steps_done.get(rid)))
-                self.terminate(rep.instance_id)
+                deadline = self._noticed.pop(rid, None)
+                if deadline is None or not self.leaves_to_cloud(rep.instance_id, deadline):
+                    self.terminate(rep.instance_id)
 
     def _write_metrics(self, res) -> None:
         """Training curves: one line per inner step (mean loss over the world)."""

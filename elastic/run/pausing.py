@@ -46,8 +46,8 @@ class Pauser:
             d.ledger.append(ReplicaDrained(replica=rid, instance_id=rep.instance_id, outer_step=w.outer_step,
                                            steps_done=None))
             d.terminate(rep.instance_id)
-        for inst in d.held():     # replica VMs that never joined (a controller stays)
-            if inst.role == "replica":
+        for inst in d.held():     # replica VMs that never joined (a controller stays, as does one its cloud reclaims)
+            if inst.role == "replica" and inst.instance_id not in d.left_to_cloud:
                 d.terminate(inst.instance_id)
         self._draining.clear()
         d.rentals.forget_moves()

@@ -9,6 +9,7 @@ import pytest
 
 from elastic.run.driver import run_attached
 from elastic.views.report import build_report
+from providers.base import BillingTerms
 from tests.conftest import tiny_recipe
 
 pytestmark = pytest.mark.slow
@@ -189,3 +190,42 @@ def test_a_notice_early_in_a_long_phase_ends_every_replicas_phase_so_the_noticed
     assert report["lost_inner_steps"] == 0
     # The schedule counts the inner steps taken, not H, for a step cut short.
     assert step["inner_step"] == max(done.values())
+
+
+@pytest.mark.parametrize("free_s", [3600.0, 0.0])
+def test_a_noticed_vm_its_cloud_bills_nothing_for_is_left_for_the_cloud_to_reclaim(local_cluster, tmp_path,
+                                                                                    monkeypatch, free_s):
+    # With 3600 s, the local market bills as AWS bills Linux spot VMs: nothing for one it interrupts
+    # within an hour of its launch, the seconds of one the user terminates. Terminating the noticed VM
+    # once its replica has contributed would turn a free VM into a billed one: the run leaves it for
+    # the market to reclaim at the notice's deadline, and rents as if it were gone already. With 0
+    # (the local market's own terms: every second billed), the run terminates it at once.
+    monkeypatch.setattr("providers.local.facts.BILLING", BillingTerms(minimum_s=0.0, increment_s=1.0,
+                                                                      interrupted_free_s=free_s))
+    # 40 short steps: the run goes on for seconds past the 5 s notice (about 8 s on a 2-core machine).
+    recipe = elastic_recipe(**{"world.replicas": 2, "world.max_replicas": 2, "train.outer_steps": 40 if free_s else 6,
+                               "train.inner_steps": 20, "checkpoint.every_outer_steps": 0})
+    noticed, unseen = [], []
+
+    def faults(driver, phase, members):
+        if phase == "inner" and not noticed and len(members) == 2:
+            noticed.append((members[0], instance_of(driver, members[0])))
+            driver.provider.preempt(noticed[0][1], notice=True)
+        elif noticed and noticed[0][1] in driver.left_to_cloud:
+            # Out of the run while its cloud still holds it: the policy does not count it as held.
+            unseen.append(all(n.instance_id != noticed[0][1] for n in driver._snapshot().nodes))
+
+    status, report, events = run_driver(recipe, local_cluster, tmp_path, faults)
+    assert status == "completed" and noticed
+    rid, vm = noticed[0]
+    drained = next(e for e in events if e["type"] == "replica_drained" and e["replica"] == rid)
+    ends = [e for e in events if e.get("instance_id") == vm and e["type"] in ("node_released", "node_preempted")]
+    if not free_s:
+        notice = next(e for e in events if e["type"] == "node_notice" and e["instance_id"] == vm)
+        assert [e["type"] for e in ends] == ["node_released"], ends
+        assert drained["t"] <= ends[0]["t"] < notice["deadline"], (drained, ends, notice)
+        assert not unseen
+        return
+    # The market took it at the deadline (the run went on far longer); the run never terminated it.
+    assert [(e["type"], e.get("with_notice")) for e in ends] == [("node_preempted", True)], ends
+    assert unseen and all(unseen), unseen
