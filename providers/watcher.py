@@ -187,9 +187,11 @@ def watch(cloud: str, instance_id: str, send=forward, poll_s: float = POLL_S, st
     """Poll until a notice comes (forward it, keep watching for an interruption after a
     rebalance) or `stop` is set. Metadata errors are logged and retried. With `autodown_after_s`,
     also read the driver's heartbeat each round, and call `on_driver_gone` (shut the VM down) and
-    return once it has not changed for that long (default: `end_self`). `poll`: the cloud's
-    poller (default: its watcher module's `poll`). `peers`: keeps the overlay's peers in step with
-    the driver's document."""
+    return once it has not changed for that long (default: `end_self`); after a notice, only that
+    (and the peers) goes on: the driver may leave the VM for its cloud to reclaim at the deadline
+    (`node_left_to_cloud`), and should the driver die and the reclaim not come, the VM still ends
+    itself. `poll`: the cloud's poller (default: its watcher module's `poll`). `peers`: keeps the
+    overlay's peers in step with the driver's document."""
     poll = poll or cloud_watcher(cloud).poll
     sent = set()
     autodown = Autodown(autodown_after_s, time.monotonic()) if autodown_after_s else None
@@ -203,16 +205,17 @@ def watch(cloud: str, instance_id: str, send=forward, poll_s: float = POLL_S, st
                 peers.sync(read_peers())
             except Exception as exc:   # a failed `wg set` is retried with the next round
                 log.warning("overlay: peers not applied: %s", exc)
-        try:
-            notice = poll()
-        except (OSError, ValueError, KeyError) as exc:
-            log.warning("metadata poll failed: %s", exc)
-            notice = None
+        notice = None
+        if "notice" not in sent:   # (a blocking poller would wait for a change that never comes)
+            try:
+                notice = poll()
+            except (OSError, ValueError, KeyError) as exc:
+                log.warning("metadata poll failed: %s", exc)
         if notice is not None and notice["kind"] not in sent:
             send(instance_id, notice)
             sent.add(notice["kind"])
-            if notice["kind"] == "notice":
-                return
+            if notice["kind"] == "notice" and autodown is None:
+                return   # nothing left to watch: the driver or the cloud ends the VM
         if stop is not None:
             if stop.wait(poll_s):
                 return

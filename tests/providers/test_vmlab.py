@@ -434,11 +434,8 @@ def test_rehearse_three_regions_two_clouds_a_spot_notice_drains_and_a_killed_dri
         # the user terminates: the driver leaves the drained VM for EC2 to reclaim when the notice
         # runs out, rather than terminating it.
         out.wait(rf"left to its cloud: {vm} goes at its notice's deadline", 60)
-        # Its replacement joins (a VM still booting when the driver dies has no watcher yet), and EC2
-        # takes the noticed VM two minutes after the notice (before the driver's kill, so that its
-        # watcher's autodown does not end it first).
+        # Its replacement joins (a VM still booting when the driver dies has no watcher yet).
         out.wait(r"joined: replica \d+ on (\S+)", 900, count=4)
-        out.wait(rf"rehearse: {vm} \(aws\) ended: reclaimed by its cloud", 240)
         live = {m[1] for m in joined} - {vm} | {out.wait(r"joined: replica \d+ on (\S+)", 1, count=4)[3][1]}
         os.kill(int(driver), signal.SIGKILL)
         killed = time.monotonic()
@@ -448,6 +445,10 @@ def test_rehearse_three_regions_two_clouds_a_spot_notice_drains_and_a_killed_dri
             proc.terminate()
             proc.wait(timeout=300)
     text = out.text()
+    # The noticed VM ended as EC2 took it at the notice's deadline, or through its own autodown
+    # should the driver's kill come first: never through the API, as a VM the run terminated.
+    assert re.search(rf"rehearse: {vm} \(aws\) ended: (reclaimed by its cloud|terminated by its own shutdown)", text), \
+        text[-4000:]
     for iid in live:
         how = "terminated by its own shutdown" if iid.startswith("i-") else "released through its cloud's API"
         pattern = rf"rehearse: {iid} \(\w+\) ended: {how}"

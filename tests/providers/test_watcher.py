@@ -40,6 +40,29 @@ def test_watch_forwards_rebalance_then_the_notice_and_stops(imds):
     assert sent == [("i-123", "rebalance"), ("i-123", "notice")]   # each forwarded once
 
 
+def test_after_a_notice_the_watch_goes_on_for_autodown_alone(imds):
+    # The driver may leave a noticed VM for its cloud to reclaim (free on AWS in its first hour):
+    # should the driver die and the reclaim not come, the VM must still end itself. No driver beats
+    # here (no cluster): the autodown is due 2 s after the watch starts.
+    from ray.experimental import internal_kv  # noqa: F401  (imported before the watch: its first read is quick)
+
+    sent, gone, polls = [], [], []
+
+    def poll():
+        polls.append(time.monotonic())
+        return aws_watcher.poll()
+
+    imds.paths[ACTION] = '{"action": "terminate", "time": "2026-11-22T01:02:00Z"}'
+    t = threading.Thread(target=watcher.watch, args=("aws", "i-9"),
+                         kwargs={"send": lambda iid, n: sent.append((iid, n["kind"])), "poll_s": 0.01,
+                                 "autodown_after_s": 2.0, "on_driver_gone": lambda: gone.append(time.monotonic()),
+                                 "poll": poll})
+    t.start()
+    t.join(timeout=10)
+    assert not t.is_alive() and sent == [("i-9", "notice")] and len(gone) == 1
+    assert len(polls) == 1   # once the notice is forwarded, the metadata server is not asked again
+
+
 def test_watch_survives_a_metadata_outage(imds):
     sent, stop, polls = [], threading.Event(), []
 
