@@ -277,7 +277,7 @@ class Driver:
                 if rep.replica_id in self.world.joining:
                     # Not training yet: nothing to save, leave now and stop paying (or let its cloud
                     # take it, where that costs nothing).
-                    left = self.leaves_to_cloud(ev.instance_id, ev.deadline)
+                    left = self.leaves_to_cloud(self._held_instance(ev.instance_id), ev.deadline)
                     self.world.drop(rep.replica_id, "notice while joining", phase=LossPhase.SETUP, rule=LossRule.NOTICE)
                     self.record_world(self.world.take_events())
                     if not left:
@@ -380,10 +380,10 @@ class Driver:
         deadline = self._noticed.pop(loss.replica_id, None)
         # A replica lost for any reason other than its node going: release the node too (unless
         # its cloud is about to reclaim it, at no charge: `leaves_to_cloud`).
-        inst = next((i for i in self.held() if i.instance_id == loss.instance_id), None)
+        inst = self._held_instance(loss.instance_id)
         if inst is None or loss.reason.startswith("preempted") or loss.instance_id in self._left_to_cloud:
             return
-        if deadline is None or not self.leaves_to_cloud(loss.instance_id, deadline):
+        if deadline is None or not self.leaves_to_cloud(inst, deadline):
             self.terminate(loss.instance_id)
 
     def _record_sync_failed(self, fail) -> None:
@@ -403,23 +403,28 @@ class Driver:
         if self._view is not None:
             self._view.warn(text)
 
-    def leaves_to_cloud(self, instance_id: str, deadline: float) -> bool:
-        """Whether the VM `instance_id`, out of the world after an interruption notice that ends at
-        `deadline`, is left for its cloud to reclaim rather than terminated now; if so, it is
-        recorded as such (`node_left_to_cloud`; the policy no longer sees it; `tick` terminates it
+    def _held_instance(self, instance_id: str):
+        """The VM `instance_id` as its provider lists it, or None when the run no longer holds it."""
+        return next((i for i in self.held() if i.instance_id == instance_id), None)
+
+    def leaves_to_cloud(self, inst, deadline: float) -> bool:
+        """Whether the VM `inst` (as held; None: no longer held), out of the world after an
+        interruption notice that ends at `deadline`, is left for its cloud to reclaim rather than
+        terminated now; if so, it is recorded as such (`node_left_to_cloud`; the policy no longer sees it; `tick` terminates it
         should it outlive its deadline by `LEFT_TO_CLOUD_GRACE_S`). It is where its cloud bills
         nothing for a spot VM it interrupts that young and bills the seconds of one the user
         terminates (`BillingTerms.interrupted_free_s`; AWS: the first hour). Terminating such a VM
         on its notice, as elsewhere, would turn a free VM into a billed one; waiting costs nothing."""
         from elastic.record.billing import terms
 
-        inst = next((i for i in self.held() if i.instance_id == instance_id), None)
-        free_s = terms(inst.offer.cloud).interrupted_free_s if inst is not None and inst.offer.spot else 0.0
-        if deadline - (inst.launched_at if inst is not None else deadline) >= free_s:
+        if inst is None or not inst.offer.spot:
             return False
-        self._left_to_cloud[instance_id] = deadline
-        self.ledger.append(NodeLeftToCloud(instance_id=instance_id, deadline=deadline,
-                                           age_s=round(deadline - inst.launched_at, 3), free_s=free_s))
+        free_s, age_s = terms(inst.offer.cloud).interrupted_free_s, deadline - inst.launched_at
+        if age_s >= free_s:
+            return False
+        self._left_to_cloud[inst.instance_id] = deadline
+        self.ledger.append(NodeLeftToCloud(instance_id=inst.instance_id, deadline=deadline, age_s=round(age_s, 3),
+                                           free_s=free_s))
         return True
 
     def _end_overdue_left(self) -> None:
@@ -705,7 +710,7 @@ class Driver:
                 self.ledger.append(ReplicaDrained(replica=rid, instance_id=rep.instance_id,
                                                   outer_step=res.outer_step, steps_done=res.steps_done.get(rid)))
                 deadline = self._noticed.pop(rid, None)
-                if deadline is None or not self.leaves_to_cloud(rep.instance_id, deadline):
+                if deadline is None or not self.leaves_to_cloud(self._held_instance(rep.instance_id), deadline):
                     self.terminate(rep.instance_id)
 
     def _write_metrics(self, res) -> None:

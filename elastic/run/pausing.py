@@ -46,8 +46,9 @@ class Pauser:
             d.ledger.append(ReplicaDrained(replica=rid, instance_id=rep.instance_id, outer_step=w.outer_step,
                                            steps_done=None))
             d.terminate(rep.instance_id)
+        reclaimed = d.left_to_cloud
         for inst in d.held():     # replica VMs that never joined (a controller stays, as does one its cloud reclaims)
-            if inst.role == "replica" and inst.instance_id not in d.left_to_cloud:
+            if inst.role == "replica" and inst.instance_id not in reclaimed:
                 d.terminate(inst.instance_id)
         self._draining.clear()
         d.rentals.forget_moves()
