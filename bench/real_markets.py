@@ -208,10 +208,11 @@ def run_cli(main) -> None:
     """Run a bench script's `main`: a trace or recipe it cannot read is said in one line on stderr
     (exit 2), as the CLI says it, not as a traceback."""
     from elastic.errors import UserError, first_line
+    from providers.simmarket import TraceError
 
     try:
         sys.exit(main())
-    except (UserError, OSError) as exc:
+    except (UserError, TraceError, OSError) as exc:
         print(f"error: {first_line(exc)}", file=sys.stderr)
         sys.exit(2)
 

@@ -78,9 +78,10 @@ def test_the_tied_program_holds_members_together_and_no_run_comes_in_under_it(tm
     assert min(paid) > tied, (paid, tied)
 
 
-@pytest.mark.parametrize("script", ["tied_bound.py", "real_markets.py"])
-def test_a_trace_that_cannot_be_read_is_one_line_and_exit_2(tmp_path, script):
+@pytest.mark.parametrize("script, flag", [("tied_bound.py", "--traces"), ("real_markets.py", "--traces"),
+                                          ("hedge_bound.py", "--trace")])
+def test_a_trace_that_cannot_be_read_is_one_line_and_exit_2(tmp_path, script, flag):
     missing = tmp_path / "none.csv"
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--traces", str(missing)],
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / script), flag, str(missing)],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and out.stderr == f"error: {missing}: cannot read: No such file or directory\n", out.stderr
