@@ -164,7 +164,7 @@ def tied_program(recipe, market, finish_h: float | None = None):
     nm = n * offers
     there = B._expected_min(rate, row_s[:, None])
     kept_share = tps * there / needed
-    boot_share = (tps * there - tps * B._expected_min(rate, boot_s)) / needed
+    boot_share = np.maximum(tps * there - tps * B._expected_min(rate, boot_s), 0.0) / needed   # as bound.py's
     eq, caps = _Entries(), _Entries()   # equalities (z's means are k and b), credit caps
     tokens, rows_z = [], []
     n_eq = n_caps = nz = 0
@@ -208,10 +208,10 @@ def tied_program(recipe, market, finish_h: float | None = None):
     one = sparse.csr_matrix((np.ones(nz), (rows_z, z)), shape=(n, size))                   # Σ_S z[t,S] ≤ 1
     capped = caps.matrix(n_caps, size)
     earned = sparse.csr_matrix((-np.array(tokens), (np.zeros(nz, int), z)), shape=(1, size))  # Σ credit ≥ 1
-    kept_rows = base.a_ub[:-1]                                                           # the bound's, less its tokens
+    kept_rows = base.a_ub                     # the bound's, its token count too (each boot's debt whole, as bound.py's)
     a_ub = sparse.vstack([sparse.hstack([kept_rows, sparse.csr_matrix((kept_rows.shape[0], nz))]), one, capped, earned],
                          format="csr")
-    b_ub = np.concatenate([base.b_ub[:-1], np.ones(n), np.zeros(n_caps), [-1.0]])
+    b_ub = np.concatenate([base.b_ub, np.ones(n), np.zeros(n_caps), [-1.0]])
     cost = np.concatenate([base.cost, np.zeros(nz)])
     bounds = np.vstack([base.bounds, np.stack([np.zeros(nz), np.ones(nz)], axis=1)])
     return cost, a_ub, b_ub, a_eq, np.zeros(n_eq), bounds

@@ -237,7 +237,11 @@ def _slots_program(usd, cap, rate, row_s, tps, short_usd, slots: int, boot_s: fl
     at least min_replicas members, each a VM present in the row, at most its offer's capacity, and
     none trains without one: Σ_o W[t,o] ≥ min_replicas·y[t], W[t,o] ≤ p[t,o], W[t,o] ≤
     capacity·y[t]; a member is credited at most what a VM present trains in the row, c[t,o] ≤ the
-    tokens of W[t,o] VMs kept through it and ≤ the tokens of its present VMs (k kept, b booted).
+    tokens of W[t,o] VMs kept through it and ≤ the tokens of its present VMs (k kept, b booted; a
+    booted one what it trains after its boot within the row, none in a row shorter than a boot,
+    and in the rows after, while still booting, it is credited as kept: in the policy's favour);
+    and the present VMs' tokens, each boot's debt counted whole, are at least the run's, as in
+    the program without min_replicas (so this one is never below it).
     Taking expectations keeps every inequality, so the program is still a relaxation of any policy
     that trains only in such worlds."""
     from scipy import sparse
@@ -276,7 +280,9 @@ def _slots_program(usd, cap, rate, row_s, tps, short_usd, slots: int, boot_s: fl
     else:
         # Variables W (n·m), c (n·m), y (n) after k and b; c in shares of `needed` (HiGHS drops
         # coefficients under 1e-9, and 1/needed is one).
-        kept_share, boot_share = (kept_tokens / needed).ravel(), (boot_tokens / needed).ravel()
+        # A row's cap on a booted VM is what it trains in that row: none in a row shorter than a
+        # boot (its boot's debt would otherwise cap the row's other members below zero).
+        kept_share, boot_share = (kept_tokens / needed).ravel(), (np.maximum(boot_tokens, 0.0) / needed).ravel()
         eye, rows = sparse.identity(nm, format="csr"), idx.ravel() // m
         zero = sparse.csr_matrix((nm, nm))
         row_of = sparse.csr_matrix((np.ones(nm), (np.arange(nm), rows)), shape=(nm, n))
@@ -290,10 +296,13 @@ def _slots_program(usd, cap, rate, row_s, tps, short_usd, slots: int, boot_s: fl
             sparse.hstack([sparse.csr_matrix((1, 3 * nm)), sparse.csr_matrix(-np.ones((1, nm))),
                            sparse.csr_matrix((1, n))]),                                               # Σ c ≥ 1
         ], format="csr")
-        pad = sparse.csr_matrix((len(t1) + n + int(capped.sum()), 2 * nm + n))
-        a_ub = sparse.vstack([sparse.hstack([sparse.vstack([survive, per_row, present[capped]]), pad]), world],
+        # And the plain program's count, which charges each boot's debt whole to the run: a VM
+        # trains at most its life less its boot, however the rows cut them.
+        tokens = sparse.csr_matrix(-np.concatenate([kept_tokens.ravel(), boot_tokens.ravel()]) / needed)
+        pad = sparse.csr_matrix((len(t1) + n + int(capped.sum()) + 1, 2 * nm + n))
+        a_ub = sparse.vstack([sparse.hstack([sparse.vstack([survive, per_row, present[capped], tokens]), pad]), world],
                              format="csr")
-        b_ub = np.concatenate([b_ub, np.zeros(4 * nm + n), [-1.0]])
+        b_ub = np.concatenate([b_ub, [-1.0], np.zeros(4 * nm + n), [-1.0]])
         cost = np.concatenate([cost, np.zeros(2 * nm + n)])
         bounds = np.vstack([bounds, np.stack([np.zeros(2 * nm + n),
                                               np.concatenate([upper, np.full(nm, np.inf), np.ones(n)])], axis=1)])

@@ -183,3 +183,28 @@ def test_the_bound_that_keeps_min_replicas_prices_each_members_boot(tmp_path):
     for res in simulate(r, apart, None, seed=0):
         if res["status"] == "completed":
             assert res["usd_per_mtok"] >= kept * (1 - 1e-6), res
+
+
+def test_rows_shorter_than_a_boot_still_let_the_bound_that_keeps_min_replicas_boot(tmp_path):
+    """Two calm zones of one spot VM each, restated every two minutes (a trace polled that often),
+    and 10-minute boots: booting both VMs at once and training them together costs two boots and half
+    the run's VM-hours at 9 $/h. A booted VM trains nothing in a two-minute row, and the bound's
+    per-row cap must say so, not charge the boot's debt to that row (which left a zone that starts
+    empty unable to boot at all: no bound, as if no policy could train the run). The run needs
+    11.6 hours of the two VMs."""
+    from elastic.sim.bound import min_replicas_floor_usd_per_mtok
+    from elastic.sim.simulate import min_replicas_bound_usd_per_mtok
+
+    hours = 16
+    trace = write_trace(tmp_path / "minutes.csv", [row(m * 120, z, 9.0, cap=1, od=30.0)
+                                                   for m in range(hours * 30) for z in ("r1a", "r1b")])
+    r = recipe(**{"planner.recovery_s": 600, "world.min_replicas": 2, "world.replicas": 2,
+                  "budget.max_hours": hours})
+    market = TraceMarket(read_trace_rows(trace), r)
+    kept = lower_bound_usd_per_mtok(r, market, keep_min_replicas=True)
+    plan = 2 * (600 + N / (2 * TPS)) * 9.0 / 3600 / (N / 1e6)     # both booted at 0, trained together
+    assert math.isfinite(kept) and min_replicas_floor_usd_per_mtok(r, market) * (1 - 1e-6) <= kept <= plan
+    assert min_replicas_bound_usd_per_mtok(r, trace) == pytest.approx(kept, rel=1e-9)
+    for res in simulate(r, trace, None, seed=0):
+        if res["status"] == "completed":
+            assert res["usd_per_mtok"] >= kept * (1 - 1e-6), res
