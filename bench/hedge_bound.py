@@ -122,13 +122,13 @@ def scenario_market(market: TraceMarket, rows, grid: list[float], recipe, varian
     first = {(r.zone, r.instance_type): r for r in rows}
     out = []
     for key, row in first.items():
-        held = first = None
+        held = parting = None
         if variant is not None and key == variant.key:
             held = variant.held or market.state(*key, variant.parts_s - 1e-6)
-            first = variant.first or held
+            parting = variant.first or held
         for t in grid:
             extended = held is not None and variant.parts_s <= t < variant.parts_s + variant.extend_s
-            state = (first if t == variant.parts_s else held) if extended else market.state(*key, t)
+            state = (parting if t == variant.parts_s else held) if extended else market.state(*key, t)
             out.append(dataclasses.replace(row, t=t, state=state))
     return TraceMarket(out, recipe)
 
@@ -203,10 +203,9 @@ def scenarios(recipe, rows, extend_h: float, min_outage_h: float, drops: bool, o
     """(variants, programs of the trace and each variant, their ties to the trace, the common grid,
     each scenario's yardstick in USD: `min_replicas_bound_usd_per_mtok`'s, the higher of its
     program's least cost and `min_replicas_floor_usd_per_mtok`)."""
-    market = TraceMarket(rows, recipe)
-    varied = variants(market, market.times(), recipe.budget.max_hours * 3600, min_outage_h * 3600, extend_h * 3600,
-                      drops, onsets, onset_every_h * 3600)
-    limit_s = recipe.budget.max_hours * 3600
+    market, limit_s = TraceMarket(rows, recipe), recipe.budget.max_hours * 3600
+    varied = variants(market, market.times(), limit_s, min_outage_h * 3600, extend_h * 3600, drops, onsets,
+                      onset_every_h * 3600)
     grid = sorted(set(market.times()) | {v.parts_s + v.extend_s for v in varied}
                   | split_times(market.times(), limit_s, split))
     markets = [scenario_market(market, rows, grid, recipe, v) for v in [None, *varied]]
