@@ -30,6 +30,14 @@ budget.max_hours also has the on-demand offers its deadline rule falls back on.
 `min_replicas_floor_usd_per_mtok` is the other yardstick: it keeps world.min_replicas (every credited
 step has that many members) and drops boots and preemptions instead; each is a lower bound, so the
 higher of the two is one (`elastic.sim.simulate.min_replicas_bound_usd_per_mtok`).
+
+What is not shown: that a policy deciding within rows meets the program that keeps
+world.min_replicas row by row. A VM launched s seconds into a row is ready at a time no mix of
+row-start boots gives it: over two rows the mix credits its tokens whole, but in the second it
+credits up to s·boot/row seconds fewer than the VM trains, and a world short of members in the
+first cannot take the difference there. The plain program counts tokens over the whole run and is
+not touched by this. Restating aws-v100-2zones-2022's rows as two moves the bound from $99.13 to
+$99.17, and no run of the simulator has come in under it (docs/benchmarks.md, session 38).
 """
 
 from __future__ import annotations
