@@ -239,7 +239,11 @@ def _kill_all(pids: list[int]) -> list[int]:
             fd = os.pidfd_open(pid)
         except OSError:   # gone already
             continue
-        signal.pidfd_send_signal(fd, signal.SIGKILL)   # this process, even if its pid was reused since
+        try:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)   # this process, even if its pid was reused since
+        except ProcessLookupError:   # it exited and was reaped after the open: gone too
+            os.close(fd)
+            continue
         killed.append(fd)
     return killed
 

@@ -320,3 +320,32 @@ def test_stand_ins_end_with_their_workers_when_the_zygote_is_killed(zygote, tmp_
     while any(process_alive(c) for c in children):
         assert time.monotonic() < deadline, "a forked worker outlived its stand-in"
         time.sleep(0.05)   # polling for their exits with a deadline
+
+
+def test_a_process_reaped_between_its_pidfd_and_the_kill_counts_as_gone(monkeypatch):
+    """Removing a node kills its processes by pidfd. One that exits, and is reaped by its parent,
+    after its pidfd is opened and before the kill (seen at the end of a suite: a node's worker
+    reaped by its raylet) is gone as much as one that was gone before: no error, nothing to wait
+    for. The others are still killed and waited for."""
+    from elastic.run import cluster
+
+    reaped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    real_open = os.pidfd_open
+
+    def open_then_reap(pid, *args):
+        fd = real_open(pid, *args)
+        if pid == reaped.pid:
+            reaped.kill()
+            reaped.wait()
+        return fd
+
+    monkeypatch.setattr(os, "pidfd_open", open_then_reap)
+    try:
+        fds = cluster._kill_all([reaped.pid, other.pid])
+        cluster._wait_gone(fds)
+        assert len(fds) == 1 and other.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        for proc in (reaped, other):
+            proc.kill()
+            proc.wait()
