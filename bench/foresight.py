@@ -201,7 +201,7 @@ def policies_on(recipe, down: TraceMarket, up: TraceMarket, bounds: dict, seeds:
         for seed in range(seeds):
             for r in simulate(recipe, "", seed=seed, market=market):
                 ok = r["status"] == "completed"
-                out[r["policy"]][name].append(r["cost_usd"] / bounds[f"bound_{name}_usd"] if ok else math.inf)
+                out[r["policy"]][name].append(r["list_usd"] / bounds[f"bound_{name}_usd"] if ok else math.inf)
     return out
 
 

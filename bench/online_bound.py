@@ -377,7 +377,7 @@ def main() -> None:
         bounds.append(lower_bound_usd_per_mtok(recipe, TraceMarket(read_trace_rows(path), recipe)))
         seers.append(clairvoyant_value(recipe, path, lam))
         runs = [simulate(recipe, str(path), ["elastic"], seed=s)[0] for s in range(args.policy_seeds)]
-        ours = [r["usd_per_mtok"] / bounds[-1] if r["status"] == "completed" else math.inf for r in runs]
+        ours = [r["list_usd_per_mtok"] / bounds[-1] if r["status"] == "completed" else math.inf for r in runs]
         policy.extend(ours)
         print(f"trace {i}: bound.py {bounds[-1]:.5f}, same model foreseen at λ {seers[-1]:.5f}"
               + (f", elastic / bound.py {' '.join(f'{x:.3f}' for x in ours)}" if ours else ""), flush=True)

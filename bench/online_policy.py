@@ -489,13 +489,13 @@ def main() -> None:
                 runs = [simulate_plan(plan, planned, states if seen is None else seen, path, sim_recipe, k, f,
                                       args.margin_h)
                         for k in range(args.seeds)]
-                rs = [x["usd_per_mtok"] / bound if x["status"] == "completed" else math.inf for x in runs]
+                rs = [x["list_usd_per_mtok"] / bound if x["status"] == "completed" else math.inf for x in runs]
                 sim[f].extend(rs)
                 line.append(f"safety {f}: {' '.join(f'{r:.3f}' for r in rs)} "
                             "(hours " + " ".join(f"{x['wall_h']:.1f}" for x in runs) + ")")
             from elastic.sim.simulate import simulate
             runs = [simulate(sim_recipe, str(path), ["elastic"], seed=k)[0] for k in range(args.seeds)]
-            rs = [x["usd_per_mtok"] / bound if x["status"] == "completed" else math.inf for x in runs]
+            rs = [x["list_usd_per_mtok"] / bound if x["status"] == "completed" else math.inf for x in runs]
             ours.extend(rs)
             line.append(f"elastic {' '.join(f'{r:.3f}' for r in rs)}")
             print(", ".join(line), flush=True)

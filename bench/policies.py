@@ -54,7 +54,7 @@ def ratios(runs: list[dict], bound: float) -> None:
     nothing counts as inf); ours seed by seed. `runs` may hold more policies than POLICIES
     (`variant`: ours with the pause rule switched)."""
     def ratio(r):
-        return r["usd_per_mtok"] / bound if r["usd_per_mtok"] and bound else math.inf
+        return r["list_usd_per_mtok"] / bound if r["list_usd_per_mtok"] and bound else math.inf
 
     print("| policy | ratio to bound, median | worst seed | within 1.15× | completed |")
     print("| --- | --- | --- | --- | --- |")
@@ -111,7 +111,7 @@ def explain(recipe, market: TraceMarket, result: dict, events: list[dict], kept:
             until = min(end, (t // row + 1) * row)
             floor_usd += _floor_usd_per_token(recipe, market, t, len(offers)) * step_tps * (until - t)
             t = until
-    cost, tokens = result["cost_usd"], result["tokens"]
+    cost, tokens = result["list_usd"], result["tokens"]
     return {"ratio": cost / tokens * 1e6 / bound, "boot": boot_usd / cost, "lost": (cost - kept_usd - boot_usd) / cost,
             "waste": cost / kept_usd, "pace": nominal / tokens, "choice": kept_usd / floor_usd,
             "timing": floor_usd / nominal * 1e6 / bound}
@@ -178,11 +178,11 @@ def report(recipe, trace: Path, seeds: int, ratios_only: bool = False, explain_t
     med = {}
     for p in POLICIES:
         rs = [run[p] for run in runs]
-        m = {k: statistics.median(r[k] for r in rs) for k in ("usd_per_mtok", "wall_h", "cost_usd", "preemptions",
+        m = {k: statistics.median(r[k] for r in rs) for k in ("list_usd_per_mtok", "wall_h", "list_usd", "preemptions",
                                                                "moves", "effective_training_time")}
         med[p] = m
         done = sum(r["status"] == "completed" for r in rs)
-        print(f"| {p} | {m['usd_per_mtok']:.4f} | {m['wall_h']:.1f} | {m['cost_usd']:,.0f} | {m['preemptions']:g} | "
+        print(f"| {p} | {m['list_usd_per_mtok']:.4f} | {m['wall_h']:.1f} | {m['list_usd']:,.0f} | {m['preemptions']:g} | "
               f"{m['moves']:g} | {m['effective_training_time']:.3f} | {done}/{len(rs)} |")
     market = TraceMarket(read_trace_rows(trace), recipe)
     key = f"{trace}|{recipe.model_dump_json()}"
@@ -197,7 +197,7 @@ def report(recipe, trace: Path, seeds: int, ratios_only: bool = False, explain_t
         if explain_too:
             explain_table(recipe, trace, seeds, bound, foresight_h)
         return
-    sky = med["skypilot-like"]["usd_per_mtok"]
+    sky = med["skypilot-like"]["list_usd_per_mtok"]
     timed = lower_bound_usd_per_mtok(recipe, market, finish_h=med["skypilot-like"]["wall_h"])
     free_boots = recipe.model_copy(update={"planner": recipe.planner.model_copy(update={"recovery_s": 0.0})})
     loose = lower_bound_usd_per_mtok(free_boots, market)
@@ -205,18 +205,18 @@ def report(recipe, trace: Path, seeds: int, ratios_only: bool = False, explain_t
     deadline_h = med["skypilot-like"]["wall_h"]
     timely = recipe.model_copy(update={"budget": recipe.budget.model_copy(update={"max_hours": deadline_h})})
     rs = [simulate(timely, str(trace), ["elastic"], seed=s)[0] for s in range(seeds)]
-    med["elastic, deadline"] = m = {k: statistics.median(r[k] for r in rs) for k in ("usd_per_mtok", "wall_h", "cost_usd")}
+    med["elastic, deadline"] = m = {k: statistics.median(r[k] for r in rs) for k in ("list_usd_per_mtok", "wall_h", "list_usd")}
     done = sum(r["status"] == "completed" for r in rs)
-    print(f"| elastic, budget.max_hours {deadline_h:.1f} | {m['usd_per_mtok']:.4f} | {m['wall_h']:.1f} | "
-          f"{m['cost_usd']:,.0f} | {statistics.median(r['preemptions'] for r in rs):g} | "
+    print(f"| elastic, budget.max_hours {deadline_h:.1f} | {m['list_usd_per_mtok']:.4f} | {m['wall_h']:.1f} | "
+          f"{m['list_usd']:,.0f} | {statistics.median(r['preemptions'] for r in rs):g} | "
           f"{statistics.median(r['moves'] for r in rs):g} | "
           f"{statistics.median(r['effective_training_time'] for r in rs):.3f} | {done}/{len(rs)} |")
     print(f"| (bound: prices foreseen, boots and preemptions paid) | {bound:.4f} | | | | | | |")
     print(f"| (bound, finishing by skypilot-like's {med['skypilot-like']['wall_h']:.1f} h) | {timed:.4f} | | | | | | |")
-    od = med["elastic"]["usd_per_mtok"] / med["on-demand"]["usd_per_mtok"]
-    vs_sky = med["elastic"]["usd_per_mtok"] / sky
-    worst_od = max(run["elastic"]["usd_per_mtok"] / run["on-demand"]["usd_per_mtok"] for run in runs)
-    worst_sky = max(run["elastic"]["usd_per_mtok"] / run["skypilot-like"]["usd_per_mtok"] for run in runs)
+    od = med["elastic"]["list_usd_per_mtok"] / med["on-demand"]["list_usd_per_mtok"]
+    vs_sky = med["elastic"]["list_usd_per_mtok"] / sky
+    worst_od = max(run["elastic"]["list_usd_per_mtok"] / run["on-demand"]["list_usd_per_mtok"] for run in runs)
+    worst_sky = max(run["elastic"]["list_usd_per_mtok"] / run["skypilot-like"]["list_usd_per_mtok"] for run in runs)
     later = sum(run["elastic"]["wall_h"] > run["skypilot-like"]["wall_h"] for run in runs)
     print(f"elastic / on-demand: {od:.3f} (worst seed {worst_od:.3f}; goal <= 0.33)")
     print(f"elastic / skypilot-like: {vs_sky:.3f} (worst seed {worst_sky:.3f}; goal <= 0.8)")
@@ -225,7 +225,7 @@ def report(recipe, trace: Path, seeds: int, ratios_only: bool = False, explain_t
     print(f"elastic finished later than skypilot-like in {later} of {len(runs)} seeds "
           f"(median {med['elastic']['wall_h']:.1f} h vs {med['skypilot-like']['wall_h']:.1f} h)")
     d = med["elastic, deadline"]
-    print(f"elastic with budget.max_hours {deadline_h:.1f}: {d['usd_per_mtok'] / sky:.3f} of skypilot-like's USD per "
+    print(f"elastic with budget.max_hours {deadline_h:.1f}: {d['list_usd_per_mtok'] / sky:.3f} of skypilot-like's USD per "
           f"1M tokens, done in {d['wall_h']:.1f} h")
     ratios(runs, bound)
     if explain_too:

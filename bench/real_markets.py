@@ -29,7 +29,12 @@ to world.min_replicas (`min_replicas_bound_usd_per_mtok`: the least a policy pay
 in worlds of world.min_replicas replicas, boots and preemptions priced, or the floor of whole worlds
 without boots if higher; `elastic.sim.bound`). USD per 1M tokens and the ratio are
 of the completed runs only: a run that stopped early paid for fewer tokens, and its ratio would say
-nothing about the deadline it missed. Uses `elastic.sim.simulate`'s public `simulate` and
+nothing about the deadline it missed. USD here is the bill before the clouds' refunds (`list_usd`:
+AWS bills nothing for a spot VM EC2 interrupts in its first hour, `elastic.record.billing.free`),
+the bill the bounds price: with the refund in, a policy that knew when a zone would drop could run
+every VM in the hour before and pay almost nothing (docs/benchmarks.md, session 39), so a bound of
+that bill would say nothing of a policy that does not. The last column is the refunds (median):
+the invoice is USD less them. Uses `elastic.sim.simulate`'s public `simulate` and
 `bound_usd_per_mtok` only.
 """
 
@@ -147,14 +152,16 @@ def rows(result: dict) -> list[str]:
         other = ", ".join(
             f"{status} ×{n} (at {statistics.median(r['wall_h'] for r in rs if r['status'] == status):.1f} h)"
             for status, n in sorted(ended.items()))
-        usd = _median([r["cost_usd"] for r in rs])
-        per_mtok = _median([r["usd_per_mtok"] for r in done])
-        ratio = _median([r["usd_per_mtok"] / bound for r in done]) if bound else None
-        worst = max((r["usd_per_mtok"] / bound for r in done), default=None) if bound else None
-        to_floor = _median([r["usd_per_mtok"] / floor for r in done]) if floor else None
+        usd = _median([r["list_usd"] for r in rs])
+        per_mtok = _median([r["list_usd_per_mtok"] for r in done])
+        ratio = _median([r["list_usd_per_mtok"] / bound for r in done]) if bound else None
+        worst = max((r["list_usd_per_mtok"] / bound for r in done), default=None) if bound else None
+        to_floor = _median([r["list_usd_per_mtok"] / floor for r in done]) if floor else None
         wall = _median([r["wall_h"] for r in done])
+        refunded = _median([r["list_usd"] - r["cost_usd"] for r in rs])
         out.append(f"| {Path(result['trace']).name} | {policy} | {len(done)}/{len(rs)} | {other or '-'} | {usd:.2f} | "
-                   f"{_fmt(per_mtok, 4)} | {_fmt(ratio, 2)} | {_fmt(worst, 2)} | {_fmt(to_floor, 2)} | {_fmt(wall, 1)} |")
+                   f"{_fmt(per_mtok, 4)} | {_fmt(ratio, 2)} | {_fmt(worst, 2)} | {_fmt(to_floor, 2)} | {_fmt(wall, 1)} "
+                   f"| {refunded:.2f} |")
     return out
 
 
@@ -179,8 +186,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write every run's figures here")
     args = ap.parse_args()
     print("| trace | policy | completed | other ends (median hour) | USD, median | USD / 1M tok (completed) "
-          "| ratio to bound, median | worst | ratio to the min_replicas bound, median | hours (completed) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| ratio to bound, median | worst | ratio to the min_replicas bound, median | hours (completed) "
+          "| refunded USD, median |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     results = []
     with tempfile.TemporaryDirectory(prefix="real-markets-") as windows:
         traces = args.traces or default_traces()

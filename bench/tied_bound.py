@@ -256,7 +256,7 @@ def _table(traces: list[Path], seeds: int) -> int:
         market = _market(recipe, str(trace))
         kept = min_replicas_bound_usd_per_mtok(recipe, str(trace)) * run_tokens(recipe) / 1e6
         tied = tied_bound_usd(recipe, market)
-        paid = [r["cost_usd"] for seed in range(seeds)
+        paid = [r["list_usd"] for seed in range(seeds)
                 for r in simulate(recipe, str(trace), ["elastic"], seed=seed, market=market) if r["status"] == "completed"]
         usd = statistics.median(paid) if paid else math.nan
         under += sum(p < tied for p in paid)

@@ -568,17 +568,20 @@ def _simulate(args, out) -> int:
         # The yardstick: what any policy could at best pay per token on this trace (elastic.sim.bound).
         bound = bound_usd_per_mtok(recipe, args.trace)
         for r in results:
-            r["ratio_to_bound"] = round(r["usd_per_mtok"] / bound, 4) if bound and r["usd_per_mtok"] else None
+            # The bound prices the bill before the clouds' refunds (`list_usd_per_mtok`): see elastic.sim.bound.
+            r["ratio_to_bound"] = round(r["list_usd_per_mtok"] / bound, 4) if bound and r["list_usd_per_mtok"] else None
         doc = {"recipe": recipe.name, "trace": args.trace, "seed": args.seed,
                "budget_usd": recipe.budget.max_usd, "bound_usd_per_mtok": round(bound, 6) if bound else None,
                "policies": {r["policy"]: r for r in results}}
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
         return 0
     table = Table(title=f"{recipe.name} on {args.trace} (seed {args.seed})", title_justify="left")
-    for col in ("policy", "status", "USD", "tokens", "USD/1M tok", "wall h", "preemptions", "moves", "effective"):
+    for col in ("policy", "status", "USD", "refunded USD", "tokens", "USD/1M tok", "wall h", "preemptions", "moves",
+                "effective"):
         table.add_column(col, justify="left" if col in ("policy", "status") else "right")
     for r in results:
-        table.add_row(r["policy"], r["status"], f"{r['cost_usd']:,.2f}", f"{r['tokens']:,}",
+        table.add_row(r["policy"], r["status"], f"{r['cost_usd']:,.2f}", f"{r['list_usd'] - r['cost_usd']:,.2f}",
+                      f"{r['tokens']:,}",
                       f"{r['usd_per_mtok']:.4f}" if r["usd_per_mtok"] is not None else "-", f"{r['wall_h']:.2f}",
                       str(r["preemptions"]), str(r["moves"]),
                       f"{r['effective_training_time']:.3f}" if r["effective_training_time"] is not None else "-")

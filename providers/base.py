@@ -17,9 +17,10 @@ class BillingTerms:
         increment_s: billed time is rounded up to whole increments of this many seconds.
         interrupted_free_s: a spot VM the cloud itself interrupts within this many seconds of its
             launch is not billed at all, where one the user terminates bills its seconds (AWS: the
-            first hour, for Linux). 0: no such rule. `elastic.record.billing` does not count it
-            (its figures stay an upper bound); the driver leaves a noticed VM that young for its
-            cloud to reclaim rather than terminating it (`Driver.leaves_to_cloud`).
+            first hour, for Linux). 0: no such rule. `elastic.record.billing` bills such a VM
+            nothing; the driver leaves a noticed VM that young for its cloud to reclaim rather
+            than terminating it (`Driver.leaves_to_cloud`), and the bounds of `elastic.sim.bound`
+            count the refund in the policy's favour.
     """
 
     minimum_s: float

@@ -3,8 +3,12 @@
 A VM bills per billing increment of its cloud from its launch, at the price in effect in each
 interval (a spot price moves while the VM is held: its price is a series of `(from_s, usd_per_hour)`
 segments), and, once it is gone, at least its cloud's minimum (the seconds short of the minimum, or
-of the last whole increment, bill at its last price). A VM still held bills the seconds so far, with
-no minimum yet. The driver's running spend, the budget checks of the policy, the simulator's bill,
+of the last whole increment, bill at its last price). A spot VM its cloud interrupted within the
+cloud's free window of its launch (`BillingTerms.interrupted_free_s`; AWS: the first hour, for
+Linux, "Billing for interrupted Spot Instances" in the EC2 User Guide) bills nothing at all, where
+one the run released bills its seconds; a ledger says which by `node_preempted` (the cloud took it)
+or `node_released`. A VM still held bills the seconds so far, with no minimum yet (nor the refund
+it may yet earn). The driver's running spend, the budget checks of the policy, the simulator's bill,
 the clairvoyant bound, `elastic plan`'s estimate, `elastic status`, report.json and report.html all
 price VMs here, so the ledger's cost and the report's cost are one number.
 
@@ -33,12 +37,15 @@ def terms(cloud: str) -> BillingTerms:
     return billing_terms(cloud) or DEFAULT_TERMS
 
 
-def billed_s(cloud: str, held_s: float, ended: bool) -> float:
+def billed_s(cloud: str, held_s: float, ended: bool, interrupted: bool = False) -> float:
     """Seconds billed for a VM held `held_s` seconds: as held while it runs; once `ended`, rounded
-    up to the cloud's increment and raised to its minimum (a VM never held bills nothing)."""
+    up to the cloud's increment and raised to its minimum (a VM never held bills nothing), or none
+    at all for a spot VM its cloud `interrupted` within its free window (`free`)."""
     if not ended or held_s <= 0:
         return max(0.0, held_s)
     t = terms(cloud)
+    if interrupted and held_s < t.interrupted_free_s:
+        return 0.0
     # 1e-9: a float sum of whole seconds must not round up a whole increment.
     rounded = math.ceil(held_s / t.increment_s - 1e-9) * t.increment_s if t.increment_s > 0 else held_s
     return max(rounded, t.minimum_s, held_s)
@@ -62,7 +69,14 @@ def usd_between(segments, stop_s: float, t0: float, t1: float) -> float:
     return usd
 
 
-def vm_usd(cloud: str, segments, stop_s: float, ended: bool, until: float | None = None) -> float:
+def free(cloud: str, held_s: float, interrupted: bool) -> bool:
+    """A spot VM its cloud `interrupted` after `held_s` seconds bills nothing: within the cloud's
+    `interrupted_free_s` of its launch (AWS: the first hour). The caller says it was spot."""
+    return interrupted and held_s < terms(cloud).interrupted_free_s
+
+
+def vm_usd(cloud: str, segments, stop_s: float, ended: bool, until: float | None = None,
+           interrupted: bool = False) -> float:
     """USD billed for one VM up to `until` (default: the whole hold), its minimum included once it
     has ended and `until` reaches its end.
 
@@ -71,9 +85,12 @@ def vm_usd(cloud: str, segments, stop_s: float, ended: bool, until: float | None
         segments: [(from_s, usd_per_hour)] from launch, in time order.
         stop_s: end of the hold (release or preemption; now while held).
         ended: the VM is gone (the minimum and the increment apply).
-        until: bill up to this time only.
+        until: bill up to this time only (what accrued: a free VM's refund comes at its end).
+        interrupted: a spot VM its cloud took (`free` within the cloud's window).
     """
     until = stop_s if until is None else until
+    if ended and until >= stop_s and free(cloud, stop_s - segments[0][0], interrupted):
+        return 0.0
     usd = usd_between(segments, stop_s, segments[0][0], until)
     if until >= stop_s:
         held = stop_s - segments[0][0]
@@ -131,22 +148,35 @@ class Hold:
     joined: bool = True
     stop_s: float = field(default=0.0)
 
+    @property
+    def interrupted(self) -> bool:
+        """A spot VM its cloud took (`node_preempted`), not one the run let go."""
+        return self.vm.spot and self.ended == Ended.PREEMPTED
+
+    @property
+    def free(self) -> bool:
+        """Its cloud bills it nothing: interrupted within the cloud's free window (`free`)."""
+        return free(self.vm.cloud, self.stop_s - self.start_s, self.interrupted)
+
     def billed_s(self) -> float:
-        """Seconds billed: held seconds, rounded and raised to the cloud's terms once it is gone."""
-        return billed_s(self.vm.cloud, self.stop_s - self.start_s, self.end_s is not None)
+        """Seconds billed: held seconds, rounded and raised to the cloud's terms once it is gone
+        (none for a `free` one)."""
+        return billed_s(self.vm.cloud, self.stop_s - self.start_s, self.end_s is not None, self.interrupted)
 
     def usd(self, until: float | None = None) -> float:
-        """USD billed up to `until` (default: the whole hold), the minimum included at its end."""
-        return vm_usd(self.vm.cloud, self.segments, self.stop_s, self.end_s is not None, until)
+        """USD billed up to `until` (default: the whole hold), the minimum included at its end
+        (and a `free` one's refund: nothing in all)."""
+        return vm_usd(self.vm.cloud, self.segments, self.stop_s, self.end_s is not None, until, self.interrupted)
 
     def on_demand_usd(self, until: float | None = None) -> float:
-        """USD the same billed seconds would have cost on demand."""
+        """USD the same hold would have cost on demand (an on-demand VM is never interrupted, so a
+        `free` one's seconds are billed here)."""
         return vm_on_demand_usd(self.vm.cloud, self.start_s, self.stop_s, self.end_s is not None,
                                 self.vm.on_demand_usd_per_hour, until)
 
     def usd_between(self, t0: float, t1: float) -> float:
-        """USD accrued over [t0, t1] at the prices in effect (no minimum)."""
-        return usd_between(self.segments, self.stop_s, t0, t1)
+        """USD accrued over [t0, t1] at the prices in effect (no minimum; none for a `free` one)."""
+        return 0.0 if self.free else usd_between(self.segments, self.stop_s, t0, t1)
 
 
 _HOLD_TYPES = frozenset(c.TYPE for c in (NodeLaunched, NodePrice, NodeReleased, NodePreempted, NodeJoinTimeout))
@@ -202,7 +232,7 @@ def burn_usd_per_hour(records: list[dict]) -> float:
 def cumulative(vms: dict[str, Hold], t0: float, end: float) -> tuple[list, list]:
     """Cumulative billed and on-demand USD, as [(seconds since `t0`, USD)] at every change of the
     total rate up to `end`: one sweep over the holds' price segments (plus each one's rounding and
-    minimum, due when it goes). Its last point is what `Hold.usd` and `Hold.on_demand_usd` sum to."""
+    minimum, due when it goes, or a free one's refund of what it accrued). Its last point is what `Hold.usd` and `Hold.on_demand_usd` sum to."""
     steps: dict[float, list[float]] = {}   # t -> [Δ USD/s billed, Δ USD/s on demand, lump billed, lump on demand]
 
     def at(t):
@@ -218,8 +248,9 @@ def cumulative(vms: dict[str, Hold], t0: float, end: float) -> tuple[list, list]
         if held > 0:
             at(h.start_s)[1] += h.vm.on_demand_usd_per_hour / 3600
             at(h.stop_s)[1] -= h.vm.on_demand_usd_per_hour / 3600
-            extra_s = h.billed_s() - held
-            at(h.stop_s)[2] += extra_s * h.segments[-1][1] / 3600
+            # At its end: its rounding and minimum, or a free one's refund of all it accrued.
+            at(h.stop_s)[2] += h.usd() - usd_between(h.segments, h.stop_s, h.start_s, h.stop_s)
+            extra_s = billed_s(h.vm.cloud, held, h.end_s is not None) - held
             at(h.stop_s)[3] += extra_s * h.vm.on_demand_usd_per_hour / 3600
     usd, od = [], []
     total = total_od = rate = rate_od = 0.0

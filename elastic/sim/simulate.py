@@ -168,6 +168,7 @@ class _Run:
         self.seed = seed
         self.t = 0.0
         self.closed_usd = 0.0   # the bill of the VMs already gone
+        self.closed_list_usd = 0.0   # the same before the clouds' refunds (`billing.free`)
         self.tokens = 0
         self.ckpt_tokens = 0
         self.phases = 0
@@ -190,10 +191,11 @@ class _Run:
 
     # -- the market and the bill ----------------------------------------------------------------
 
-    def usd(self, node: _Node, stop_s: float, ended: bool) -> float:
-        """The VM's bill up to `stop_s` (`elastic.record.billing`, at the trace's prices)."""
+    def usd(self, node: _Node, stop_s: float, ended: bool, interrupted: bool = False) -> float:
+        """The VM's bill up to `stop_s` (`elastic.record.billing`, at the trace's prices);
+        `interrupted`: the market took it (nothing, if spot and young enough for its cloud)."""
         segments = self.market.segments(node.offer, node.launched_at, stop_s)
-        return billing.vm_usd(node.offer.cloud, segments, stop_s, ended)
+        return billing.vm_usd(node.offer.cloud, segments, stop_s, ended, interrupted=interrupted and node.offer.spot)
 
     @property
     def spent(self) -> float:
@@ -254,7 +256,9 @@ class _Run:
         """Release the VM `iid` now."""
         node = self.nodes.pop(iid, None)
         if node is not None:
-            self.closed_usd += self.usd(node, self.t, ended=True)
+            usd = self.usd(node, self.t, ended=True)
+            self.closed_usd += usd
+            self.closed_list_usd += usd
             self.record(NodeReleased(instance_id=iid))
 
     def release_all(self) -> None:
@@ -307,7 +311,8 @@ class _Run:
             for iid, at in sorted(due.items(), key=lambda kv: kv[1]):
                 self.events.append(NodePreempted(instance_id=iid, with_notice=False, replica=None).record(at))
                 gone[iid] = self.nodes.pop(iid)
-                self.closed_usd += self.usd(gone[iid], at, ended=True)
+                self.closed_usd += self.usd(gone[iid], at, ended=True, interrupted=True)
+                self.closed_list_usd += self.usd(gone[iid], at, ended=True)
                 self.preemptions += 1
             self.t = until
             for n in self.nodes.values():   # the ledger's record of a price move, as the driver writes it
@@ -371,8 +376,10 @@ class _Run:
 
     def result(self) -> dict:
         tokens = min(self.tokens, self.target_tokens)
+        listed = self.closed_list_usd + self.spent - self.closed_usd     # the VMs held: no refund yet
         return {"policy": self.policy.name, "status": self.status or "completed", "cost_usd": round(self.spent, 4),
                 "tokens": tokens, "usd_per_mtok": round(self.spent / tokens * 1e6, 4) if tokens else None,
+                "list_usd": round(listed, 4), "list_usd_per_mtok": round(listed / tokens * 1e6, 4) if tokens else None,
                 "wall_h": round(self.t / 3600, 4), "preemptions": self.preemptions,
                 "moves": sum(e["type"] == ReplicaMove.TYPE for e in self.events),
                 "effective_training_time": round(self.useful_node_s / self.rented_node_s, 4)
@@ -664,7 +671,10 @@ def simulate(recipe, trace_path: str, policies: list[str | Policy] | None = None
              ledgers: dict[str, list[dict]] | None = None, kept: dict[str, list] | None = None,
              market: TraceMarket | None = None) -> list[dict]:
     """Each policy's figures on the trace: cost_usd, tokens, usd_per_mtok, wall_h, preemptions,
-    effective_training_time (kept node-seconds over rented node-seconds), status. `policies`: names
+    effective_training_time (kept node-seconds over rented node-seconds), status; list_usd and
+    list_usd_per_mtok, the bill before the clouds' refunds of spot VMs they interrupted young
+    (`elastic.record.billing.free`: cost_usd is after them, as the cloud invoices it), which is
+    what the bounds (`bound_usd_per_mtok`) hold a policy to. `policies`: names
     of `elastic.policy.registry.POLICIES` or `Policy` objects (default: the recipe's `planner.policy`, then
     every other registered one). `ledgers`,
     when given, receives each policy's ledger-shaped events (in trace seconds), as the driver's ledger

@@ -198,6 +198,8 @@ def build_report(records: list[dict], now: float | None = None) -> dict:
         "tokens_this_run": kept,
         "tokens_per_s": round(trained / train_s, 1) if train_s > 0 else 0.0,
         "cost_usd": round(cost, 6),
+        "refunded_usd": round(sum(billing.vm_usd(h.vm.cloud, h.segments, h.stop_s, ended=True)
+                                  for h in vms.values() if h.free), 6),
         "usd_per_mtok": round(cost / kept * 1e6, 6) if kept > 0 else None,
         "on_demand_equivalent_usd": round(on_demand_exact, 6),
         "savings_pct": round(100 * (1 - cost / on_demand_exact), 2)

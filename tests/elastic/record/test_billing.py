@@ -1,4 +1,5 @@
-"""`elastic.record.billing`: minimum, increment, a price change mid-hold, on-demand, the launch span."""
+"""`elastic.record.billing`: minimum, increment, a price change mid-hold, on-demand, the launch span, a spot VM
+its cloud interrupts young."""
 
 from __future__ import annotations
 
@@ -63,6 +64,52 @@ def test_billing_terms_are_data_read_without_the_provider_classes():
     assert billing.terms("aws") == billing.BillingTerms(minimum_s=60.0, increment_s=1.0, interrupted_free_s=3600.0)
     assert billing.terms("gcp") == billing.BillingTerms(minimum_s=60.0, increment_s=1.0)
     assert billing.terms("local") == billing.BillingTerms(minimum_s=0.0, increment_s=1.0)
+
+
+def test_a_spot_vm_aws_interrupts_in_its_first_hour_bills_nothing_one_the_run_lets_go_bills_its_seconds():
+    segments = [(0.0, 0.9), (600.0, 1.8)]
+    # EC2 took it after 59 min: nothing, its minimum and the seconds at either price alike.
+    assert billing.billed_s("aws", 3540.0, ended=True, interrupted=True) == 0.0
+    assert billing.vm_usd("aws", segments, stop_s=3540.0, ended=True, interrupted=True) == 0.0
+    assert billing.billed_s("aws", 30.0, ended=True, interrupted=True) == 0.0
+    # Released by the run at the same age, or taken after the hour: its seconds.
+    assert billing.vm_usd("aws", segments, stop_s=3540.0, ended=True) == pytest.approx(600 * 0.9 / 3600 + 2940 * 1.8 / 3600)
+    assert billing.vm_usd("aws", segments, stop_s=3660.0, ended=True, interrupted=True) == \
+        pytest.approx(600 * 0.9 / 3600 + 3060 * 1.8 / 3600)
+    # GCP has no such rule: its seconds, and its minimum.
+    assert billing.billed_s("gcp", 30.0, ended=True, interrupted=True) == 60.0
+    # What accrued before its end is still shown as accrued (the refund comes when it goes).
+    assert billing.vm_usd("aws", segments, stop_s=3540.0, ended=True, until=600.0, interrupted=True) == \
+        pytest.approx(600 * 0.9 / 3600)
+
+
+def test_a_ledger_refunds_only_the_spot_vms_its_cloud_took_young():
+    from elastic.record.events import read
+    from elastic.views.report import build_report
+    from tests.elastic.views.test_report_costs import ended, started, vm
+    from tests.elastic.views.test_report_html import T0
+
+    records = [started(),
+               vm(T0, "taken", usd=1.0, on_demand=3.0, cloud="aws", region="us-east-1"),
+               vm(T0, "released", usd=1.0, on_demand=3.0, cloud="aws", region="us-east-1"),
+               vm(T0, "old", usd=1.0, on_demand=3.0, cloud="aws", region="us-east-1"),
+               {"t": T0 + 1800, "type": "node_preempted", "instance_id": "taken"},
+               {"t": T0 + 1800, "type": "node_released", "instance_id": "released"},
+               {"t": T0 + 5400, "type": "node_preempted", "instance_id": "old"},
+               ended(T0 + 5400)]
+    vms = billing.holds(read(records), T0 + 5400)
+    assert vms["taken"].free and not vms["released"].free and not vms["old"].free
+    assert [vms[i].usd() for i in ("taken", "released", "old")] == [0.0, pytest.approx(0.5), pytest.approx(1.5)]
+    assert vms["taken"].billed_s() == 0.0 and vms["taken"].usd_between(T0, T0 + 900) == 0.0
+    assert vms["taken"].on_demand_usd() == pytest.approx(1.5)     # on demand, it would have been billed
+    r = build_report(records)
+    assert r["cost_usd"] == pytest.approx(2.0) and r["refunded_usd"] == pytest.approx(0.5)
+    usd, _ = billing.cumulative(vms, T0, T0 + 5400)
+    assert usd[-1][1] == pytest.approx(2.0)
+    assert max(u for _, u in usd) > 2.0 - 1e-9                     # it accrued, then was refunded at its end
+    # On demand the same hold is billed: the same records with the VM rented on demand.
+    od = [dict(r, spot=False) if r.get("instance_id") == "taken" and r["type"] == "node_launched" else r for r in records]
+    assert build_report(od)["cost_usd"] == pytest.approx(2.5)
 
 
 def test_a_ledger_is_priced_in_one_place_the_curve_ends_at_the_reports_totals():

@@ -79,7 +79,7 @@ def test_no_policy_comes_in_under_the_floor_on_its_worse_twin(recipe):
             for name, market in (("down", down), ("up", up)):
                 for r in simulate(recipe, "", seed=seed, market=market):
                     assert r["status"] == "completed"
-                    ratio.setdefault(r["policy"], []).append(r["cost_usd"] / by_tokens[f"bound_{name}_usd"])
+                    ratio.setdefault(r["policy"], []).append(r["list_usd"] / by_tokens[f"bound_{name}_usd"])
             assert set(ratio) == set(POLICIES)
             for policy, both in ratio.items():
                 assert max(both) >= least, (policy, seed, both, least)
@@ -95,6 +95,6 @@ def test_where_spot_is_dearer_than_on_demand_the_token_floor_prices_on_demand(re
     at_s = 40 * 3600.0
     down, up = (TraceMarket(t, uncapped) for t in twins(dear, at_s, 1.5))
     got = floor(uncapped, down, up, at_s, token_floor)
-    ratios = [next(r for r in simulate(uncapped, "", market=m, policies=["on-demand"]))["cost_usd"] / got[f"bound_{k}_usd"]
+    ratios = [next(r for r in simulate(uncapped, "", market=m, policies=["on-demand"]))["list_usd"] / got[f"bound_{k}_usd"]
               for k, m in (("down", down), ("up", up))]
     assert max(ratios) >= got["floor"]

@@ -220,7 +220,7 @@ def test_cli_simulate_json_and_errors(tmp_path):
                 "ratio_to_bound"} <= set(res)
         assert res["cost_usd"] <= recipe.budget.max_usd
         # No policy pays less than the bound (its draws can beat the expectation, not by this much).
-        assert res["ratio_to_bound"] == pytest.approx(res["usd_per_mtok"] / bound, abs=1e-3)
+        assert res["ratio_to_bound"] == pytest.approx(res["list_usd_per_mtok"] / bound, abs=1e-3)
         assert res["ratio_to_bound"] > 0.9
     el, od = doc["policies"]["elastic"], doc["policies"]["on-demand"]
     assert el["status"] == "completed" and el["usd_per_mtok"] < od["usd_per_mtok"]
@@ -524,3 +524,35 @@ def test_a_training_replica_lost_is_replaced_at_once_not_timed_for_a_boundary(tm
         after = [e["t"] for e in events if e["type"] == "node_launched" and e["t"] >= lost[0]["t"]]
         assert after and after[0] == lost[0]["t"], (lost[0], after[:2])
     assert checked >= 4
+
+
+def test_aws_bills_nothing_for_the_spot_vms_it_takes_in_their_first_hour_and_the_report_says_the_same(tmp_path):
+    from elastic.record.billing import holds, vm_usd
+    from elastic.record.events import read
+    from elastic.views.report import build_report
+
+    # One market on AWS and on GCP: VMs reclaimed at 1 an hour, many within their first hour.
+    r = recipe()
+    runs = {}
+    for cloud in ("aws", "gcp"):
+        trace = write_trace(tmp_path / f"{cloud}.csv", [row(0, "r1a", 9.0, rate=1.0, cloud=cloud)])
+        ledgers: dict[str, list[dict]] = {}
+        runs[cloud] = (simulate(r, trace, ["elastic"], seed=0, ledgers=ledgers)[0], ledgers["elastic"])
+    aws, ledger = runs["aws"]
+    gcp, _ = runs["gcp"]
+    assert aws["status"] == gcp["status"] == "completed"
+    # The same draws and actions: the list bills agree, and GCP refunds nothing.
+    assert aws["list_usd"] == pytest.approx(gcp["list_usd"], rel=1e-6) and gcp["list_usd"] == gcp["cost_usd"]
+    # AWS's refund is what its young reclaimed VMs would have billed (their seconds, or the
+    # minute's minimum), by the ledger's own holds.
+    end = aws["wall_h"] * 3600
+    vms = holds(read(ledger), end)
+    young = [h for h in vms.values() if h.ended == "preempted" and h.stop_s - h.start_s < 3600]
+    assert young and any(h.ended == "preempted" and h.stop_s - h.start_s >= 3600 for h in vms.values())
+    refund = sum(vm_usd("aws", h.segments, h.stop_s, ended=True) for h in young)
+    assert all(h.usd() == 0.0 for h in young)
+    assert aws["list_usd"] - aws["cost_usd"] == pytest.approx(refund, abs=1e-3)
+    report = build_report([{"t": 0.0, "type": "run_started", "run": "sim", "recipe": "r", "recipe_digest": "d"}]
+                          + ledger + [{"t": end, "type": "run_ended", "status": "completed", "wall_s": end}])
+    assert report["cost_usd"] == pytest.approx(aws["cost_usd"], abs=1e-3)
+    assert report["refunded_usd"] == pytest.approx(refund, abs=1e-3)

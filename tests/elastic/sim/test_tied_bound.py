@@ -73,7 +73,7 @@ def test_the_tied_program_holds_members_together_and_no_run_comes_in_under_it(tm
         # Reclaimed at 3 an hour, the spot partner also leaves the on-demand one idle for the rest
         # of its row, which the bound credited anyway.
         assert tied > kept * 1.02
-    paid = [r["cost_usd"] for seed in range(3)
+    paid = [r["list_usd"] for seed in range(3)
             for r in simulate(recipe, str(trace), ["elastic"], seed=seed, market=market)]
     assert min(paid) > tied, (paid, tied)
 
