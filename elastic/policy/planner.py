@@ -14,6 +14,8 @@ checks, are the policy's (`elastic.policy.rules`).
 
 from __future__ import annotations
 
+import math
+
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -176,10 +178,23 @@ def evaluate(quotes: list[Quote], recipe) -> Placement:
 def expected_vm_usd(q: Quote, hours: float) -> float:
     """USD one replica's place in the world bills over `hours` (`elastic.record.billing`): a VM of `q`,
     replaced after each of its expected preemptions, each VM billed its expected share of the time
-    but at least its cloud's minimum (VMs preempted within a minute each bill a whole one)."""
-    vms = 1 + q.preempt_per_hour * hours
+    but at least its cloud's minimum (VMs preempted within a minute each bill a whole one), less what
+    the cloud does not bill of the spot VMs it takes young (`billing.free`; AWS: the first hour).
+
+    That refund: the lives that end in a preemption span the place's hours less its last life
+    (censored by the run's end: E[min(Exp(r), hours)] = (1 − e^{−r·hours})/r), and of the time in
+    lives each Exp(r) long, the share in lives shorter than the free window F is
+    r·E[τ·1{τ < F}] = 1 − e^{−rF}(1 + rF) (the renewal share; an estimate, as the rest)."""
+    r = q.preempt_per_hour
+    vms = 1 + r * hours
     billed_s = billing.billed_s(q.offer.cloud, hours * 3600 / vms, ended=True)
-    return vms * billed_s * q.offer.usd_per_hour / 3600
+    usd = vms * billed_s * q.offer.usd_per_hour / 3600
+    free_h = billing.terms(q.offer.cloud).interrupted_free_s / 3600
+    if q.offer.spot and free_h > 0 and r > 0 and hours > 0:
+        ended_h = hours + math.expm1(-r * hours) / r
+        refunded_h = ended_h * (1 - math.exp(-r * free_h) * (1 + r * free_h))
+        usd = max(0.0, usd - refunded_h * q.offer.usd_per_hour)
+    return usd
 
 
 def _fill(ranked: list[Quote], held: list[Quote], n: int, k: int, planner) -> list[Quote]:

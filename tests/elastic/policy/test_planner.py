@@ -342,10 +342,10 @@ def test_budget_max_hours_buys_faster_gpus_or_more_replicas_only_when_needed():
 
 def test_the_estimate_bills_each_vm_its_clouds_minimum():
     # One replica on a VM preempted every 10 s on average for about 100 s: about eleven VMs, each
-    # billed aws's one-minute minimum, not the 100 s held.
+    # billed gcp's one-minute minimum, not the 100 s held.
     r = recipe(**{"world.replicas": 1, "world.min_replicas": 1, "planner.recovery_s": 0,
                   "train.token_budget": 2_400_000, "train.inner_steps": 1, "train.batch_size": 1})
-    pl = evaluate([quote(offer("r1a", 36.0), risk=360.0)], r)
+    pl = evaluate([quote(offer("r1a", 36.0, cloud="gcp"), risk=360.0)], r)
     vms = 1 + 360.0 * pl.expected_hours
     assert pl.expected_usd == pytest.approx(vms * 60 * 36.0 / 3600, rel=1e-6)
     assert pl.expected_usd > 5 * pl.usd_per_hour * pl.expected_hours
@@ -353,6 +353,26 @@ def test_the_estimate_bills_each_vm_its_clouds_minimum():
     # rounded up).
     local = evaluate([quote(offer("r1a", 36.0, cloud="local"), risk=360.0)], r)
     assert local.usd_per_hour * local.expected_hours <= local.expected_usd < pl.expected_usd / 5
+
+
+def test_the_estimate_takes_off_what_aws_does_not_bill_of_the_spot_vms_it_takes_in_their_first_hour():
+    import math
+
+    r = recipe(**{"world.replicas": 1, "world.min_replicas": 1, "planner.recovery_s": 0,
+                  "train.token_budget": 2_400_000_000, "train.inner_steps": 1, "train.batch_size": 1})
+    by = {(cloud, risk, spot): evaluate([quote(offer("r1a", 9.0, cloud=cloud, spot=spot), risk=risk)], r)
+          for cloud in ("aws", "gcp") for risk in (0.0, 1.0, 0.01) for spot in (True, False)}
+    hours = by["gcp", 1.0, True].expected_hours
+    assert hours > 20
+    # Reclaimed once an hour: of the lives that end in a preemption (all but the last), the share of
+    # time in lives under an hour, 1 − 2/e, is not billed on AWS; GCP bills it all.
+    ended = hours - (1 - math.exp(-hours))
+    assert by["aws", 1.0, True].expected_usd == pytest.approx(
+        by["gcp", 1.0, True].expected_usd - ended * (1 - 2 / math.e) * 9.0, rel=1e-6)
+    # Never reclaimed, rarely reclaimed, or on demand: next to nothing, or nothing, taken off.
+    assert by["aws", 0.0, True].expected_usd == by["gcp", 0.0, True].expected_usd
+    assert by["aws", 0.01, True].expected_usd > 0.9999 * by["gcp", 0.01, True].expected_usd
+    assert by["aws", 1.0, False].expected_usd == by["gcp", 1.0, False].expected_usd
 
 
 def test_measured_links_replace_the_cross_region_guess_per_pair():
