@@ -18,9 +18,10 @@ class BillingTerms:
         interrupted_free_s: a spot VM the cloud itself interrupts within this many seconds of its
             launch is not billed at all, where one the user terminates bills its seconds (AWS: the
             first hour, for Linux). 0: no such rule. `elastic.record.billing` bills such a VM
-            nothing; the driver leaves a noticed VM that young for its cloud to reclaim rather
-            than terminating it (`Driver.leaves_to_cloud`), and the bounds of `elastic.sim.bound`
-            count the refund in the policy's favour.
+            nothing (one its `node_preempted` says the cloud reclaimed: after a notice, or by the
+            cloud's own word); the driver leaves a noticed VM that young for its cloud to reclaim
+            rather than terminating it (`Driver.leaves_to_cloud`). The bounds of
+            `elastic.sim.bound` price the bill before such refunds (the simulator's `list_usd`).
     """
 
     minimum_s: float
@@ -112,6 +113,8 @@ class NodeEvent:
         at: unix time the provider saw it.
         deadline: for a notice, unix time the VM goes.
         with_notice: for a preemption, whether a notice came first.
+        reclaimed: for a preemption, the cloud says it took the VM back itself (a spot
+            interruption: AWS's `Server.SpotInstanceTermination`), not that something else ended it.
     """
 
     instance_id: str
@@ -119,6 +122,7 @@ class NodeEvent:
     at: float
     deadline: float | None = None
     with_notice: bool = False
+    reclaimed: bool = False
 
 
 class CapacityError(Exception):

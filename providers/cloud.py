@@ -335,7 +335,8 @@ class CloudProvider(BaseProvider):
         raise NotImplementedError
 
     def _vm_states(self, instances: list[Instance]) -> dict[str, str]:
-        """instance id -> `running` / `pending` / `gone` for VMs this provider holds."""
+        """instance id -> `running` / `pending` / `gone` for VMs this provider holds, or `reclaimed`
+        for one gone that the cloud says it took back itself (a spot interruption)."""
         raise NotImplementedError
 
     def _find_vms(self, run: str | None) -> list[Instance]:
@@ -504,12 +505,13 @@ class CloudProvider(BaseProvider):
                 else:                                 # a rebalance recommendation: risk, no deadline
                     self._events.append(NodeEvent(inst.instance_id, NodeEventKind.REBALANCE, now))
         if self._state_poll is not None and self._state_poll.done():
-            for iid in self._state_poll.result():
+            for iid, reclaimed in self._state_poll.result().items():
                 with self._lock:
                     inst = self._held.pop(iid, None)   # None: released meanwhile, not lost
                 if inst is not None:
                     self._revoke(iid)
-                    self._events.append(NodeEvent(iid, NodeEventKind.PREEMPTED, now, with_notice=iid in self._noticed))
+                    self._events.append(NodeEvent(iid, NodeEventKind.PREEMPTED, now, with_notice=iid in self._noticed,
+                                                  reclaimed=reclaimed))
             self._state_poll = None
         if held and self._state_poll is None and time.monotonic() - self._last_state_poll >= STATE_POLL_S:
             self._state_poll = self._poll_states(held)
@@ -517,8 +519,9 @@ class CloudProvider(BaseProvider):
         return out
 
     def _poll_states(self, held: list[Instance]) -> Future:
-        """Ask the cloud which of `held` are gone, on a daemon thread: a future of their ids (none
-        when the call failed: it is asked again at the next poll, and the run goes on)."""
+        """Ask the cloud which of `held` are gone, on a daemon thread: a future of {id: reclaimed by
+        the cloud itself} (empty when the call failed: it is asked again at the next poll, and the
+        run goes on)."""
         polled: Future = Future()
 
         def poll() -> None:
@@ -528,7 +531,8 @@ class CloudProvider(BaseProvider):
                 log.warning("%s: instance state poll failed: %s", self.name, exc)
                 states = {}
             self._last_state_poll = time.monotonic()   # the next poll is STATE_POLL_S after this answer
-            polled.set_result([i.instance_id for i in held if states.get(i.instance_id) == "gone"])
+            polled.set_result({i.instance_id: states[i.instance_id] == "reclaimed" for i in held
+                               if states.get(i.instance_id) in ("gone", "reclaimed")})
 
         threading.Thread(target=poll, name=f"{self.name}-state-poll", daemon=True).start()
         return polled

@@ -184,7 +184,9 @@ def expected_vm_usd(q: Quote, hours: float) -> float:
     That refund: the lives that end in a preemption span the place's hours less its last life
     (censored by the run's end: E[min(Exp(r), hours)] = (1 − e^{−r·hours})/r), and of the time in
     lives each Exp(r) long, the share in lives shorter than the free window F is
-    r·E[τ·1{τ < F}] = 1 − e^{−rF}(1 + rF) (the renewal share; an estimate, as the rest)."""
+    r·E[τ·1{τ < F}] = 1 − e^{−rF}(1 + rF) (the renewal share; an estimate, as the rest). The
+    minimums of the refunded VMs are not taken off: above the invoice where VMs last under a
+    minute."""
     r = q.preempt_per_hour
     vms = 1 + r * hours
     billed_s = billing.billed_s(q.offer.cloud, hours * 3600 / vms, ended=True)

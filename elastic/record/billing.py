@@ -136,6 +136,8 @@ class Hold:
         segments: [(from_s, usd_per_hour)] the prices in effect, the first at `start_s`.
         end_s: unix seconds it was released or preempted; None while held.
         ended: how the hold ended.
+        reclaimed: it ended in a `node_preempted` that says its cloud took it back itself (after a
+            notice, or by the cloud's word): the VM a cloud may not bill (`free`).
         joined: it joined the Ray cluster (False: all its cost is waste).
         stop_s: `end_s`, or the time the ledger is priced at while held.
     """
@@ -145,13 +147,15 @@ class Hold:
     segments: list[tuple[float, float]]
     end_s: float | None = None
     ended: Ended = Ended.HELD
+    reclaimed: bool = False
     joined: bool = True
     stop_s: float = field(default=0.0)
 
     @property
     def interrupted(self) -> bool:
-        """A spot VM its cloud took (`node_preempted`), not one the run let go."""
-        return self.vm.spot and self.ended == Ended.PREEMPTED
+        """A spot VM its cloud took back itself (`reclaimed`), not one the run let go or one lost
+        for another reason."""
+        return self.vm.spot and self.ended == Ended.PREEMPTED and self.reclaimed
 
     @property
     def free(self) -> bool:
@@ -159,13 +163,15 @@ class Hold:
         return free(self.vm.cloud, self.stop_s - self.start_s, self.interrupted)
 
     def billed_s(self) -> float:
-        """Seconds billed: held seconds, rounded and raised to the cloud's terms once it is gone
-        (none for a `free` one)."""
-        return billed_s(self.vm.cloud, self.stop_s - self.start_s, self.end_s is not None, self.interrupted)
+        """Seconds billed by the cloud's terms: held seconds, rounded and raised to its minimum once
+        it is gone; for a `free` one, the seconds it would have billed (its `usd` carries the
+        refund, so VM-hours and the on-demand equivalent still count its time)."""
+        return billed_s(self.vm.cloud, self.stop_s - self.start_s, self.end_s is not None)
 
     def usd(self, until: float | None = None) -> float:
         """USD billed up to `until` (default: the whole hold), the minimum included at its end
-        (and a `free` one's refund: nothing in all)."""
+        (and a `free` one's refund: nothing in all; before its end, what it accrued, as the
+        running cost counts it). `usd_between`, the waste's measure, is 0 for a `free` one."""
         return vm_usd(self.vm.cloud, self.segments, self.stop_s, self.end_s is not None, until, self.interrupted)
 
     def on_demand_usd(self, until: float | None = None) -> float:
@@ -206,6 +212,7 @@ def holds(events: list[Event], now: float) -> dict[str, Hold]:
             end = e.released_at if isinstance(e, NodeReleased) and e.released_at is not None else e.t
             hold.end_s = max(end, hold.start_s)
             hold.ended = Ended.RELEASED if isinstance(e, NodeReleased) else Ended.PREEMPTED
+            hold.reclaimed = isinstance(e, NodePreempted) and (e.with_notice or e.reclaimed)
         elif isinstance(e, NodeJoinTimeout):
             hold.joined = False
     for hold in out.values():
@@ -257,8 +264,13 @@ def cumulative(vms: dict[str, Hold], t0: float, end: float) -> tuple[list, list]
     last = t0
     for t in sorted(steps):
         d_rate, d_od, lump, lump_od = steps[t]
-        total += rate * (t - last) + lump
-        total_od += rate_od * (t - last) + lump_od
+        total += rate * (t - last)
+        total_od += rate_od * (t - last)
+        if lump or lump_od:   # a step at t: the curve before it, then after (a refund steps down)
+            usd.append((t - t0, total))
+            od.append((t - t0, total_od))
+        total += lump
+        total_od += lump_od
         rate, rate_od, last = rate + d_rate, rate_od + d_od, t
         usd.append((t - t0, total))
         od.append((t - t0, total_od))

@@ -397,13 +397,17 @@ class NodeNotice(Event):
 @_event("node_preempted")
 class NodePreempted(Event):
     """The provider took a VM back. Args: instance_id: the VM. with_notice: a notice came first.
-    replica: its replica, if any."""
+    replica: its replica, if any. reclaimed: the cloud says it took the VM back itself (a spot
+    interruption; with a notice it is one too): what `elastic.record.billing` bills by, where a
+    cloud bills nothing for a spot VM it interrupts young. Not written by ledgers before it: their
+    VMs lost without a notice are billed."""
 
     STYLE = "red"
 
     instance_id: str
     with_notice: bool
     replica: int | None
+    reclaimed: bool = False
 
     def story(self) -> str:
         return (f"preempted: {self.instance_id} ({_replica(self.replica)}, "

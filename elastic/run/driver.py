@@ -293,7 +293,7 @@ class Driver:
                 self.prices.gone(ev.instance_id)
                 self._left_to_cloud.pop(ev.instance_id, None)
                 self.ledger.append(NodePreempted(instance_id=ev.instance_id, with_notice=ev.with_notice,
-                                                 replica=rep.replica_id if rep else None))
+                                                 replica=rep.replica_id if rep else None, reclaimed=ev.reclaimed))
                 if rep is not None:
                     phase = self.world.phase if rep.replica_id in self.world.replicas else "setup"
                     if rep.replica_id in self.world.replicas:

@@ -309,7 +309,8 @@ class _Run:
             for iid in self.nodes:
                 self.rented_node_s += min(due.get(iid, until), until) - self.t
             for iid, at in sorted(due.items(), key=lambda kv: kv[1]):
-                self.events.append(NodePreempted(instance_id=iid, with_notice=False, replica=None).record(at))
+                self.events.append(NodePreempted(instance_id=iid, with_notice=False, replica=None,
+                                                 reclaimed=True).record(at))
                 gone[iid] = self.nodes.pop(iid)
                 self.closed_usd += self.usd(gone[iid], at, ended=True, interrupted=True)
                 self.closed_list_usd += self.usd(gone[iid], at, ended=True)

@@ -634,10 +634,14 @@ class AWSProvider(CloudProvider):
             resp = self._call("ec2", region, "describe_instances", Filters=[{"Name": "instance-id", "Values": ids}])
             for r in resp["Reservations"]:
                 for vm in r["Instances"]:
-                    seen[vm["InstanceId"]] = vm["State"]["Name"]
+                    state = vm["State"]["Name"]
+                    if state in _GONE_STATES:
+                        # EC2 names a spot interruption in the reason it gives (what it bills by).
+                        taken = (vm.get("StateReason") or {}).get("Code") == "Server.SpotInstanceTermination"
+                        state = "reclaimed" if taken else "gone"
+                    seen[vm["InstanceId"]] = state
             for i in ids:
-                state = seen.get(i)
-                out[i] = "gone" if state is None or state in _GONE_STATES else state
+                out[i] = seen.get(i) or "gone"
         return out
 
     def _find_vms(self, run: str | None) -> list[Instance]:

@@ -291,7 +291,8 @@ class LocalProvider(BaseProvider):
         self._cluster.remove_node(inst.ray_node_id, graceful=False)
         self._drop_host(instance_id)
         with self._lock:
-            self._events.append(NodeEvent(instance_id, NodeEventKind.PREEMPTED, time.time(), with_notice=with_notice))
+            self._events.append(NodeEvent(instance_id, NodeEventKind.PREEMPTED, time.time(), with_notice=with_notice,
+                                          reclaimed=True))   # the local market took it
         log.info("preempted %s (%s notice)", instance_id, "with" if with_notice else "without")
 
     def _tick_loop(self) -> None:

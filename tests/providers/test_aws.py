@@ -273,7 +273,28 @@ def test_state_poll_sees_a_vm_that_vanished_without_notice(aws_env, monkeypatch)
     assert polled_events(p) == []   # still running
     boto3.client("ec2", region_name="us-west-2").terminate_instances(InstanceIds=[inst.instance_id])
     [ev] = polled_events(p)
-    assert (ev.instance_id, ev.kind, ev.with_notice) == (inst.instance_id, "preempted", False)
+    # Terminated by someone (EC2's reason is the user's): not an interruption AWS would not bill.
+    assert (ev.instance_id, ev.kind, ev.with_notice, ev.reclaimed) == (inst.instance_id, "preempted", False, False)
+
+    # A VM EC2 itself interrupted: its answer names the reason (the shape of a real
+    # DescribeInstances answer for an interrupted spot VM), and the event says the cloud took it.
+    other = p._create(p.offers(p.recipe.resources)[0], "run-poll", "replica")
+    other.ray_node_id = "joined"
+    p._held[other.instance_id] = other
+
+    def interrupted(action, region, params):
+        if action != "DescribeInstances":
+            return None
+        return 200, (f"<DescribeInstancesResponse {NS}><requestId>t</requestId><reservationSet><item>"
+                     f"<reservationId>r-1</reservationId><instancesSet><item><instanceId>{other.instance_id}</instanceId>"
+                     "<instanceState><code>48</code><name>terminated</name></instanceState><stateReason>"
+                     "<code>Server.SpotInstanceTermination</code><message>Server.SpotInstanceTermination: Spot instance "
+                     "termination</message></stateReason></item></instancesSet></item></reservationSet>"
+                     "</DescribeInstancesResponse>")
+
+    aws_env.rules.insert(0, interrupted)
+    [ev] = polled_events(p)
+    assert (ev.instance_id, ev.kind, ev.with_notice, ev.reclaimed) == (other.instance_id, "preempted", False, True)
 
 
 def test_a_state_poll_the_cloud_is_slow_to_answer_holds_no_events_call(aws_env, monkeypatch):

@@ -89,27 +89,34 @@ def test_a_ledger_refunds_only_the_spot_vms_its_cloud_took_young():
     from tests.elastic.views.test_report_costs import ended, started, vm
     from tests.elastic.views.test_report_html import T0
 
-    records = [started(),
-               vm(T0, "taken", usd=1.0, on_demand=3.0, cloud="aws", region="us-east-1"),
-               vm(T0, "released", usd=1.0, on_demand=3.0, cloud="aws", region="us-east-1"),
-               vm(T0, "old", usd=1.0, on_demand=3.0, cloud="aws", region="us-east-1"),
-               {"t": T0 + 1800, "type": "node_preempted", "instance_id": "taken"},
+    def gone(t, iid, **kw):
+        return {"t": t, "type": "node_preempted", "instance_id": iid, "with_notice": False, "replica": None, **kw}
+
+    launched = [vm(T0, iid, usd=1.0, on_demand=3.0, cloud="aws", region="us-east-1")
+                for iid in ("taken", "noticed", "released", "lost", "old")]
+    records = [started(), *launched,
+               gone(T0 + 1800, "taken", reclaimed=True),          # EC2 says it took it (a spot interruption)
+               gone(T0 + 1800, "noticed", with_notice=True),      # after EC2's notice: one too
                {"t": T0 + 1800, "type": "node_released", "instance_id": "released"},
-               {"t": T0 + 5400, "type": "node_preempted", "instance_id": "old"},
+               gone(T0 + 1800, "lost"),                           # gone, no word why: billed
+               gone(T0 + 5400, "old", reclaimed=True),            # taken after its first hour: billed
                ended(T0 + 5400)]
     vms = billing.holds(read(records), T0 + 5400)
-    assert vms["taken"].free and not vms["released"].free and not vms["old"].free
-    assert [vms[i].usd() for i in ("taken", "released", "old")] == [0.0, pytest.approx(0.5), pytest.approx(1.5)]
-    assert vms["taken"].billed_s() == 0.0 and vms["taken"].usd_between(T0, T0 + 900) == 0.0
+    assert [i for i, h in vms.items() if h.free] == ["taken", "noticed"]
+    assert [vms[i].usd() for i in vms] == [0.0, 0.0, pytest.approx(0.5), pytest.approx(0.5), pytest.approx(1.5)]
+    # Its time still counts as held and billed by the terms; only what it cost is refunded.
+    assert vms["taken"].billed_s() == 1800.0 and vms["taken"].usd_between(T0, T0 + 900) == 0.0
     assert vms["taken"].on_demand_usd() == pytest.approx(1.5)     # on demand, it would have been billed
     r = build_report(records)
-    assert r["cost_usd"] == pytest.approx(2.0) and r["refunded_usd"] == pytest.approx(0.5)
+    assert r["cost_usd"] == pytest.approx(2.5) and r["refunded_usd"] == pytest.approx(1.0)
+    assert r["vm_hours"] == pytest.approx(4 * 0.5 + 1.5)
+    # The cost curve rises with what the VMs accrue and steps down by the refund when they go.
     usd, _ = billing.cumulative(vms, T0, T0 + 5400)
-    assert usd[-1][1] == pytest.approx(2.0)
-    assert max(u for _, u in usd) > 2.0 - 1e-9                     # it accrued, then was refunded at its end
+    assert (1800.0, pytest.approx(2.5)) in usd and (1800.0, pytest.approx(1.5)) in usd
+    assert usd[-1] == (5400.0, pytest.approx(2.5))
     # On demand the same hold is billed: the same records with the VM rented on demand.
     od = [dict(r, spot=False) if r.get("instance_id") == "taken" and r["type"] == "node_launched" else r for r in records]
-    assert build_report(od)["cost_usd"] == pytest.approx(2.5)
+    assert build_report(od)["cost_usd"] == pytest.approx(3.0)
 
 
 def test_a_ledger_is_priced_in_one_place_the_curve_ends_at_the_reports_totals():
@@ -127,7 +134,7 @@ def test_a_ledger_is_priced_in_one_place_the_curve_ends_at_the_reports_totals():
         assert usd[-1] == (end - T0, pytest.approx(r["cost_usd"], abs=1e-5))
         assert od[-1][1] == pytest.approx(r["on_demand_equivalent_usd"], abs=1e-5)
         assert billing.cost_so_far(records, end) == pytest.approx(r["cost_usd"], abs=1e-6)
-        assert all(b[1] >= a[1] for a, b in zip(usd, usd[1:]))          # never decreases
+        assert all(b[1] >= a[1] for a, b in zip(usd, usd[1:]))          # never decreases (nothing refunded)
     # Along the way it is what the VMs had accrued by then.
     records = richer_run()
     usd, _ = billing.cumulative(billing.holds(read(records), records[-1]["t"]), T0, records[-1]["t"])
