@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from elastic.record.events import (CapacityWaitEnded, CheckpointSaved, DriverLost, Event, NodeJoinTimeout, NodeLaunched,
-                            NodePreempted, NodePrice, NodeReleased, OuterStep, ReplicaJoined, ReplicaLost, read)
+                            NodeLeftToCloud, NodePreempted, NodePrice, NodeReleased, OuterStep, ReplicaJoined,
+                            ReplicaLost, read)
 from providers import billing_terms
 from providers.base import BillingTerms
 
@@ -185,15 +186,24 @@ class Hold:
         return 0.0 if self.free else usd_between(self.segments, self.stop_s, t0, t1)
 
 
-_HOLD_TYPES = frozenset(c.TYPE for c in (NodeLaunched, NodePrice, NodeReleased, NodePreempted, NodeJoinTimeout))
+_HOLD_TYPES = frozenset(c.TYPE for c in (NodeLaunched, NodePrice, NodeReleased, NodePreempted, NodeJoinTimeout,
+                                         NodeLeftToCloud))
 
 
 def holds(events: list[Event], now: float) -> dict[str, Hold]:
     """Every VM a ledger's typed events (`events.read`) say the run held, by instance id, priced
-    as of unix time `now` while still held."""
+    as of unix time `now` while still held. A VM left to its cloud after a notice
+    (`node_left_to_cloud`) and then taken ends at the notice's deadline, when the cloud took it,
+    where the `node_preempted` that says so came when a poll saw it gone (up to
+    `providers.cloud.STATE_POLL_S` later)."""
     out: dict[str, Hold] = {}
+    left: dict[str, float] = {}   # instance id -> deadline of the notice it was left to its cloud on
     for e in events:
+        if isinstance(e, NodeLeftToCloud):
+            left[e.instance_id] = e.deadline
+            continue
         if isinstance(e, NodeLaunched):
+            left.pop(e.instance_id, None)   # a deadline of an earlier VM of this id is not this one's
             if e.instance_id in out and out[e.instance_id].end_s is not None:
                 # An id used again after its VM went (a local run continued by a new driver numbers its
                 # VMs from 1 again): the earlier hold stays billed, under a key of its own.
@@ -210,6 +220,8 @@ def holds(events: list[Event], now: float) -> dict[str, Hold]:
             hold.segments.append((max(e.t, hold.start_s), e.usd_per_hour))
         elif isinstance(e, (NodeReleased, NodePreempted)) and hold.end_s is None:
             end = e.released_at if isinstance(e, NodeReleased) and e.released_at is not None else e.t
+            if isinstance(e, NodePreempted) and e.instance_id in left:
+                end = min(end, left.pop(e.instance_id))
             hold.end_s = max(end, hold.start_s)
             hold.ended = Ended.RELEASED if isinstance(e, NodeReleased) else Ended.PREEMPTED
             hold.reclaimed = isinstance(e, NodePreempted) and (e.with_notice or e.reclaimed)

@@ -220,12 +220,22 @@ def test_a_noticed_vm_its_cloud_bills_nothing_for_is_left_for_the_cloud_to_recla
     rid, vm = noticed[0]
     drained = next(e for e in events if e["type"] == "replica_drained" and e["replica"] == rid)
     ends = [e for e in events if e.get("instance_id") == vm and e["type"] in ("node_released", "node_preempted")]
+    billed = next(i for i in report["instances"] if i["instance_id"] == vm)
     if not free_s:
         notice = next(e for e in events if e["type"] == "node_notice" and e["instance_id"] == vm)
         assert [e["type"] for e in ends] == ["node_released"], ends
         assert drained["t"] <= ends[0]["t"] < notice["deadline"], (drained, ends, notice)
         assert not unseen
+        # Terminated by the run: billed its seconds, nothing refunded.
+        assert billed["cost_usd"] > 0 and report["refunded_usd"] == 0
         return
     # The market took it at the deadline (the run went on far longer); the run never terminated it.
     assert [(e["type"], e.get("with_notice")) for e in ends] == [("node_preempted", True)], ends
     assert unseen and all(unseen), unseen
+    # So its cloud bills it nothing: the report refunds what it would have cost, held until the
+    # deadline (not until the poll that saw it gone).
+    left = next(e for e in events if e["type"] == "node_left_to_cloud" and e["instance_id"] == vm)
+    assert billed["cost_usd"] == 0 and billed["released_at"] == left["deadline"] <= ends[0]["t"]
+    # (what its terms would have billed: its seconds, rounded to the increment, at its one price)
+    assert billed["price_changes"] == 0 and billed["billed_seconds"] >= billed["seconds"] > 0
+    assert report["refunded_usd"] == pytest.approx(billed["billed_seconds"] * billed["usd_per_hour"] / 3600, abs=1e-6)
