@@ -6,8 +6,9 @@ segments), and, once it is gone, at least its cloud's minimum (the seconds short
 of the last whole increment, bill at its last price). A spot VM its cloud interrupted within the
 cloud's free window of its launch (`BillingTerms.interrupted_free_s`; AWS: the first hour, for
 Linux, "Billing for interrupted Spot Instances" in the EC2 User Guide) bills nothing at all, where
-one the run released bills its seconds; a ledger says which by `node_preempted` (the cloud took it)
-or `node_released`. A VM still held bills the seconds so far, with no minimum yet (nor the refund
+one the run released, or one lost for another reason, bills its seconds; a ledger says which by a
+`node_preempted` after a notice or with `reclaimed` (the cloud's word that it took the VM back),
+any other `node_preempted`, or `node_released`. A VM still held bills the seconds so far, with no minimum yet (nor the refund
 it may yet earn). The driver's running spend, the budget checks of the policy, the simulator's bill,
 the clairvoyant bound, `elastic plan`'s estimate, `elastic status`, report.json and report.html all
 price VMs here, so the ledger's cost and the report's cost are one number.
