@@ -317,7 +317,8 @@ def headline_rows(report: dict) -> list[tuple[str, str]]:
         ("loss first → last", f"{_fmt(report['loss_first'], '.3f')} → {_fmt(report['loss_last'], '.3f')}"),
         ("wall time", f"{report['wall_s']:.1f} s"),
         ("tokens/s (training)", _fmt(report["tokens_per_s"], ",.0f")),
-        ("cost", f"${report['cost_usd']:.4f}"),
+        ("cost", f"${report['cost_usd']:.4f}" + (f" (the clouds refunded ${report['refunded_usd']:.4f} of spot VMs "
+                                                  "they took back young)" if report.get("refunded_usd") else "")),
         ("on-demand equivalent", f"${report['on_demand_equivalent_usd']:.4f}"),
         ("saving vs on-demand", "-" if report["savings_pct"] is None else f"{report['savings_pct']:.1f} %"),
         ("$ per 1M tokens", _fmt(report["usd_per_mtok"], ".4f")),

@@ -110,6 +110,8 @@ def test_a_ledger_refunds_only_the_spot_vms_its_cloud_took_young():
     r = build_report(records)
     assert r["cost_usd"] == pytest.approx(2.5) and r["refunded_usd"] == pytest.approx(1.0)
     assert r["vm_hours"] == pytest.approx(4 * 0.5 + 1.5)
+    from elastic.views.report import headline_rows
+    assert dict(headline_rows(r))["cost"] == "$2.5000 (the clouds refunded $1.0000 of spot VMs they took back young)"
     # The cost curve rises with what the VMs accrue and steps down by the refund when they go.
     usd, _ = billing.cumulative(vms, T0, T0 + 5400)
     assert (1800.0, pytest.approx(2.5)) in usd and (1800.0, pytest.approx(1.5)) in usd
