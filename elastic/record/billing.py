@@ -39,15 +39,13 @@ def terms(cloud: str) -> BillingTerms:
     return billing_terms(cloud) or DEFAULT_TERMS
 
 
-def billed_s(cloud: str, held_s: float, ended: bool, interrupted: bool = False) -> float:
-    """Seconds billed for a VM held `held_s` seconds: as held while it runs; once `ended`, rounded
-    up to the cloud's increment and raised to its minimum (a VM never held bills nothing), or none
-    at all for a spot VM its cloud `interrupted` within its free window (`free`)."""
+def billed_s(cloud: str, held_s: float, ended: bool) -> float:
+    """Seconds billed for a VM held `held_s` seconds by its cloud's terms: as held while it runs;
+    once `ended`, rounded up to the cloud's increment and raised to its minimum (a VM never held
+    bills nothing). A refund (`free`) is `vm_usd`'s: these seconds stay its time."""
     if not ended or held_s <= 0:
         return max(0.0, held_s)
     t = terms(cloud)
-    if interrupted and held_s < t.interrupted_free_s:
-        return 0.0
     # 1e-9: a float sum of whole seconds must not round up a whole increment.
     rounded = math.ceil(held_s / t.increment_s - 1e-9) * t.increment_s if t.increment_s > 0 else held_s
     return max(rounded, t.minimum_s, held_s)

@@ -191,11 +191,11 @@ class _Run:
 
     # -- the market and the bill ----------------------------------------------------------------
 
-    def usd(self, node: _Node, stop_s: float, ended: bool, interrupted: bool = False) -> float:
-        """The VM's bill up to `stop_s` (`elastic.record.billing`, at the trace's prices);
-        `interrupted`: the market took it (nothing, if spot and young enough for its cloud)."""
+    def usd(self, node: _Node, stop_s: float, ended: bool) -> float:
+        """The VM's bill up to `stop_s` (`elastic.record.billing`, at the trace's prices), before
+        any refund."""
         segments = self.market.segments(node.offer, node.launched_at, stop_s)
-        return billing.vm_usd(node.offer.cloud, segments, stop_s, ended, interrupted=interrupted and node.offer.spot)
+        return billing.vm_usd(node.offer.cloud, segments, stop_s, ended)
 
     @property
     def spent(self) -> float:
@@ -311,9 +311,10 @@ class _Run:
             for iid, at in sorted(due.items(), key=lambda kv: kv[1]):
                 self.events.append(NodePreempted(instance_id=iid, with_notice=False, replica=None,
                                                  reclaimed=True).record(at))
-                gone[iid] = self.nodes.pop(iid)
-                self.closed_usd += self.usd(gone[iid], at, ended=True, interrupted=True)
-                self.closed_list_usd += self.usd(gone[iid], at, ended=True)
+                node = gone[iid] = self.nodes.pop(iid)
+                listed = self.usd(node, at, ended=True)
+                self.closed_list_usd += listed   # the market took it: nothing if spot and young for its cloud
+                self.closed_usd += 0.0 if billing.free(node.offer.cloud, at - node.launched_at, node.offer.spot) else listed
                 self.preemptions += 1
             self.t = until
             for n in self.nodes.values():   # the ledger's record of a price move, as the driver writes it
