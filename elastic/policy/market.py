@@ -7,8 +7,10 @@ earlier runs through a small history file. Regions whose preemptions spike cool 
 for a run that can fall back on on-demand, an offer whose spot VM was reclaimed within
 `RECLAIMED_EARLY_S` of its launch rests `planner.capacity_cooldown_s` (`EARLY_AGAIN_REST` times
 that after two in a row), as one that refused a launch does, and counts no preemption in its
-risk. Throughput per instance type is what the run's replicas measured (each outer step's
-`inner_s_by_replica`), else the recipe's figure. The market reads ledger-shaped events only, so the driver (real ledger) and the simulator
+risk; once this run's relaunches (`Market.relaunches`) show that a zone which took back an older
+VM takes back the next one too, any reclaim rests its offer as long. Throughput per instance type
+is what the run's replicas measured (each outer step's `inner_s_by_replica`), else the recipe's
+figure. The market reads ledger-shaped events only, so the driver (real ledger) and the simulator
 (events it writes in simulated time) share this code.
 """
 
@@ -49,6 +51,19 @@ reads capacity lived a minute and billed it: 107 of a run's 150 spot launches, $
 (aws-v100x8-2zones-2022 $795.30 → $783.15, each of its windows at 72-336 h $0-10 less; the
 two-zone V100 trace $0.63 more). The synthetic traces never reclaim two in a row that early."""
 
+
+# A reclaim of a VM that lived past RECLAIMED_EARLY_S rests its offer too once this run has seen
+# that such a reclaim says the zone is running out: most spot VMs rented in that offer within
+# `planner.capacity_cooldown_s` + RECLAIMED_EARLY_S of it (relaunches) were themselves reclaimed
+# within RECLAIMED_EARLY_S (more than lived past it, one of each assumed before any is seen).
+# On the real V100 markets a drop takes every VM of a zone over its tick, and the replacement
+# rented there at once lived a minute: aws-v100-2zones-2022 $114.74 → $113.47 (1.156 → 1.144× the
+# bound keeping world.min_replicas), aws-v100x8-2zones-2022 $780.64 → $769.04, the 30 held-out
+# two-zone markets $3,823.87 → $3,813.78 in all, the 24 windows $3,664.53 → $3,633.49. On the
+# synthetic markets, whose preemptions are a hazard of the VM and not its zone running out,
+# relaunches live and no run changes (docs/benchmarks.md, session 40). Learnt, not assumed:
+# resting after every reclaim made them 1-4 % dearer. The window past the rest lets a launch made
+# as the rest ends count too, so a run whose zones recover unlearns it.
 
 def offer_key(o) -> Key:
     """The market key of an Offer (or of a `node_launched` event)."""
@@ -144,6 +159,9 @@ class Market:
         self._cool_region: dict[str, float] = {}                  # region -> until
         self._reclaimed_at: dict[Key, float] = {}                 # offer -> its last early reclaim
         self._early_in_row: dict[Key, int] = defaultdict(int)     # offer -> early reclaims since a VM lived
+        self._late_at: dict[Key, float] = {}                      # offer -> its last reclaim of an older VM
+        self._relaunched: set[str] = set()                        # spot VMs rented soon after such a reclaim
+        self._relaunch_fates = [0, 0]                             # of those: reclaimed early, lived past it
         self._vm_type: dict[str, tuple[str, str]] = {}           # instance id -> (cloud, instance type)
         self._recipe_tps: dict[tuple[str, str], float] = {}      # (cloud, type) -> the recipe's tokens/s
         self._replica_vm: dict[int, str] = {}                     # replica id -> instance id
@@ -166,7 +184,11 @@ class Market:
                 self._vm_type[e.instance_id] = typ
                 self._recipe_tps[typ] = recipe_tokens_per_s(e, self._p)
                 if e.spot is not False:
-                    self._open[e.instance_id] = (offer_key(e), e.launched_at if e.launched_at is not None else t)
+                    key = offer_key(e)
+                    self._open[e.instance_id] = (key, e.launched_at if e.launched_at is not None else t)
+                    late = self._late_at.get(key)
+                    if late is not None and t - late <= self._p.capacity_cooldown_s + RECLAIMED_EARLY_S:
+                        self._relaunched.add(e.instance_id)
             elif isinstance(e, ReplicaStarting):
                 self._replica_vm[int(e.replica)] = e.instance_id
             elif isinstance(e, OuterStep):
@@ -184,18 +206,26 @@ class Market:
                     self._counted.add(iid)
                     key, since = self._open[iid]
                     self._hit_region(key[1], t)
-                    if t - since < RECLAIMED_EARLY_S:
+                    early = t - since < RECLAIMED_EARLY_S
+                    if iid in self._relaunched:
+                        self._relaunched.discard(iid)
+                        self._relaunch_fates[0 if early else 1] += 1
+                    if early:
                         self._reclaimed_at[key] = t
                         self._early_in_row[key] += 1
                     else:
                         self._preempted[key] += 1
                         self._early_in_row[key] = 0
+                        self._late_at[key] = t
                 if isinstance(e, NodePreempted):
                     self._close(iid, t)
             elif isinstance(e, NodeReleased):
                 held = self._open.get(e.instance_id)
                 if held is not None and t - held[1] >= RECLAIMED_EARLY_S:
                     self._early_in_row[held[0]] = 0
+                    if e.instance_id in self._relaunched:
+                        self._relaunch_fates[1] += 1
+                self._relaunched.discard(e.instance_id)   # let go young, it says nothing of the zone
                 self._close(e.instance_id, t)
         self._seen = len(records)
 
@@ -269,14 +299,28 @@ class Market:
         """Regions resting after a spike of preemptions."""
         return {r for r, until in self._cool_region.items() if until > now}
 
+    def relaunches(self) -> tuple[int, int]:
+        """(reclaimed early, lived past it) of this run's relaunches: spot VMs rented in an offer
+        within `planner.capacity_cooldown_s` + `RECLAIMED_EARLY_S` of a reclaim there of a VM that
+        had lived past `RECLAIMED_EARLY_S`; one let go younger than that counts in neither."""
+        return self._relaunch_fates[0], self._relaunch_fates[1]
+
     def resting_after_reclaim(self, offer: Offer, now: float) -> bool:
         """A spot offer whose VM was reclaimed within `RECLAIMED_EARLY_S` of its launch, less than
         `planner.capacity_cooldown_s` ago (`EARLY_AGAIN_REST` times that after two or more such
-        reclaims in a row, none of its VMs living past `RECLAIMED_EARLY_S` between them)."""
+        reclaims in a row, none of its VMs living past `RECLAIMED_EARLY_S` between them); or whose
+        older VM was reclaimed less than `planner.capacity_cooldown_s` ago, once more of this run's
+        relaunches were reclaimed early than lived (`relaunches`)."""
+        if not offer.spot:
+            return False
         key = offer_key(offer)
         at = self._reclaimed_at.get(key)
         rest_s = self._p.capacity_cooldown_s * (EARLY_AGAIN_REST if self._early_in_row[key] >= 2 else 1)
-        return bool(offer.spot) and at is not None and now - at < rest_s
+        if at is not None and now - at < rest_s:
+            return True
+        early, lived = self._relaunch_fates
+        late = self._late_at.get(key)
+        return early > lived and late is not None and now - late < self._p.capacity_cooldown_s
 
     def quote(self, offer: Offer, now: float) -> Quote:
         rate, source = self.risk(offer, now)

@@ -223,6 +223,45 @@ def test_an_offer_reclaimed_early_twice_in_a_row_rests_longer():
         assert m.resting_after_reclaim(a, 3449) and not m.resting_after_reclaim(a, 3450), end
 
 
+
+def test_a_reclaim_rests_its_offer_once_the_runs_relaunches_were_taken_young():
+    """A VM taken after two minutes rests nothing until the run has seen a relaunch (a spot VM
+    rented there within a cooldown and two minutes of such a reclaim) taken young; while more
+    relaunches were taken young than lived, any reclaim rests its offer planner.capacity_cooldown_s.
+    A relaunch that lives past two minutes counts against it; one let go younger, or a launch
+    outside the window, counts in neither."""
+    p = recipe(**{"planner.capacity_cooldown_s": 300}).planner
+    a, b, b_od = offer("r1a", 8.0), offer("r1b", 9.0), offer("r1b", 9.0, spot=False)
+    events = [_launched("x1", "r1a", 0), {"t": 1000, "type": "node_preempted", "instance_id": "x1"}]
+    m = Market(p)
+    m.observe(events)
+    assert m.relaunches() == (0, 0) and not m.resting_after_reclaim(a, 1001)
+    # Rented at once where the zone still offered room, and taken within a minute.
+    events += [_launched("x2", "r1a", 1000), {"t": 1050, "type": "node_preempted", "instance_id": "x2"}]
+    m.observe(events)
+    assert m.relaunches() == (1, 0)
+    # Now a reclaim of a VM that lived an hour rests its offer too, for a run that can wait it out.
+    events += [_launched("x3", "r1b", 2000), {"t": 5600, "type": "node_preempted", "instance_id": "x3"}]
+    m.observe(events)
+    assert m.resting_after_reclaim(b, 5899) and not m.resting_after_reclaim(b, 5900)
+    assert not m.resting_after_reclaim(b_od, 5700)
+    assert [q.offer.zone for q in m.quotes([a, b], 5700, rest_reclaimed=True)] == ["r1a"]
+    assert [q.offer.zone for q in m.quotes([a, b], 5700)] == ["r1a", "r1b"]
+    # A relaunch rented as the rest ends that lives (released after five minutes): one each, and
+    # the next reclaim rests nothing.
+    events += [_launched("x4", "r1b", 5900), {"t": 6200, "type": "node_released", "instance_id": "x4"}]
+    m.observe(events)
+    assert m.relaunches() == (1, 1)
+    events += [_launched("x5", "r1a", 7000), {"t": 9000, "type": "node_preempted", "instance_id": "x5"}]
+    m.observe(events)
+    assert not m.resting_after_reclaim(a, 9001)
+    # Let go within its first two minutes: neither; rented past the window and taken young: neither
+    # (the early reclaim rests its offer by its own rule).
+    events += [_launched("x6", "r1a", 9010), {"t": 9050, "type": "node_released", "instance_id": "x6"},
+               _launched("x7", "r1a", 9000 + 300 + 121), {"t": 9450, "type": "node_preempted", "instance_id": "x7"}]
+    m.observe(events)
+    assert m.relaunches() == (1, 1) and m.resting_after_reclaim(a, 9451)
+
 def test_market_learns_risk_and_cools_regions_and_offers(tmp_path):
     p = recipe(**{"planner.preempt_per_hour_prior": 0.2, "planner.prior_weight_hours": 4,
                   "planner.region_cooldown_preemptions": 2, "planner.region_cooldown_s": 1000}).planner

@@ -404,6 +404,39 @@ def test_a_lone_spot_replica_is_let_go_while_the_run_is_ahead_and_both_boot_when
         assert sorted(back[:2]) == [(21600, "r1a"), (21600, "r1b")], back
 
 
+
+def test_a_zone_whose_relaunch_was_taken_young_rests_after_its_next_reclaim(tmp_path):
+    # Two zones of one VM each; r1b drops twice (a 60-per-hour hazard over a 600 s tick, then no
+    # capacity), each time after its VM lived hours. At the first drop the market has never seen a
+    # relaunch there: the lost VM is replaced at once in r1b, which still shows room. Where that VM
+    # is taken within its first two minutes, the run has learnt that a reclaim there says the zone
+    # is running out: at the second drop r1b rests planner.capacity_cooldown_s and nothing is
+    # rented there meanwhile (before the rule, a VM was at once, as at the first).
+    trace = write_trace(tmp_path / "drops.csv", [
+        row(0, "r1a", 10.0, cap=1), row(0, "r1b", 10.0, cap=1),
+        row(7200, "r1b", 10.0, rate=60.0, cap=1), row(7800, "r1b", 10.0, cap=0), row(10800, "r1b", 10.0, cap=1),
+        row(18000, "r1b", 10.0, rate=60.0, cap=1), row(18600, "r1b", 10.0, cap=0), row(21600, "r1b", 10.0, cap=1)])
+    r = recipe(**{"world.min_replicas": 2, "world.replicas": 2, "budget.max_hours": 60, "budget.max_usd": 100_000})
+    learnt = 0
+    for seed in range(5):
+        ledgers = {}
+        res = simulate(r, trace, ["elastic"], seed, ledgers=ledgers)[0]
+        assert res["status"] == "completed", res
+        events = ledgers["elastic"]
+        launched = {e["instance_id"]: e["t"] for e in events if e["type"] == "node_launched"}
+        in_b = {e["instance_id"] for e in events if e["type"] == "node_launched" and e["zone"] == "r1b"}
+        taken = {e["instance_id"]: e["t"] for e in events if e["type"] == "node_preempted" and e["instance_id"] in in_b}
+        old = [i for i, t in taken.items() if 18000 <= t < 18600 and t - launched[i] > 3600]
+        first = sorted((launched[i], i) for i in in_b if 7200 <= launched[i] < 7800)
+        assert first, (seed, taken)   # replaced at once: nothing had been learnt
+        if not old or first[0][1] not in taken or taken[first[0][1]] - first[0][0] >= 120:
+            continue                  # the second drop missed its VM, or the relaunch lived: nothing to learn
+        learnt += 1
+        rest = r.planner.capacity_cooldown_s
+        assert not [i for i in in_b if taken[old[0]] <= launched[i] < taken[old[0]] + rest], (seed, launched, taken)
+    assert learnt >= 3, learnt
+
+
 def test_a_simulation_that_trains_nothing_says_why_in_one_line(tmp_path):
     """A table of zeros says nothing: `simulate` exits 2 with the reason (here local-tiny's $1
     budget against a market of 8-GPU VMs)."""
