@@ -398,7 +398,8 @@ class PlannerSection(_Section):
     """How long a region whose preemptions spiked rests, seconds."""
     capacity_cooldown_s: float = Field(300.0, ge=0)
     """How long an offer that answered with a capacity error rests, seconds; with budget.max_hours,
-    a spot offer whose VM was reclaimed within two minutes of its launch rests as long."""
+    a spot offer whose VM was reclaimed within two minutes of its launch rests as long, and one whose
+    older VM was reclaimed too once the run's relaunches were mostly taken young (docs/guide.md)."""
     deadline_slack: float = Field(0.1, ge=0, lt=1)
     """Share of `budget.max_hours` the planner keeps spare: it places the world to finish within
     the rest (preemptions make the finish uncertain). When the cheapest world would not, it rents
