@@ -52,19 +52,6 @@ reads capacity lived a minute and billed it: 107 of a run's 150 spot launches, $
 two-zone V100 trace $0.63 more). The synthetic traces never reclaim two in a row that early."""
 
 
-# A reclaim of a VM that lived past RECLAIMED_EARLY_S rests its offer too once this run has seen
-# that such a reclaim says the zone is running out: most spot VMs rented in that offer within
-# `planner.capacity_cooldown_s` + RECLAIMED_EARLY_S of it (relaunches) were themselves reclaimed
-# within RECLAIMED_EARLY_S (more than lived past it, one of each assumed before any is seen).
-# On the real V100 markets a drop takes every VM of a zone over its tick, and the replacement
-# rented there at once lived a minute: aws-v100-2zones-2022 $114.74 → $113.47 (1.156 → 1.144× the
-# bound keeping world.min_replicas), aws-v100x8-2zones-2022 $780.64 → $769.04, the 30 held-out
-# two-zone markets $3,823.87 → $3,813.78 in all, the 24 windows $3,664.53 → $3,633.49. On the
-# synthetic markets, whose preemptions are a hazard of the VM and not its zone running out,
-# relaunches live and no run changes (docs/benchmarks.md, session 40). Learnt, not assumed:
-# resting after every reclaim made them 1-4 % dearer. The window past the rest lets a launch made
-# as the rest ends count too, so a run whose zones recover unlearns it.
-
 def offer_key(o) -> Key:
     """The market key of an Offer (or of a `node_launched` event)."""
     return (o.cloud, o.region, o.zone, o.instance_type)
@@ -318,6 +305,12 @@ class Market:
         rest_s = self._p.capacity_cooldown_s * (EARLY_AGAIN_REST if self._early_in_row[key] >= 2 else 1)
         if at is not None and now - at < rest_s:
             return True
+        # An older VM's reclaim rests its offer only once this run's relaunches were taken young: on
+        # the real V100 markets a drop takes every VM of a zone over its tick, and a replacement rented
+        # there at once lived a minute (aws-v100-2zones-2022 $114.74 → $113.47, aws-v100x8-2zones-2022
+        # $780.64 → $769.04); on the synthetic markets a preemption is a hazard of the VM, relaunches
+        # live, and resting after every reclaim made them 1-4 % dearer (docs/benchmarks.md, session
+        # 40). Counting launches up to two minutes past the rest lets a run whose zones recover unlearn it.
         early, lived = self._relaunch_fates
         late = self._late_at.get(key)
         return early > lived and late is not None and now - late < self._p.capacity_cooldown_s
