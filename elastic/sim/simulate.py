@@ -168,7 +168,7 @@ class _Run:
         self.seed = seed
         self.t = 0.0
         self.closed_usd = 0.0   # the bill of the VMs already gone
-        self.closed_list_usd = 0.0   # the same before the clouds' refunds (`billing.free`)
+        self.refunded_usd = 0.0   # what the clouds refunded of the VMs already gone (`billing.free`)
         self.tokens = 0
         self.ckpt_tokens = 0
         self.phases = 0
@@ -256,9 +256,7 @@ class _Run:
         """Release the VM `iid` now."""
         node = self.nodes.pop(iid, None)
         if node is not None:
-            usd = self.usd(node, self.t, ended=True)
-            self.closed_usd += usd
-            self.closed_list_usd += usd
+            self.closed_usd += self.usd(node, self.t, ended=True)
             self.record(NodeReleased(instance_id=iid))
 
     def release_all(self) -> None:
@@ -313,8 +311,10 @@ class _Run:
                                                  reclaimed=True).record(at))
                 node = gone[iid] = self.nodes.pop(iid)
                 listed = self.usd(node, at, ended=True)
-                self.closed_list_usd += listed   # the market took it: nothing if spot and young for its cloud
-                self.closed_usd += 0.0 if billing.free(node.offer.cloud, at - node.launched_at, node.offer.spot) else listed
+                if billing.free(node.offer.cloud, at - node.launched_at, node.offer.spot):
+                    self.refunded_usd += listed   # the market took it young: its cloud bills nothing
+                else:
+                    self.closed_usd += listed
                 self.preemptions += 1
             self.t = until
             for n in self.nodes.values():   # the ledger's record of a price move, as the driver writes it
@@ -378,7 +378,7 @@ class _Run:
 
     def result(self) -> dict:
         tokens = min(self.tokens, self.target_tokens)
-        listed = self.closed_list_usd + self.spent - self.closed_usd     # the VMs held: no refund yet
+        listed = self.spent + self.refunded_usd
         return {"policy": self.policy.name, "status": self.status or "completed", "cost_usd": round(self.spent, 4),
                 "tokens": tokens, "usd_per_mtok": round(self.spent / tokens * 1e6, 4) if tokens else None,
                 "list_usd": round(listed, 4), "list_usd_per_mtok": round(listed / tokens * 1e6, 4) if tokens else None,
