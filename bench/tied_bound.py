@@ -32,7 +32,10 @@ do; a policy of the simulator also acts inside a row (`elastic` rents a partner 
 lost), and the bound's per-offer credit happens to cover what such a partner trains, where this
 program's tied credit does not. So this is a lower bound for row-start policies only, and reported
 as how much of the gap the bound's own slack makes (docs/benchmarks.md, "Session 33"). The script
-counts the runs of `elastic` that came in under it: none so far.
+counts the runs of `elastic` that came in under it: none on the real traces so far. Since `elastic`
+rents a pairing's on-demand partner two minutes into the spot VM's boot (session 41), one run of a
+small market where the spot VM is reclaimed 3 an hour does (tests/elastic/sim/test_tied_bound.py):
+no row-start policy can overlap the two boots so.
 
 Per trace (with its recipe, as `bench/real_markets.py` picks it): the bound that keeps
 world.min_replicas (USD), this program's (USD), their ratio, `elastic`'s median USD over the seeds

@@ -16,8 +16,8 @@ from typing import Protocol
 
 from elastic.policy.market import Quote, offer_key
 from elastic.policy.planner import Move
-from elastic.policy.rules import (Action, HoldBack, HoldReason, Pace, Pause, Place, Policy, PriceSeen, Refusal, Release, Rent, Replan,
-                            Retarget, Snapshot, Unpause)
+from elastic.policy.rules import (Action, HoldBack, HoldReason, Look, Pace, Pause, Place, Policy, PriceSeen, Refusal, Release, Rent,
+                            Replan, Retarget, Snapshot, Unpause)
 from elastic.record.events import (HeldBack, LaunchHeldBack, OnDemandEnded, OnDemandReason, OnDemandStarted, ReplicaMove,
                                    TargetReason, WorldTarget, WorldUnpaused)
 from providers.base import Offer
@@ -64,7 +64,8 @@ class PolicyState:
         waits_for_capacity: the policy's `waits_for_capacity` on the last decision's snapshot: a
             shortage does not end the run after world.capacity_timeout_s.
         next_look_at_s: when the policy wants to decide again though nothing else changes
-            (`Policy.next_look_s` on the last decision's snapshot; inf: only on a change).
+            (`Policy.next_look_s` on the last decision's snapshot, or a `Look` it decided if
+            sooner; inf: only on a change).
         on_demand_since: when the deadline rule's first on-demand VM was rented (`on_demand_started`);
             None: no on-demand VM held for it.
     """
@@ -151,6 +152,8 @@ class Executor:
                 st.prices, st.priced_at_s = a.kept(st.prices), a.at_s
             elif isinstance(a, Place):
                 st.place = a.offer
+            elif isinstance(a, Look):
+                st.next_look_at_s = min(st.next_look_at_s, a.at_s)
             elif isinstance(a, Pause):   # takes effect at the next outer-step boundary (the host's)
                 st.paused, st.pause = True, a.pace
                 st.target_replicas, st.planned = 0, False   # the world is sized again when it unpauses

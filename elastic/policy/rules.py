@@ -41,7 +41,8 @@ carried over from its last decisions (fed back by the executor). The `elastic` p
   hour of its pace) and `PAIR_BEHIND_SHARE` (a tenth) of the time left behind the straight line
   from its start to budget.max_hours (`_pairing_threshold_s`), the spot
   replicas are paired with on-demand ones up to world.min_replicas (`_pairs`), each once a spot
-  replica trains (not while it boots): the world trains at a mix of spot and on-demand prices
+  replica has lived `RECLAIMED_EARLY_S` (two minutes; booting still, so both boots overlap, and
+  the policy looks again at that moment, `Look`): the world trains at a mix of spot and on-demand prices
   while it would stand still, and less is left for the all on-demand world at the margin (on the
   real two-zone V100 trace, $157 → $125 a run). Before the margin, an on-demand replica leaves
   (`_spare_on_demand`) once world.min_replicas spot replicas train, and when no spot replica is
@@ -112,7 +113,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import ClassVar
 
-from elastic.policy.market import Key, Quote, offer_key
+from elastic.policy.market import RECLAIMED_EARLY_S, Key, Quote, offer_key
 from elastic.policy.planner import (Move, Progress, choose_launch, evaluate, hours_left, hours_to_finish,
                              launch_usd_per_mtok, leaves_at_once, plan, replan_all, run_tokens, site, speed_source,
                              tokens_per_phase, usd_per_mtok)
@@ -135,7 +136,7 @@ PAIR_BEHIND_SHARE = 0.1  # ... plus this share of the time left to budget.max_ho
 JOIN_MARGIN = 0.1        # a launch timed for the step boundary it joins at is made this share of a step early
 RENT_TICK_S = 1.0        # ... and at once when that is within this many seconds of now
 QUIET_AFTER_LOSS_S = 3600.0   # ... and at once within this long of a training replica's loss (losses come in storms)
-LOOK_PAST_S = 1e-3       # the deadline rule's wake-up lands this far past its margin (seconds), not on it
+LOOK_PAST_S = 1e-3       # a wake-up (the deadline rule's margin, a spot replica's age) lands this far past it (s)
 
 
 @dataclass(frozen=True)
@@ -425,6 +426,15 @@ class Unpause:
 
 
 @dataclass(frozen=True)
+class Look:
+    """Decide again at `at_s` though nothing else changes (kept as `Snapshot.next_look_at_s`, the
+    earliest asked for): a rule that waits on the clock alone, as the pairing rule on a spot
+    replica's age."""
+
+    at_s: float
+
+
+@dataclass(frozen=True)
 class Place:
     """A whole-job baseline keeps its world on `offer` from now (None: nothing fits): kept in
     `Snapshot.place`."""
@@ -432,7 +442,7 @@ class Place:
     offer: Offer | None
 
 
-Action = Rent | Release | Retarget | Replan | HoldBack | PriceSeen | Pause | Unpause | Place   # what `decide` returns
+Action = Rent | Release | Retarget | Replan | HoldBack | PriceSeen | Pause | Unpause | Place | Look   # what `decide` returns
 # `stop_for_budget` and `checkpoint_due` return the other two (StopForBudget, Checkpoint): each is
 # asked at its own moment of an outer step, `decide` whenever the world may need capacity.
 
@@ -814,7 +824,9 @@ def _steady_world(s: Snapshot, quotes: list[Quote]) -> list[Action]:
         spare = _spare_on_demand(s, in_world)
         if spare:
             return out + spare
-        room, pair = _pairs(s, quotes, held, need) or (None, 0)
+        room, pair, look = _pairs(s, quotes, held, need) or (None, 0, math.inf)
+        if look < math.inf:
+            out.append(Look(look))
         if pair:
             # Spot alone cannot make a world (world.min_replicas) and the run is far enough behind
             # the straight line to its deadline (`_pairing_threshold_s`): the spot replicas there
@@ -867,9 +879,11 @@ def _spare_on_demand(s: Snapshot, in_world: list[Node]) -> list[Release]:
     return [Release(n.instance_id) for n in od]
 
 
-def _pairs(s: Snapshot, quotes: list[Quote], held: list[Quote], need: OnDemandNeed | None) -> tuple[int, int] | None:
-    """(spot replicas that can still be rented, on-demand replicas the world should hold) for the
-    pairing rule; None where it does not apply. It applies with the deadline rule
+def _pairs(s: Snapshot, quotes: list[Quote], held: list[Quote],
+           need: OnDemandNeed | None) -> tuple[int, int, float] | None:
+    """(spot replicas that can still be rented, on-demand replicas the world should hold, when to
+    look again for them: inf, or when a spot replica will have lived long enough) for the pairing
+    rule; None where it does not apply. It applies with the deadline rule
     in force (`need`), progress more than `_pairing_threshold_s` behind the straight line from the
     start to budget.max_hours (a run minutes behind it, as every run is while its first VMs boot,
     waits for spot: on markets where spot holds a world most of the time, pairings begun at once
@@ -877,10 +891,13 @@ def _pairs(s: Snapshot, quotes: list[Quote], held: list[Quote], need: OnDemandNe
     spot capacity (held, or offered with a known capacity) for at least one replica but fewer than
     world.min_replicas. The world then trains at a mix of spot and on-demand prices while it
     would otherwise stand still, and the deadline's all on-demand world later is smaller. The
-    on-demand replicas are rented once a spot replica trains, not while it boots: where spot
-    VMs are often reclaimed in their first minutes (on the real two-zone V100 trace, four in five
-    of them: a zone's capacity falls within the tick they were rented in), an on-demand VM rented
-    beside each would boot and leave with nothing to pair (2.01× → 1.93× the bound there)."""
+    on-demand replicas are rented once a spot replica has lived `RECLAIMED_EARLY_S`, not as it is
+    rented: where spot VMs are often reclaimed in their first minutes (on the real two-zone V100
+    trace, four in five of them: a zone's capacity falls within the tick they were rented in), an
+    on-demand VM rented beside each would boot and leave with nothing to pair (2.01× → 1.93× the
+    bound there). Nor once it trains: past two minutes most live on, and a partner rented then
+    boots beside it, where one rented at its boot's end keeps the world waiting a whole boot (on
+    30 two-zone markets no rule was tuned on, $3,813.78 → $3,793.60; docs/benchmarks.md, session 41)."""
     r = s.recipe
     if need is None or r.budget.max_hours is None or not held and not quotes:
         return None
@@ -890,12 +907,16 @@ def _pairs(s: Snapshot, quotes: list[Quote], held: list[Quote], need: OnDemandNe
         if q.capacity is None:
             return None   # unknown capacity (a real cloud): spot may well hold the world
         room += max(0, q.capacity - sum(1 for h in held if h.key == q.key and h.offer.spot))
-    if not _pairing_behind(s):
-        return room, 0   # not far enough behind the line: wait for spot
     spot = spot_held + room
-    if not any(n.quote.offer.spot and n.ready and not n.leaving for n in s.nodes):
-        return room, 0   # no spot replica trains yet: it may not live through its boot
-    return (room, r.world.min_replicas - spot) if 1 <= spot < r.world.min_replicas else (room, 0)
+    if not _pairing_behind(s) or not 1 <= spot < r.world.min_replicas:
+        return room, 0, math.inf   # not far enough behind the line (wait for spot); no spot room, or a world's
+    spot_nodes = [n for n in s.nodes if n.quote.offer.spot and not n.leaving]
+    if not any(n.ready or s.time_s - n.launched_at_s >= RECLAIMED_EARLY_S for n in spot_nodes):
+        # No spot replica has lived through the minutes most reclaims of a new one come in: look
+        # again when the first will have (one rented now, too).
+        ages = [n.launched_at_s for n in spot_nodes] + ([s.time_s] if room else [])
+        return room, 0, min(ages, default=math.inf) + RECLAIMED_EARLY_S + LOOK_PAST_S
+    return room, r.world.min_replicas - spot, math.inf
 
 
 def _waits_for_world(s: Snapshot, held: list[Quote], room: int | None) -> str | None:

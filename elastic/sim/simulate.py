@@ -499,7 +499,7 @@ def _elastic_world(run: _Run) -> None:
             # driver's ticks would ask it at once.
             dt = (min(booting) - run.t) if booting else WAIT_S
             dt = min(dt, to_next_sample(), run.market.next_row_s(run.t) - run.t)
-            if ex.state.next_look_at_s > run.t + 1e-6:   # the policy's own clock (the deadline rule)
+            if ex.state.next_look_at_s > run.t + 1e-6:   # the policy's own clock (the deadline rule, a `Look`)
                 dt = min(dt, ex.state.next_look_at_s - run.t)
             if not run.affordable(dt):
                 break

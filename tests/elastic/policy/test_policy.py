@@ -8,8 +8,9 @@ import math
 import pytest
 
 from elastic.policy.planner import Progress
-from elastic.policy.rules import (Checkpoint, ElasticPolicy, HoldBack, HoldReason, Node, Refusal, Release, Rent, Replan, Retarget, Snapshot,
-                            checkpoint_due, decide, due, launch_fits_budget, stop_for_budget)
+from elastic.policy.market import RECLAIMED_EARLY_S
+from elastic.policy.rules import (Checkpoint, ElasticPolicy, HoldBack, HoldReason, Look, Node, Refusal, Release, Rent, Replan, Retarget,
+                            Snapshot, checkpoint_due, decide, due, launch_fits_budget, stop_for_budget)
 from tests.elastic.policy.test_planner import offer, quote, recipe
 
 T = 10_000.0   # the snapshot's clock, seconds
@@ -402,9 +403,10 @@ def test_on_demand_replicas_move_back_to_spot_when_it_returns():
 def test_a_lone_spot_replica_is_paired_with_an_on_demand_one_while_behind_the_deadlines_line():
     """Spot has room for one replica, world.min_replicas is 2, and the run is more than an hour
     (PAIR_BEHIND_S) and a tenth of the time left (PAIR_BEHIND_SHARE) behind the straight line to
-    budget.max_hours: one spot replica, and one on-demand one once the spot one trains (the
-    deadline rule is not late yet); less far behind, ahead of the line, or with room for two spot
-    replicas, no on-demand."""
+    budget.max_hours: one spot replica, and one on-demand one once the spot one has lived two
+    minutes (`RECLAIMED_EARLY_S`, booting still or trained; the policy asks to look again then, and
+    the executor wakes it: `Look`, `next_look_at_s`) (the deadline rule is not late yet); less far
+    behind, ahead of the line, or with room for two spot replicas, no on-demand."""
     r = recipe(**{"train.token_budget": 5_184_000_000, "train.outer_steps": "null", "budget.max_hours": 30,
                   "budget.max_usd": 100_000, "world.min_replicas": 2})
     one = [quote(offer("r1a", 8.0), capacity=1)]
@@ -417,11 +419,31 @@ def test_a_lone_spot_replica_is_paired_with_an_on_demand_one_while_behind_the_de
     assert not on_demand_need(behind).late
     acts = decide(behind)
     assert [(a.quote.offer.zone, a.quote.offer.spot) for a in acts if isinstance(a, Rent)] == [("r1a", True)], acts
-    # While the spot replica boots, nothing more; once it trains, its on-demand partner.
+    assert [a.at_s for a in acts if isinstance(a, Look)] == [pytest.approx(t + RECLAIMED_EARLY_S, abs=0.01)], acts
+    # In its first two minutes, nothing more (it may be a zone's last VM, reclaimed within them),
+    # but a look again when they end; past them, booting still or trained, its on-demand partner.
     spot = Node("s0", one[0], launched_at_s=t - 60, ready=False)
-    assert rents(decide(dataclasses.replace(behind, nodes=(spot,)))) == []
-    acts = decide(dataclasses.replace(behind, nodes=(dataclasses.replace(spot, ready=True),)))
-    assert [(a.quote.offer.zone, a.quote.offer.spot) for a in acts if isinstance(a, Rent)] == [("r1a", False)], acts
+    acts = decide(dataclasses.replace(behind, nodes=(spot,)))
+    assert rents(acts) == [] and [a.at_s for a in acts if isinstance(a, Look)] == [pytest.approx(t + 60, abs=0.01)]
+    for lived in (dataclasses.replace(spot, launched_at_s=t - RECLAIMED_EARLY_S), dataclasses.replace(spot, ready=True)):
+        acts = decide(dataclasses.replace(behind, nodes=(lived,)))
+        assert [(a.quote.offer.zone, a.quote.offer.spot) for a in acts if isinstance(a, Rent)] == [("r1a", False)], acts
+        assert not any(isinstance(a, Look) for a in acts), acts
+    # The executor keeps the look, the earliest asked for (the simulator's clock and the driver's
+    # ticks wake the policy then: `due`).
+    from elastic.policy.executor import Executor
+    from elastic.policy.rules import ElasticPolicy
+
+    class Host:
+        def record(self, event):
+            pass
+
+        def rent(self, quote, move):
+            return True
+
+    ex = Executor(ElasticPolicy(), Host(), r, started_s=T)
+    ex.act(dataclasses.replace(behind, nodes=(spot,)))
+    assert ex.fed(t)["next_look_at_s"] == pytest.approx(t + 60, abs=0.01)   # before the deadline rule's margin
     # Ahead of the line, or three hours behind it (2 h of the line's tokens five hours in: more than
     # an hour, less than an hour and 2.5 h): no on-demand, and no spot replica to wait alone
     # (`_waits_for_world`), while the spot replica in hand trains.

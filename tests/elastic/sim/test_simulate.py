@@ -405,6 +405,30 @@ def test_a_lone_spot_replica_is_let_go_while_the_run_is_ahead_and_both_boot_when
 
 
 
+def test_a_lone_spot_replicas_on_demand_partner_is_rented_two_minutes_into_its_boot(tmp_path):
+    # One zone of one spot VM, none in the other, world.min_replicas 2: spot alone never makes a
+    # world. Once the run is far enough behind its deadline's line, the spot VM is paired with an
+    # on-demand one, rented once the spot VM has lived RECLAIMED_EARLY_S (most reclaims of a new VM
+    # come within it) while it still boots, so the two boots overlap and the world trains a boot
+    # sooner. Before, the partner was rented at the spot VM's boot's end (launch + recovery_s).
+    from elastic.policy.market import RECLAIMED_EARLY_S
+
+    trace = write_trace(tmp_path / "alone.csv", [row(0, "r1a", 10.0, cap=1), row(0, "r1b", 10.0, cap=0)])
+    r = recipe(**{"world.min_replicas": 2, "world.replicas": 2, "budget.max_hours": 30, "budget.max_usd": 100_000})
+    ledgers, kept = {}, {}
+    res = simulate(r, trace, ["elastic"], 0, ledgers=ledgers, kept=kept)[0]
+    assert res["status"] == "completed" and res["wall_h"] <= 30, res
+    launched = [(e["t"], e["spot"]) for e in ledgers["elastic"] if e["type"] == "node_launched"]
+    pairs = [(t_s, t_od) for (t_s, spot), (t_od, od) in zip(launched, launched[1:]) if spot and not od]
+    assert len(pairs) >= 2 and len(pairs) == sum(1 for _, spot in launched if not spot), launched
+    boot = r.planner.recovery_s
+    for t_s, t_od in pairs:
+        assert t_od - t_s == pytest.approx(RECLAIMED_EARLY_S, abs=0.01), pairs
+        # The world trains from the partner's boot's end, not a whole boot after the spot VM's.
+        first = min(a for a, b, members, tokens in kept["elastic"] if a >= t_s)
+        assert first == pytest.approx(t_od + boot, abs=1.0) and first < t_s + 2 * boot, (first, t_s)
+
+
 def test_a_zone_whose_relaunch_was_taken_young_rests_after_its_next_reclaim(tmp_path):
     # Two zones of one VM each; r1b drops twice (a 60-per-hour hazard over a 600 s tick, then no
     # capacity), each time after its VM lived hours. At the first drop the market has never seen a

@@ -53,7 +53,8 @@ def _trace(path: Path, rate_per_h: float, second: int, hours: int = 12) -> Path:
 
 
 @pytest.mark.parametrize("rate_per_h, second", [(0.0, 1), (0.0, 0), (3.0, 0)])
-def test_the_tied_program_holds_members_together_and_no_run_comes_in_under_it(tmp_path, rate_per_h, second):
+def test_the_tied_program_holds_members_together_and_is_no_bound_for_a_policy_acting_within_rows(tmp_path, rate_per_h,
+                                                                                                  second):
     recipe = load_recipe(ROOT / "bench" / "recipes" / "real-v100.yaml",
                          ["train.token_budget=200000000", "budget.max_hours=10", "world.replicas=2",
                           "world.max_replicas=2"])
@@ -75,7 +76,14 @@ def test_the_tied_program_holds_members_together_and_no_run_comes_in_under_it(tm
         assert tied > kept * 1.02
     paid = [r["list_usd"] for seed in range(3)
             for r in simulate(recipe, str(trace), ["elastic"], seed=seed, market=market)]
-    assert min(paid) > tied, (paid, tied)
+    # Every run pays at least the bound (a lower bound on any policy). The tied program is one on
+    # policies that decide at row starts only: `elastic` rents the on-demand partner two minutes
+    # into the spot VM's boot, which no such policy can, and where the spot VM is reclaimed (3 an
+    # hour) one of these runs came in under it (bench/tied_bound.py says so); where nothing is
+    # reclaimed, none does.
+    assert min(paid) > kept, (paid, kept)
+    if rate_per_h == 0:
+        assert min(paid) > tied, (paid, tied)
 
 
 @pytest.mark.parametrize("script, flag", [("tied_bound.py", "--traces"), ("real_markets.py", "--traces"),
