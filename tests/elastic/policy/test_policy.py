@@ -432,7 +432,6 @@ def test_a_lone_spot_replica_is_paired_with_an_on_demand_one_while_behind_the_de
     # The executor keeps the look, the earliest asked for (the simulator's clock and the driver's
     # ticks wake the policy then: `due`).
     from elastic.policy.executor import Executor
-    from elastic.policy.rules import ElasticPolicy
 
     class Host:
         def record(self, event):

@@ -404,7 +404,6 @@ def test_a_lone_spot_replica_is_let_go_while_the_run_is_ahead_and_both_boot_when
         assert sorted(back[:2]) == [(21600, "r1a"), (21600, "r1b")], back
 
 
-
 def test_a_lone_spot_replicas_on_demand_partner_is_rented_two_minutes_into_its_boot(tmp_path):
     # One zone of one spot VM, none in the other, world.min_replicas 2: spot alone never makes a
     # world. Once the run is far enough behind its deadline's line, the spot VM is paired with an
