@@ -293,19 +293,18 @@ def _alive_why(cluster, pid: int) -> str:
     """A worker found alive after its node's removal: its state and parent, and the stand-ins the
     zygote's map names for it and whether they live (a map that missed it, or a kill not yet
     done; this once failed in a whole suite and never alone)."""
+    import psutil
+
+    from elastic.run.zygote import workers_of
+
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
-    except OSError:
+        proc = psutil.Process(pid)
+        state, ppid = proc.status(), proc.ppid()
+    except psutil.NoSuchProcess:
         state, ppid = "gone", "?"
     folder = cluster._zygote._workers
-    named = []
-    for name in os.listdir(folder):
-        try:
-            if not name.endswith(".tmp") and Path(folder, name).read_text() == str(pid):
-                named.append(f"{name} ({'alive' if process_alive(int(name)) else 'gone'})")
-        except OSError:
-            continue
+    named = [f"{s} ({'alive' if process_alive(s) else 'gone'})"
+             for s in (int(n) for n in os.listdir(folder) if n.isdigit()) if workers_of(folder, [s]) == [pid]]
     return f"worker {pid}: state {state}, parent {ppid}; stand-ins the zygote's map names for it: {named or 'none'}"
 
 
