@@ -2,7 +2,8 @@
 what it paid, and its ratio to the clairvoyant bound.
 
     python bench/real_markets.py [--seeds 5] [--traces A.csv ...] [--recipe R.yaml] [--set FIELD=VALUE ...]
-                                 [--start-hours H ...] [--zone-pairs] [--policies NAME ...] [--json FILE]
+                                 [--start-hours H ...] [--zone-pairs] [--policies NAME ...] [--hide-capacity]
+                                 [--json FILE]
 
 Traces and recipes: `bench/traces/real/*.csv` (AWS p3.2xlarge and p3.16xlarge markets measured for
 Can't Be Late, NSDI'24; `bench/traces/convert_real.py`) with `bench/recipes/real-v100.yaml` (3 B
@@ -18,7 +19,9 @@ traces that no policy was tuned on. `--zone-pairs` runs, instead of each trace, 
 its zones in one region (each zone's rows as they are, the other zones left out): from
 aws-v100-9zones, ten two-zone markets of one V100 VM per zone, the shape of aws-v100-2zones-2022
 that no rule was tuned on. `--policies` runs only those of the registry (e.g. `elastic` alone, for
-a sweep: a fifth of the time).
+a sweep: a fifth of the time). `--hide-capacity` shows the policies no capacity, as AWS's and GCP's
+offers carry none (the trace still refuses launches by it, and the bounds still know it): what a
+real run on those clouds would learn only from refused launches.
 
 Per trace and policy, over seeds 0..N-1 (the preemption draws): how many runs completed (the whole
 token budget within budget.max_hours and budget.max_usd), how the others ended (status, at which
@@ -78,13 +81,13 @@ def recipe_for(trace: Path) -> Path:
 
 
 def run_trace(recipe_path: Path, trace: Path, seeds: int, overrides: list[str],
-              policies: list[str] | None = None) -> dict:
+              policies: list[str] | None = None, capacity_seen: bool = True) -> dict:
     """{"recipe", "trace", "bound_usd_per_mtok", "runs": {policy: [result per seed]}} (`policies`:
-    the registry's names to run; None: every one)."""
+    the registry's names to run; None: every one; `capacity_seen`: `simulate`'s)."""
     recipe = load_recipe(recipe_path, overrides)
     runs: dict[str, list[dict]] = collections.defaultdict(list)
     for seed in range(seeds):
-        for r in simulate(recipe, str(trace), policies, seed):
+        for r in simulate(recipe, str(trace), policies, seed, capacity_seen=capacity_seen):
             runs[r["policy"]].append(r)
     return {"recipe": str(recipe_path.relative_to(ROOT)) if recipe_path.is_relative_to(ROOT) else str(recipe_path),
             "trace": str(trace), "bound_usd_per_mtok": bound_usd_per_mtok(recipe, str(trace)),
@@ -183,6 +186,9 @@ def main() -> None:
                     help="run every two-zone market of each trace's zones in one region instead of the trace")
     ap.add_argument("--policies", nargs="+", choices=list(POLICIES), metavar="NAME",
                     help=f"run only these policies (of {', '.join(POLICIES)}; default: every one)")
+    ap.add_argument("--hide-capacity", action="store_true",
+                    help="do not show the policies the traces' capacity, as AWS and GCP show none (the bounds "
+                         "still know it)")
     ap.add_argument("--json", type=Path, help="also write every run's figures here")
     args = ap.parse_args()
     print("| trace | policy | completed | other ends (median hour) | USD, median | USD / 1M tok (completed) "
@@ -198,7 +204,7 @@ def main() -> None:
             for start_h in args.start_hours:
                 run = window(trace, start_h, Path(windows)) if start_h else trace
                 result = run_trace((args.recipe or recipe_for(trace)).resolve(), run, args.seeds, args.overrides,
-                                   args.policies)
+                                   args.policies, capacity_seen=not args.hide_capacity)
                 results.append(result)
                 print("\n".join(rows(result)), flush=True)
     for result in results:
@@ -208,7 +214,8 @@ def main() -> None:
               + ("none (no policy can finish in time)" if bound is None else f"{bound:.4f} USD / 1M tok")
               + ("" if floor is None else f"; with world.min_replicas, {floor:.4f}"))
     if args.json:
-        doc = {"seeds": args.seeds, "overrides": args.overrides, "results": results}
+        doc = {"seeds": args.seeds, "overrides": args.overrides, "capacity_seen": not args.hide_capacity,
+               "results": results}
         args.json.write_text(json.dumps(doc, indent=1))
 
 

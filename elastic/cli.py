@@ -109,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="a rental policy of the registry, elastic.policy.registry (repeatable; default: every one; an "
                          "unknown name lists them)")
     sp.add_argument("--seed", type=int, default=0, help="seed of the preemption draws (default 0)")
+    sp.add_argument("--hide-capacity", action="store_true",
+                    help="do not show the policies the trace's capacity (AWS and GCP publish none: a full zone is "
+                         "learnt from a refused launch); launches are still refused by it")
     sp.add_argument("--json", action="store_true",
                     help="print the figures as JSON, with the clairvoyant bound (bound_usd_per_mtok) and each "
                          "policy's ratio_to_bound")
@@ -561,7 +564,7 @@ def _simulate(args, out) -> int:
     from elastic.sim.simulate import bound_usd_per_mtok, simulate, why_nothing_trained
 
     recipe = load_recipe(args.recipe, args.overrides)
-    results = simulate(recipe, args.trace, args.policy, seed=args.seed)
+    results = simulate(recipe, args.trace, args.policy, seed=args.seed, capacity_seen=not args.hide_capacity)
     if not any(r["tokens"] for r in results):   # a table of zeros says nothing: say why
         raise UserError(why_nothing_trained(recipe, args.trace))
     if args.json:

@@ -24,8 +24,9 @@ carried over from its last decisions (fed back by the executor). The `elastic` p
   only at a step boundary), grow the target if the deadline needs it and move the replicas a
   clearly cheaper offer beats (`planner.replan_all`; the whole world when its region rests after a
   spike of preemptions). The new VM is rented; the old one leaves at once (`Release`)
-  when its tokens cost more than the new VM's, boot included (`planner.leaves_at_once`), else
-  drains once the new one trains;
+  when its tokens cost more than the new VM's, boot included (`planner.leaves_at_once`), and the
+  new offer's capacity is known to have room (a real cloud's offers say none, and a launch there
+  may be refused), else drains once the new one trains;
 - **deadline** (with budget.max_hours, a spot recipe and on-demand offers in the snapshot): the
   slack is the time left to the deadline less what the cheapest on-demand world of
   world.max_replicas would need to train the rest (one boot included). While spot is short and the
@@ -1095,8 +1096,12 @@ def spread_waits(recipe, quotes: list[Quote]) -> tuple[int, str] | None:
 def _moves(s: Snapshot, quotes: list[Quote], in_world: list[Node]) -> list[Action]:
     """Move the replicas a clearly cheaper offer beats (most expensive first), each within the
     budget. The old replica leaves at once when it trains dearer than its replacement will
-    (`planner.leaves_at_once`; at least world.min_replicas keep training), else once the new one
-    trains: old and new are then both held for a boot's length, so a move may pass
+    (`planner.leaves_at_once`; at least world.min_replicas keep training) and the new offer's
+    capacity is known (a trace's, `local.capacity`), else once the new one trains. Where capacity
+    is unknown (AWS and GCP say none) the launch may be refused: an old replica let go at once
+    was then lost for nothing, and the top-up after the refusal rented its like again. On the real
+    V100 traces with capacity hidden from the policy, on-demand deadline worlds did that at every
+    re-plan and missed their deadlines (docs/benchmarks.md, session 42). Old and new are then both held for a boot's length, so a move may pass
     world.max_replicas for that long (capping the moves at the room left cost about 5 % per token
     on bench/traces/volatile.csv, where whole worlds move at once)."""
     held = [(n.instance_id, n.quote) for n in in_world if n.ready]
@@ -1106,7 +1111,8 @@ def _moves(s: Snapshot, quotes: list[Quote], in_world: list[Node]) -> list[Actio
     rate = usd_per_hour_held(s)
     for move in replan_all(quotes, held, s.recipe, progress=s.progress):
         old = next(q for iid, q in held if iid == move.drain)
-        at_once = staying > s.recipe.world.min_replicas and leaves_at_once(old, move.add, s.recipe, hours_left)
+        at_once = (staying > s.recipe.world.min_replicas and move.add.capacity is not None
+                   and leaves_at_once(old, move.add, s.recipe, hours_left))
         if not launch_fits_budget(s.spent_usd, rate, move.add.offer, s.recipe, horizon_s=s.budget_horizon_s):
             break
         if at_once:

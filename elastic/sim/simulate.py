@@ -70,9 +70,13 @@ class TraceMarket:
         rows: `providers.simmarket.read_trace_rows`.
         recipe: rows outside resources.regions, or whose cloud the recipe does not enable, are left
             out; a recipe on `[local]` takes the whole trace as its (simulated) local market.
+        capacity_seen: the policy's offers carry the trace's capacity (as the local provider's
+            do); False: they carry none, as AWS's and GCP's offers do, and the policy learns a full
+            zone only from a refused launch. Launches are refused by the trace's capacity either way.
     """
 
-    def __init__(self, rows, recipe):
+    def __init__(self, rows, recipe, capacity_seen: bool = True):
+        self.capacity_seen = capacity_seen
         res = recipe.resources
         clouds = None if res.clouds == ["local"] else set(res.clouds)
         self._series: dict[tuple, tuple] = {}
@@ -147,6 +151,11 @@ class TraceMarket:
                              cpus=0, spot=spot, usd_per_hour=usd, on_demand_usd_per_hour=st.on_demand_usd_per_hour,
                              read_at=t, capacity=st.capacity if spot else None))
         return out
+
+    def offers_seen(self, t: float, spot: bool) -> list[Offer]:
+        """`offers` as the policy is shown them: without their capacity unless `capacity_seen`."""
+        out = self.offers(t, spot)
+        return out if self.capacity_seen else [dataclasses.replace(o, capacity=None) for o in out]
 
 
 @dataclasses.dataclass
@@ -450,13 +459,13 @@ def _elastic_world(run: _Run) -> None:
         that offer), as the driver does on its next tick. `horizon_s`: the rest of the phase under
         way (0: at a step boundary)."""
         run.in_phase = bool(horizon_s)
-        for _ in range(len(run.market.offers(run.t, recipe.resources.spot)) + 1):
+        for _ in range(len(run.market.offers_seen(run.t, recipe.resources.spot)) + 1):
             market.observe(run.events)
             snap = run.snapshot(nodes=held(lambda n: market.quote(run.now_offer(n), run.t)),
-                                quotes=tuple(market.quotes(run.market.offers(run.t, recipe.resources.spot), run.t,
+                                quotes=tuple(market.quotes(run.market.offers_seen(run.t, recipe.resources.spot), run.t,
                                                            rest_reclaimed=on_demand)),
                                 budget_horizon_s=horizon_s,
-                                on_demand_quotes=tuple(market.quote(o, run.t) for o in run.market.offers(run.t, False))
+                                on_demand_quotes=tuple(market.quote(o, run.t) for o in run.market.offers_seen(run.t, False))
                                 if on_demand else (), between_steps=not run.in_phase,
                                 step_end_s=(step.end if run.in_phase else run.t + step.s) if step.s else None,
                                 step_s=step.s, member_lost_at_s=step.member_lost_at, **ex.fed(run.t))
@@ -571,7 +580,7 @@ def _whole_job(run: _Run) -> None:
     n = whole_world(recipe)
     ex = Executor(pol, run, recipe, started_s=0.0)
     while not run.done():
-        quotes = tuple(Quote(o, 0.0, "trace") for o in run.market.offers(run.t, pol.spot))
+        quotes = tuple(Quote(o, 0.0, "trace") for o in run.market.offers_seen(run.t, pol.spot))
         for _ in range(len(quotes) + 1):
             place = ex.state.place
             if ex.act(run.snapshot(quotes=quotes, **ex.fed(run.t))) or ex.state.place == place:
@@ -605,14 +614,14 @@ def _whole_job(run: _Run) -> None:
     run.release_all()
 
 
-def _market(recipe, trace_path: str) -> TraceMarket:
+def _market(recipe, trace_path: str, capacity_seen: bool = True) -> TraceMarket:
     from providers.simmarket import TraceError, read_trace_rows
 
     try:
         rows = read_trace_rows(trace_path)
     except TraceError as exc:
         raise UserError(str(exc)) from None
-    return TraceMarket(rows, recipe)
+    return TraceMarket(rows, recipe, capacity_seen)
 
 
 def why_nothing_trained(recipe, trace_path: str) -> str:
@@ -671,7 +680,7 @@ def min_replicas_bound_usd_per_mtok(recipe, trace_path: str) -> float | None:
 
 def simulate(recipe, trace_path: str, policies: list[str | Policy] | None = None, seed: int = 0,
              ledgers: dict[str, list[dict]] | None = None, kept: dict[str, list] | None = None,
-             market: TraceMarket | None = None) -> list[dict]:
+             market: TraceMarket | None = None, capacity_seen: bool = True) -> list[dict]:
     """Each policy's figures on the trace: cost_usd, tokens, usd_per_mtok, wall_h, preemptions,
     effective_training_time (kept node-seconds over rented node-seconds), status; list_usd and
     list_usd_per_mtok, the bill before the clouds' refunds of spot VMs they interrupted young
@@ -684,8 +693,9 @@ def simulate(recipe, trace_path: str, policies: list[str | Policy] | None = None
     world_target, world_paused, world_unpaused, node_preempted, node_released, checkpoint_saved.
     `kept`, when given, receives each policy's outer steps whose work was kept, as (start_s, end_s,
     members' offers, tokens), for `bench/policies.py --explain`. `market`: the trace already read
-    (`trace_path` is then unread), or another view of it."""
-    market = market or _market(recipe, trace_path)
+    (`trace_path` is then unread), or another view of it. `capacity_seen` False: the policies are
+    not shown the trace's capacity (`TraceMarket`), as on AWS and GCP."""
+    market = market or _market(recipe, trace_path, capacity_seen)
     out = []
     policies = policies or [recipe.planner.policy] + [n for n in POLICIES if n != recipe.planner.policy]
     for p in [x if isinstance(x, Policy) else policy(x) for x in policies]:

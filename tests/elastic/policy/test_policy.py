@@ -147,14 +147,19 @@ def test_price_spike_on_the_only_region_moves_nothing_but_a_cheaper_region_does(
     assert not due(snap(r, spiked, between_steps=False, **due_at)) and due(snap(r, spiked, **due_at))
     assert due(snap(r, spiked[:1], between_steps=False, **due_at))
     assert rents(decide(snap(r, spiked[:1], cheaper, between_steps=False, **due_at))) == ["r2a"]
-    # A region five times cheaper: both replicas move, most expensive first. The first leaves at
-    # once (its tokens while r2a boots cost more than r2a's will); the last stays until its
-    # replacement trains (world.min_replicas keep the state).
-    acts = decide(snap(r, spiked, [quote(offer("r1a", 40.0)), quote(offer("r2a", 8.0))], **due_at))
+    # A region five times cheaper, with room known: both replicas move, most expensive first. The
+    # first leaves at once (its tokens while r2a boots cost more than r2a's will); the last stays
+    # until its replacement trains (world.min_replicas keep the state).
+    acts = decide(snap(r, spiked, [quote(offer("r1a", 40.0)), quote(offer("r2a", 8.0), capacity=4)], **due_at))
     assert acts[0] == Replan(T)
     assert isinstance(acts[1], Release) and acts[1].instance_id == "i0" and acts[1].move.add.offer.zone == "r2a"
     assert isinstance(acts[2], Rent) and acts[2].quote.offer.zone == "r2a" and acts[2].move is None
     assert isinstance(acts[3], Rent) and (acts[3].quote.offer.zone, acts[3].move.drain) == ("r2a", "i1")
+    # Its capacity unknown (as a real cloud's offers are), a launch there may be refused: neither
+    # leaves before its replacement trains.
+    acts = decide(snap(r, spiked, [quote(offer("r1a", 40.0)), quote(offer("r2a", 8.0))], **due_at))
+    assert not any(isinstance(a, Release) for a in acts)
+    assert [(a.quote.offer.zone, a.move.drain) for a in acts if isinstance(a, Rent)] == [("r2a", "i0"), ("r2a", "i1")]
     # Each move within the budget: $1 left pays for one more minute of three VMs, not of four.
     budget = recipe(**{"planner.replan_every_s": 300, "world.replicas": 2, "budget.max_usd": 100})
     acts = decide(snap(budget, spiked, [quote(offer("r2a", 8.0))], spent_usd=100 - 88 / 60, **due_at))

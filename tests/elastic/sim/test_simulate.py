@@ -612,3 +612,32 @@ def test_aws_bills_nothing_for_the_spot_vms_it_takes_in_their_first_hour_and_the
                           + ledger + [{"t": end, "type": "run_ended", "status": "completed", "wall_s": end}])
     assert report["cost_usd"] == pytest.approx(aws["cost_usd"], abs=1e-3)
     assert report["refunded_usd"] == pytest.approx(refund, abs=1e-3)
+
+
+def test_a_deadline_world_that_is_not_shown_capacity_keeps_its_on_demand_replicas_through_refused_moves(tmp_path):
+    # AWS and GCP publish no spot capacity: a real run learns a full zone only from a refused
+    # launch. Here the policy is not shown the trace's capacity (`capacity_seen=False`) on two
+    # zones of the real V100 probe (us-east-1a and us-east-1c of aws-v100-9zones, one VM each at
+    # most), and the deadline grows an on-demand world near its end. At each re-plan a move to a
+    # zone with spot "back" looks worth it; before the rule that a move leaves at once only into
+    # known room, the on-demand replica was let go as the move was made, the launch was refused
+    # (the zone's one VM was the run's own), and an on-demand VM was rented again: one replica
+    # lost to a boot at every re-plan, and the run missed its 72 h deadline on every seed.
+    src = REPO / "bench/traces/real/aws-v100-9zones.csv"
+    with open(src, newline="") as f:
+        rows = [r for r in csv.reader(f)]
+    trace = tmp_path / "1a+1c.csv"
+    with open(trace, "w", newline="") as f:
+        csv.writer(f).writerows([rows[0]] + [r for r in rows[1:] if r[3] in ("us-east-1a", "us-east-1c")])
+    r = load_recipe(REPO / "bench/recipes/real-v100.yaml")
+    for seed in range(2):
+        ledgers = {}
+        res = simulate(r, str(trace), ["elastic"], seed, ledgers=ledgers, capacity_seen=False)[0]
+        assert res["status"] == "completed" and res["wall_h"] <= r.budget.max_hours, res
+        events = ledgers["elastic"]
+        assert any(e["type"] == "capacity_error" for e in events)   # it did learn from refusals
+        on_demand = {e["instance_id"] for e in events if e["type"] == "node_launched" and not e["spot"]}
+        released = {e["instance_id"]: e["t"] for e in events if e["type"] == "node_released"}
+        refused_at = {e["t"] for e in events if e["type"] == "capacity_error"}
+        # No on-demand replica is let go as a launch meant to replace it is refused.
+        assert not [i for i in on_demand if released.get(i) in refused_at]
