@@ -393,6 +393,7 @@ class _Run:
                 "list_usd": round(listed, 4), "list_usd_per_mtok": round(listed / tokens * 1e6, 4) if tokens else None,
                 "wall_h": round(self.t / 3600, 4), "preemptions": self.preemptions,
                 "moves": sum(e["type"] == ReplicaMove.TYPE for e in self.events),
+                "refused_launches": sum(e["type"] == CapacityRefused.TYPE for e in self.events),
                 "effective_training_time": round(self.useful_node_s / self.rented_node_s, 4)
                 if self.rented_node_s else None}
 
@@ -682,6 +683,7 @@ def simulate(recipe, trace_path: str, policies: list[str | Policy] | None = None
              ledgers: dict[str, list[dict]] | None = None, kept: dict[str, list] | None = None,
              market: TraceMarket | None = None, capacity_seen: bool = True) -> list[dict]:
     """Each policy's figures on the trace: cost_usd, tokens, usd_per_mtok, wall_h, preemptions,
+    moves, refused_launches (launches the trace's capacity refused: `capacity_error`),
     effective_training_time (kept node-seconds over rented node-seconds), status; list_usd and
     list_usd_per_mtok, the bill before the clouds' refunds of spot VMs they interrupted young
     (`elastic.record.billing.free`: cost_usd is after them, as the cloud invoices it), which is

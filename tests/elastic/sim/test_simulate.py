@@ -235,6 +235,26 @@ def test_cli_simulate_json_and_errors(tmp_path):
         assert len(proc.stderr.strip().splitlines()) == 1
 
 
+def test_cli_simulate_hides_capacity_from_the_policies_as_aws_and_gcp_do(tmp_path):
+    # One zone with room for one VM, one with none, world.min_replicas 2. Shown the capacity, the
+    # policy never rents where it knows there is no room; not shown it (`--hide-capacity`), it
+    # learns a full zone only from refused launches, as a real run on AWS or GCP does, and still
+    # finishes by its deadline.
+    trace = write_trace(tmp_path / "full.csv", [row(0, "r1a", 10.0, cap=1), row(0, "r1b", 10.0, cap=0)])
+    sets = ["--set", "world.min_replicas=2", "--set", "world.replicas=2", "--set", "budget.max_hours=30",
+            "--set", "budget.max_usd=100000", "--set", "planner.tokens_per_s={A100: 3000}",
+            "--set", "train.token_budget=2000000000", "--set", "train.outer_steps=null"]
+    runs = {}
+    for flags in ([], ["--hide-capacity"]):
+        proc = run_cli("simulate", "recipes/multi-cloud.yaml", "--trace", trace, "--policy", "elastic", "--json",
+                       *sets, *flags)
+        assert proc.returncode == 0, proc.stderr
+        runs[bool(flags)] = json.loads(proc.stdout)["policies"]["elastic"]
+    assert runs[False]["status"] == runs[True]["status"] == "completed"
+    assert runs[False]["refused_launches"] == 0 < runs[True]["refused_launches"]
+    assert runs[True]["wall_h"] <= 30
+
+
 def test_cli_plan_prints_a_valid_placement():
     proc = run_cli("plan", "recipes/multi-cloud.yaml", "--json")
     assert proc.returncode == 0, proc.stderr
