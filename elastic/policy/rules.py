@@ -1101,9 +1101,10 @@ def _moves(s: Snapshot, quotes: list[Quote], in_world: list[Node]) -> list[Actio
     is unknown (AWS and GCP say none) the launch may be refused: an old replica let go at once
     was then lost for nothing, and the top-up after the refusal rented its like again. On the real
     V100 traces with capacity hidden from the policy, on-demand deadline worlds did that at every
-    re-plan and missed their deadlines (docs/benchmarks.md, session 42). Old and new are then both held for a boot's length, so a move may pass
-    world.max_replicas for that long (capping the moves at the room left cost about 5 % per token
-    on bench/traces/volatile.csv, where whole worlds move at once)."""
+    re-plan and missed their deadlines (docs/benchmarks.md, session 42). Old and new are then both
+    held for a boot's length, so a move may pass world.max_replicas for that long (capping the
+    moves at the room left cost about 5 % per token on bench/traces/volatile.csv, where whole
+    worlds move at once)."""
     held = [(n.instance_id, n.quote) for n in in_world if n.ready]
     staying = len(in_world)
     hours_left = _hours_left(s, [q for _, q in held])

@@ -466,7 +466,8 @@ def _elastic_world(run: _Run) -> None:
                                 quotes=tuple(market.quotes(run.market.offers_seen(run.t, recipe.resources.spot), run.t,
                                                            rest_reclaimed=on_demand)),
                                 budget_horizon_s=horizon_s,
-                                on_demand_quotes=tuple(market.quote(o, run.t) for o in run.market.offers_seen(run.t, False))
+                                on_demand_quotes=tuple(market.quote(o, run.t)
+                                                       for o in run.market.offers_seen(run.t, False))
                                 if on_demand else (), between_steps=not run.in_phase,
                                 step_end_s=(step.end if run.in_phase else run.t + step.s) if step.s else None,
                                 step_s=step.s, member_lost_at_s=step.member_lost_at, **ex.fed(run.t))
@@ -695,8 +696,9 @@ def simulate(recipe, trace_path: str, policies: list[str | Policy] | None = None
     world_target, world_paused, world_unpaused, node_preempted, node_released, checkpoint_saved.
     `kept`, when given, receives each policy's outer steps whose work was kept, as (start_s, end_s,
     members' offers, tokens), for `bench/policies.py --explain`. `market`: the trace already read
-    (`trace_path` is then unread), or another view of it. `capacity_seen` False: the policies are
-    not shown the trace's capacity (`TraceMarket`), as on AWS and GCP."""
+    (`trace_path` is then unread), or another view of it (its own `capacity_seen` holds then).
+    `capacity_seen` False: the policies are not shown the trace's capacity (`TraceMarket`), as on
+    AWS and GCP."""
     market = market or _market(recipe, trace_path, capacity_seen)
     out = []
     policies = policies or [recipe.planner.policy] + [n for n in POLICIES if n != recipe.planner.policy]
