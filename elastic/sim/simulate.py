@@ -460,7 +460,7 @@ def _elastic_world(run: _Run) -> None:
         that offer), as the driver does on its next tick. `horizon_s`: the rest of the phase under
         way (0: at a step boundary)."""
         run.in_phase = bool(horizon_s)
-        for _ in range(len(run.market.offers_seen(run.t, recipe.resources.spot)) + 1):
+        for _ in range(len(run.market.offers(run.t, recipe.resources.spot)) + 1):
             market.observe(run.events)
             snap = run.snapshot(nodes=held(lambda n: market.quote(run.now_offer(n), run.t)),
                                 quotes=tuple(market.quotes(run.market.offers_seen(run.t, recipe.resources.spot), run.t,

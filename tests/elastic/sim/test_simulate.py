@@ -643,12 +643,10 @@ def test_a_deadline_world_that_is_not_shown_capacity_keeps_its_on_demand_replica
     # known room, the on-demand replica was let go as the move was made, the launch was refused
     # (the zone's one VM was the run's own), and an on-demand VM was rented again: one replica
     # lost to a boot at every re-plan, and the run missed its 72 h deadline on every seed.
-    src = REPO / "bench/traces/real/aws-v100-9zones.csv"
-    with open(src, newline="") as f:
-        rows = [r for r in csv.reader(f)]
-    trace = tmp_path / "1a+1c.csv"
-    with open(trace, "w", newline="") as f:
-        csv.writer(f).writerows([rows[0]] + [r for r in rows[1:] if r[3] in ("us-east-1a", "us-east-1c")])
+    from bench.real_markets import zone_pairs
+
+    [trace] = [t for t in zone_pairs(REPO / "bench/traces/real/aws-v100-9zones.csv", tmp_path)
+               if t.name.endswith("-us-east-1a+us-east-1c.csv")]
     r = load_recipe(REPO / "bench/recipes/real-v100.yaml")
     for seed in range(2):
         ledgers = {}
