@@ -25,7 +25,7 @@ from pathlib import Path
 
 from elastic.cache import cache_dir, write_json_atomic
 from elastic.record.events import (
-    LinkMeasured, NodeLaunched, NodeNotice, NodePreempted, NodeReleased, OuterStep, ReplicaStarting, read)
+    CapacityRefused, LinkMeasured, NodeLaunched, NodeNotice, NodePreempted, NodeReleased, OuterStep, ReplicaStarting, read)
 from providers.base import Offer
 
 Key = tuple[str, str, str, str]   # cloud, region, zone, instance type
@@ -50,6 +50,13 @@ past it between) rests this many times `planner.capacity_cooldown_s` from the la
 reads capacity lived a minute and billed it: 107 of a run's 150 spot launches, $19.60
 (aws-v100x8-2zones-2022 $795.30 → $783.15, each of its windows at 72-336 h $0-10 less; the
 two-zone V100 trace $0.63 more). The synthetic traces never reclaim two in a row that early."""
+
+
+CAPACITY_MEMORY_S = 3600.0
+"""How long a spot offer's capacity learnt from a refusal (`Quote.capacity_learned`: the VMs this run
+held there when a launch was refused) is believed. AWS and GCP show no spot capacity; a refusal
+while the run holds n VMs of an offer says it held n then. Capacity moves, so the belief lapses and
+the offer is tried again as one of unknown capacity."""
 
 
 def offer_key(o) -> Key:
@@ -87,6 +94,9 @@ class Quote:
             type) or `estimate` (the recipe's figure, rescaled or not).
         links: seconds an outer sync spends between two sites ({`cloud/region`, `cloud/region`}),
             as this run measured them (`planner.measured_links`); the same for every quote.
+        capacity_learned: for a spot offer that shows no capacity, the VMs this run held there
+            when a launch was last refused for capacity (at least one; raised when it held more
+            since), within `CAPACITY_MEMORY_S` of that refusal; None: nothing learnt.
     """
 
     offer: Offer
@@ -96,6 +106,7 @@ class Quote:
     tokens_per_s: float | None = None
     speed_source: str = "estimate"
     links: Mapping[frozenset, float] = field(default_factory=dict, compare=False, hash=False)
+    capacity_learned: int | None = None
 
     @property
     def key(self) -> Key:
@@ -158,6 +169,8 @@ class Market:
         self._links: list[LinkMeasured] = []                              # link_measured events
         self._sync_bytes: int | None = None                      # bytes one rank sent in the last sync
         self._links_cost: dict[frozenset, float] = {}            # site pair -> sync seconds (measured)
+        self._learned: dict[Key, tuple[int, float]] = {}         # offer -> (VMs held at a refusal, when)
+        self._out: set[Key] = set()                               # offers refused with none held since a launch
         self._seen = 0
 
     # -- what happened --------------------------------------------------------------------------
@@ -176,6 +189,13 @@ class Market:
                     late = self._late_at.get(key)
                     if late is not None and t - late <= self._p.capacity_cooldown_s + RECLAIMED_EARLY_S:
                         self._relaunched.add(e.instance_id)
+                    held = self._held(key)
+                    self._out.discard(key)
+                    if key in self._learned and held > self._learned[key][0]:
+                        self._learned[key] = (held, t)   # it had room for more: the belief grows
+            elif isinstance(e, CapacityRefused):
+                if e.spot:
+                    self._refused(e, t)
             elif isinstance(e, ReplicaStarting):
                 self._replica_vm[int(e.replica)] = e.instance_id
             elif isinstance(e, OuterStep):
@@ -255,6 +275,32 @@ class Market:
         typ = (offer.cloud, offer.instance_type)
         return "measured" if typ in self._measured or typ in self._before else "estimate"
 
+    def _held(self, key: Key) -> int:
+        """Spot VMs of `key` held now (launched, neither preempted nor released)."""
+        return sum(1 for k, _ in self._open.values() if k == key)
+
+    def _refused(self, e: CapacityRefused, t: float) -> None:
+        """A spot launch refused for capacity: where this run held VMs of that offer, the offer held
+        that many then (`capacity_learned`). One refused with none held says the zone is out now,
+        not how many it holds when it is not: the belief stands, unused until a launch there is
+        granted again."""
+        for key in {k for k, _ in self._open.values()} | set(self._learned):
+            if key[2] == e.zone and key[3] == e.instance_type:
+                held = self._held(key)
+                if held:
+                    self._learned[key] = (held, t)
+                else:
+                    self._out.add(key)
+
+    def capacity_learned(self, offer: Offer, now: float) -> int | None:
+        """The spot VMs `offer` held when a launch there was last refused (`Quote.capacity_learned`),
+        within `CAPACITY_MEMORY_S`; None for an offer that shows its capacity, nothing learnt, or
+        one refused with none held since its last launch (out now: how much room it has is unknown)."""
+        if not offer.spot or offer.capacity is not None or offer_key(offer) in self._out:
+            return None
+        held, at = self._learned.get(offer_key(offer), (None, -math.inf))
+        return held if now - at < CAPACITY_MEMORY_S else None
+
     def _close(self, instance_id: str, t: float) -> None:
         held = self._open.pop(instance_id, None)
         if held is not None:
@@ -318,7 +364,7 @@ class Market:
     def quote(self, offer: Offer, now: float) -> Quote:
         rate, source = self.risk(offer, now)
         return Quote(offer, rate, source, offer.capacity, self.tokens_per_s(offer), self.speed_source(offer),
-                     self._links_cost)
+                     self._links_cost, self.capacity_learned(offer, now))
 
     def quotes(self, offers: list[Offer], now: float, rest_reclaimed: bool = False) -> list[Quote]:
         """Every offer with its risk, speed and capacity (when known). With `rest_reclaimed` (a run

@@ -466,11 +466,13 @@ class NodeJoinTimeout(Event):
 @_event("capacity_error")
 class CapacityRefused(Event):
     """A launch was refused for capacity (the offer rests). Args: zone, instance_type: the offer.
-    message: what the provider said."""
+    message: what the provider said. spot: the launch was spot (None in ledgers written before it
+    was recorded)."""
 
     zone: str
     instance_type: str
     message: str
+    spot: bool | None = None
 
     def story(self) -> str:
         return f"no capacity: {self.instance_type} in {self.zone}"

@@ -124,9 +124,12 @@ class Rentals:
             except Exception as exc:  # no capacity, or a VM that failed to come up: the offer rests
                 self._refused(offer, time.time())
                 refused = isinstance(exc, CapacityError)
-                failed = CapacityRefused if refused else LaunchFailed
-                self._ledger.append(failed(zone=offer.zone, instance_type=offer.instance_type,
-                                           message=str(exc) if refused else f"{type(exc).__name__}: {str(exc)[:200]}"))
+                if refused:
+                    self._ledger.append(CapacityRefused(zone=offer.zone, instance_type=offer.instance_type,
+                                                        message=str(exc), spot=offer.spot))
+                else:
+                    self._ledger.append(LaunchFailed(zone=offer.zone, instance_type=offer.instance_type,
+                                                     message=f"{type(exc).__name__}: {str(exc)[:200]}"))
                 continue
             self._record_launch(inst, offer)
             if replaces is not None:

@@ -231,7 +231,7 @@ class _Run:
         held = sum(1 for n in self.nodes.values() if offer_key(n.offer) == offer_key(offer) and n.offer.spot)
         if offer.spot and st.capacity is not None and held >= st.capacity:
             self.record(CapacityRefused(zone=offer.zone, instance_type=offer.instance_type,
-                                        message="the trace's capacity is held"))
+                                        message="the trace's capacity is held", spot=True))
             return False
         n = next(self._ids)
         iid = f"sim-{n:05d}"

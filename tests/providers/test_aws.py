@@ -453,6 +453,8 @@ def test_launch_smoke_recipe_no_node_joins_ends_clean_and_billed(aws_env, tmp_pa
     events = [json.loads(ln) for ln in (run_dir / "events.jsonl").read_text().splitlines()]
     kinds = [e["type"] for e in events]
     assert kinds.count("capacity_error") == 1 and kinds[-1] == "run_ended" and events[-1]["status"] == "insufficient_capacity"
+    [error] = [e for e in events if e["type"] == "capacity_error"]
+    assert (error["zone"], error["instance_type"], error["spot"]) == (*refused[0], True)   # a spot launch refused
     launched = [e for e in events if e["type"] == "node_launched"]
     assert launched and all(e["joined"] is False and e["ray_node_id"] is None for e in launched)
     assert (launched[0]["zone"], launched[0]["instance_type"]) != refused[0]   # the refused offer cooled down

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from elastic.policy.market import Market, Quote, load_history, save_history
@@ -261,6 +263,50 @@ def test_a_reclaim_rests_its_offer_once_the_runs_relaunches_were_taken_young():
                _launched("x7", "r1a", 9000 + 300 + 121), {"t": 9450, "type": "node_preempted", "instance_id": "x7"}]
     m.observe(events)
     assert m.relaunches() == (1, 1) and m.resting_after_reclaim(a, 9451)
+
+def test_a_spot_offer_that_shows_no_capacity_is_believed_to_hold_what_the_run_held_when_it_refused():
+    """AWS and GCP show no spot capacity. A launch refused for capacity while the run holds n VMs of
+    the offer says it held n (`capacity_learned`), until CAPACITY_MEMORY_S after that refusal, and
+    more once a launch there is granted beyond it. A refusal with none held says the zone is out
+    now: the belief is not used until a launch there is granted again. An offer that shows its
+    capacity, an on-demand refusal and a failed launch teach nothing."""
+    from elastic.policy.market import CAPACITY_MEMORY_S
+
+    p = recipe().planner
+    a, b = offer("r1a", 8.0), offer("r1b", 9.0)
+
+    def refused(zone, t, spot=True):
+        return {"t": t, "type": "capacity_error", "zone": zone, "instance_type": "a100x8", "message": "full",
+                "spot": spot}
+
+    events = [_launched("x1", "r1a", 0), refused("r1a", 10), refused("r1b", 10)]
+    m = Market(p)
+    m.observe(events)
+    assert m.capacity_learned(a, 20) == 1 and m.capacity_learned(b, 20) is None   # none held in r1b
+    assert [q.capacity_learned for q in m.quotes([a, b], 20)] == [1, None]
+    assert m.capacity_learned(a, 10 + CAPACITY_MEMORY_S - 1) == 1 and m.capacity_learned(a, 10 + CAPACITY_MEMORY_S) is None
+    shown = dataclasses.replace(a, capacity=3)
+    assert m.capacity_learned(shown, 20) is None and m.quote(shown, 20).capacity == 3
+    # Let go, the belief stands; a refusal with none held puts it aside until a launch is granted.
+    events += [{"t": 100, "type": "node_released", "instance_id": "x1"}]
+    m.observe(events)
+    assert m.capacity_learned(a, 200) == 1
+    events += [refused("r1a", 300)]
+    m.observe(events)
+    assert m.capacity_learned(a, 400) is None
+    events += [_launched("x2", "r1a", 600)]
+    m.observe(events)
+    assert m.capacity_learned(a, 700) == 1
+    # Granted beyond it: the belief grows (and its memory starts again).
+    events += [_launched("x3", "r1a", 800)]
+    m.observe(events)
+    assert m.capacity_learned(a, 900) == 2 and m.capacity_learned(a, 10 + CAPACITY_MEMORY_S + 1) == 2
+    # On-demand refusals and failed launches say nothing of spot capacity.
+    events += [_launched("x4", "r1b", 1000), refused("r1b", 1010, spot=False),
+               {"t": 1010, "type": "launch_failed", "zone": "r1b", "instance_type": "a100x8", "message": "boom"}]
+    m.observe(events)
+    assert m.capacity_learned(b, 1020) is None
+
 
 def test_market_learns_risk_and_cools_regions_and_offers(tmp_path):
     p = recipe(**{"planner.preempt_per_hour_prior": 0.2, "planner.prior_weight_hours": 4,

@@ -507,6 +507,34 @@ def test_a_spot_replica_that_cannot_make_a_world_is_let_go_while_the_run_is_ahea
                                                      for a in acts), acts
 
 
+def test_where_capacity_is_hidden_the_zone_of_unknown_room_is_tried_before_the_one_known_to_hold_a_vm():
+    """A real cloud shows no capacity. r1b is known (`capacity_learned`) to hold one VM, r1a not at
+    all, and world.min_replicas is 2: a launch goes to r1a first, and none to r1b until r1a answers.
+    Refused there (resting), every room is known and short of a world: nothing is rented while the
+    run is ahead of its line (no_world), and the lone replica is paired once it is far behind. With
+    a VM granted in r1a, or nothing learnt of r1b, r1b is rented as before."""
+    r = recipe(**{"train.token_budget": 5_184_000_000, "train.outer_steps": "null", "budget.max_hours": 30,
+                  "budget.max_usd": 100_000, "world.min_replicas": 2})
+    a = quote(offer("r1a", 9.0))
+    b = dataclasses.replace(quote(offer("r1b", 8.0)), capacity_learned=1)
+    od = quote(offer("r1a", 30.0, spot=False))
+    ahead = snap(r, quotes=[a, b], on_demand_quotes=(od,), target_replicas=4, time_s=T + 3600, started_s=T,
+                 progress=Progress(tokens=r.train.token_budget // 2, hours=1.0))
+    assert rents(decide(ahead)) == ["r1a"] * 4   # r1b is cheaper, but its one VM makes no world
+    refused = dataclasses.replace(ahead, refusals=(Refusal(a.key, T + 3500),))
+    acts = decide(refused)
+    assert rents(acts) == [] and [h.reason for h in acts if isinstance(h, HoldBack)] == [HoldReason.NO_WORLD], acts
+    behind = dataclasses.replace(refused, time_s=T + 5 * 3600, refusals=(Refusal(a.key, T + 5 * 3600 - 100),),
+                                 progress=Progress(hours=5.0),
+                                 nodes=(Node("s0", b, launched_at_s=T + 5 * 3600 - 600),))
+    acts = decide(behind)
+    assert [(x.quote.offer.zone, x.quote.offer.spot) for x in acts if isinstance(x, Rent)] == [("r1a", False)], acts
+    granted = dataclasses.replace(ahead, nodes=(Node("s0", a, launched_at_s=T + 3500),))
+    assert "r1b" in rents(decide(granted))
+    unknown = dataclasses.replace(ahead, quotes=(a, quote(offer("r1b", 8.0))))
+    assert rents(decide(unknown))[0] == "r1b"
+
+
 def test_a_paired_on_demand_replica_leaves_once_spot_holds_the_world_or_has_none_to_pair():
     """The pairing rule's on-demand replica goes (no move: nothing replaces it) once world.min_replicas
     spot replicas train, when no spot replica is left to pair with, and once the run is an hour

@@ -255,6 +255,27 @@ def test_cli_simulate_hides_capacity_from_the_policies_as_aws_and_gcp_do(tmp_pat
     assert runs[True]["wall_h"] <= 30
 
 
+def test_not_shown_capacity_a_run_waiting_for_a_world_tries_the_full_zone_before_renting_the_one_with_room(tmp_path):
+    # Two zones of one VM each, capacity hidden (AWS, GCP): r1a is out for the first 6 hours, r1b
+    # has room for its one VM throughout, and world.min_replicas is 2, so no world can train until
+    # r1a is back; the deadline is far. The run learns r1b's one VM from a launch refused beside it
+    # (`capacity_learned`) and tries r1a alone at each end of its rest. Before, it rented r1b again
+    # at every rest's end (every planner.capacity_cooldown_s), was refused in r1a, and let the VM
+    # go at once: 72 VMs billed their minimum for nothing in those 6 hours.
+    rows = [row(0, "r1b", 10.0, cap=1)] + [row(t, "r1a", 10.0, cap=0 if t < 6 * 3600 else 1)
+                                           for t in range(0, 12 * 3600, 600)]
+    trace = write_trace(tmp_path / "out.csv", rows)
+    r = recipe(**{"world.min_replicas": 2, "world.replicas": 2, "budget.max_hours": 60, "budget.max_usd": 100_000})
+    ledgers = {}
+    res = simulate(r, trace, ["elastic"], 0, ledgers=ledgers, capacity_seen=False)[0]
+    assert res["status"] == "completed" and res["refused_launches"] > 0, res
+    events = ledgers["elastic"]
+    launched = {e["instance_id"]: e for e in events if e["type"] == "node_launched" and e["zone"] == "r1b"}
+    released = {e["instance_id"]: e["t"] for e in events if e["type"] == "node_released"}
+    let_go = [i for i, e in launched.items() if e["t"] < 6 * 3600 and released.get(i, 1e18) - e["t"] < 60]
+    assert 1 <= len(let_go) <= 8, len(let_go)   # the first, then about one an hour as the belief lapses (72 before)
+
+
 def test_cli_plan_prints_a_valid_placement():
     proc = run_cli("plan", "recipes/multi-cloud.yaml", "--json")
     assert proc.returncode == 0, proc.stderr
