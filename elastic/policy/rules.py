@@ -943,8 +943,8 @@ def _probes(s: Snapshot, quotes: list[Quote], held: list[Quote]) -> list[Quote] 
     do not, or every offer's capacity is known. A real cloud shows no capacity: a zone the run's
     own VM filled (a launch refused beside it) is known to have room for that one VM once it is
     let go, and renting it again before the other zones answer bills a VM that is let go at once
-    when they refuse (on the real two-zone V100 trace, capacity hidden, about 60 a run). Tried
-    first, a refused zone leaves every capacity known, and the pairing and no-world rules judge."""
+    when they refuse. Tried first, a refused zone leaves every capacity known, and the pairing and
+    no-world rules judge."""
     if not s.recipe.resources.spot:
         return None
     rooms = [(q, _room(q, held)) for q in quotes if q.offer.spot]
