@@ -169,8 +169,8 @@ class Market:
         self._links: list[LinkMeasured] = []                              # link_measured events
         self._sync_bytes: int | None = None                      # bytes one rank sent in the last sync
         self._links_cost: dict[frozenset, float] = {}            # site pair -> sync seconds (measured)
-        self._learned: dict[Key, tuple[int, float]] = {}         # offer -> (VMs held at a refusal, when)
-        self._out: set[Key] = set()                               # offers refused with none held since a launch
+        self._learned: dict[tuple[str, str], tuple[int, float]] = {}   # (zone, type) -> (VMs at a refusal, when)
+        self._out: set[tuple[str, str]] = set()                   # (zone, type) refused with none since a launch
         self._seen = 0
 
     # -- what happened --------------------------------------------------------------------------
@@ -189,10 +189,11 @@ class Market:
                     late = self._late_at.get(key)
                     if late is not None and t - late <= self._p.capacity_cooldown_s + RECLAIMED_EARLY_S:
                         self._relaunched.add(e.instance_id)
-                    held = self._held(key)
-                    self._out.discard(key)
-                    if key in self._learned and held > self._learned[key][0]:
-                        self._learned[key] = (held, t)   # it had room for more: the belief grows
+                    zt = (e.zone, e.instance_type)
+                    held = self._held(zt)
+                    self._out.discard(zt)
+                    if zt in self._learned and held > self._learned[zt][0]:
+                        self._learned[zt] = (held, t)   # it had room for more: the belief grows
             elif isinstance(e, CapacityRefused):
                 if e.spot:
                     self._refused(e, t)
@@ -275,30 +276,30 @@ class Market:
         typ = (offer.cloud, offer.instance_type)
         return "measured" if typ in self._measured or typ in self._before else "estimate"
 
-    def _held(self, key: Key) -> int:
-        """Spot VMs of `key` held now (launched, neither preempted nor released)."""
-        return sum(1 for k, _ in self._open.values() if k == key)
+    def _held(self, zone_type: tuple[str, str]) -> int:
+        """Spot VMs of a (zone, instance type) held now (launched, neither preempted nor released)."""
+        return sum(1 for k, _ in self._open.values() if (k[2], k[3]) == zone_type)
 
     def _refused(self, e: CapacityRefused, t: float) -> None:
-        """A spot launch refused for capacity: where this run held VMs of that offer, the offer held
-        that many then (`capacity_learned`). One refused with none held says the zone is out now,
-        not how many it holds when it is not: the belief stands, unused until a launch there is
-        granted again."""
-        for key in {k for k, _ in self._open.values()} | set(self._learned):
-            if key[2] == e.zone and key[3] == e.instance_type:
-                held = self._held(key)
-                if held:
-                    self._learned[key] = (held, t)
-                else:
-                    self._out.add(key)
+        """A spot launch refused for capacity: where this run held VMs of that offer (or had launches
+        of it under way, `in_flight`), the offer held that many then (`capacity_learned`). One
+        refused with none says the zone is out now, not how many it holds when it is not: the
+        belief stands, unused until a launch there is granted again."""
+        zt = (e.zone, e.instance_type)
+        held = self._held(zt) + e.in_flight
+        if held:
+            self._learned[zt] = (held, t)
+        else:
+            self._out.add(zt)
 
     def capacity_learned(self, offer: Offer, now: float) -> int | None:
         """The spot VMs `offer` held when a launch there was last refused (`Quote.capacity_learned`),
         within `CAPACITY_MEMORY_S`; None for an offer that shows its capacity, nothing learnt, or
         one refused with none held since its last launch (out now: how much room it has is unknown)."""
-        if not offer.spot or offer.capacity is not None or offer_key(offer) in self._out:
+        zt = (offer.zone, offer.instance_type)
+        if not offer.spot or offer.capacity is not None or zt in self._out:
             return None
-        held, at = self._learned.get(offer_key(offer), (None, -math.inf))
+        held, at = self._learned.get(zt, (None, -math.inf))
         return held if now - at < CAPACITY_MEMORY_S else None
 
     def _close(self, instance_id: str, t: float) -> None:

@@ -467,12 +467,14 @@ class NodeJoinTimeout(Event):
 class CapacityRefused(Event):
     """A launch was refused for capacity (the offer rests). Args: zone, instance_type: the offer.
     message: what the provider said. spot: the launch was spot (None in ledgers written before it
-    was recorded)."""
+    was recorded). in_flight: the run's other launches of the same offer still under way then (the
+    driver launches in the background: granted, they are the offer's too)."""
 
     zone: str
     instance_type: str
     message: str
     spot: bool | None = None
+    in_flight: int = 0
 
     def story(self) -> str:
         return f"no capacity: {self.instance_type} in {self.zone}"

@@ -84,6 +84,13 @@ class Rentals:
         elif isinstance(event, NodeJoinTimeout) and event.boot_failed:
             self._setup_failures.append(f"the boot script of {event.instance_id} failed: {_cause(event.boot_log)}")
 
+    def _in_flight(self, offer) -> int:
+        """The launches of `offer` (its zone, instance type and spot) under way or granted and not
+        yet collected."""
+        same = (offer.zone, offer.instance_type, offer.spot)
+        return sum(1 for f, o in self._launching.items() if (o.zone, o.instance_type, o.spot) == same
+                   and (not f.done() or f.exception() is None))
+
     def moving(self) -> set[str]:
         """Instance ids a move's replacement is on its way for (launching, or joined and not yet
         training)."""
@@ -126,7 +133,8 @@ class Rentals:
                 refused = isinstance(exc, CapacityError)
                 if refused:
                     self._ledger.append(CapacityRefused(zone=offer.zone, instance_type=offer.instance_type,
-                                                        message=str(exc), spot=offer.spot))
+                                                        message=str(exc), spot=offer.spot,
+                                                        in_flight=self._in_flight(offer)))
                 else:
                     self._ledger.append(LaunchFailed(zone=offer.zone, instance_type=offer.instance_type,
                                                      message=f"{type(exc).__name__}: {str(exc)[:200]}"))

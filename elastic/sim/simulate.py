@@ -71,12 +71,13 @@ class TraceMarket:
         recipe: rows outside resources.regions, or whose cloud the recipe does not enable, are left
             out; a recipe on `[local]` takes the whole trace as its (simulated) local market.
         capacity_seen: the policy's offers carry the trace's capacity (as the local provider's
-            do); False: they carry none, as AWS's and GCP's offers do, and the policy learns a full
-            zone only from a refused launch. Launches are refused by the trace's capacity either way.
+            do, unless the recipe's local.market.show_capacity is false); False: they carry none,
+            as AWS's and GCP's offers do, and the policy learns a full zone only from a refused
+            launch. Launches are refused by the trace's capacity either way.
     """
 
     def __init__(self, rows, recipe, capacity_seen: bool = True):
-        self.capacity_seen = capacity_seen
+        self.capacity_seen = capacity_seen and recipe.local.market.show_capacity
         res = recipe.resources
         clouds = None if res.clouds == ["local"] else set(res.clouds)
         self._series: dict[tuple, tuple] = {}
@@ -697,8 +698,8 @@ def simulate(recipe, trace_path: str, policies: list[str | Policy] | None = None
     `kept`, when given, receives each policy's outer steps whose work was kept, as (start_s, end_s,
     members' offers, tokens), for `bench/policies.py --explain`. `market`: the trace already read
     (`trace_path` is then unread), or another view of it (its own `capacity_seen` holds then).
-    `capacity_seen` False: the policies are not shown the trace's capacity (`TraceMarket`), as on
-    AWS and GCP."""
+    `capacity_seen` False (or the recipe's local.market.show_capacity false): the policies are not
+    shown the trace's capacity (`TraceMarket`), as on AWS and GCP."""
     market = market or _market(recipe, trace_path, capacity_seen)
     out = []
     policies = policies or [recipe.planner.policy] + [n for n in POLICIES if n != recipe.planner.policy]

@@ -49,6 +49,10 @@ class MarketSection(Section):
     """Length of a stock-out, simulated seconds."""
     first_preemption_after_s: float = Field(0.0, ge=0)
     """No preemption in a node's first this-many simulated seconds (lets a node start and join)."""
+    show_capacity: bool = True
+    """Spot offers carry the market's capacity (a simulated market can show it). false: they carry
+    none, as AWS's and GCP's do, and a run learns a full zone only from its refused launches (the
+    same as `elastic simulate --hide-capacity`; the simulator honours it too)."""
     trace: str | None = None
     """CSV to replay instead of generating: columns timestamp_s,cloud,region,zone,instance_type,gpu,
     gpus,spot_usd_per_hour,on_demand_usd_per_hour,preempt_per_hour,capacity (timestamp_s in

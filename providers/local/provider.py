@@ -147,7 +147,8 @@ class LocalProvider(BaseProvider):
                 out.append(Offer(cloud="local", region=it.region, zone=it.zone, instance_type=it.name,
                                  gpu="local" if it.gpus else "", gpus=it.gpus, cpus=max(it.cpus, self._ranks), spot=resources.spot, usd_per_hour=usd,
                                  on_demand_usd_per_hour=st.on_demand_usd_per_hour, read_at=now,
-                                 capacity=st.capacity if resources.spot else None))
+                                 capacity=st.capacity if resources.spot and self._section.market.show_capacity
+                                 else None))
         return sorted(out, key=lambda o: o.usd_per_hour)
 
     def preflight(self, resources) -> list[str]:

@@ -301,6 +301,11 @@ def test_a_spot_offer_that_shows_no_capacity_is_believed_to_hold_what_the_run_he
     events += [_launched("x3", "r1a", 800)]
     m.observe(events)
     assert m.capacity_learned(a, 900) == 2 and m.capacity_learned(a, 10 + CAPACITY_MEMORY_S + 1) == 2
+    # The driver launches in the background: a refusal that comes while the run's own launch of
+    # the offer is still under way (`in_flight`) counts that one too.
+    driver = Market(p)
+    driver.observe([{**refused("r1b", 50), "in_flight": 1}])
+    assert driver.capacity_learned(b, 60) == 1
     # On-demand refusals and failed launches say nothing of spot capacity.
     events += [_launched("x4", "r1b", 1000), refused("r1b", 1010, spot=False),
                {"t": 1010, "type": "launch_failed", "zone": "r1b", "instance_type": "a100x8", "message": "boom"}]

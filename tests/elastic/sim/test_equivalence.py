@@ -134,6 +134,49 @@ def test_the_simulator_and_the_driver_take_the_same_actions_and_bill_alike(local
     assert bill(sim_report) == bill(driver_report) == [("r1a", 40.0), ("r1b", 45.0), ("r2a", 5.0), ("r2a", 5.0)]
 
 
+# -- capacity not shown ----------------------------------------------------------------------------
+
+def test_not_shown_the_capacity_both_learn_a_full_zone_from_the_same_refusal(local_cluster, tmp_path, monkeypatch):
+    """The local market shows no capacity (`local.market.show_capacity: false`, as AWS and GCP):
+    r1a, the cheaper zone, holds one VM, and the world of two asks it for both. The simulator is
+    refused the second at once; the driver launches both in the background and hears of the
+    refusal later, maybe while the first is still starting (`capacity_error.in_flight`). Both then
+    rest r1a, rent r1b, and learn from their own ledger that r1a held one VM
+    (`Quote.capacity_learned`)."""
+    from elastic.policy.market import Market
+    from providers.base import Offer
+
+    trace = tmp_path / "trace.csv"
+    trace.write_text(TRACE_HEADER + "0,local,r1,r1a,cpu,,0,40,120,0,1\n" "0,local,r1,r1b,cpu,,0,45,120,0,4\n")
+    recipe = tiny_recipe(**{
+        "world.replicas": 2, "world.max_replicas": 2, "train.outer_steps": 20, "train.inner_steps": 4,
+        "checkpoint.every_outer_steps": 0, "local.market.time_compression": 1, "local.market.show_capacity": False,
+        "local.market.trace": str(trace), "local.market.seed": 3, "planner.tokens_per_s": "{cpu: 1000}",
+        "planner.replan_every_s": 0.5, "planner.recovery_s": 1, "planner.cross_region_sync_s": 0,
+        "local.instance_types": "[{name: cpu, region: r1, zone: r1a}, {name: cpu, region: r1, zone: r1b}]"})
+    seq = recorded(monkeypatch, zone_of)
+
+    ledgers: dict[str, list[dict]] = {}
+    (result,) = sim.simulate(recipe, str(trace), ["elastic"], seed=5, ledgers=ledgers)
+    assert result["status"] == "completed" and result["refused_launches"] == 1
+    simulated, seq[:] = list(seq), []
+    status, events = run_attached(recipe, local_cluster, tmp_path / "run", run_name="equivalence-hidden")
+    assert status == "completed"
+    driven = list(seq)
+
+    assert simulated == [("rent", "r1a", True, None), ("rent", "r1a", True, None), ("rent", "r1b", True, None),
+                         ("checkpoint", "final")], simulated
+    assert driven == simulated, (driven, simulated)
+    r1a = Offer(cloud="local", region="r1", zone="r1a", instance_type="cpu", gpu="", gpus=0, cpus=1, spot=True,
+                usd_per_hour=40.0, on_demand_usd_per_hour=120.0, read_at=0.0)
+    for ledger in (ledgers["elastic"], events):
+        [refusal] = [e for e in ledger if e["type"] == "capacity_error"]
+        assert refusal["zone"] == "r1a" and refusal["spot"] is True
+        market = Market(recipe.planner)
+        market.observe(ledger)
+        assert market.capacity_learned(r1a, refusal["t"] + 1) == 1, refusal
+
+
 # -- with preemptions -----------------------------------------------------------------------------
 
 HAZARD_END_S = 200.0   # trace seconds: r1a's hazard (12 per node-hour) stops here
