@@ -10,8 +10,10 @@ that after two in a row), as one that refused a launch does, and counts no preem
 risk; once this run's relaunches (`Market.relaunches`) show that a zone which took back an older
 VM takes back the next one too, any reclaim rests its offer as long. Throughput per instance type
 is what the run's replicas measured (each outer step's `inner_s_by_replica`), else the recipe's
-figure. The market reads ledger-shaped events only, so the driver (real ledger) and the simulator
-(events it writes in simulated time) share this code.
+figure. A spot offer that shows no capacity (AWS's, GCP's) is believed to hold what this run held
+there when a launch was refused (`Market.capacity_learned`). The market reads ledger-shaped events
+only, so the driver (real ledger) and the simulator (events it writes in simulated time) share
+this code.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from typing import Mapping
 from pathlib import Path
 
 from elastic.cache import cache_dir, write_json_atomic
-from elastic.record.events import (
-    CapacityRefused, LinkMeasured, NodeLaunched, NodeNotice, NodePreempted, NodeReleased, OuterStep, ReplicaStarting, read)
+from elastic.record.events import (CapacityRefused, LinkMeasured, NodeLaunched, NodeNotice, NodePreempted, NodeReleased,
+                                   OuterStep, ReplicaStarting, read)
 from providers.base import Offer
 
 Key = tuple[str, str, str, str]   # cloud, region, zone, instance type
@@ -289,6 +291,7 @@ class Market:
         held = self._held(zt) + e.in_flight
         if held:
             self._learned[zt] = (held, t)
+            self._out.discard(zt)
         else:
             self._out.add(zt)
 

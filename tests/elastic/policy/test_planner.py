@@ -284,7 +284,8 @@ def test_a_spot_offer_that_shows_no_capacity_is_believed_to_hold_what_the_run_he
     m.observe(events)
     assert m.capacity_learned(a, 20) == 1 and m.capacity_learned(b, 20) is None   # none held in r1b
     assert [q.capacity_learned for q in m.quotes([a, b], 20)] == [1, None]
-    assert m.capacity_learned(a, 10 + CAPACITY_MEMORY_S - 1) == 1 and m.capacity_learned(a, 10 + CAPACITY_MEMORY_S) is None
+    lapse = 10 + CAPACITY_MEMORY_S
+    assert m.capacity_learned(a, lapse - 1) == 1 and m.capacity_learned(a, lapse) is None
     shown = dataclasses.replace(a, capacity=3)
     assert m.capacity_learned(shown, 20) is None and m.quote(shown, 20).capacity == 3
     # Let go, the belief stands; a refusal with none held puts it aside until a launch is granted.
