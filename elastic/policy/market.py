@@ -96,9 +96,11 @@ class Quote:
             type) or `estimate` (the recipe's figure, rescaled or not).
         links: seconds an outer sync spends between two sites ({`cloud/region`, `cloud/region`}),
             as this run measured them (`planner.measured_links`); the same for every quote.
-        capacity_learned: for a spot offer that shows no capacity, the VMs this run held there
-            when a launch was last refused for capacity (at least one; raised when it held more
-            since), within `CAPACITY_MEMORY_S` of that refusal; None: nothing learnt.
+        capacity_learned: for a spot offer that shows no capacity, the VMs this run held there (or
+            was launching) when a launch was last refused for capacity, at least one, within
+            `CAPACITY_MEMORY_S` of that refusal; None: nothing learnt, a launch there granted
+            beyond it since (it had more room), or the zone out now (refused with none held, or
+            it took a VM back) until a launch there is granted.
     """
 
     offer: Offer
@@ -192,10 +194,10 @@ class Market:
                     if late is not None and t - late <= self._p.capacity_cooldown_s + RECLAIMED_EARLY_S:
                         self._relaunched.add(e.instance_id)
                     zt = (e.zone, e.instance_type)
-                    held = self._held(zt)
                     self._out.discard(zt)
-                    if zt in self._learned and held > self._learned[zt][0]:
-                        self._learned[zt] = (held, t)   # it had room for more: the belief grows
+                    learned = self._learned.get(zt)
+                    if learned is not None and (self._held(zt) > learned[0] or t - learned[1] >= CAPACITY_MEMORY_S):
+                        del self._learned[zt]   # it had room for more (or the belief lapsed): unknown again
             elif isinstance(e, CapacityRefused):
                 if e.spot:
                     self._refused(e, t)
@@ -216,6 +218,7 @@ class Market:
                     self._counted.add(iid)
                     key, since = self._open[iid]
                     self._hit_region(key[1], t)
+                    self._out.add((key[2], key[3]))   # it took a VM back: its room now is unknown
                     early = t - since < RECLAIMED_EARLY_S
                     if iid in self._relaunched:
                         self._relaunched.discard(iid)
@@ -296,9 +299,8 @@ class Market:
             self._out.add(zt)
 
     def capacity_learned(self, offer: Offer, now: float) -> int | None:
-        """The spot VMs `offer` held when a launch there was last refused (`Quote.capacity_learned`),
-        within `CAPACITY_MEMORY_S`; None for an offer that shows its capacity, nothing learnt, or
-        one refused with none held since its last launch (out now: how much room it has is unknown)."""
+        """`Quote.capacity_learned` of `offer`: None for an on-demand offer or one that shows its
+        capacity."""
         zt = (offer.zone, offer.instance_type)
         if not offer.spot or offer.capacity is not None or zt in self._out:
             return None

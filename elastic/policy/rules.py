@@ -940,7 +940,7 @@ def _room(q: Quote, held: list[Quote]) -> int | None:
 def _probes(s: Snapshot, quotes: list[Quote], held: list[Quote]) -> list[Quote] | None:
     """The spot offers of unknown capacity, to be tried before any other, where the spot replicas
     held and the room known elsewhere (`_room`) fall short of world.min_replicas; None where they
-    do not, or every offer's capacity is known. A real cloud shows no capacity: a zone the run's
+    do not, where every spot offer's capacity is known or none is, and for an on-demand recipe. A real cloud shows no capacity: a zone the run's
     own VM filled (a launch refused beside it) is known to have room for that one VM once it is
     let go, and renting it again before the other zones answer bills a VM that is let go at once
     when they refuse. Tried first, a refused zone leaves every capacity known, and the pairing and

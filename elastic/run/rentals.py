@@ -85,11 +85,11 @@ class Rentals:
             self._setup_failures.append(f"the boot script of {event.instance_id} failed: {_cause(event.boot_log)}")
 
     def _in_flight(self, offer) -> int:
-        """The launches of `offer` (its zone, instance type and spot) under way or granted and not
-        yet collected."""
+        """The launches of `offer` (its zone, instance type and spot) asked of its cloud and not
+        refused: under way, or granted and not yet collected (not those still queued)."""
         same = (offer.zone, offer.instance_type, offer.spot)
         return sum(1 for f, o in self._launching.items() if (o.zone, o.instance_type, o.spot) == same
-                   and (not f.done() or f.exception() is None))
+                   and (f.running() or f.done() and not f.cancelled() and f.exception() is None))
 
     def moving(self) -> set[str]:
         """Instance ids a move's replacement is on its way for (launching, or joined and not yet

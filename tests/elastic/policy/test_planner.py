@@ -266,10 +266,11 @@ def test_a_reclaim_rests_its_offer_once_the_runs_relaunches_were_taken_young():
 
 def test_a_spot_offer_that_shows_no_capacity_is_believed_to_hold_what_the_run_held_when_it_refused():
     """AWS and GCP show no spot capacity. A launch refused for capacity while the run holds n VMs of
-    the offer says it held n (`capacity_learned`), until CAPACITY_MEMORY_S after that refusal, and
-    more once a launch there is granted beyond it. A refusal with none held says the zone is out
-    now: the belief is not used until a launch there is granted again. An offer that shows its
-    capacity, an on-demand refusal and a failed launch teach nothing."""
+    the offer says it held n (`capacity_learned`), until CAPACITY_MEMORY_S after that refusal; a
+    launch granted there beyond it makes its room unknown again. A refusal with none held, or a VM
+    the zone takes back, says the zone is out now: the belief is not used until a launch there is
+    granted again. An offer that shows its capacity, an on-demand refusal and a failed launch
+    teach nothing."""
     from elastic.policy.market import CAPACITY_MEMORY_S
 
     p = recipe().planner
@@ -298,20 +299,35 @@ def test_a_spot_offer_that_shows_no_capacity_is_believed_to_hold_what_the_run_he
     events += [_launched("x2", "r1a", 600)]
     m.observe(events)
     assert m.capacity_learned(a, 700) == 1
-    # Granted beyond it: the belief grows (and its memory starts again).
+    # Granted beyond it: it had more room than believed, so its room is unknown again.
     events += [_launched("x3", "r1a", 800)]
     m.observe(events)
-    assert m.capacity_learned(a, 900) == 2 and m.capacity_learned(a, 10 + CAPACITY_MEMORY_S + 1) == 2
+    assert m.capacity_learned(a, 900) is None
+    # Refused beside both: two. Then the zone takes one back: out now, until a launch is granted.
+    events += [refused("r1a", 1000)]
+    m.observe(events)
+    assert m.capacity_learned(a, 1001) == 2
+    events += [{"t": 1100, "type": "node_preempted", "instance_id": "x3"}]
+    m.observe(events)
+    assert m.capacity_learned(a, 1101) is None
+    events += [_launched("x5", "r1a", 1200)]
+    m.observe(events)
+    assert m.capacity_learned(a, 1201) == 2
+    # A launch granted after the belief lapsed does not bring it back.
+    events += [{"t": 1300, "type": "node_released", "instance_id": "x5"},
+               _launched("x6", "r1a", 1000 + CAPACITY_MEMORY_S)]
+    m.observe(events)
+    assert m.capacity_learned(a, 1001 + CAPACITY_MEMORY_S) is None
     # The driver launches in the background: a refusal that comes while the run's own launch of
     # the offer is still under way (`in_flight`) counts that one too.
     driver = Market(p)
     driver.observe([{**refused("r1b", 50), "in_flight": 1}])
     assert driver.capacity_learned(b, 60) == 1
     # On-demand refusals and failed launches say nothing of spot capacity.
-    events += [_launched("x4", "r1b", 1000), refused("r1b", 1010, spot=False),
-               {"t": 1010, "type": "launch_failed", "zone": "r1b", "instance_type": "a100x8", "message": "boom"}]
+    events += [_launched("x4", "r1b", 5000), refused("r1b", 5010, spot=False),
+               {"t": 5010, "type": "launch_failed", "zone": "r1b", "instance_type": "a100x8", "message": "boom"}]
     m.observe(events)
-    assert m.capacity_learned(b, 1020) is None
+    assert m.capacity_learned(b, 5020) is None
 
 
 def test_market_learns_risk_and_cools_regions_and_offers(tmp_path):
