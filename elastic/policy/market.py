@@ -174,7 +174,7 @@ class Market:
         self._sync_bytes: int | None = None                      # bytes one rank sent in the last sync
         self._links_cost: dict[frozenset, float] = {}            # site pair -> sync seconds (measured)
         self._learned: dict[tuple[str, str], tuple[int, float]] = {}   # (zone, type) -> (VMs at a refusal, when)
-        self._out: set[tuple[str, str]] = set()                   # (zone, type) refused with none since a launch
+        self._out: set[tuple[str, str]] = set()     # (zone, type) out now (refused with none, or took a VM back)
         self._seen = 0
 
     # -- what happened --------------------------------------------------------------------------

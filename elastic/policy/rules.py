@@ -17,8 +17,8 @@ carried over from its last decisions (fed back by the executor). The `elastic` p
   and the room known (a trace's capacity, or what a refusal beside the run's own VMs taught,
   `Quote.capacity_learned`) fall short of world.min_replicas, launches go only to the offers of
   unknown room (`_probes`), so a zone known to hold only the VM it would get is not rented while
-  the others may refuse (on the real two-zone V100 trace, capacity hidden: 164 → 119 spot launches
-  a run, 67 → 22 let go within a minute); once they refuse, every room is known and the deadline's
+  the others may refuse (on the real two-zone V100 trace, capacity hidden: 164 → 110 spot launches
+  a run, 67 → 13 let go within a minute); once they refuse, every room is known and the deadline's
   pairing and no-world rules judge;
 - **renting**: up to the world's target size (world.replicas, grown when budget.max_hours needs a
   bigger world; world.max_replicas under the pause rule), counting nodes held, booting and on
@@ -940,11 +940,11 @@ def _room(q: Quote, held: list[Quote]) -> int | None:
 def _probes(s: Snapshot, quotes: list[Quote], held: list[Quote]) -> list[Quote] | None:
     """The spot offers of unknown capacity, to be tried before any other, where the spot replicas
     held and the room known elsewhere (`_room`) fall short of world.min_replicas; None where they
-    do not, where every spot offer's capacity is known or none is, and for an on-demand recipe. A real cloud shows no capacity: a zone the run's
-    own VM filled (a launch refused beside it) is known to have room for that one VM once it is
-    let go, and renting it again before the other zones answer bills a VM that is let go at once
-    when they refuse. Tried first, a refused zone leaves every capacity known, and the pairing and
-    no-world rules judge."""
+    do not, where every spot offer's capacity is known or none is, and for an on-demand recipe. A
+    real cloud shows no capacity: a zone the run's own VM filled (a launch refused beside it) is
+    known to have room for that one VM once it is let go, and renting it again before the other
+    zones answer bills a VM that is let go at once when they refuse. Tried first, a refused zone
+    leaves every capacity known, and the pairing and no-world rules judge."""
     if not s.recipe.resources.spot:
         return None
     rooms = [(q, _room(q, held)) for q in quotes if q.offer.spot]
