@@ -37,6 +37,11 @@ rents a pairing's on-demand partner two minutes into the spot VM's boot (session
 small market where the spot VM is reclaimed 3 an hour does (tests/elastic/sim/test_tied_bound.py):
 no row-start policy can overlap the two boots so.
 
+A bound that ties the members and holds every policy, on markets of two one-VM zones, is
+`bench/tied_dp.py` (session 44): on aws-v100-2zones-2022 it is $99.85 at 30-second steps against
+this program's $104.34: most of what this program adds there is its row starts and the rest of a
+phase that the simulator credits a loss's survivors (which this program does not).
+
 Per trace (with its recipe, as `bench/real_markets.py` picks it): the bound that keeps
 world.min_replicas (USD), this program's (USD), their ratio, `elastic`'s median USD over the seeds
 and its ratio to each.
