@@ -38,9 +38,9 @@ small market where the spot VM is reclaimed 3 an hour does (tests/elastic/sim/te
 no row-start policy can overlap the two boots so.
 
 A bound that ties the members and holds every policy, on markets of two one-VM zones, is
-`bench/tied_dp.py` (session 44): on aws-v100-2zones-2022 it is $99.85 at 30-second steps against
-this program's $104.34: most of what this program adds there is its row starts and the rest of a
-phase that the simulator credits a loss's survivors (which this program does not).
+`bench/tied_dp.py` (session 44): on aws-v100-2zones-2022 it is $101.96 at 30-second steps and
+$102.56 at 15 against this program's $104.34, so about 2 % of this program's figure there is its
+row starts.
 
 Per trace (with its recipe, as `bench/real_markets.py` picks it): the bound that keeps
 world.min_replicas (USD), this program's (USD), their ratio, `elastic`'s median USD over the seeds

@@ -25,25 +25,27 @@ beside it, each in the policy's favour, so its least expected cost is at most an
   partial step is free: a VM let go or lost within a step bills less than the step), at the
   step's lowest price; the billing minimum is left out;
 - an on-demand VM (never preempted) is ready the moment it counts, its boot billed up front
-  short of a step: one launched at s is ready at s + boot, so it counts from the last grid point
-  t ≤ s + boot, billed (boot − step) before t, at most what it billed;
-- tokens: every ready VM present trains, at its tokens/s, while the world trains. The world trains
-  through a step whose start has world.min_replicas ready VMs, and after it, while a VM is ready,
-  for as long as a phase lasts (⌈phase/step⌉ + 1 steps; the phase of the slowest VM and the outer
-  sync of the most spread world). The simulator starts a phase only with world.min_replicas
-  members and credits the survivors of a loss the whole phase ("DiLoCo survivors keep training
-  through a preemption"); here the phase restarts at every step with enough members, so the
-  survivors' window is never shorter. A VM the policy lets go leaves at its phase's end in the
-  simulator, training and billed until then: here a ready VM let go ends the phase at once (the
-  policy may keep it to that end instead). A lost VM's partial phase is not lost here, VMs join
-  at once, the outer sync takes no time, a run that loses every replica loses nothing;
+  short of a step (at the lowest on-demand price of that boot's steps): one launched at s is
+  ready at s + boot, so it counts from the last grid point t ≤ s + boot, billed (boot − step)
+  before t, at most what it billed. The step is at most a boot (planner.recovery_s);
+- tokens: every ready VM present trains, at its tokens/s, while the world trains: through a step
+  whose start has world.min_replicas ready VMs (a VM lost in it, until its loss). In the
+  simulator a member lost with a notice longer than twice the outer sync (AWS's 120 s) ends the
+  phase at once, every member credited its part; one lost without such a notice (GCP's 30 s
+  against a cross-region sync) leaves the survivors training to the phase's end ("DiLoCo
+  survivors keep training through a preemption"), a lone one too. On such a market the world
+  here also trains on after a step with enough members, while a VM is ready, for as long as a
+  phase lasts (⌈phase/step⌉ + 1 steps; the slowest VM's phase and the most spread world's sync),
+  whatever ended the step. A lost VM's partial phase is not lost here, VMs join at once, the
+  outer sync takes no time, a run that loses every replica loses nothing, and the recipe's price
+  cap (resources.max_usd_per_hour) is left out;
 - tokens counted in expectation (E[tokens] by budget.max_hours ≥ the run's, not on every draw), so
   a schedule may be played with a probability: a long one played sometimes spreads its boots
   over more tokens than a policy that must finish every time can; up to world.max_replicas
   on-demand VMs beside the two spot ones, every one of them training.
 The value function over those states is exact for the relaxed model (backward induction over the
-grid), so the bound is the relaxed model's least cost, not a further relaxation of it. A finer
-grid gives less of the first three away (the bound rises as the step falls).
+grid), and each token price gives a lower bound on its least cost; the search keeps the best it
+finds. A finer grid gives less of the first three away (the bound rises as the step falls).
 
 Per trace (with its recipe, as `bench/real_markets.py` picks it): the bound that keeps
 world.min_replicas, this bound, `elastic`'s median bill before refunds over the seeds and its ratio
@@ -71,6 +73,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from elastic.errors import UserError  # noqa: E402
 from elastic.policy.market import Quote, recipe_tokens_per_s  # noqa: E402
 from elastic.policy.planner import allowed, run_tokens, sync_penalty_s, tokens_per_phase  # noqa: E402
+from providers import notice_s  # noqa: E402
 
 BIG = 1e15          # the value of a state no policy can be in
 SEARCH = (10, 6)    # multipliers tried per round, rounds (each narrows the search to two of its gaps)
@@ -81,8 +84,12 @@ class Market2:
     price (USD/h), whether a launch may count at the step's start, the cheapest on-demand price."""
 
     def __init__(self, recipe, market, step_s: float):
-        spot = [o for o in market.offers(0.0, True) if allowed(o, recipe.resources)]
-        od = [o for o in market.offers(0.0, False) if allowed(o, recipe.resources)]
+        if step_s > recipe.planner.recovery_s:
+            raise UserError(f"tied_dp needs a step no longer than a boot (planner.recovery_s, "
+                            f"{recipe.planner.recovery_s:g} s): {step_s:g} s")
+        uncapped = recipe.resources.model_copy(update={"max_usd_per_hour": None})   # the price cap left out
+        spot = [o for o in market.offers(0.0, True) if allowed(o, uncapped)]
+        od = [o for o in market.offers(0.0, False) if allowed(o, uncapped)]
         if len(spot) != 2 or not od:
             raise UserError(f"tied_dp prices markets of two spot zones with an on-demand fallback "
                              f"(this one: {len(spot)} spot, {len(od)} on-demand)")
@@ -110,13 +117,16 @@ class Market2:
                 lo = t - step_s
                 before = [max(lo + 1e-6, 0.0)] + rows_in(lo, t) + [t]
                 self.room[z, i] = max(market.state(*key, u).capacity or 0 for u in before) >= 1
-        self.od_usd = np.array([min(market.state(o.zone, o.instance_type, t).on_demand_usd_per_hour for o in od)
-                                for t in grid])
+        self.od_usd = np.array([min(market.state(o.zone, o.instance_type, u).on_demand_usd_per_hour
+                                    for o in od for u in [t] + rows_in(t, t + step_s)) for t in grid])
         self.od_tps = max(recipe_tokens_per_s(o, recipe.planner) for o in od)
         # the longest phase a world here can have: the slowest VM's inner phase and the outer sync
         # of the most spread world (the planner's own figure, as the simulator times a phase)
-        self.phase_s = max(tokens_per_phase(recipe) / t for t in list(self.tps) + [self.od_tps]) + \
-            sync_penalty_s([Quote(o, 0.0, "trace") for o in spot + od], recipe.planner)
+        sync = sync_penalty_s([Quote(o, 0.0, "trace") for o in spot + od], recipe.planner)
+        self.phase_s = max(tokens_per_phase(recipe) / t for t in list(self.tps) + [self.od_tps]) + sync
+        # A member lost with a notice longer than twice the sync ends the phase at once, every
+        # member credited its part (AWS: 120 s); without, the survivors train to the phase's end.
+        self.survivors_train_on = any(notice_s(o.cloud) <= max(0.5, 2 * sync) for o in spot)
 
 
 def dual(m2: Market2, recipe, step_s: float, prices: np.ndarray) -> np.ndarray:
@@ -125,7 +135,8 @@ def dual(m2: Market2, recipe, step_s: float, prices: np.ndarray) -> np.ndarray:
     w = recipe.world
     boot = recipe.planner.recovery_s
     K = max(1, int(math.floor(boot / step_s + 1e-9)))          # classes 1..K-1 booting, K ready
-    L = math.ceil(m2.phase_s / step_s - 1e-9) + 1               # phase clock 0 (none), 1..L-1
+    # phase clock 0 (none), 1..L-1: the survivors' window, where a loss does not end the phase
+    L = math.ceil(m2.phase_s / step_s - 1e-9) + 1 if m2.survivors_train_on else 1
     R, m, P = w.max_replicas, w.min_replicas, len(prices)
     C = K + 1
     cls = np.arange(C)
@@ -163,15 +174,11 @@ def dual(m2: Market2, recipe, step_s: float, prices: np.ndarray) -> np.ndarray:
         keep_o = m2.od_usd[i - 1] * step_s / 3600 if i > 0 else 0.0
         add_o = np.min(m2.od_usd[max(0, i - K):i + 1]) * max(0.0, boot - step_s) / 3600
         # On-demand VMs held r → r': r kept (each billed the step it lived) and r' − r counted ready
-        # with their boots billed up front, or r' < r kept. A VM let go leaves at its phase's end in
-        # the simulator, training and billed until then: so a ready VM let go here ends the phase (the
-        # clock to 0, no survivors' window after it); the policy here may keep it to that end and
-        # let it go then. Both minima over r' by running minima along r.
+        # with their boots billed up front, or r' < r kept. Both minima by running minima along r.
         grow = after + (rr * add_o)[:, None]                                  # [..., r', phase]
         grow = np.minimum.accumulate(grow[:, :, :, ::-1], axis=3)[:, :, :, ::-1]   # min over r' ≥ r
         grow = grow + (rr * (keep_o - add_o))[:, None]
-        shrink = after[..., :1] + (rr * keep_o)[:, None]                      # r' kept, the phase ended
-        shrink = np.minimum.accumulate(shrink, axis=3)                        # min over r' ≤ r ...
+        shrink = np.minimum.accumulate(after + (rr * keep_o)[:, None], axis=3)     # min over r' ≤ r ...
         shrink = np.concatenate([np.full_like(shrink[:, :, :, :1], BIG), shrink[:, :, :, :-1]], axis=3)   # ... r' < r
         best_od = np.minimum(grow, shrink)
         new = np.full_like(after, BIG)
@@ -183,10 +190,7 @@ def dual(m2: Market2, recipe, step_s: float, prices: np.ndarray) -> np.ndarray:
                 tb, cb = _zone_choice(how_b, cls, present, m2.room[1, i], keep_b)
                 if ta is None or tb is None:
                     continue
-                ends = (ready & (how_a != "keep"))[:, None] | (ready & (how_b != "keep"))[None, :]
-                pick = best_od[:, ta][:, :, tb]
-                pick = np.where(ends[:, :, None, None], pick[..., :1], pick)
-                new = np.minimum(new, pick + ca[:, None, None, None] + cb[None, :, None, None])
+                new = np.minimum(new, best_od[:, ta][:, :, tb] + ca[:, None, None, None] + cb[None, :, None, None])
         V = new
     return V[:, 0, 0, 0, 0] + prices * run_tokens(recipe)
 
