@@ -207,7 +207,7 @@ def _zone_choice(how: str, cls, present, room: bool, keep_usd: float):
 
 def tied_dp_usd(recipe, market, step_s: float = 30.0) -> float:
     """The least expected bill (USD, before refunds) of any policy that trains the run's tokens by
-    budget.max_hours on a market of at most two one-VM spot zones: the best of a search over the
+    budget.max_hours on a market of two one-VM spot zones: the best of a search over the
     token's price (`dual`)."""
     m2 = Market2(recipe, market, step_s)
     top = 2 * float(np.max(m2.od_usd)) / 3600 / m2.od_tps
@@ -262,8 +262,9 @@ def _table(traces: list[Path], steps: list[float], seeds: int) -> int:
         t0 = time.time()
         tied = [tied_dp_usd(recipe, market, s) for s in steps]
         seconds = time.time() - t0
-        runs = [r for seed in range(seeds) for r in simulate(recipe, str(trace), list(POLICIES), seed=seed, market=market)
-                if r["status"] == "completed"]
+        runs = [r for seed in range(seeds)
+                for r in simulate(recipe, str(trace), list(POLICIES), seed=seed, market=market)]
+        runs = [r for r in runs if r["status"] == "completed"]
         paid = [r["list_usd"] for r in runs if r["policy"] == "elastic"]
         usd = statistics.median(paid) if paid else math.nan
         under = sum(r["list_usd"] < tied[-1] for r in runs)

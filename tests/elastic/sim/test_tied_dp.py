@@ -21,14 +21,13 @@ from elastic.sim.simulate import _market, min_replicas_bound_usd_per_mtok, simul
 from tests.conftest import REPO as ROOT
 
 SMALL = ["train.token_budget=200000000", "budget.max_hours=10", "world.replicas=2", "world.max_replicas=2"]
+GCP = ["resources.clouds=[gcp]", "resources.regions=[us-central1, us-east1]"]
 HEADER = ("timestamp_s,cloud,region,zone,instance_type,gpu,gpus,spot_usd_per_hour,on_demand_usd_per_hour,"
           "preempt_per_hour,capacity")
 
 
-GCP = ["resources.clouds=[gcp]", "resources.regions=[us-central1, us-east1]"]
-
-
-def _trace(path: Path, rate_per_h: float, zones: int = 2, capacity: int = 1, hours: int = 12, gcp: bool = False) -> Path:
+def _trace(path: Path, rate_per_h: float, zones: int = 2, capacity: int = 1, hours: int = 12,
+           gcp: bool = False) -> Path:
     """`zones` zones of us-east-1 holding `capacity` VMs each, the first reclaimed at `rate_per_h`
     (`gcp`: the same VMs on GCP, one zone in us-central1 and one in us-east1)."""
     lines = [HEADER]
@@ -94,18 +93,20 @@ def test_where_a_loss_does_not_end_the_phase_the_survivors_train_on_and_the_boun
     # to the phase's end, a lone one too, and the simulator credits them: the bound must as well.
     aws = load_recipe(ROOT / "bench" / "recipes" / "real-v100.yaml", SMALL)
     gcp = load_recipe(ROOT / "bench" / "recipes" / "real-v100.yaml", SMALL + GCP)
-    on_aws = tied_dp.tied_dp_usd(aws, _market(aws, str(_trace(tmp_path / "aws.csv", 3.0))), 30.0)
+    aws_market = _market(aws, str(_trace(tmp_path / "aws.csv", 3.0)))
     trace = _trace(tmp_path / "gcp.csv", 3.0, gcp=True)
     market = _market(gcp, str(trace))
-    on_gcp = tied_dp.tied_dp_usd(gcp, market, 30.0)
     assert tied_dp.Market2(gcp, market, 30.0).survivors_train_on
-    assert not tied_dp.Market2(aws, _market(aws, str(_trace(tmp_path / "aws.csv", 3.0))), 30.0).survivors_train_on
+    assert not tied_dp.Market2(aws, aws_market, 30.0).survivors_train_on
+    on_aws = tied_dp.tied_dp_usd(aws, aws_market, 30.0)
+    on_gcp = tied_dp.tied_dp_usd(gcp, market, 30.0)
     assert on_gcp < 0.99 * on_aws, (on_gcp, on_aws)
     for name, bills in _bills(gcp, trace, market).items():
         assert statistics.mean(bills) > on_gcp, (name, bills, on_gcp)
 
 
-@pytest.mark.parametrize("zones, capacity, step, says", [(3, 1, 60.0, "two spot zones"), (2, 2, 60.0, "zones of one VM"),
+@pytest.mark.parametrize("zones, capacity, step, says", [(3, 1, 60.0, "two spot zones"),
+                                                         (2, 2, 60.0, "zones of one VM"),
                                                          (2, 1, 600.0, "no longer than a boot")])
 def test_a_market_it_cannot_price_is_a_user_error_in_one_line(tmp_path, zones, capacity, step, says):
     recipe = load_recipe(ROOT / "bench" / "recipes" / "real-v100.yaml", SMALL)
@@ -113,7 +114,7 @@ def test_a_market_it_cannot_price_is_a_user_error_in_one_line(tmp_path, zones, c
     trace = _trace(tmp_path / "real" / "other.csv", 0.0, zones=zones, capacity=capacity)
     with pytest.raises(UserError, match=says):
         tied_dp.tied_dp_usd(recipe, _market(recipe, str(trace)), step)
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "tied_dp.py"), "--traces", str(trace), "--step-s", str(step)],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 2 and out.stderr.startswith("error: tied_dp ") and says in out.stderr and out.stderr.count("\n") == 1, \
-        out.stderr
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "tied_dp.py"), "--traces", str(trace),
+                          "--step-s", str(step)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and out.stderr.startswith("error: tied_dp ") and says in out.stderr, out.stderr
+    assert out.stderr.count("\n") == 1, out.stderr
