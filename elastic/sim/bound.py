@@ -59,11 +59,23 @@ from elastic.record import billing
 UNLIMITED = 1e9   # capacity of an offer the trace gives none for
 
 
+def row_times(market, limit_s: float, rows: int = 0) -> list[float]:
+    """The rows' start times: the trace's, and where it ends before `limit_s` (its last row holds
+    for ever, as `TraceMarket` replays it) more rows of its first row's length up to `limit_s`, and
+    at least `rows` of them."""
+    times = list(market.times())
+    if times:
+        gap = times[1] - times[0] if len(times) > 1 else 300.0
+        while len(times) < rows or (math.isfinite(limit_s) and times[-1] + gap < limit_s):
+            times.append(times[-1] + gap)
+    return times
+
+
 def _arrays(recipe, market, finish_h: float | None):
     """Per row (until `finish_h`) and offer: USD/h (inf where the recipe does not allow it),
     capacity, preemptions per hour; seconds per row; tokens/s and billing terms per offer."""
-    times = market.times()
     limit_s = (finish_h if finish_h is not None else recipe.budget.max_hours or math.inf) * 3600
+    times = row_times(market, limit_s)
     spot = recipe.resources.spot
     keys = None
     usd, cap, rate, row_s = [], [], [], []
@@ -407,6 +419,7 @@ def _fallback_on_demand(recipe, market, rows: int):
     if not (recipe.resources.spot and recipe.budget.max_hours is not None):
         return np.zeros((rows, 0)), np.zeros(0)
     offers = [o for o in market.offers(0.0, False) if allowed(o, recipe.resources)]
+    times = row_times(market, math.inf, rows)
     usd = np.array([[market.state(o.zone, o.instance_type, t).on_demand_usd_per_hour for o in offers]
-                    for t in market.times()[:rows]]).reshape(rows, len(offers))
+                    for t in times[:rows]]).reshape(rows, len(offers))
     return usd, np.array([recipe_tokens_per_s(o, recipe.planner) for o in offers], float)
