@@ -65,10 +65,15 @@ def row_times(market, limit_s: float, rows: int = 0) -> list[float]:
     at least `rows` of them."""
     times = list(market.times())
     if times:
-        gap = times[1] - times[0] if len(times) > 1 else 300.0
+        gap = _row_gap(times)
         while len(times) < rows or (math.isfinite(limit_s) and times[-1] + gap < limit_s):
             times.append(times[-1] + gap)
     return times
+
+
+def _row_gap(times: list[float]) -> float:
+    """The length given to a row past the trace's last start: its first row's (300 s for one row)."""
+    return times[1] - times[0] if len(times) > 1 else 300.0
 
 
 def _arrays(recipe, market, finish_h: float | None):
@@ -82,7 +87,7 @@ def _arrays(recipe, market, finish_h: float | None):
     for i, t in enumerate(times):
         if t >= limit_s:
             break
-        end = times[i + 1] if i + 1 < len(times) else t + (times[1] - times[0] if len(times) > 1 else 300.0)
+        end = times[i + 1] if i + 1 < len(times) else t + _row_gap(times)
         offers = market.offers(t, spot)
         keys = keys or [(o.zone, o.instance_type) for o in offers]
         by_key = {(o.zone, o.instance_type): o for o in offers}
