@@ -54,6 +54,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -141,10 +142,18 @@ def tied(program, parts_row: int, unforeseen: bool) -> np.ndarray:
     return (program.row < parts_row) | (unforeseen & (program.row == parts_row) & (program.kind == "k"))
 
 
-def minimax(programs, ties: list[np.ndarray], yardsticks: list[float] | None = None
-            ) -> tuple[float, list[float], list[float], np.ndarray]:
-    """(t, each scenario's yardstick in USD, each one's ratio at the optimum, the trace's schedule):
-    the least t with every scenario's cost at most t × its yardstick (default: its program's own
+class Minimax(NamedTuple):
+    """The scenarios' program at its optimum."""
+
+    t: float                  # the least worst ratio
+    yardsticks: list[float]   # each scenario's yardstick, USD
+    ratios: list[float]       # each one's ratio at the optimum
+    schedule: np.ndarray      # the trace's variables
+    weights: list[float]      # each one's weight in the worst case (the ratio constraints' duals, summing to 1)
+
+
+def minimax(programs, ties: list[np.ndarray], yardsticks: list[float] | None = None) -> Minimax:
+    """The least t with every scenario's cost at most t × its yardstick (default: its program's own
     least cost), scenario s's variables where `ties[s]` equal to the trace's (scenario 0)."""
     from scipy import sparse
     from scipy.optimize import linprog
@@ -177,7 +186,10 @@ def minimax(programs, ties: list[np.ndarray], yardsticks: list[float] | None = N
         raise SystemExit(f"the scenarios' program did not solve: {res.message}")
     x = res.x
     ratios = [float(p.cost @ x[s * nv:(s + 1) * nv]) / b for s, (p, b) in enumerate(zip(programs, bounds_usd))]
-    return float(x[-1]), bounds_usd, ratios, x[:nv]
+    # t's column is 1 in the objective and −yardstick in each ratio row, so the rows' duals times the
+    # yardsticks sum to 1: how much each scenario weighs in the worst case
+    weights = [float(-y * b) for y, b in zip(res.ineqlin.marginals[-count:], bounds_usd)]
+    return Minimax(float(x[-1]), bounds_usd, ratios, x[:nv], weights)
 
 
 def print_schedule(program, x: np.ndarray, grid: list[float], offers: list[str]) -> None:
@@ -244,7 +256,7 @@ def main() -> None:
     market = TraceMarket(rows, recipe)
     varied, programs, ties, grid, yardsticks = scenarios(recipe, rows, args.extend_h, args.min_outage_h, args.drops,
                                                          args.onsets, args.onset_every_h, args.split)
-    t, bounds_usd, ratios, x = minimax(programs, ties, yardsticks)
+    t, bounds_usd, ratios, x, _ = minimax(programs, ties, yardsticks)
     per_mtok = 1e6 / run_tokens(recipe)
     name = f"{args.trace.stem}" + (f"@{args.start_hours:g}h" if args.start_hours else "")
     kinds = (", drops unforeseen" * args.drops + f", onsets of {args.extend_h:g} h" * args.onsets

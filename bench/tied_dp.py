@@ -132,28 +132,50 @@ class Market2:
 def dual(m2: Market2, recipe, step_s: float, prices: np.ndarray) -> np.ndarray:
     """min over policies of E[bill − price × tokens] + price × the run's tokens, for each of `prices`
     (USD per token; each is a lower bound on any policy's expected bill)."""
+    shape = states(m2, recipe, step_s)
+    V = backward(m2, recipe, step_s, np.zeros((len(prices), 1) + shape), m2.steps, 0,
+                 lambda i: (np.ones((len(prices), 1)), -prices[:, None]))
+    return V[:, 0, 0, 0, 0, 0] + prices * run_tokens(recipe)
+
+
+def states(m2: Market2, recipe, step_s: float) -> tuple[int, int, int, int]:
+    """The shape of a value function's states: each zone's class (0 none, 1..K−1 booting, K ready),
+    the on-demand VMs held (0..world.max_replicas), the phase clock (0 none, 1..L−1 the survivors'
+    window, where a loss does not end the phase)."""
+    K = max(1, int(math.floor(recipe.planner.recovery_s / step_s + 1e-9)))
+    L = math.ceil(m2.phase_s / step_s - 1e-9) + 1 if m2.survivors_train_on else 1
+    return (K + 1, K + 1, recipe.world.max_replicas + 1, L)
+
+
+def backward(m2: Market2, recipe, step_s: float, V: np.ndarray, hi: int, lo: int, weights,
+             at: dict | None = None) -> np.ndarray:
+    """Backward induction from grid point `hi` down to `lo`: `V` is the value at `hi`, of shape
+    (P, S) + `states`: P problems, each with S slots. Slot 0 is the value minimised; the others are
+    carried along the policy that minimises it (its expected bill or tokens to go, say).
+    `weights(i)` gives, for step i, each slot's weight on the step's bill and on its tokens (two
+    (P, S) arrays). `at` maps a grid point to a function of the value there (before the step
+    back from it), which may replace it."""
     w = recipe.world
     boot = recipe.planner.recovery_s
-    K = max(1, int(math.floor(boot / step_s + 1e-9)))          # classes 1..K-1 booting, K ready
-    # phase clock 0 (none), 1..L-1: the survivors' window, where a loss does not end the phase
-    L = math.ceil(m2.phase_s / step_s - 1e-9) + 1 if m2.survivors_train_on else 1
-    R, m, P = w.max_replicas, w.min_replicas, len(prices)
-    C = K + 1
+    C, _, R1, L = states(m2, recipe, step_s)
+    K = C - 1
+    m = w.min_replicas
     cls = np.arange(C)
     age = np.where(cls == 0, 0, np.minimum(cls + 1, K))
     present = cls > 0
     ready = cls == K
-    rr = np.arange(R + 1)
+    rr = np.arange(R1)
     ph = np.arange(L)
     n_ready = ready[:, None, None].astype(int) + ready[None, :, None].astype(int) + rr[None, None, :]
     n4 = n_ready[..., None]
     trains = (n4 >= m) | ((n4 >= 1) & (ph >= 1))
     clock = np.where(n4 >= m, 1, np.where((n4 >= 1) & (ph >= 1) & (ph + 1 <= L - 1), ph + 1, 0))
-    clock = np.broadcast_to(clock, (C, C, R + 1, L)).copy() if L > 1 else np.zeros((C, C, R + 1, L), int)
+    clock = np.broadcast_to(clock, (C, C, R1, L)).copy() if L > 1 else np.zeros((C, C, R1, L), int)
     ri = rr[None, None, :, None]
-    price = prices[:, None, None, None, None]
-    V = np.zeros((P, C, C, R + 1, L))
-    for i in range(m2.steps - 1, -1, -1):
+    A, B = age[:, None, None, None], age[None, :, None, None]
+    at = at or {}
+    for i in range(hi - 1, lo - 1, -1):
+        on_usd, on_tok = (x[:, :, None, None, None, None] for x in weights(i))
         la, lb = m2.rate[0, i], m2.rate[1, i]
         qa, qb = math.exp(-la * step_s), math.exp(-lb * step_s)
         ia = -math.expm1(-la * step_s) / la if la > 0 else step_s     # E[seconds alive] in the step
@@ -165,23 +187,24 @@ def dual(m2: Market2, recipe, step_s: float, prices: np.ndarray) -> np.ndarray:
         sb = np.where(present, qb, 1.0)[None, :, None, None]
         da = np.where(present, 1 - qa, 0.0)[:, None, None, None]
         db = np.where(present, 1 - qb, 0.0)[None, :, None, None]
-        A, B = age[:, None, None, None], age[None, :, None, None]
-        later = (sa * sb * V[:, A, B, ri, clock] + sa * db * V[:, A, 0, ri, clock]
-                 + da * sb * V[:, 0, B, ri, clock] + da * db * V[:, 0, 0, ri, clock])
-        after = later - price * tokens          # post-decision value
+        later = (sa * sb * V[:, :, A, B, ri, clock] + sa * db * V[:, :, A, 0, ri, clock]
+                 + da * sb * V[:, :, 0, B, ri, clock] + da * db * V[:, :, 0, 0, ri, clock])
+        after = later + on_tok * tokens          # post-decision value
         keep_a = m2.usd[0, i - 1] * step_s / 3600 if i > 0 else 0.0
         keep_b = m2.usd[1, i - 1] * step_s / 3600 if i > 0 else 0.0
         keep_o = m2.od_usd[i - 1] * step_s / 3600 if i > 0 else 0.0
         add_o = np.min(m2.od_usd[max(0, i - K):i + 1]) * max(0.0, boot - step_s) / 3600
         # On-demand VMs held r → r': r kept (each billed the step it lived) and r' − r counted ready
         # with their boots billed up front, or r' < r kept. Both minima by running minima along r.
-        grow = after + (rr * add_o)[:, None]                                  # [..., r', phase]
-        grow = np.minimum.accumulate(grow[:, :, :, ::-1], axis=3)[:, :, :, ::-1]   # min over r' ≥ r
-        grow = grow + (rr * (keep_o - add_o))[:, None]
-        shrink = np.minimum.accumulate(after + (rr * keep_o)[:, None], axis=3)     # min over r' ≤ r ...
-        shrink = np.concatenate([np.full_like(shrink[:, :, :, :1], BIG), shrink[:, :, :, :-1]], axis=3)   # ... r' < r
-        best_od = np.minimum(grow, shrink)
-        new = np.full_like(after, BIG)
+        grow = _running_min(after + on_usd * (rr * add_o)[:, None], reverse=True)    # min over r' ≥ r
+        grow = grow + on_usd * (rr * (keep_o - add_o))[:, None]
+        shrink = _running_min(after + on_usd * (rr * keep_o)[:, None])               # min over r' ≤ r ...
+        none = np.zeros_like(shrink[..., :1, :])
+        none[:, 0] = BIG
+        shrink = np.concatenate([none, shrink[..., :-1, :]], axis=4)                 # ... r' < r
+        best_od = _least(grow, shrink)
+        new = np.zeros_like(after)
+        new[:, 0] = BIG
         # per zone: keep its VM (billed the step it lived), let it go, or count a fresh one (a launch in
         # the step before, after the old one went) where the zone had room
         for how_a in ("keep", "drop", "fresh"):
@@ -190,9 +213,27 @@ def dual(m2: Market2, recipe, step_s: float, prices: np.ndarray) -> np.ndarray:
                 tb, cb = _zone_choice(how_b, cls, present, m2.room[1, i], keep_b)
                 if ta is None or tb is None:
                     continue
-                new = np.minimum(new, best_od[:, ta][:, :, tb] + ca[:, None, None, None] + cb[None, :, None, None])
+                bill = (ca[:, None, None, None] + cb[None, :, None, None])
+                new = _least(new, best_od[:, :, ta][:, :, :, tb] + on_usd * bill)
         V = new
-    return V[:, 0, 0, 0, 0] + prices * run_tokens(recipe)
+        if i in at:
+            V = at[i](V)
+    return V
+
+
+def _least(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Per state and problem, the slots of whichever of `x` and `y` has the lower value (slot 0)."""
+    return np.where(x[:, :1] <= y[:, :1], x, y)
+
+
+def _running_min(x: np.ndarray, reverse: bool = False) -> np.ndarray:
+    """Along the on-demand axis, the slots of the least value up to each r (`reverse`: from each r on)."""
+    out = x.copy()
+    n = x.shape[4]
+    for r in (range(n - 2, -1, -1) if reverse else range(1, n)):
+        near = out[..., r + 1, :] if reverse else out[..., r - 1, :]
+        out[..., r, :] = _least(out[..., r, :], near)
+    return out
 
 
 def _zone_choice(how: str, cls, present, room: bool, keep_usd: float):

@@ -24,13 +24,16 @@ def test_variants_tied_to_the_traces_past_cannot_all_be_met_at_their_own_bounds(
     varied, programs, ties, grid, _ = scenarios(recipe, rows, extend_h=12.0, min_outage_h=1.0, drops=False)
     assert len(varied) >= 5 and all(tie.any() for tie in ties[1:])
     # Restating every zone at every row of the common grid leaves the trace's bound as it is.
-    t, bounds_usd, ratios, _ = minimax(programs, ties)
+    t, bounds_usd, ratios, _, weights = minimax(programs, ties)
     plain = lower_bound_usd_per_mtok(recipe, TraceMarket(rows, recipe), keep_min_replicas=True)
     assert bounds_usd[0] * 1e6 / run_tokens(recipe) == pytest.approx(plain, rel=1e-6)
     # Untied, each scenario has its own optimum; tied, no one schedule is at every bound.
-    untied, _, _, _ = minimax(programs, [np.zeros_like(tie) for tie in ties])
+    untied, _, _, _, _ = minimax(programs, [np.zeros_like(tie) for tie in ties])
     assert untied == pytest.approx(1.0, abs=1e-6)
     assert t > 1.001 and all(r <= t + 1e-6 for r in ratios)
+    # The worst case's weights: they sum to 1, and only scenarios at the worst ratio carry any.
+    assert sum(weights) == pytest.approx(1.0, abs=1e-6) and min(weights) > -1e-9
+    assert all(r == pytest.approx(t, abs=1e-6) for r, w in zip(ratios, weights) if w > 1e-6)
 
 
 def test_an_onset_drops_a_calm_zone_and_holds_it_out_and_only_what_was_decided_before_is_shared(tmp_path):
@@ -74,9 +77,10 @@ def test_an_onset_drops_a_calm_zone_and_holds_it_out_and_only_what_was_decided_b
     assert yardsticks[i] == pytest.approx(max(lower_bound_usd_per_mtok(recipe, m, keep_min_replicas=True),
                                               min_replicas_floor_usd_per_mtok(recipe, m)) * mtok, rel=1e-6)
     # More variants a policy cannot tell apart can only raise the least worst ratio, and onsets do.
-    t_onsets, _, ratios, _ = minimax(programs, ties, yardsticks)
+    t_onsets, _, ratios, _, _ = minimax(programs, ties, yardsticks)
     plain = [0] + [j for j, w in enumerate(varied_all, 1) if w.first is None]
-    t_plain, _, _, _ = minimax([programs[j] for j in plain], [ties[j] for j in plain], [yardsticks[j] for j in plain])
+    t_plain, _, _, _, _ = minimax([programs[j] for j in plain], [ties[j] for j in plain],
+                                  [yardsticks[j] for j in plain])
     assert t_onsets > t_plain + 1e-3 and max(ratios) <= t_onsets + 1e-6
 
 

@@ -87,7 +87,7 @@ def test_the_tied_program_holds_members_together_and_is_no_bound_for_a_policy_ac
 
 
 @pytest.mark.parametrize("script, flag", [("tied_bound.py", "--traces"), ("real_markets.py", "--traces"),
-                                          ("hedge_bound.py", "--trace")])
+                                          ("hedge_bound.py", "--trace"), ("hedge_dp.py", "--trace")])
 def test_a_trace_that_cannot_be_read_is_one_line_and_exit_2(tmp_path, script, flag):
     missing = tmp_path / "none.csv"
     out = subprocess.run([sys.executable, str(ROOT / "bench" / script), flag, str(missing)],
