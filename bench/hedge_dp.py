@@ -17,7 +17,9 @@ ties the scenarios by what a policy can know:
 
 - the scenarios are the trace and the variants on which `hedge_bound.py`'s own minimax puts weight
   (the duals of its ratio constraints), the `--top` heaviest (a subset: fewer scenarios to hold
-  can only lower the least worst ratio, so it stays a lower bound for the whole family);
+  can only lower the least worst ratio, so it stays a lower bound for the whole family). Each is
+  also priced alone (`tied_dp_usd`, the policy told which it is from the start): where the least
+  worst ratio is above every one of those, what it adds is the price of not knowing;
 - a variant parts at the first grid step whose data (a zone's hazard, price or room, the
   on-demand price) differ from the trace's. Up to there a policy sees the same market and draws on
   both, so its decisions there are the same: one value function (the trunk) holds every scenario
@@ -44,6 +46,7 @@ docs/benchmarks.md, "Real spot markets", session 45.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tempfile
 import time
@@ -57,7 +60,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench.hedge_bound import minimax, scenario_market, scenarios  # noqa: E402
 from bench.real_markets import recipe_for, run_cli, window  # noqa: E402
-from bench.tied_dp import Market2, backward, dual, states  # noqa: E402
+from bench.tied_dp import Market2, backward, dual, states, tied_dp_usd  # noqa: E402
 from elastic.errors import UserError  # noqa: E402
 from elastic.policy.planner import run_tokens  # noqa: E402
 from elastic.recipe.model import load_recipe  # noqa: E402
@@ -68,11 +71,22 @@ NU_MAX = 5.0        # μ_k × the run's tokens is searched in [0, this]
 TOLERANCE = 1e-4    # the search stops when the cutting planes promise no more than this above the best g
 
 
-def parts_at(base: Market2, other: Market2) -> int:
-    """The first grid step whose data differ between the two markets (the steps: none differ)."""
+def parts_at(base: Market2, other: Market2, base_market, other_market, step_s: float) -> int:
+    """The grid step from which a policy may act on what sets the two markets apart: the first whose
+    data (`Market2`'s hazards, prices, room, on-demand price) differ, and no later than the first
+    moment any row of theirs differs (a step's decision stands for what a policy does up to its grid
+    point, and those summaries can hide a difference). The steps: they never differ."""
     differs = ((base.rate != other.rate).any(0) | (base.usd != other.usd).any(0) | (base.room != other.room).any(0)
                | (base.od_usd != other.od_usd))
-    return int(np.argmax(differs)) if differs.any() else base.steps
+    at = int(np.argmax(differs)) if differs.any() else base.steps
+    for t in sorted(set(base_market.times()) | set(other_market.times())):
+        if t >= at * step_s:
+            break
+        for spot in (True, False):
+            keys = {(o.zone, o.instance_type) for m in (base_market, other_market) for o in m.offers(t, spot)}
+            if any(base_market.state(*k, t) != other_market.state(*k, t) for k in keys):
+                return min(at, math.ceil(t / step_s - 1e-9))
+    return at
 
 
 class Hedge:
@@ -81,7 +95,8 @@ class Hedge:
     def __init__(self, recipe, markets: list, yardsticks: list[float], step_s: float):
         self.recipe, self.step_s = recipe, step_s
         self.m2 = [Market2(recipe, m, step_s) for m in markets]
-        self.parts = [self.m2[0].steps] + [parts_at(self.m2[0], m) for m in self.m2[1:]]
+        self.parts = [self.m2[0].steps] + [parts_at(self.m2[0], m2, markets[0], m, step_s)
+                                           for m2, m in zip(self.m2[1:], markets[1:])]
         self.yardsticks = np.array(yardsticks)
         self.tokens = run_tokens(recipe)
 
@@ -134,9 +149,12 @@ def search(hedge: Hedge, w0: np.ndarray, nu0: np.ndarray, iterations: int, log=p
     cuts: list[np.ndarray] = []          # rows over (w, ν, z): z − Σ w bill/Y + Σ ν (tokens/T − 1) ≤ 0
 
     def evaluate(w, nu):
+        # the programs' points may sit a rounding error outside the simplex and ν ≥ 0: put them on it
+        w, nu = np.maximum(w, 0.0), np.maximum(nu, 0.0)
+        w = w / w.sum()
         value, bill, tokens = hedge.g(w, nu)
         cuts.append(np.concatenate([-bill / hedge.yardsticks, tokens / T - 1, [1.0]]))
-        return value
+        return value, w, nu
 
     def planes(lo, hi):
         res = linprog(np.concatenate([np.zeros(2 * n), [-1.0]]), A_ub=np.array(cuts), b_ub=np.zeros(len(cuts)),
@@ -148,8 +166,7 @@ def search(hedge: Hedge, w0: np.ndarray, nu0: np.ndarray, iterations: int, log=p
 
     everywhere = (np.concatenate([np.zeros(2 * n), [-np.inf]]),
                   np.concatenate([np.ones(n), np.full(n, NU_MAX), [np.inf]]))
-    best_w, best_nu = w0, nu0
-    best = evaluate(w0, nu0)
+    best, best_w, best_nu = evaluate(w0, nu0)
     box_w, box_nu = 0.5, 1.0
     for it in range(iterations):
         ceiling = planes(*everywhere)[0]
@@ -162,7 +179,7 @@ def search(hedge: Hedge, w0: np.ndarray, nu0: np.ndarray, iterations: int, log=p
             box_w, box_nu = min(1.0, 2 * box_w), min(NU_MAX, 2 * box_nu)
             continue
         w, nu = x[:n], x[n:2 * n]
-        value = evaluate(w, nu)
+        value, w, nu = evaluate(w, nu)
         gained = (value - best) / (promised - best)
         if gained >= 0.1:
             best, best_w, best_nu = value, w, nu
@@ -216,9 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     prices = np.linspace(0, 2 * float(np.max(hedge.m2[0].od_usd)) / 3600 / hedge.m2[0].od_tps, 41)
     rho = prices[int(np.argmax(dual(hedge.m2[0], recipe, args.step_s, prices)))]
     nu0 = np.minimum(NU_MAX, w0 * rho * hedge.tokens / hedge.yardsticks)
-    for k, (label, y) in enumerate(zip(names, ys)):
+    for k, (label, y, m) in enumerate(zip(names, ys, markets)):
+        alone = tied_dp_usd(recipe, m, args.step_s) / y
         print(f"  {label}: yardstick ${y:.2f}, parts at {hedge.parts[k] * args.step_s / 3600:.2f} h, "
-              f"weight {w0[k]:.3f} in the relaxed minimax", flush=True)
+              f"weight {w0[k]:.3f} in the relaxed minimax; alone, the tied DP is {alone:.4f}× its yardstick",
+              flush=True)
     best, w, nu, ceiling = search(hedge, w0, nu0, args.iterations, log=lambda s: print(s, flush=True))
     print(f"least worst ratio, tied, {args.step_s:g} s grid: at least {best:.4f} "
           f"(these scenarios' g is at most {ceiling:.4f}; {time.monotonic() - started:.0f} s)")

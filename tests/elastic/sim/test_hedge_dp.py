@@ -25,19 +25,20 @@ STEP = 60.0
 
 def _trace(path: Path, later: str) -> Path:
     """Two calm zones of one V100 VM each at 0.918 USD/h until PARTS_H; then (`later`) "cheap": the
-    same at 0.3 USD/h, or "out": no room from then on, the VMs held reclaimed in that row (36 an
-    hour)."""
+    same at 0.3 USD/h, "out": no room from then on, the VMs held reclaimed in that row (36 an
+    hour), or "dear b": as "cheap", and the second zone's on-demand price up to 4 USD/h."""
     lines = [HEADER]
     for k in range(12 * 6):
         t = k * 600
         usd, rate, room = 0.918, 0.0, 1
         if t >= PARTS_H * 3600:
-            if later == "cheap":
+            if later in ("cheap", "dear b"):
                 usd = 0.3
             else:
                 rate, room = (36.0 if t == PARTS_H * 3600 else 0.0), 0
         for z in "ab":
-            lines.append(f"{t},aws,us-east-1,us-east-1{z},p3.2xlarge,V100,1,{usd:g},3.06,{rate:g},{room}")
+            od = 4.0 if later == "dear b" and z == "b" and t >= PARTS_H * 3600 else 3.06
+            lines.append(f"{t},aws,us-east-1,us-east-1{z},p3.2xlarge,V100,1,{usd:g},{od:g},{rate:g},{room}")
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -60,6 +61,17 @@ def test_on_one_market_it_is_the_tied_dp_and_its_supergradient_is_the_policys_ow
     best, _, _, ceiling = hedge_dp.search(hedge, w, nu, 60, log=lambda s: None)
     tied = tied_dp.tied_dp_usd(recipe, market, STEP)
     assert best * yardstick == pytest.approx(tied, rel=2e-3) and ceiling >= best
+
+
+def test_a_variant_parts_where_its_rows_first_differ_though_the_grids_summaries_hide_it(tmp_path):
+    recipe = load_recipe(ROOT / "bench" / "recipes" / "real-v100.yaml", SMALL)
+    markets = [_market(recipe, str(_trace(tmp_path / f"{k}.csv", k))) for k in ("cheap", "dear b")]
+    hedge = hedge_dp.Hedge(recipe, [markets[0], markets[0], markets[1]], [1.0, 1.0, 1.0], STEP)
+    # The grid keeps the least on-demand price of the two zones, so the second zone's rise shows in
+    # none of its data; its rows do, from hour 5 (there and after, the policy may tell them apart).
+    # The trace restated is the trace: it never parts.
+    assert (hedge.m2[0].od_usd[int(PARTS_H * 3600 / STEP):] == 3.06).all()
+    assert hedge.parts == [hedge.m2[0].steps, hedge.m2[0].steps, int(PARTS_H * 3600 / STEP)]
 
 
 def test_two_markets_that_part_cost_more_than_either_alone_and_no_policy_holds_less_on_both(tmp_path):
