@@ -33,9 +33,9 @@ import dataclasses
 import math
 
 from elastic.policy.market import Quote, offer_key, recipe_tokens_per_s
-from elastic.policy.planner import allowed, run_tokens
-from elastic.policy.rules import (Action, HoldBack, HoldReason, Place, Policy, Release, Rent, Snapshot, launch_fits_budget,
-                                  resting, usd_per_hour_held)
+from elastic.policy.planner import allowed, run_tokens, tokens_per_phase
+from elastic.policy.rules import (LOOK_PAST_S, Action, HoldBack, HoldReason, Place, Policy, Release, Rent, Snapshot,
+                                  launch_fits_budget, resting, usd_per_hour_held)
 from providers.base import Offer
 
 
@@ -153,8 +153,10 @@ class UniformProgress(Policy):
     replica slot follows the rules on its own:
         cp(t): tokens trained (`Snapshot.progress.tokens`); C(0): the run's tokens (`run_tokens`);
         R(0): budget.max_hours (none: the line is 0, the policy is spot-only); t: seconds since
-        the start; d: planner.recovery_s (a replica's boot); C(t) in seconds: the tokens left at
-        the recipe's pace of a whole world of on-demand replicas.
+        the start; d: planner.recovery_s (a replica's boot) in the hysteresis, and a boot and an
+        inner phase at the on-demand pace in the safety net (a replica's tokens count when its
+        first phase ends: the net's guarantee needs the whole delay); C(t) in seconds: the tokens
+        left at the recipe's pace of a whole world of on-demand replicas.
     - spot replicas are rented into empty slots whenever a spot offer has room (the cheapest per
       raw token first, an offer's known capacity counted, a refused offer resting) and are never
       let go (exploitation). Ahead of the line, spot counts as available only when it can hold
@@ -174,12 +176,41 @@ class UniformProgress(Policy):
     def waits_for_capacity(self, s: Snapshot) -> bool:
         return True   # its idle world is its choice (ahead of the line), and on-demand is its net
 
+    def next_look_s(self, s: Snapshot) -> float:
+        # The paper's policy decides at its trace's ticks, as this one at the rows of a trace and at
+        # the world's own events. The safety net is the exception: the time left falls to C(t) + 2d
+        # by the clock alone, and seen only at the next row (up to ten minutes later on the real
+        # traces), the margin left can be less than an on-demand world needs to boot and count its
+        # first phase, and the deadline it guards is missed. It looks again at that moment.
+        deadline_s, od = self._deadline_s(s), self._on_demand(s)
+        if deadline_s is None or od is None:
+            return math.inf
+        net_s = deadline_s - self._finish_s(s, od) - self._net_margin_s(s, od)   # R(t) = C(t) + 2d
+        t_s = s.time_s - s.started_s
+        return net_s - t_s + LOOK_PAST_S if net_s > t_s else math.inf
+
+    def _deadline_s(self, s: Snapshot) -> float | None:
+        """R(0), seconds from the start (None: no deadline)."""
+        return s.recipe.budget.max_hours * 3600 if s.recipe.budget.max_hours is not None else None
+
+    def _net_margin_s(self, s: Snapshot, od: Offer) -> float:
+        """The safety net's 2d. The paper's d is the changeover delay, after which its instance makes
+        progress; an on-demand replica's tokens count only when its first phase ends, so the net's
+        d is a boot and a phase of `od` (the hysteresis keeps d a boot)."""
+        r = s.recipe
+        return 2 * (r.planner.recovery_s + tokens_per_phase(r) / recipe_tokens_per_s(od, r.planner))
+
+    def _finish_s(self, s: Snapshot, od: Offer) -> float:
+        """C(t): the seconds a whole world of `od` takes to train the tokens left."""
+        return (run_tokens(s.recipe) - s.progress.tokens) / (whole_world(s.recipe) *
+                                                             recipe_tokens_per_s(od, s.recipe.planner))
+
     def decide(self, s: Snapshot) -> list[Action]:
         r = s.recipe
         n = whole_world(r)
         d_s = r.planner.recovery_s
         t_s = s.time_s - s.started_s
-        deadline_s = r.budget.max_hours * 3600 if r.budget.max_hours is not None else None
+        deadline_s = self._deadline_s(s)
         total, cp = run_tokens(r), s.progress.tokens
 
         def ep(at_s: float) -> float:
@@ -187,7 +218,7 @@ class UniformProgress(Policy):
 
         od = self._on_demand(s)
         safety = bool(deadline_s) and od is not None and \
-            deadline_s - t_s < (total - cp) / (n * recipe_tokens_per_s(od, r.planner)) + 2 * d_s
+            deadline_s - t_s < self._finish_s(s, od) + self._net_margin_s(s, od)
         behind = cp < ep(t_s) or safety
         out: list[Action] = []
         world = [m for m in s.nodes if not m.leaving]

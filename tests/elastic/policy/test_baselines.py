@@ -1,9 +1,14 @@
-"""The published policies (whole-job baselines, Uniform Progress) decide from hand-made snapshots, as the\nelastic policy does."""
+"""The published policies (whole-job baselines, Uniform Progress) decide from hand-made snapshots, as the
+elastic policy does."""
 
 from __future__ import annotations
 
+import math
+
+import pytest
+
 from elastic.policy.baselines import whole_world
-from elastic.policy.planner import Progress, run_tokens
+from elastic.policy.planner import Progress, run_tokens, tokens_per_phase
 from elastic.policy.registry import policy
 from elastic.policy.rules import HoldBack, Node, Place, Refusal, Release, Rent, Snapshot
 from tests.elastic.policy.test_planner import offer, quote, recipe
@@ -137,10 +142,37 @@ def test_uniform_progress_safety_net_rents_on_demand_even_ahead_of_the_line():
     no_spot = [quote(offer("r1a", 8.0), capacity=0)]
     # At 8 h with 85 % done: ahead of the line (80 %), no spot: idle.
     assert up.decide(up_snap(r, 8.0, 0.85, spot=no_spot, od=od)) == [HoldBack("capacity", held=0)]
-    # At 9.5 h with 95 % done: on the line, but the 5 % left take a whole world 15 min, and with two
-    # boots (20 min) that is more than the 30 min left: the safety net rents on-demand.
+    # At 9.5 h with 95 % done: on the line, but the 5 % left take a whole world 15 min, and with the
+    # net's 2d (two boots and two first phases, 42.8 min) that is more than the 30 min left: the
+    # safety net rents on-demand.
     acts = up.decide(up_snap(r, 9.5, 0.95, spot=no_spot, od=od))
     assert rents(acts) == ["r2a", "r2a"] and not any(a.quote.offer.spot for a in acts)
+    # At 9.2 h, ahead (the line at 92 %) with 48 min left: two boots alone (15 + 20 min) would wait,
+    # but an on-demand replica's tokens count only when its first phase ends: the net rents.
+    acts = up.decide(up_snap(r, 9.2, 0.95, spot=no_spot, od=od))
+    assert rents(acts) == ["r2a", "r2a"] and not any(a.quote.offer.spot for a in acts)
+
+
+def test_uniform_progress_looks_again_when_the_clock_alone_brings_the_safety_net():
+    r = up_recipe()
+    up = policy("uniform-progress")
+    od = [quote(offer("r2a", 25.0, spot=False))]
+    no_spot = [quote(offer("r1a", 8.0), capacity=0)]
+    # At 8.5 h with 95 % done, idle and ahead (the line reaches 95 % at 9.5 h): the 5 % left take a
+    # whole world 15 min, and the net's 2d is two boots (10 min each) and two first phases (16.4 M
+    # tokens at 24,000 tokens/s, 11.4 min each: a replica's tokens count when its phase ends), so the
+    # net is at 10 h − 57.8 min, 32.2 min from now. It asks to look again then, and there rents
+    # on-demand; a minute before, it still waits.
+    phase_s = tokens_per_phase(r) / 24_000
+    look = up.next_look_s(up_snap(r, 8.5, 0.95, spot=no_spot, od=od))
+    assert look == pytest.approx(1.5 * 3600 - 15 * 60 - 2 * (600 + phase_s), abs=1.0)
+    assert up.decide(up_snap(r, 8.5 + (look - 60) / 3600, 0.95, spot=no_spot, od=od)) == [HoldBack("capacity", held=0)]
+    acts = up.decide(up_snap(r, 8.5 + look / 3600, 0.95, spot=no_spot, od=od))
+    assert rents(acts) == ["r2a", "r2a"] and not any(a.quote.offer.spot for a in acts)
+    # Past the net, or without a deadline, nothing to wait for on the clock.
+    assert up.next_look_s(up_snap(r, 9.5, 0.95, spot=no_spot, od=od)) == math.inf
+    open_ended = r.model_copy(update={"budget": r.budget.model_copy(update={"max_hours": None})})
+    assert up.next_look_s(up_snap(open_ended, 9.0, 0.95, spot=no_spot, od=od)) == math.inf
 
 
 def test_the_registry_lists_the_published_policies():
