@@ -230,6 +230,12 @@ def scenarios(recipe, rows, extend_h: float, min_outage_h: float, drops: bool, o
     return varied, programs, ties, grid, yardsticks
 
 
+def read_window(trace: Path, start_hours: float) -> list:
+    """The trace's rows from `start_hours` in (`bench/real_markets.py`'s window; 0: all of them)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return read_trace_rows(window(trace, start_hours, Path(tmp)) if start_hours else trace)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", type=Path, default=ROOT / "bench" / "traces" / "real" / "aws-v100-2zones-2022.csv")
@@ -250,9 +256,7 @@ def main() -> None:
 
     recipe = load_recipe(args.recipe or recipe_for(args.trace))
     started = time.monotonic()
-    with tempfile.TemporaryDirectory() as tmp:
-        trace = window(args.trace, args.start_hours, Path(tmp)) if args.start_hours else args.trace
-        rows = read_trace_rows(trace)
+    rows = read_window(args.trace, args.start_hours)
     market = TraceMarket(rows, recipe)
     varied, programs, ties, grid, yardsticks = scenarios(recipe, rows, args.extend_h, args.min_outage_h, args.drops,
                                                          args.onsets, args.onset_every_h, args.split)

@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -58,14 +57,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench.hedge_bound import minimax, scenario_market, scenarios  # noqa: E402
-from bench.real_markets import recipe_for, run_cli, window  # noqa: E402
+from bench.hedge_bound import minimax, read_window, scenario_market, scenarios  # noqa: E402
+from bench.real_markets import recipe_for, run_cli  # noqa: E402
 from bench.tied_dp import Market2, backward, dual, states, tied_dp_usd  # noqa: E402
 from elastic.errors import UserError  # noqa: E402
 from elastic.policy.planner import run_tokens  # noqa: E402
 from elastic.recipe.model import load_recipe  # noqa: E402
 from elastic.sim.simulate import TraceMarket  # noqa: E402
-from providers.simmarket import read_trace_rows  # noqa: E402
 
 NU_MAX = 5.0        # μ_k × the run's tokens is searched in [0, this]
 TOLERANCE = 1e-4    # the search stops when the cutting planes promise no more than this above the best g
@@ -209,9 +207,7 @@ def main(argv: list[str] | None = None) -> int:
 
     recipe = load_recipe(recipe_for(args.trace))
     started = time.monotonic()
-    with tempfile.TemporaryDirectory() as tmp:
-        trace = window(args.trace, args.start_hours, Path(tmp)) if args.start_hours else args.trace
-        rows = read_trace_rows(trace)
+    rows = read_window(args.trace, args.start_hours)
     market = TraceMarket(rows, recipe)
     varied, programs, ties, grid, yardsticks = scenarios(recipe, rows, args.extend_h, args.min_outage_h, args.drops,
                                                          args.onsets)
