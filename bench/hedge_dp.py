@@ -21,10 +21,11 @@ ties the scenarios by what a policy can know:
   also priced alone (`tied_dp_usd`, the policy told which it is from the start): where the least
   worst ratio is above every one of those, what it adds is the price of not knowing;
 - a variant parts at the first grid step whose data (a zone's hazard, price or room, the
-  on-demand price) differ from the trace's. Up to there a policy sees the same market and draws on
-  both, so its decisions there are the same: one value function (the trunk) holds every scenario
-  not yet parted. From there on the variant is its own, known to the policy at once (in its favour:
-  a real policy learns it later, if at all within the step);
+  on-demand price) differ from the trace's, and no later than the first moment any row of theirs
+  differs (those summaries can hide a difference). Up to there a policy sees the same market and
+  draws on both, so its decisions there are the same: one value function (the trunk) holds every
+  scenario not yet parted. From there on the variant is its own, known to the policy at once (in
+  its favour: a real policy learns it later, if at all within the step);
 - a minimax over scenarios is a game: nature weighs the scenarios (w, summing to 1), the policy
   finishes on every one. For any weights and any token prices μ ≥ 0,
       g(w, μ) = min over policies of Σ_k w_k E[bill_k] / yardstick_k − μ_k (E[tokens_k] − run's tokens)
@@ -32,8 +33,8 @@ ties the scenarios by what a policy can know:
   its model: backward over each variant's steps after it parts, then over the trunk, each step's
   bill weighted by the scenarios still in it. The program also carries each scenario's expected
   bill and tokens along the minimising policy, a supergradient of g; a cutting-plane search
-  (Kelley's, in a box that shrinks when a step fails) looks for the weights and prices with the
-  highest g.
+  (Kelley's, in a box about the best point that shrinks when a step fails and grows when one
+  succeeds) looks for the weights and prices with the highest g.
 
 The figure reported is g at the best point found, evaluated exactly: a lower bound whatever the
 search's quality. `--eval-step-s` evaluates that same point on finer grids (a finer grid gives the
