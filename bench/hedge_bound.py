@@ -13,8 +13,9 @@ Variants, each the trace until it parts and again `--extend-h` hours later:
 - with `--drops`, the tick of a drop (a rise of a zone's preemption hazard while it still has
   capacity) is calm: the zone stays as it was before it;
 - with `--onsets`, a calm zone (capacity, no hazard, at the row and the one before) drops at the row
-  (the trace's own hazard of a drop, the capacity kept) and is at 0 after, as the converter writes
-  an outage (`--onset-every-h`: at most one a zone that often).
+  (the trace's own hazard of a drop, the capacity kept, for as long as its own drop ticks last, the
+  median of them) and is at 0 after, as the converter writes an outage (`--onset-every-h`: at most
+  one a zone that often).
 Outages in the real data last up to 86 h (aws-v100-3zones-4node's us-east-2a; 80 h in
 aws-v100-9zones), so `--extend-h 72`, a zone out until a 72-hour deadline, is a market the same probe
 recorded.
@@ -50,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import sys
 import tempfile
 import time
@@ -72,9 +74,9 @@ from providers.simmarket import MarketState, read_trace_rows  # noqa: E402
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """The trace with `key`'s state in effect just before `parts_s` held `extend_s` longer from
-    `parts_s` on; for an onset, `first` in the parting row and `held` after it. `unforeseen`: the
-    parting row looks the same at its start on both (one of the two is the tick of a drop, known
-    only by what it takes), so the VMs kept into it are shared."""
+    `parts_s` on; for an onset, `first` for its first `tick_s` (a drop's tick) and `held` after it.
+    `unforeseen`: the parting row looks the same at its start on both (one of the two is the tick
+    of a drop, known only by what it takes), so the VMs kept into it are shared."""
 
     key: tuple[str, str]
     parts_s: float
@@ -83,6 +85,22 @@ class Variant:
     unforeseen: bool = False
     first: MarketState | None = None
     held: MarketState | None = None
+    tick_s: float = 0.0
+
+
+def drop_tick_s(market: TraceMarket, key: tuple[str, str], times: list[float]) -> float:
+    """How long the zone's drop ticks (a hazard with the capacity kept) last in the trace, the
+    median of them (0: it has none)."""
+    spans, began = [], None
+    for t in times:
+        st = market.state(*key, t)
+        dropping = st.preempt_per_hour > 0 and (st.capacity or 0) > 0
+        if dropping and began is None:
+            began = t
+        elif not dropping and began is not None:
+            spans.append(t - began)
+            began = None
+    return float(statistics.median(spans)) if spans else 0.0
 
 
 def variants(market: TraceMarket, times: list[float], limit_s: float, min_s: float, extend_s: float,
@@ -95,6 +113,7 @@ def variants(market: TraceMarket, times: list[float], limit_s: float, min_s: flo
     out = []
     for key in [(o.zone, o.instance_type) for o in market.offers(0.0, True)]:
         hazard = max(market.state(*key, t).preempt_per_hour for t in times)   # the converter's drop
+        tick_s = drop_tick_s(market, key, times)
         began, before, next_onset = None, None, 0.0
         for t in times:
             if t >= limit_s:
@@ -113,7 +132,8 @@ def variants(market: TraceMarket, times: list[float], limit_s: float, min_s: flo
                     next_onset = t + onset_every_s
                     out.append(Variant(key, t, extend_s, f"a drop at {t / 3600:.2f} h", unforeseen=True,
                                        first=dataclasses.replace(st, preempt_per_hour=hazard),
-                                       held=dataclasses.replace(st, preempt_per_hour=hazard, capacity=0)))
+                                       held=dataclasses.replace(st, preempt_per_hour=hazard, capacity=0),
+                                       tick_s=tick_s))
             before = st
     return sorted(out, key=lambda v: v.parts_s)
 
@@ -129,7 +149,10 @@ def scenario_market(market: TraceMarket, rows, grid: list[float], recipe, varian
             parting = variant.first or held
         for t in grid:
             extended = held is not None and variant.parts_s <= t < variant.parts_s + variant.extend_s
-            state = (parting if t == variant.parts_s else held) if extended else market.state(*key, t)
+            if extended:
+                state = parting if t == variant.parts_s or t < variant.parts_s + variant.tick_s else held
+            else:
+                state = market.state(*key, t)
             out.append(dataclasses.replace(row, t=t, state=state))
     return TraceMarket(out, recipe)
 
@@ -219,7 +242,7 @@ def scenarios(recipe, rows, extend_h: float, min_outage_h: float, drops: bool, o
     varied = variants(market, market.times(), limit_s, min_outage_h * 3600, extend_h * 3600, drops, onsets,
                       onset_every_h * 3600)
     grid = sorted(set(market.times()) | {v.parts_s + v.extend_s for v in varied}
-                  | split_times(market.times(), limit_s, split))
+                  | {v.parts_s + v.tick_s for v in varied if v.tick_s} | split_times(market.times(), limit_s, split))
     markets = [scenario_market(market, rows, grid, recipe, v) for v in [None, *varied]]
     programs = [bound_program(recipe, m, keep_min_replicas=True) for m in markets]
     ties = [np.zeros(len(programs[0].cost), bool)] + [tied(p, grid.index(v.parts_s), v.unforeseen)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.hedge_bound import minimax, scenario_market, scenarios, split_times, variants
+from bench.hedge_bound import drop_tick_s, minimax, scenario_market, scenarios, split_times, variants
 from bench.real_markets import recipe_for, window
 from elastic.policy.planner import run_tokens
 from elastic.recipe.model import load_recipe
@@ -38,7 +38,7 @@ def test_variants_tied_to_the_traces_past_cannot_all_be_met_at_their_own_bounds(
 
 def test_an_onset_drops_a_calm_zone_and_holds_it_out_and_only_what_was_decided_before_is_shared(tmp_path):
     recipe = load_recipe(recipe_for(TRACE))
-    rows = read_trace_rows(window(TRACE, 72, tmp_path))
+    rows = read_trace_rows(window(TRACE, 48, tmp_path))   # 48 h in: an onset whose zone writes no row for a while
     market = TraceMarket(rows, recipe)
     limit = recipe.budget.max_hours * 3600
     onsets = [v for v in variants(market, market.times(), limit, 3600.0, 12 * 3600.0, drops=False, onsets=True,
@@ -47,14 +47,18 @@ def test_an_onset_drops_a_calm_zone_and_holds_it_out_and_only_what_was_decided_b
     v = onsets[len(onsets) // 2]
     before, calm = market.state(*v.key, v.parts_s - 1), market.state(*v.key, v.parts_s)
     assert before.capacity and not before.preempt_per_hour and calm.capacity and not calm.preempt_per_hour
-    grid = sorted(set(market.times()) | {v.parts_s + v.extend_s})
+    grid = sorted(set(market.times()) | {v.parts_s + v.extend_s, v.parts_s + v.tick_s})
     varied = scenario_market(market, rows, grid, recipe, v)
     drop = varied.state(*v.key, v.parts_s)
-    # The row it parts at is the tick of a drop (capacity kept, the converter's hazard), then 0 for
-    # extend_s, then the trace again; before it, and in every other zone, the trace as it was.
+    # It parts with the tick of a drop (capacity kept, the converter's hazard) as long as the zone's
+    # own drop ticks last (the trace writes a row only when a zone changes, so the next row may be
+    # hours away: the tick still ends), then 0 for extend_s, then the trace again; before it, and in
+    # every other zone, the trace as it was.
     assert drop.capacity == calm.capacity and drop.preempt_per_hour == max(
         market.state(*v.key, t).preempt_per_hour for t in market.times())
-    later = [t for t in grid if v.parts_s < t < v.parts_s + v.extend_s]
+    assert v.tick_s == drop_tick_s(market, v.key, market.times()) > 0
+    assert varied.state(*v.key, v.parts_s + v.tick_s / 2) == drop
+    later = [t for t in grid if v.parts_s + v.tick_s <= t < v.parts_s + v.extend_s]
     assert later and all(varied.state(*v.key, t).capacity == 0 for t in later)
     after = [t for t in grid if t >= v.parts_s + v.extend_s]
     assert all(varied.state(*v.key, t) == market.state(*v.key, t) for t in after)
@@ -73,6 +77,11 @@ def test_an_onset_drops_a_calm_zone_and_holds_it_out_and_only_what_was_decided_b
     assert set(program.kind[tie & (program.row == parts)]) == {"k"}
     # The yardstick is the real-markets table's: the higher of the program's bound and the floor.
     m = scenario_market(market, rows, grid, recipe, v)
+    # The programs' grid ends every onset's tick, the trace's next row or not (some come hours later).
+    onsets_all = [w for w in varied_all if w.first is not None]
+    assert any(min(t for t in market.times() if t > w.parts_s) > w.parts_s + w.tick_s for w in onsets_all)
+    for w in onsets_all:
+        assert scenario_market(market, rows, grid, recipe, w).state(*w.key, w.parts_s + w.tick_s).capacity == 0
     mtok = run_tokens(recipe) / 1e6
     assert yardsticks[i] == pytest.approx(max(lower_bound_usd_per_mtok(recipe, m, keep_min_replicas=True),
                                               min_replicas_floor_usd_per_mtok(recipe, m)) * mtok, rel=1e-6)
