@@ -182,28 +182,27 @@ class UniformProgress(Policy):
         # by the clock alone, and seen only at the next row (up to ten minutes later on the real
         # traces), the margin left can be less than an on-demand world needs to boot and count its
         # first phase, and the deadline it guards is missed. It looks again at that moment.
-        deadline_s, od = self._deadline_s(s), self._on_demand(s)
-        if deadline_s is None or od is None:
-            return math.inf
-        net_s = deadline_s - self._finish_s(s, od) - self._net_margin_s(s, od)   # R(t) = C(t) + 2d
+        od = self._on_demand(s)
+        net_s = self._net_s(s, od) if od is not None else None
         t_s = s.time_s - s.started_s
-        return net_s - t_s + LOOK_PAST_S if net_s > t_s else math.inf
+        return net_s - t_s + LOOK_PAST_S if net_s is not None and net_s > t_s else math.inf
 
     def _deadline_s(self, s: Snapshot) -> float | None:
         """R(0), seconds from the start (None: no deadline)."""
         return s.recipe.budget.max_hours * 3600 if s.recipe.budget.max_hours is not None else None
 
-    def _net_margin_s(self, s: Snapshot, od: Offer) -> float:
-        """The safety net's 2d. The paper's d is the changeover delay, after which its instance makes
-        progress; an on-demand replica's tokens count only when its first phase ends, so the net's
-        d is a boot and a phase of `od` (the hysteresis keeps d a boot)."""
-        r = s.recipe
-        return 2 * (r.planner.recovery_s + tokens_per_phase(r) / recipe_tokens_per_s(od, r.planner))
-
-    def _finish_s(self, s: Snapshot, od: Offer) -> float:
-        """C(t): the seconds a whole world of `od` takes to train the tokens left."""
-        return (run_tokens(s.recipe) - s.progress.tokens) / (whole_world(s.recipe) *
-                                                             recipe_tokens_per_s(od, s.recipe.planner))
+    def _net_s(self, s: Snapshot, od: Offer) -> float | None:
+        """When, in seconds from the start, the safety net falls due with the tokens left now: R(t) =
+        C(t) + 2d, C(t) the seconds a whole world of `od` takes to train them. The paper's d is the
+        changeover delay, after which its instance makes progress; an on-demand replica's tokens
+        count only when its first phase ends, so the net's d is a boot and a phase of `od` (the
+        hysteresis keeps d a boot). None: no deadline."""
+        r, deadline_s = s.recipe, self._deadline_s(s)
+        if deadline_s is None:
+            return None
+        tps = recipe_tokens_per_s(od, r.planner)
+        finish_s = (run_tokens(r) - s.progress.tokens) / (whole_world(r) * tps)
+        return deadline_s - finish_s - 2 * (r.planner.recovery_s + tokens_per_phase(r) / tps)
 
     def decide(self, s: Snapshot) -> list[Action]:
         r = s.recipe
@@ -217,8 +216,8 @@ class UniformProgress(Policy):
             return total * at_s / deadline_s if deadline_s else 0.0
 
         od = self._on_demand(s)
-        safety = bool(deadline_s) and od is not None and \
-            deadline_s - t_s < self._finish_s(s, od) + self._net_margin_s(s, od)
+        net_s = self._net_s(s, od) if od is not None else None
+        safety = net_s is not None and t_s > net_s
         behind = cp < ep(t_s) or safety
         out: list[Action] = []
         world = [m for m in s.nodes if not m.leaving]
